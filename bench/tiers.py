@@ -1,0 +1,170 @@
+"""Tier put/get throughput for 2 MiB and 32 MiB blocks, beside each tier's physical reference.
+
+References, measured in the same run on the same bytes:
+- CPU and GPU tiers: a torch copy of the same total bytes between preallocated buffers on the
+  tier's device (memcpy bandwidth).
+- Disk tier: one sequential write of the same total bytes into a single file followed by one
+  fdatasync (put), and one sequential read of that file (get). Both read through the page cache,
+  as the tier does.
+
+Run: ``python bench/tiers.py [--total-mib 512] [--threads 1 4] [--dir PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sessioncache.hashing import BlockHash
+from tiers.base import Tier
+from tiers.cpu import CpuTier
+from tiers.disk import DiskTier
+from tiers.gpu import GpuTier
+
+MiB = 1 << 20
+NS = b"\x00" * 16
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def memcpy_reference(device: torch.device, block: int, count: int) -> float:
+    """Seconds to copy ``count`` blocks of ``block`` bytes, one torch copy per block."""
+    src = torch.randint(0, 255, (block,), dtype=torch.uint8, device=device)
+    dst = torch.empty((count, block), dtype=torch.uint8, device=device)
+    dst[0].copy_(src)  # warm-up: fault the pages in, as the tier's slab is after its first fill
+    dst.fill_(0)
+
+    def run() -> None:
+        for i in range(count):
+            dst[i].copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return min(timed(run) for _ in range(3))
+
+
+def disk_reference(folder: Path, block: bytes, count: int) -> tuple[float, float]:
+    """(write + fdatasync seconds, read seconds) of one file of ``count`` blocks."""
+    path = folder / "reference.bin"
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(count):
+                os.write(fd, block)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    buf = bytearray(len(block))
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    w = min(timed(write) for _ in range(2))
+    r = min(timed(read) for _ in range(3))
+    path.unlink()
+    return w, r
+
+
+def tier_run(
+    make: Callable[[], Tier], block: bytes, count: int, threads: int
+) -> tuple[float, float]:
+    """(put seconds, get seconds) for ``count`` distinct blocks through a fresh tier."""
+    ids = [BlockHash(i.to_bytes(16, "little")) for i in range(count)]
+    tier = make()
+    try:
+        warm = BlockHash(b"\xff" * 16)
+        tier.put(warm, block, NS)
+        tier.delete(warm)
+
+        def put(h: BlockHash) -> None:
+            tier.put(h, block, NS)
+
+        def get(h: BlockHash) -> None:
+            got = tier.get(h)
+            assert got is not None and got.numel() == len(block)
+            if got.device.type != "cpu" or isinstance(tier, DiskTier):
+                return
+            # Slab tiers hand out views: touch the bytes as a reader would (one copy out).
+            _ = got.numpy().tobytes()
+
+        if threads == 1:
+            p = timed(lambda: [put(h) for h in ids])
+            g = timed(lambda: [get(h) for h in ids])
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                p = timed(lambda: list(pool.map(put, ids)))
+                g = timed(lambda: list(pool.map(get, ids)))
+        return p, g
+    finally:
+        tier.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--total-mib", type=int, default=512)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--dir", type=Path, default=None, help="folder for the disk tier")
+    args = parser.parse_args()
+    total = args.total_mib * MiB
+    scratch = Path(tempfile.mkdtemp(prefix="sc-bench-", dir=args.dir))
+    try:
+        for block_mib in (2, 32):
+            size = block_mib * MiB
+            count = max(1, total // size)
+            nbytes = count * size
+            block = np.random.default_rng(block_mib).integers(0, 256, size, np.uint8).tobytes()
+            slab_capacity = nbytes + size
+            cpu_ref = memcpy_reference(torch.device("cpu"), size, count)
+            gpu_dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            gpu_ref = memcpy_reference(gpu_dev, size, count)
+            disk_w, disk_r = disk_reference(scratch, block, count)
+            for threads in args.threads:
+                folder = scratch / f"disk-{block_mib}-{threads}"
+                makers: list[tuple[str, Callable[[], Tier], float, float]] = [
+                    ("gpu", partial(GpuTier, slab_capacity, device=gpu_dev), gpu_ref, gpu_ref),
+                    ("cpu", partial(CpuTier, slab_capacity), cpu_ref, cpu_ref),
+                    ("disk", partial(DiskTier.open, folder, slab_capacity), disk_w, disk_r),
+                ]
+                for name, make, ref_put, ref_get in makers:
+                    p, g = tier_run(make, block, count, threads)
+                    print(
+                        f"{name:>5} {block_mib:>3} MiB {threads:>2} thr"
+                        f" | put {gbps(nbytes, p):6.2f} GB/s = {ref_put / p:6.1%} of"
+                        f" {gbps(nbytes, ref_put):6.2f}"
+                        f" | get {gbps(nbytes, g):6.2f} GB/s = {ref_get / g:6.1%} of"
+                        f" {gbps(nbytes, ref_get):6.2f}",
+                        flush=True,
+                    )
+                shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(
+        f"total {args.total_mib} MiB per run; refs: memcpy (cpu/gpu), one file write+fdatasync "
+        "and one sequential read (disk)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""One rooted exception hierarchy: every error sessioncache raises on purpose is a
+``SessionCacheError``; the API layer maps each class to one HTTP status and nowhere else."""
+
+from __future__ import annotations
+
+
+class SessionCacheError(Exception):
+    """Root of every error raised on purpose by sessioncache."""
+
+
+class InvalidInput(SessionCacheError, ValueError):
+    """The caller passed something malformed (bad token ids, negative TTL, bad id, ...)."""
+
+
+class PayloadSizeError(InvalidInput):
+    """A payload's length does not match the size its namespace or slot requires."""
+
+
+class UnknownTier(InvalidInput, KeyError):
+    """A tier name that the store does not have."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown tier"
+
+
+class BlockNotFound(SessionCacheError, KeyError):
+    """The block is not in the cache (never stored, expired or evicted)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "block not found"
+
+
+class LeaseNotFound(SessionCacheError, KeyError):
+    """The lease id is unknown or the lease has already expired or been released."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "lease not found"
+
+
+class TierFull(SessionCacheError):
+    """A tier has no room for a payload; the store catches this and evicts or demotes."""
+
+
+class CorruptBlock(SessionCacheError):
+    """A stored payload failed its checksum or was truncated; it is quarantined, never served."""

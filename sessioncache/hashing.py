@@ -1,0 +1,159 @@
+"""Content-addressed block ids.
+
+A prompt's token ids are cut into blocks of ``namespace.block_tokens`` tokens; only full blocks
+get ids. Block ``i``'s id is ``XXH3-128(parent || tokens_i as little-endian uint32, seed)``
+where the parent of block 0 is the namespace root, a digest of everything that makes KV
+incompatible (model, KV dtype and layout, block size, tenant salt, LoRA). Equal prefixes under
+an equal namespace give equal ids on every engine and every day. The exact byte layout, with
+golden vectors, is in ``docs/hashing.md``; change nothing here without bumping the version tag.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import NewType
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from sessioncache.errors import InvalidInput
+
+BlockHash = NewType("BlockHash", bytes)
+"""16 raw bytes: the XXH3-128 digest identifying one block and, through its parent, its prefix."""
+
+NamespaceRoot = NewType("NamespaceRoot", bytes)
+"""16 raw bytes: the digest every chain of one namespace starts from."""
+
+HASH_BYTES = 16
+NAMESPACE_TAG = b"sessioncache-ns-v1\x00"
+_U64 = 1 << 64
+_U32 = 1 << 32
+
+Tokens = Sequence[int] | npt.NDArray[np.integer]
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes two engines' KV for the same tokens incompatible."""
+
+    model: str
+    block_tokens: int
+    kv_dtype: str
+    kv_layout: str
+    salt: str | None = None
+    lora: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int):
+            raise InvalidInput("block_tokens must be an int")
+        if self.block_tokens <= 0:
+            raise InvalidInput(f"block_tokens must be positive, got {self.block_tokens}")
+        for name in ("model", "kv_dtype", "kv_layout"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise InvalidInput(f"{name} must be a non-empty string")
+        for name in ("salt", "lora"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidInput(f"{name} must be a string or None")
+
+    def canonical_json(self) -> bytes:
+        """The namespace's canonical encoding, the input of its root digest."""
+        return json.dumps(
+            asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        ).encode()
+
+    def root(self, seed: int = 0) -> NamespaceRoot:
+        """The chain root of this namespace under ``seed``."""
+        return namespace_root(self, seed)
+
+    @cached_property
+    def _root0(self) -> NamespaceRoot:
+        return NamespaceRoot(xxhash.xxh3_128_digest(NAMESPACE_TAG + self.canonical_json(), 0))
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < _U64:
+        raise InvalidInput(f"seed must be an unsigned 64-bit integer, got {seed}")
+
+
+def namespace_root(namespace: Namespace, seed: int = 0) -> NamespaceRoot:
+    """``XXH3-128(b"sessioncache-ns-v1\\0" + canonical_json, seed)``."""
+    _check_seed(seed)
+    if seed == 0:
+        return namespace._root0
+    return NamespaceRoot(xxhash.xxh3_128_digest(NAMESPACE_TAG + namespace.canonical_json(), seed))
+
+
+def tokens_to_le_bytes(tokens: Tokens) -> bytes:
+    """Token ids as little-endian uint32 bytes; ids outside [0, 2**32) raise ``InvalidInput``."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise InvalidInput(f"tokens must be one-dimensional, got shape {tokens.shape}")
+        if tokens.dtype == np.dtype("<u4"):
+            return tokens.tobytes()
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise InvalidInput(f"tokens must be integers, got dtype {tokens.dtype}")
+        arr = tokens
+    else:
+        try:
+            arr = np.asarray(tokens)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise InvalidInput(f"tokens must be integers in [0, 2**32): {exc}") from exc
+        if arr.ndim != 1:
+            raise InvalidInput("tokens must be a flat sequence of integers")
+        if arr.size == 0:
+            return b""
+        if arr.dtype.kind not in "iu":
+            # floats, strings, bools and integers beyond int64 (object arrays) alike
+            raise InvalidInput("token ids must be integers in [0, 2**32)")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _U32):
+        raise InvalidInput("token ids must be in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def block_hashes_from_bytes(
+    root: bytes, token_bytes: bytes, block_tokens: int, seed: int = 0
+) -> list[BlockHash]:
+    """Chain ids over little-endian uint32 token bytes already validated by the caller."""
+    step = block_tokens * 4
+    end = len(token_bytes) // step * step
+    digest = xxhash.xxh3_128_digest
+    out: list[BlockHash] = []
+    append = out.append
+    parent = root
+    # One concatenation and one digest per block: the measured floor for a Python loop
+    # (bench/hashing.py); building a strided buffer and hashing memoryview slices is slower.
+    if seed == 0:
+        for off in range(0, end, step):
+            parent = digest(parent + token_bytes[off : off + step])
+            append(BlockHash(parent))
+    else:
+        for off in range(0, end, step):
+            parent = digest(parent + token_bytes[off : off + step], seed)
+            append(BlockHash(parent))
+    return out
+
+
+def block_hashes(namespace: Namespace, tokens: Tokens, seed: int = 0) -> list[BlockHash]:
+    """Ids of every full block of ``tokens`` under ``namespace``; a partial tail gets none."""
+    root = namespace_root(namespace, seed)
+    return block_hashes_from_bytes(root, tokens_to_le_bytes(tokens), namespace.block_tokens, seed)
+
+
+def to_hex(block_hash: bytes) -> str:
+    """The wire form of an id: 32 lowercase hex digits."""
+    return block_hash.hex()
+
+
+def from_hex(text: str) -> BlockHash:
+    """Parse a wire id; anything but 32 hex digits raises ``InvalidInput``."""
+    if not isinstance(text, str) or len(text) != 2 * HASH_BYTES:
+        raise InvalidInput(f"a block id is {2 * HASH_BYTES} hex digits, got {text!r:.80}")
+    try:
+        return BlockHash(bytes.fromhex(text))
+    except ValueError as exc:
+        raise InvalidInput(f"a block id is {2 * HASH_BYTES} hex digits, got {text!r:.80}") from exc

@@ -1,0 +1,79 @@
+"""Victim selection: which block leaves a full tier first.
+
+Order, per tier:
+1. Pinned blocks (``ref_cnt > 0``: leases, live sessions, in-flight moves) are never victims.
+2. A block whose child is held in the same tier is not a victim before that child: chains are
+   evicted tail first, since a child is useless without its parent.
+3. Among the remaining chain tails, expired blocks (``expires_at <= now``) go first, earliest
+   expiry first.
+4. Then least recently used first. Blocks touched at the same instant are ordered by the
+   operation that touched them (earlier first) and, within one operation (a lookup walking a
+   chain), deepest first, so a chain is eaten from its tail.
+
+Both orders are heaps with lazy deletion: an entry carries the ``touch_seq`` it was pushed
+with, and a popped entry that no longer matches the block (touched again, pinned, moved, or
+no longer a tail) is dropped. Whenever a block may have become an evictable tail (it was
+stored, touched, unpinned, or lost its last child in the tier) the store calls ``track``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.hashing import BlockHash
+
+_Entry = tuple[float, int, int, BlockHash]  # (time, touch_op, -touch_seq, id)
+
+
+class EvictionPolicy:
+    """TTL first, then LRU over unpinned chain tails (see module docstring)."""
+
+    def __init__(self, num_tiers: int) -> None:
+        self._expiry: list[list[_Entry]] = [[] for _ in range(num_tiers)]
+        self._lru: list[list[_Entry]] = [[] for _ in range(num_tiers)]
+
+    def track(self, meta: BlockMeta, tier: int) -> None:
+        """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail there."""
+        if not meta.evictable_from(tier):
+            return
+        op, neg_seq = meta.touch_op, -meta.touch_seq
+        heapq.heappush(self._expiry[tier], (meta.expires_at, op, neg_seq, meta.block_hash))
+        heapq.heappush(self._lru[tier], (meta.last_access, op, neg_seq, meta.block_hash))
+
+    def next_victim(
+        self, tier: int, now: float, lookup: Callable[[BlockHash], BlockMeta | None]
+    ) -> BlockMeta | None:
+        """Pop the next victim of ``tier``; None when every block there is pinned or a parent."""
+        expiry = self._expiry[tier]
+        while expiry and expiry[0][0] <= now:
+            meta = self._valid(heapq.heappop(expiry), tier, lookup)
+            if meta is not None and meta.expires_at <= now:
+                return meta
+        lru = self._lru[tier]
+        while lru:
+            meta = self._valid(heapq.heappop(lru), tier, lookup)
+            if meta is not None:
+                return meta
+        return None
+
+    def queued(self, tier: int) -> int:
+        """Heap entries held for ``tier``, stale ones included."""
+        return len(self._expiry[tier]) + len(self._lru[tier])
+
+    def rebuild(self, tier: int, metas: Iterable[BlockMeta]) -> None:
+        """Drop stale entries by rebuilding ``tier``'s heaps from the blocks held there."""
+        self._expiry[tier] = []
+        self._lru[tier] = []
+        for meta in metas:
+            self.track(meta, tier)
+
+    @staticmethod
+    def _valid(
+        entry: _Entry, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]
+    ) -> BlockMeta | None:
+        meta = lookup(entry[3])
+        if meta is None or meta.touch_seq != -entry[2] or not meta.evictable_from(tier):
+            return None
+        return meta

@@ -1,0 +1,677 @@
+"""The tiered block store: one index over a stack of tiers, fastest first.
+
+Data flow (``docs/architecture.md`` has the pictures):
+
+* ``lookup(hashes)`` walks the chain from its root and stops at the first block that is not
+  held or has expired; it touches the matched prefix (sliding TTL, LRU order) and optionally
+  leases it, so that it cannot be evicted between the lookup and the load.
+* ``put(hashes, payloads, parent=...)`` stores a chain segment into the first tier (or the
+  one named). A full tier makes room by evicting victims chosen by the ``EvictionPolicy``;
+  a victim is demoted to the next tier (write-back) unless it has expired or the tier is the
+  last, where it is dropped. ``durable=True`` also writes through to the first durable tier
+  before returning.
+* ``get(hash)`` reads from the fastest tier holding the block and, when configured, copies a
+  hit from a lower tier up into the first tier (promotion).
+
+Threading model: one re-entrant lock guards the index (block records, leases, policy heaps,
+counters). Payload copies and file I/O run outside it, so that a put demoting a block to disk
+never stalls lookups; a block being copied holds a transient pin (``ref_cnt``), and a block
+being stored is invisible to lookups until its first tier has the whole payload. Tiers are
+themselves thread-safe; the store never calls back into itself from a tier, so the lock order
+is always store, then tier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import torch
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.clock import Clock, SystemClock
+from sessioncache.errors import (
+    BlockNotFound,
+    InvalidInput,
+    LeaseNotFound,
+    PayloadSizeError,
+    TierFull,
+    UnknownTier,
+)
+from sessioncache.hashing import HASH_BYTES, BlockHash
+from sessioncache.policy import EvictionPolicy
+from tiers.base import RecoverableTier, Tier
+from tiers.payload import Payload, payload_nbytes
+
+log = logging.getLogger("sessioncache.store")
+
+DEFAULT_TTL_S = 3 * 24 * 3600.0
+"""Blocks stored without a TTL live three days past their last access (the agent default)."""
+
+_PLACE_ATTEMPTS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A pin on a matched prefix, released by ``TieredStore.release`` or at ``expires_at``."""
+
+    id: str
+    hashes: tuple[BlockHash, ...]
+    expires_at: float
+
+
+class Match(NamedTuple):
+    """The longest cached prefix of a lookup."""
+
+    hashes: list[BlockHash]
+    """The matched ids, root first."""
+    tiers: list[str]
+    """For each matched block, the fastest tier holding it."""
+    lease: Lease | None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+
+class PutResult(NamedTuple):
+    """What a ``put`` did with each block of the segment."""
+
+    stored: list[BlockHash]
+    """Newly written by this call."""
+    present: list[BlockHash]
+    """Already held (their TTL was extended) or being stored by another caller."""
+    dropped: list[BlockHash]
+    """Not stored: no tier could make room (everything pinned) or the payload fits nowhere."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    durable: bool
+
+
+@dataclass(slots=True)
+class Counters:
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    puts: int = 0
+    stored_blocks: int = 0
+    dropped_blocks: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    expirations: int = 0
+    corrupt_reads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    tiers: list[TierStats]
+    blocks: int
+    pinned_blocks: int
+    leases: int
+    counters: Counters = field(default_factory=Counters)
+
+
+class TieredStore:
+    """A content-addressed block store over ``tiers`` (fastest first); see the module doc."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: EvictionPolicy | None = None,
+        *,
+        clock: Clock | None = None,
+        default_ttl_s: float = DEFAULT_TTL_S,
+        promote_on_get: bool = True,
+        max_lease_s: float = 3600.0,
+    ) -> None:
+        if not tiers:
+            raise InvalidInput("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidInput(f"tier names must be unique, got {names}")
+        _check_ttl(default_ttl_s)
+        self._tiers = list(tiers)
+        self._tier_index = {name: i for i, name in enumerate(names)}
+        self._policy = policy or EvictionPolicy(len(self._tiers))
+        self._clock: Clock = clock or SystemClock()
+        self._default_ttl = default_ttl_s
+        self._promote = promote_on_get
+        self._max_lease_s = max_lease_s
+        self._lock = threading.RLock()
+        self._blocks: dict[BlockHash, BlockMeta] = {}
+        self._kids: dict[BlockHash, set[BlockHash]] = {}
+        self._tier_blocks = [0] * len(self._tiers)
+        self._payload_sizes: dict[bytes, int] = {}
+        self._leases: dict[str, Lease] = {}
+        self._promoting: set[BlockHash] = set()
+        self._seq = itertools.count(1)  # one per block touch: validates policy heap entries
+        self._ops = itertools.count(1)  # one per operation: orders same-instant touches
+        self._counters = Counters()
+        self._adopt_recovered()
+
+    # -- public API ---------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._tiers)
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def tier_names(self) -> list[str]:
+        return list(self._tier_index)
+
+    def lookup(
+        self,
+        hashes: Sequence[BlockHash],
+        *,
+        lease_s: float | None = None,
+        ttl_s: float | None = None,
+    ) -> Match:
+        """The longest held, unexpired prefix of ``hashes``; touches it and optionally leases it.
+
+        ``ttl_s`` raises the TTL of the matched blocks to at least that (a session's TTL).
+        """
+        if lease_s is not None and not 0 < lease_s <= self._max_lease_s:
+            raise InvalidInput(f"lease_s must be in (0, {self._max_lease_s}], got {lease_s}")
+        if ttl_s is not None:
+            _check_ttl(ttl_s)
+        with self._lock:
+            now = self._clock.now()
+            self._reap_leases(now)
+            matched: list[BlockMeta] = []
+            for block_hash in hashes:
+                meta = self._blocks.get(block_hash)
+                if meta is None or not meta.tiers or meta.expires_at <= now:
+                    break
+                matched.append(meta)
+            self._counters.lookups += 1
+            self._counters.hit_blocks += len(matched)
+            self._counters.miss_blocks += len(hashes) - len(matched)
+            op = next(self._ops)
+            for meta in matched:
+                meta.hit_count += 1
+                self._touch(meta, now, ttl_s, op)
+            lease = None
+            if lease_s is not None and matched:
+                lease = Lease(
+                    secrets.token_hex(16), tuple(m.block_hash for m in matched), now + lease_s
+                )
+                for meta in matched:
+                    meta.ref_cnt += 1
+                self._leases[lease.id] = lease
+            return Match(
+                [m.block_hash for m in matched],
+                [self._tiers[min(m.tiers)].name for m in matched],
+                lease,
+            )
+
+    def release(self, lease_id: str) -> None:
+        """Unpin a lease's blocks; raises ``LeaseNotFound`` if it is unknown or already over."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseNotFound(f"no live lease {lease_id!r}")
+            self._unref_all(lease.hashes)
+
+    def pin(self, hashes: Sequence[BlockHash]) -> int:
+        """Pin the held blocks among ``hashes`` (a live session's chain); returns how many."""
+        with self._lock:
+            pinned = 0
+            for block_hash in hashes:
+                meta = self._blocks.get(block_hash)
+                if meta is not None:
+                    meta.ref_cnt += 1
+                    pinned += 1
+            return pinned
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        """Undo ``pin`` for the same ids."""
+        with self._lock:
+            self._unref_all(hashes)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            meta = self._blocks.get(block_hash)
+            return meta is not None and bool(meta.tiers) and meta.expires_at > self._clock.now()
+
+    def where(self, block_hash: BlockHash) -> list[str]:
+        """Names of the tiers holding the block, fastest first."""
+        with self._lock:
+            meta = self._blocks.get(block_hash)
+            return [] if meta is None else [self._tiers[t].name for t in sorted(meta.tiers)]
+
+    def meta(self, block_hash: BlockHash) -> BlockMeta | None:
+        """A snapshot of the block's record (for the catalog and tests)."""
+        with self._lock:
+            meta = self._blocks.get(block_hash)
+            if meta is None:
+                return None
+            return replace(meta, tiers=set(meta.tiers), child_count=list(meta.child_count))
+
+    def get(self, block_hash: BlockHash, *, promote: bool | None = None) -> torch.Tensor:
+        """The block's payload as a 1-D uint8 tensor; raises ``BlockNotFound``.
+
+        The tensor may be a view into tier memory: it stays valid while the block is held in
+        that tier, which a lease guarantees.
+        """
+        promote = self._promote if promote is None else promote
+        with self._pinned_for_read(block_hash) as meta:
+            while True:
+                with self._lock:
+                    if not meta.tiers:
+                        raise BlockNotFound(f"block {block_hash.hex()} is not held")
+                    tier = min(meta.tiers)
+                data = self._tiers[tier].get(block_hash)
+                if data is not None:
+                    break
+                # The tier lost it (a corrupt file is quarantined): forget that copy, try lower.
+                with self._lock:
+                    self._counters.corrupt_reads += 1
+                    self._drop_from_tier(meta, tier)
+            if promote and tier > 0:
+                with self._lock:
+                    first = block_hash not in self._promoting
+                    self._promoting.add(block_hash)
+                if first:
+                    try:
+                        if self._place(meta, data, 0, stop=tier) is not None:
+                            with self._lock:
+                                self._counters.promotions += 1
+                    finally:
+                        with self._lock:
+                            self._promoting.discard(block_hash)
+            return data
+
+    def put(
+        self,
+        hashes: Sequence[BlockHash],
+        payloads: Sequence[Payload],
+        *,
+        namespace_root: bytes,
+        parent: BlockHash | None = None,
+        ttl_s: float | None = None,
+        tier: str | None = None,
+        durable: bool = False,
+    ) -> PutResult:
+        """Store a chain segment: ``hashes[0]``'s parent is ``parent`` (None at a chain root).
+
+        Every payload of one namespace must have the same size; a mismatch raises
+        ``PayloadSizeError`` before anything is written.
+        """
+        start = self._tier_by_name(tier) if tier is not None else 0
+        ttl = self._default_ttl if ttl_s is None else _check_ttl(ttl_s)
+        sizes = self._validate_segment(hashes, payloads, namespace_root, parent)
+        durable_tier = self._first_durable(start) if durable else None
+        if durable and durable_tier is None:
+            raise InvalidInput("durable=True but no durable tier at or below the target tier")
+        result = PutResult([], [], [])
+        prev = parent
+        op = next(self._ops)
+        for block_hash, payload, nbytes in zip(hashes, payloads, sizes, strict=True):
+            meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)
+            prev = block_hash
+            if meta is None:
+                result.present.append(block_hash)
+                continue
+            try:
+                placed = self._place(meta, payload, start)
+                if placed is not None and durable_tier is not None and placed != durable_tier:
+                    self._place(meta, payload, durable_tier)
+            finally:
+                with self._lock:
+                    self._unref(meta)
+                    if not meta.tiers:
+                        self._forget(meta)
+            if placed is None:
+                result.dropped.append(block_hash)
+            else:
+                result.stored.append(block_hash)
+        with self._lock:
+            self._counters.puts += 1
+            self._counters.stored_blocks += len(result.stored)
+            self._counters.dropped_blocks += len(result.dropped)
+        return result
+
+    def delete(self, hashes: Sequence[BlockHash]) -> int:
+        """Drop unpinned blocks from every tier; returns how many were dropped."""
+        dropped = 0
+        with self._lock:
+            for block_hash in hashes:
+                meta = self._blocks.get(block_hash)
+                if meta is None or meta.ref_cnt:
+                    continue
+                for tier in sorted(meta.tiers):
+                    self._drop_from_tier(meta, tier)
+                dropped += 1
+        return dropped
+
+    def expire(self) -> int:
+        """Drop every unpinned expired block from every tier; returns how many (the sweep)."""
+        with self._lock:
+            now = self._clock.now()
+            self._reap_leases(now)
+            victims = [m for m in self._blocks.values() if m.expires_at <= now and not m.ref_cnt]
+            for meta in victims:
+                for tier in sorted(meta.tiers):
+                    self._drop_from_tier(meta, tier)
+            self._counters.expirations += len(victims)
+            return len(victims)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._reap_leases(self._clock.now())
+            return StoreStats(
+                tiers=[
+                    TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable)
+                    for t, n in zip(self._tiers, self._tier_blocks, strict=True)
+                ],
+                blocks=sum(1 for m in self._blocks.values() if m.tiers),
+                pinned_blocks=sum(1 for m in self._blocks.values() if m.ref_cnt),
+                leases=len(self._leases),
+                counters=replace(self._counters),
+            )
+
+    def close(self) -> None:
+        for tier in self._tiers:
+            tier.close()
+
+    # -- placement and eviction ---------------------------------------------------------
+
+    def _place(
+        self, meta: BlockMeta, payload: Payload, start: int, *, stop: int | None = None
+    ) -> int | None:
+        """Write ``payload`` into the first tier at or after ``start`` (before ``stop``) that
+        can make room, evicting there as needed; returns that tier's index or None."""
+        end = len(self._tiers) if stop is None else stop
+        for tier in range(start, end):
+            if tier in meta.tiers:
+                return tier
+            if meta.nbytes > self._tiers[tier].capacity_bytes:
+                continue
+            for _ in range(_PLACE_ATTEMPTS):
+                if self._tiers[tier].fits(meta.nbytes):
+                    try:
+                        self._tiers[tier].put(meta.block_hash, payload, meta.namespace_root)
+                    except TierFull:
+                        continue  # another thread took the room: evict again
+                    with self._lock:
+                        self._add_to_tier(meta, tier)
+                    return tier
+                if not self._evict_one(tier, meta):
+                    break
+        return None
+
+    def _evict_one(self, tier: int, incoming: BlockMeta) -> bool:
+        """Move one victim out of ``tier`` to admit ``incoming``: demote it, or drop it if
+        expired or at the bottom. Refuses (False) when nothing is evictable or when the best
+        victim is hotter than ``incoming`` itself: then ``incoming`` belongs lower down, and
+        a long new chain fills the fast tier with its head instead of shredding it."""
+        with self._lock:
+            now = self._clock.now()
+            victim = self._policy.next_victim(tier, now, self._blocks.get)
+            if victim is None:
+                return False
+            if not victim.expired(now) and _colder(incoming, victim):
+                self._policy.track(victim, tier)
+                return False
+            self._counters.evictions += 1
+            below = tier + 1 < len(self._tiers) and not victim.expired(now)
+            if not below or any(t > tier for t in victim.tiers):
+                # Expired, last tier, or already held lower down: nothing to copy.
+                if victim.expired(now):
+                    self._counters.expirations += 1
+                self._drop_from_tier(victim, tier)
+                return True
+            victim.ref_cnt += 1  # in flight: no other thread may pick or drop it
+        try:
+            data = self._tiers[tier].get(victim.block_hash)
+            if data is not None and self._place(victim, data, tier + 1) is not None:
+                with self._lock:
+                    self._counters.demotions += 1
+        finally:
+            with self._lock:
+                # Keep the only copy of a block someone pinned meanwhile (a lease taken while
+                # it was in flight) when it found no room below.
+                if victim.ref_cnt == 1 or any(t > tier for t in victim.tiers):
+                    self._drop_from_tier(victim, tier)
+                self._unref(victim)
+                if not victim.tiers:
+                    self._forget(victim)
+        return True
+
+    # -- index bookkeeping (lock held) --------------------------------------------------
+
+    def _claim(
+        self,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        namespace_root: bytes,
+        nbytes: int,
+        ttl: float,
+        op: int,
+    ) -> BlockMeta | None:
+        """Create the record of a block about to be stored, pinned while in flight; None when
+        it is already held (its TTL is extended) or another caller is storing it."""
+        with self._lock:
+            now = self._clock.now()
+            meta = self._blocks.get(block_hash)
+            if meta is not None:
+                if meta.tiers:
+                    self._touch(meta, now, ttl, op)
+                return None
+            meta = BlockMeta(
+                block_hash=block_hash,
+                parent=parent,
+                namespace_root=namespace_root,
+                nbytes=nbytes,
+                ttl_s=ttl,
+                created=now,
+                last_access=now,
+                expires_at=now + ttl,
+                child_count=[0] * len(self._tiers),
+                ref_cnt=1,
+                touch_op=op,
+                touch_seq=next(self._seq),
+            )
+            self._blocks[block_hash] = meta
+            if parent is not None:
+                self._kids.setdefault(parent, set()).add(block_hash)
+            return meta
+
+    def _touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
+        if ttl is not None and ttl > meta.ttl_s:
+            meta.ttl_s = ttl
+        meta.last_access = now
+        meta.touch_op = op
+        meta.expires_at = max(meta.expires_at, now + meta.ttl_s)
+        meta.touch_seq = next(self._seq)
+        for tier in meta.tiers:
+            self._policy.track(meta, tier)
+
+    def _add_to_tier(self, meta: BlockMeta, tier: int) -> None:
+        if tier in meta.tiers:
+            return
+        meta.tiers.add(tier)
+        self._tier_blocks[tier] += 1
+        meta.child_count[tier] = sum(
+            1 for kid in self._kids.get(meta.block_hash, ()) if tier in self._blocks[kid].tiers
+        )
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        if parent is not None and tier in parent.tiers:
+            parent.child_count[tier] += 1
+        self._policy.track(meta, tier)
+        self._maybe_compact(tier)
+
+    def _drop_from_tier(self, meta: BlockMeta, tier: int) -> None:
+        if tier not in meta.tiers:
+            return
+        self._tiers[tier].delete(meta.block_hash)
+        meta.tiers.discard(tier)
+        self._tier_blocks[tier] -= 1
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        if parent is not None and tier in parent.tiers:
+            parent.child_count[tier] -= 1
+            self._policy.track(parent, tier)
+        if not meta.tiers and not meta.ref_cnt:
+            self._forget(meta)
+
+    def _forget(self, meta: BlockMeta) -> None:
+        if self._blocks.get(meta.block_hash) is not meta:
+            return
+        del self._blocks[meta.block_hash]
+        if meta.parent is not None:
+            kids = self._kids.get(meta.parent)
+            if kids is not None:
+                kids.discard(meta.block_hash)
+                if not kids:
+                    del self._kids[meta.parent]
+
+    def _unref(self, meta: BlockMeta) -> None:
+        if meta.ref_cnt <= 0:
+            return
+        meta.ref_cnt -= 1
+        if meta.ref_cnt == 0:
+            for tier in meta.tiers:
+                self._policy.track(meta, tier)
+
+    def _unref_all(self, hashes: Sequence[BlockHash]) -> None:
+        for block_hash in hashes:
+            meta = self._blocks.get(block_hash)
+            if meta is not None:
+                self._unref(meta)
+
+    def _reap_leases(self, now: float) -> None:
+        if not self._leases:
+            return
+        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
+            self._unref_all(self._leases.pop(lease_id).hashes)
+
+    def _maybe_compact(self, tier: int) -> None:
+        if self._policy.queued(tier) > 8 * self._tier_blocks[tier] + 4096:
+            self._policy.rebuild(tier, (m for m in self._blocks.values() if tier in m.tiers))
+
+    @contextmanager
+    def _pinned_for_read(self, block_hash: BlockHash) -> Iterator[BlockMeta]:
+        with self._lock:
+            meta = self._blocks.get(block_hash)
+            now = self._clock.now()
+            if meta is None or not meta.tiers or meta.expires_at <= now:
+                raise BlockNotFound(f"block {block_hash.hex()} is not held")
+            self._touch(meta, now, None, next(self._ops))
+            meta.ref_cnt += 1
+        try:
+            yield meta
+        finally:
+            with self._lock:
+                self._unref(meta)
+                if not meta.tiers:
+                    self._forget(meta)
+
+    # -- validation and start-up --------------------------------------------------------
+
+    def _tier_by_name(self, name: str) -> int:
+        try:
+            return self._tier_index[name]
+        except KeyError:
+            raise UnknownTier(
+                f"no tier named {name!r}; tiers are {list(self._tier_index)}"
+            ) from None
+
+    def _first_durable(self, start: int) -> int | None:
+        return next((i for i in range(start, len(self._tiers)) if self._tiers[i].durable), None)
+
+    def _validate_segment(
+        self,
+        hashes: Sequence[BlockHash],
+        payloads: Sequence[Payload],
+        namespace_root: bytes,
+        parent: BlockHash | None,
+    ) -> list[int]:
+        if len(hashes) != len(payloads):
+            raise InvalidInput(f"{len(hashes)} ids but {len(payloads)} payloads")
+        for h in [*hashes, *([parent] if parent is not None else []), namespace_root]:
+            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+                raise InvalidInput(f"ids and namespace roots are {HASH_BYTES} bytes, got {h!r:.60}")
+        sizes = [payload_nbytes(p) for p in payloads]
+        with self._lock:
+            expected = self._payload_sizes.get(namespace_root)
+            for block_hash, nbytes in zip(hashes, sizes, strict=True):
+                if nbytes == 0:
+                    raise PayloadSizeError(f"block {block_hash.hex()}: empty payload")
+                if expected is None:
+                    expected = nbytes
+                if nbytes != expected:
+                    raise PayloadSizeError(
+                        f"block {block_hash.hex()}: payload is {nbytes} bytes, but blocks of "
+                        f"this namespace are {expected} bytes"
+                    )
+            if expected is not None:
+                self._payload_sizes.setdefault(namespace_root, expected)
+        return sizes
+
+    def _adopt_recovered(self) -> None:
+        """Index what durable tiers found on start (their files outlive the process)."""
+        now = self._clock.now()
+        for index, tier in enumerate(self._tiers):
+            if not isinstance(tier, RecoverableTier):
+                continue
+            adopted = 0
+            for found in tier.recovered():
+                meta = self._blocks.get(found.block_hash)
+                if meta is None:
+                    meta = BlockMeta(
+                        block_hash=found.block_hash,
+                        parent=found.parent,
+                        namespace_root=found.namespace_root,
+                        nbytes=found.nbytes,
+                        ttl_s=self._default_ttl,
+                        created=found.mtime,
+                        last_access=min(found.mtime, now),
+                        expires_at=min(found.mtime, now) + self._default_ttl,
+                        child_count=[0] * len(self._tiers),
+                        touch_seq=next(self._seq),
+                    )
+                    self._blocks[found.block_hash] = meta
+                    if found.parent is not None:
+                        self._kids.setdefault(found.parent, set()).add(found.block_hash)
+                self._payload_sizes.setdefault(found.namespace_root, found.nbytes)
+                meta.tiers.add(index)
+                self._tier_blocks[index] += 1
+                adopted += 1
+            # Children counts need every record in place first.
+            for meta in self._blocks.values():
+                if index in meta.tiers:
+                    meta.child_count[index] = sum(
+                        1
+                        for kid in self._kids.get(meta.block_hash, ())
+                        if kid in self._blocks and index in self._blocks[kid].tiers
+                    )
+            self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
+            if adopted:
+                log.info("adopted %d blocks found in tier %s", adopted, tier.name)
+
+
+def _colder(a: BlockMeta, b: BlockMeta) -> bool:
+    """Whether LRU order would evict ``a`` before ``b``."""
+    return a.lru_key() < b.lru_key()
+
+
+def _check_ttl(ttl_s: float) -> float:
+    if not isinstance(ttl_s, int | float) or ttl_s != ttl_s or ttl_s <= 0:
+        raise InvalidInput(f"a TTL must be a positive number of seconds, got {ttl_s!r}")
+    return float(ttl_s)

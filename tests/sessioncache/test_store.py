@@ -1,0 +1,318 @@
+"""The tiered store: lookup, placement, demotion, promotion, leases, TTL, bad input, threads."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from sessioncache.clock import ManualClock
+from sessioncache.errors import (
+    BlockNotFound,
+    InvalidInput,
+    LeaseNotFound,
+    PayloadSizeError,
+    UnknownTier,
+)
+from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.store import DEFAULT_TTL_S, TieredStore
+from tiers.cpu import CpuTier
+from tiers.gpu import GpuTier
+
+NS = Namespace("test-model", 4, "float16", "test-layout")
+ROOT = NS.root()
+SIZE = 64
+DAY = 86400.0
+
+
+def chain(seed: int, blocks: int) -> list[BlockHash]:
+    rng = np.random.default_rng(seed)
+    return block_hashes(NS, rng.integers(0, 50_000, blocks * NS.block_tokens))
+
+
+def data(h: bytes, size: int = SIZE) -> bytes:
+    return (h * (size // 16 + 1))[:size]
+
+
+def put(store: TieredStore, hashes: list[BlockHash], **kw: object) -> None:
+    store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, **kw)  # type: ignore[arg-type]
+
+
+def one_tier(blocks: int, clock: ManualClock) -> TieredStore:
+    return TieredStore([CpuTier(blocks * SIZE)], clock=clock)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def test_lookup_returns_longest_held_prefix_with_tiers(clock: ManualClock):
+    store = TieredStore([GpuTier(10 * SIZE, device="cpu"), CpuTier(10 * SIZE)], clock=clock)
+    hashes = chain(1, 6)
+    put(store, hashes[:4])
+    match = store.lookup(hashes)
+    assert match.hashes == hashes[:4] and match.num_blocks == 4
+    assert match.tiers == ["gpu"] * 4 and match.lease is None
+    assert store.lookup(chain(2, 3)).hashes == []
+    # A hole stops the match even if later blocks are held.
+    store.delete([hashes[1]])
+    assert store.lookup(hashes).hashes == hashes[:1]
+
+
+def test_get_returns_exact_bytes_and_unknown_raises(clock: ManualClock):
+    store = one_tier(4, clock)
+    hashes = chain(1, 2)
+    put(store, hashes)
+    assert bytes(store.get(hashes[1]).numpy()) == data(hashes[1])
+    with pytest.raises(BlockNotFound):
+        store.get(chain(9, 1)[0])
+
+
+def test_lru_eviction_order_is_exact_and_tail_first(clock: ManualClock):
+    store = one_tier(5, clock)
+    a, b = chain(1, 3), chain(2, 2)
+    put(store, a)  # t=0
+    clock.advance(10)
+    put(store, b)  # t=10
+    clock.advance(10)
+    store.lookup(a)  # t=20: A is now the most recent
+    clock.advance(10)
+    order = []
+    for i, h in enumerate(chain(3, 5)):
+        before = set(store.tiers[0].keys())
+        store.put([h], [data(h)], namespace_root=ROOT, parent=None)
+        clock.advance(1)
+        order.extend(before - set(store.tiers[0].keys()))
+        assert len(order) == i + 1
+    assert order == [b[1], b[0], a[2], a[1], a[0]]
+
+
+def test_a_parent_outlives_its_child_even_when_older(clock: ManualClock):
+    store = one_tier(3, clock)
+    parent, child = chain(1, 2)
+    put(store, [parent])
+    clock.advance(100)
+    store.put([child], [data(child)], namespace_root=ROOT, parent=parent)
+    clock.advance(100)
+    other = chain(2, 1)
+    put(store, other)
+    clock.advance(1)
+    filler = chain(3, 1)
+    put(store, filler)  # evicts the child (tail) before its older parent
+    assert store.where(child) == [] and store.where(parent) == ["cpu"]
+
+
+def test_expired_blocks_go_before_lru_order(clock: ManualClock):
+    store = one_tier(3, clock)
+    old, short = chain(1, 1), chain(2, 1)
+    put(store, old, ttl_s=10 * DAY)
+    clock.advance(10)
+    put(store, short, ttl_s=60)
+    clock.advance(10)
+    put(store, chain(3, 1))
+    clock.advance(100)  # short has expired; old is older but alive
+    put(store, chain(4, 1))
+    assert store.where(short[0]) == [] and store.where(old[0]) == ["cpu"]
+    assert store.stats().counters.expirations == 1
+
+
+def test_ttl_sliding_expiry_over_days(clock: ManualClock):
+    store = one_tier(8, clock)
+    hashes = chain(1, 3)
+    put(store, hashes)
+    clock.advance(2 * DAY)
+    assert store.lookup(hashes).num_blocks == 3  # idle two days: still there, TTL slides
+    clock.advance(DEFAULT_TTL_S - 1)
+    assert store.lookup(hashes).num_blocks == 3
+    clock.advance(DEFAULT_TTL_S + 1)
+    assert store.lookup(hashes).num_blocks == 0
+    assert store.expire() == 3
+    assert store.stats().blocks == 0 and store.tiers[0].used_bytes == 0
+
+
+def test_lookup_ttl_raises_block_ttl_to_at_least_that(clock: ManualClock):
+    store = one_tier(8, clock)
+    hashes = chain(1, 2)
+    put(store, hashes, ttl_s=3600)
+    store.lookup(hashes, ttl_s=7 * DAY)
+    clock.advance(6 * DAY)
+    assert store.lookup(hashes).num_blocks == 2
+    store.lookup(hashes, ttl_s=60)  # a shorter TTL never shortens a block's life
+    clock.advance(6 * DAY)
+    assert store.lookup(hashes).num_blocks == 2
+
+
+def test_lease_pins_until_released_and_pinned_blocks_are_never_evicted(clock: ManualClock):
+    store = one_tier(3, clock)
+    hashes = chain(1, 3)
+    put(store, hashes)
+    match = store.lookup(hashes, lease_s=30)
+    assert match.lease is not None and match.lease.expires_at == clock.now() + 30
+    newcomer = chain(2, 1)
+    result = store.put(newcomer, [data(newcomer[0])], namespace_root=ROOT)
+    assert result.dropped == newcomer  # never raises; nothing could be evicted
+    assert store.lookup(hashes).num_blocks == 3
+    store.release(match.lease.id)
+    with pytest.raises(LeaseNotFound):
+        store.release(match.lease.id)
+    result = store.put(newcomer, [data(newcomer[0])], namespace_root=ROOT)
+    assert result.stored == newcomer
+
+
+def test_lease_expires_with_the_clock(clock: ManualClock):
+    store = one_tier(2, clock)
+    hashes = chain(1, 2)
+    put(store, hashes)
+    lease = store.lookup(hashes, lease_s=5).lease
+    assert lease is not None and store.stats().pinned_blocks == 2
+    clock.advance(6)
+    assert store.stats().pinned_blocks == 0 and store.stats().leases == 0
+    with pytest.raises(LeaseNotFound):
+        store.release(lease.id)
+
+
+def test_demotion_moves_victims_down_and_the_last_tier_drops(clock: ManualClock):
+    store = TieredStore(
+        [GpuTier(2 * SIZE, device="cpu"), CpuTier(2 * SIZE)], clock=clock, promote_on_get=False
+    )
+    blocks = [chain(i, 1)[0] for i in range(5)]
+    for h in blocks:
+        put(store, [h])
+        clock.advance(1)
+    assert [store.where(h) for h in blocks] == [[], ["cpu"], ["cpu"], ["gpu"], ["gpu"]]
+    stats = store.stats()
+    assert stats.counters.demotions == 3 and stats.counters.evictions == 4
+    for h in blocks[1:]:
+        assert bytes(store.get(h).numpy()) == data(h)
+
+
+def test_a_long_new_chain_keeps_its_head_in_the_fast_tier(clock: ManualClock):
+    store = TieredStore([GpuTier(3 * SIZE, device="cpu"), CpuTier(4 * SIZE)], clock=clock)
+    hashes = chain(1, 10)
+    result = store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
+    assert result.stored == hashes[:7] and result.dropped == hashes[7:]
+    assert store.lookup(hashes).tiers == ["gpu"] * 3 + ["cpu"] * 4
+
+
+def test_get_promotes_a_lower_tier_hit(clock: ManualClock):
+    store = TieredStore([GpuTier(1 * SIZE, device="cpu"), CpuTier(4 * SIZE)], clock=clock)
+    a, b = chain(1, 1), chain(2, 1)
+    put(store, a)
+    clock.advance(1)
+    put(store, b)
+    assert store.where(a[0]) == ["cpu"]
+    clock.advance(1)
+    assert bytes(store.get(a[0]).numpy()) == data(a[0])
+    assert store.where(a[0])[0] == "gpu" and store.where(b[0]) == ["cpu"]
+    assert store.stats().counters.promotions == 1
+
+
+def test_put_extends_ttl_of_held_blocks_and_reports_them(clock: ManualClock):
+    store = one_tier(4, clock)
+    hashes = chain(1, 2)
+    put(store, hashes, ttl_s=100)
+    clock.advance(50)
+    result = store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, ttl_s=100)
+    assert result.present == hashes and result.stored == []
+    clock.advance(90)
+    assert store.lookup(hashes).num_blocks == 2
+
+
+def test_bad_input_raises_and_writes_nothing(clock: ManualClock):
+    store = one_tier(8, clock)
+    hashes = chain(1, 3)
+    put(store, hashes[:1])
+    cases: list[tuple[type[Exception], dict[str, object]]] = [
+        (PayloadSizeError, {"payloads": [data(h, SIZE + 1) for h in hashes]}),
+        (PayloadSizeError, {"payloads": [data(hashes[0]), data(hashes[1], 8), data(hashes[2])]}),
+        (PayloadSizeError, {"payloads": [b"", b"", b""]}),
+        (UnknownTier, {"tier": "nvme"}),
+        (InvalidInput, {"ttl_s": -1}),
+        (InvalidInput, {"ttl_s": 0}),
+        (InvalidInput, {"payloads": [data(hashes[0])]}),
+        (InvalidInput, {"hashes": [b"short", *hashes[1:]]}),
+        (InvalidInput, {"namespace_root": b"x"}),
+        (InvalidInput, {"durable": True}),
+    ]
+    for exc, override in cases:
+        kwargs: dict[str, object] = {
+            "hashes": hashes,
+            "payloads": [data(h) for h in hashes],
+            "namespace_root": ROOT,
+        }
+        kwargs.update(override)
+        with pytest.raises(exc):
+            store.put(**kwargs)  # type: ignore[arg-type]
+        assert store.stats().blocks == 1 and store.tiers[0].used_bytes == SIZE
+    with pytest.raises(InvalidInput):
+        store.lookup(hashes, lease_s=-1)
+    with pytest.raises(InvalidInput):
+        store.lookup(hashes, ttl_s=-5)
+    with pytest.raises(InvalidInput):
+        TieredStore([CpuTier(10), CpuTier(10)])
+    with pytest.raises(InvalidInput):
+        TieredStore([])
+
+
+def test_exceeding_total_capacity_never_raises(clock: ManualClock):
+    store = TieredStore([GpuTier(4 * SIZE, device="cpu"), CpuTier(4 * SIZE)], clock=clock)
+    for i in range(50):
+        put(store, chain(i, 3))
+        clock.advance(1)
+    stats = store.stats()
+    assert [t.used_bytes for t in stats.tiers] == [4 * SIZE, 4 * SIZE]
+    assert stats.blocks == 8
+
+
+def test_payload_tensors_of_any_dtype_are_accepted(clock: ManualClock):
+    store = one_tier(4, clock)
+    h = chain(1, 1)
+    tensor = torch.arange(16, dtype=torch.float32)
+    store.put(h, [tensor], namespace_root=ROOT)
+    assert torch.equal(store.get(h[0]).view(torch.float32), tensor)
+
+
+def test_concurrent_put_get_lookup_and_eviction_lose_and_corrupt_nothing():
+    """Four threads store and read overlapping chains through two small tiers. Every read must
+    return the block's own bytes, leases must hold, and the books must balance at the end."""
+    store = TieredStore([GpuTier(40 * SIZE, device="cpu"), CpuTier(60 * SIZE)])
+    chains = [chain(i, 6) for i in range(40)]
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                hashes = rng.choice(chains)
+                op = rng.random()
+                if op < 0.4:
+                    put(store, hashes)
+                elif op < 0.9:
+                    match = store.lookup(hashes, lease_s=10)
+                    for h in match.hashes:
+                        assert bytes(store.get(h).numpy()) == data(h)
+                    if match.lease is not None:
+                        store.release(match.lease.id)
+                else:
+                    store.delete(hashes[-2:])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    stats = store.stats()
+    assert stats.pinned_blocks == 0 and stats.leases == 0
+    for tier, tier_stats in zip(store.tiers, stats.tiers, strict=True):
+        assert tier.used_bytes == SIZE * len(tier.keys()) == SIZE * tier_stats.blocks
+        assert tier.used_bytes <= tier.capacity_bytes
+    for hashes in chains:
+        for h in store.lookup(hashes).hashes:
+            assert bytes(store.get(h).numpy()) == data(h)

@@ -1,0 +1,86 @@
+"""The tier interface: where block payloads live.
+
+A tier is a byte-bounded map from ``BlockHash`` to an opaque payload. It knows nothing of
+chains, TTLs, pins or other tiers: the ``TieredStore`` decides what goes where and what leaves.
+Every tier is safe to call from several threads at once.
+
+Primitives (``Tier``):
+    name            a short label ("gpu", "cpu", "disk", ...), unique within a store
+    capacity_bytes  the byte budget the tier never exceeds
+    used_bytes      bytes of payload currently held
+    durable         True when a returned ``put`` survives a crash of the process
+    fits(nbytes)    whether a payload of that size could be stored right now without evicting
+    contains(h)     whether the block is held
+    get(h)          the payload as a 1-D ``torch.uint8`` tensor (possibly a view into tier
+                    memory, valid until the block is deleted), or None when absent
+    put(h, payload, namespace_root)
+                    stores a copy of the payload; raises ``TierFull`` when it does not fit and
+                    ``PayloadSizeError`` for an empty or oversize payload; putting an id that is
+                    already held is a no-op
+    delete(h)       drops the block, returning the bytes freed (0 when absent)
+    keys()          a snapshot of the held ids
+    close()         releases memory, file handles and threads
+
+Optional abilities, each its own small protocol:
+    ``RecoverableTier``  ``recovered()`` lists what a durable tier found on start
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from sessioncache.hashing import BlockHash
+from tiers.payload import Payload
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """The primitives every tier implements (see the module docstring)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    @property
+    def durable(self) -> bool: ...
+
+    def fits(self, nbytes: int) -> bool: ...
+
+    def contains(self, block_hash: BlockHash) -> bool: ...
+
+    def get(self, block_hash: BlockHash) -> torch.Tensor | None: ...
+
+    def put(self, block_hash: BlockHash, payload: Payload, namespace_root: bytes) -> None: ...
+
+    def delete(self, block_hash: BlockHash) -> int: ...
+
+    def keys(self) -> list[BlockHash]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredBlock:
+    """A block a durable tier found on start: enough for the store to re-index it."""
+
+    block_hash: BlockHash
+    namespace_root: bytes
+    nbytes: int
+    mtime: float
+    parent: BlockHash | None = None
+
+
+@runtime_checkable
+class RecoverableTier(Protocol):
+    """A durable tier that rebuilt its index on start and can say what it found."""
+
+    def recovered(self) -> Iterator[RecoveredBlock]: ...

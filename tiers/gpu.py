@@ -1,0 +1,37 @@
+"""The GPU tier: slabs of fixed-size slots in device memory.
+
+The device defaults to the current CUDA device when one exists; the identical code runs on
+``torch.device("cpu")``, which is how the tests exercise it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier
+
+
+def default_device() -> torch.device:
+    """The current CUDA device, or the CPU when there is none."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GpuTier(SlabTier):
+    """Device slabs (see ``tiers.slab``)."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        name: str = "gpu",
+        device: torch.device | str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        super().__init__(
+            name,
+            capacity_bytes,
+            torch.device(device) if device is not None else default_device(),
+            chunk_bytes=chunk_bytes,
+        )

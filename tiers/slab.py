@@ -1,0 +1,236 @@
+"""Fixed-size-slot slabs in torch memory: the machinery shared by the GPU and CPU tiers.
+
+Memory is carved into one slab per payload size in use. A slab grows chunk by chunk (one torch
+tensor of ``slots x payload_size`` bytes) while the tier's allocation stays within its capacity,
+and freed slots are reused before anything new is allocated. A chunk that falls entirely free
+may be released so that another payload size can grow; in the usual deployment (one model, one
+KV layout) there is a single payload size and a single slab.
+
+``get`` returns a view into the slot: zero-copy, valid until the block is deleted from the tier
+(the store leases blocks across a load so that this cannot happen under a reader).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from sessioncache.errors import PayloadSizeError, TierFull
+from sessioncache.hashing import BlockHash
+from tiers.payload import Payload, as_byte_tensor, payload_nbytes
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Chunk:
+    tensor: torch.Tensor  # shape (slots, payload_size), dtype uint8
+    used: int = 0
+
+
+@dataclass(slots=True)
+class _Slab:
+    """All chunks of one payload size."""
+
+    payload_size: int
+    chunks: list[_Chunk | None] = field(default_factory=list)
+    free: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, slot index)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    payload_size: int
+    chunk: int
+    slot: int
+
+
+class SlabTier:
+    """A tier of fixed-size slots in torch tensors on one device (see module docstring)."""
+
+    durable = False
+
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int,
+        device: torch.device,
+        *,
+        pin_memory: bool = False,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self._name = name
+        self._capacity = capacity_bytes
+        self._device = device
+        self._pin = pin_memory and device.type == "cpu"
+        self._chunk_bytes = chunk_bytes
+        self._lock = threading.Lock()
+        self._slabs: dict[int, _Slab] = {}
+        self._index: dict[BlockHash, _Slot] = {}
+        self._pending: set[BlockHash] = set()
+        self._used = 0
+        self._allocated = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of device memory the slabs hold, used or free."""
+        return self._allocated
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def fits(self, nbytes: int) -> bool:
+        with self._lock:
+            return self._can_allocate(nbytes)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._index
+
+    def keys(self) -> list[BlockHash]:
+        with self._lock:
+            return list(self._index)
+
+    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
+        with self._lock:
+            slot = self._index.get(block_hash)
+            if slot is None:
+                return None
+            chunk = self._slabs[slot.payload_size].chunks[slot.chunk]
+            assert chunk is not None
+            return chunk.tensor[slot.slot]
+
+    def put(self, block_hash: BlockHash, payload: Payload, namespace_root: bytes) -> None:
+        nbytes = payload_nbytes(payload)
+        if nbytes == 0 or nbytes > self._capacity:
+            raise PayloadSizeError(
+                f"{self._name}: payload of {nbytes} bytes does not fit a tier of "
+                f"{self._capacity} bytes"
+            )
+        with self._lock:
+            if block_hash in self._index or block_hash in self._pending:
+                return
+            slot = self._allocate(nbytes)
+            self._pending.add(block_hash)
+            chunk = self._slabs[nbytes].chunks[slot.chunk]
+            assert chunk is not None
+            dst = chunk.tensor[slot.slot]
+        # The copy runs outside the lock so that puts of large blocks overlap; the slot is
+        # reserved and the id invisible to readers until it is published below.
+        try:
+            dst.copy_(as_byte_tensor(payload))
+        except BaseException:
+            with self._lock:
+                self._pending.discard(block_hash)
+                self._release(slot)
+            raise
+        with self._lock:
+            self._pending.discard(block_hash)
+            self._index[block_hash] = slot
+
+    def delete(self, block_hash: BlockHash) -> int:
+        with self._lock:
+            slot = self._index.pop(block_hash, None)
+            if slot is None:
+                return 0
+            self._release(slot)
+            return slot.payload_size
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+            self._slabs.clear()
+            self._used = 0
+            self._allocated = 0
+
+    # -- allocation (call with the lock held) -------------------------------------------
+
+    def _can_allocate(self, nbytes: int) -> bool:
+        slab = self._slabs.get(nbytes)
+        if slab is not None and slab.free:
+            return True
+        return self._capacity - self._allocated + self._reclaimable(nbytes) >= nbytes
+
+    def _reclaimable(self, keep_size: int) -> int:
+        """Bytes held by entirely free chunks of other payload sizes."""
+        total = 0
+        for size, slab in self._slabs.items():
+            if size != keep_size:
+                total += sum(c.tensor.numel() for c in slab.chunks if c is not None and not c.used)
+        return total
+
+    def _allocate(self, nbytes: int) -> _Slot:
+        slab = self._slabs.get(nbytes)
+        if slab is None:
+            slab = self._slabs[nbytes] = _Slab(nbytes)
+        if not slab.free:
+            if self._capacity - self._allocated < nbytes:
+                self._reclaim(keep_size=nbytes, need=nbytes)
+            room = self._capacity - self._allocated
+            if room < nbytes:
+                raise TierFull(f"{self._name}: no free slot of {nbytes} bytes")
+            slots = max(1, min(self._chunk_bytes, room) // nbytes)
+            tensor = torch.empty(
+                (slots, nbytes), dtype=torch.uint8, device=self._device, pin_memory=self._pin
+            )
+            index = self._reuse_chunk_index(slab)
+            slab.chunks[index] = _Chunk(tensor)
+            self._allocated += slots * nbytes
+            # Pop from the end: hand out low slots first so that chunks fill in order.
+            slab.free.extend((index, s) for s in range(slots - 1, -1, -1))
+        chunk_index, slot_index = slab.free.pop()
+        chunk = slab.chunks[chunk_index]
+        assert chunk is not None
+        chunk.used += 1
+        self._used += nbytes
+        return _Slot(nbytes, chunk_index, slot_index)
+
+    @staticmethod
+    def _reuse_chunk_index(slab: _Slab) -> int:
+        for i, chunk in enumerate(slab.chunks):
+            if chunk is None:
+                return i
+        slab.chunks.append(None)
+        return len(slab.chunks) - 1
+
+    def _release(self, slot: _Slot) -> None:
+        slab = self._slabs[slot.payload_size]
+        chunk = slab.chunks[slot.chunk]
+        assert chunk is not None
+        chunk.used -= 1
+        self._used -= slot.payload_size
+        slab.free.append((slot.chunk, slot.slot))
+
+    def _reclaim(self, keep_size: int, need: int) -> None:
+        """Free whole idle chunks of other payload sizes until ``need`` bytes can be allocated."""
+        for size, slab in list(self._slabs.items()):
+            if size == keep_size:
+                continue
+            for i, chunk in enumerate(slab.chunks):
+                if chunk is None or chunk.used:
+                    continue
+                slab.chunks[i] = None
+                slab.free = [(c, s) for c, s in slab.free if c != i]
+                self._allocated -= chunk.tensor.numel()
+                if self._capacity - self._allocated >= need:
+                    return
