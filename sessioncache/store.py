@@ -44,6 +44,7 @@ from sessioncache.errors import (
     TierFull,
     UnknownTier,
 )
+from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.policy import EvictionPolicy
 from tiers.base import RecoverableTier, Tier
@@ -98,6 +99,7 @@ class TierStats:
     used_bytes: int
     blocks: int
     durable: bool
+    pinned_bytes: int
 
 
 @dataclass(slots=True)
@@ -136,6 +138,7 @@ class TieredStore:
         default_ttl_s: float = DEFAULT_TTL_S,
         promote_on_get: bool = True,
         max_lease_s: float = 3600.0,
+        observers: Sequence[StoreObserver] = (),
     ) -> None:
         if not tiers:
             raise InvalidInput("a store needs at least one tier")
@@ -157,6 +160,8 @@ class TieredStore:
         self._payload_sizes: dict[bytes, int] = {}
         self._leases: dict[str, Lease] = {}
         self._promoting: set[BlockHash] = set()
+        self._observers = list(observers)
+        self._pinned_bytes = [0] * len(self._tiers)
         self._seq = itertools.count(1)  # one per block touch: validates policy heap entries
         self._ops = itertools.count(1)  # one per operation: orders same-instant touches
         self._counters = Counters()
@@ -206,13 +211,14 @@ class TieredStore:
             for meta in matched:
                 meta.hit_count += 1
                 self._touch(meta, now, ttl_s, op)
+            self._notify_touched(matched)
             lease = None
             if lease_s is not None and matched:
                 lease = Lease(
                     secrets.token_hex(16), tuple(m.block_hash for m in matched), now + lease_s
                 )
                 for meta in matched:
-                    meta.ref_cnt += 1
+                    self._ref(meta)
                 self._leases[lease.id] = lease
             return Match(
                 [m.block_hash for m in matched],
@@ -228,21 +234,37 @@ class TieredStore:
                 raise LeaseNotFound(f"no live lease {lease_id!r}")
             self._unref_all(lease.hashes)
 
-    def pin(self, hashes: Sequence[BlockHash]) -> int:
-        """Pin the held blocks among ``hashes`` (a live session's chain); returns how many."""
+    def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Pin the held blocks among ``hashes`` (a live session's chain); returns those pinned,
+        which is exactly what a later ``unpin`` must be given."""
         with self._lock:
-            pinned = 0
+            pinned: list[BlockHash] = []
             for block_hash in hashes:
                 meta = self._blocks.get(block_hash)
                 if meta is not None:
-                    meta.ref_cnt += 1
-                    pinned += 1
+                    self._ref(meta)
+                    pinned.append(block_hash)
             return pinned
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
         """Undo ``pin`` for the same ids."""
         with self._lock:
             self._unref_all(hashes)
+
+    def chain_to(self, head: BlockHash) -> list[BlockHash]:
+        """The held chain ending at ``head``, root first, following parents while they are
+        held (empty when ``head`` is not)."""
+        with self._lock:
+            chain: list[BlockHash] = []
+            cursor: BlockHash | None = head
+            while cursor is not None:
+                meta = self._blocks.get(cursor)
+                if meta is None or not meta.tiers:
+                    break
+                chain.append(cursor)
+                cursor = meta.parent
+            chain.reverse()
+            return chain
 
     def contains(self, block_hash: BlockHash) -> bool:
         with self._lock:
@@ -372,14 +394,21 @@ class TieredStore:
             self._counters.expirations += len(victims)
             return len(victims)
 
+    def stats_tiers(self) -> list[TierStats]:
+        """Per-tier figures only: cheap enough for every request."""
+        with self._lock:
+            return [
+                TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable, pinned)
+                for t, n, pinned in zip(
+                    self._tiers, self._tier_blocks, self._pinned_bytes, strict=True
+                )
+            ]
+
     def stats(self) -> StoreStats:
         with self._lock:
             self._reap_leases(self._clock.now())
             return StoreStats(
-                tiers=[
-                    TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable)
-                    for t, n in zip(self._tiers, self._tier_blocks, strict=True)
-                ],
+                tiers=self.stats_tiers(),
                 blocks=sum(1 for m in self._blocks.values() if m.tiers),
                 pinned_blocks=sum(1 for m in self._blocks.values() if m.ref_cnt),
                 leases=len(self._leases),
@@ -437,7 +466,7 @@ class TieredStore:
                     self._counters.expirations += 1
                 self._drop_from_tier(victim, tier)
                 return True
-            victim.ref_cnt += 1  # in flight: no other thread may pick or drop it
+            self._ref(victim)  # in flight: no other thread may pick or drop it
         try:
             data = self._tiers[tier].get(victim.block_hash)
             if data is not None and self._place(victim, data, tier + 1) is not None:
@@ -473,6 +502,7 @@ class TieredStore:
             if meta is not None:
                 if meta.tiers:
                     self._touch(meta, now, ttl, op)
+                    self._notify_touched([meta])
                 return None
             meta = BlockMeta(
                 block_hash=block_hash,
@@ -508,6 +538,10 @@ class TieredStore:
             return
         meta.tiers.add(tier)
         self._tier_blocks[tier] += 1
+        if meta.ref_cnt:
+            self._pinned_bytes[tier] += meta.nbytes
+        for observer in self._observers:
+            observer.block_added(meta, self._tiers[tier].name, self._tiers[tier].durable)
         meta.child_count[tier] = sum(
             1 for kid in self._kids.get(meta.block_hash, ()) if tier in self._blocks[kid].tiers
         )
@@ -523,6 +557,12 @@ class TieredStore:
         self._tiers[tier].delete(meta.block_hash)
         meta.tiers.discard(tier)
         self._tier_blocks[tier] -= 1
+        if meta.ref_cnt:
+            self._pinned_bytes[tier] -= meta.nbytes
+        for observer in self._observers:
+            observer.block_removed(
+                meta.block_hash, self._tiers[tier].name, self._tiers[tier].durable
+            )
         parent = self._blocks.get(meta.parent) if meta.parent is not None else None
         if parent is not None and tier in parent.tiers:
             parent.child_count[tier] -= 1
@@ -541,13 +581,25 @@ class TieredStore:
                 if not kids:
                     del self._kids[meta.parent]
 
+    def _ref(self, meta: BlockMeta) -> None:
+        if meta.ref_cnt == 0:
+            for tier in meta.tiers:
+                self._pinned_bytes[tier] += meta.nbytes
+        meta.ref_cnt += 1
+
     def _unref(self, meta: BlockMeta) -> None:
         if meta.ref_cnt <= 0:
             return
         meta.ref_cnt -= 1
         if meta.ref_cnt == 0:
             for tier in meta.tiers:
+                self._pinned_bytes[tier] -= meta.nbytes
                 self._policy.track(meta, tier)
+
+    def _notify_touched(self, metas: Sequence[BlockMeta]) -> None:
+        if metas:
+            for observer in self._observers:
+                observer.blocks_touched(metas)
 
     def _unref_all(self, hashes: Sequence[BlockHash]) -> None:
         for block_hash in hashes:
@@ -573,7 +625,8 @@ class TieredStore:
             if meta is None or not meta.tiers or meta.expires_at <= now:
                 raise BlockNotFound(f"block {block_hash.hex()} is not held")
             self._touch(meta, now, None, next(self._ops))
-            meta.ref_cnt += 1
+            self._notify_touched([meta])
+            self._ref(meta)
         try:
             yield meta
         finally:

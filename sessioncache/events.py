@@ -1,0 +1,25 @@
+"""What the store tells its observers (the catalog, metrics): a narrow, synchronous protocol.
+
+Observers are called with the store's lock held, in the order things happened, so they must
+not block and must not call back into the store: copy what you need and queue it (the catalog
+batches these into SQL write-behind; metrics bump counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.hashing import BlockHash
+
+
+class StoreObserver(Protocol):
+    def block_added(self, meta: BlockMeta, tier: str, durable: bool) -> None:
+        """``meta``'s payload is now held in ``tier`` (``durable``: the tier survives crashes)."""
+
+    def block_removed(self, block_hash: BlockHash, tier: str, durable: bool) -> None:
+        """The payload left ``tier`` (evicted, demoted, expired, deleted or found corrupt)."""
+
+    def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
+        """A lookup, get or put refreshed these blocks' access time, expiry or hit count."""

@@ -1,0 +1,375 @@
+"""Agent sessions: sliding TTLs and chain pins over the store.
+
+A session is one agent conversation: it comes back after seconds, hours or days with the same
+prefix plus a little more. Each lookup or store that names a session
+
+* extends the session's expiry (``expires_at = now + ttl``: a sliding TTL; defaults: agent
+  3 days, chat 7 days, configurable per kind),
+* raises the TTL of every block it touches to at least the session's, so blocks shared by
+  several sessions (system prompt, tool schemas) live as long as the longest-lived of them,
+* moves the session's head to the last block of its chain and pins that chain while the
+  session is live, so capacity pressure cannot evict it.
+
+Pins are released by ``close``, by an idle timeout (the session stays open; its blocks then
+age out by TTL, and its next request pins again) and by the pin budget: pinned bytes per tier
+are bounded by a share of the tier's capacity, past which the least recently active sessions'
+pins fall back to ordinary eviction priority, so pins can never make the cache refuse work.
+``sweep`` (run by a background thread in the service, or ``sessioncache gc`` by hand) expires
+sessions and blocks.
+
+Thread-safe; the lock order is sessions, then store.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.hashing import BlockHash
+from sessioncache.store import Match, PutResult, TieredStore
+from tiers.payload import Payload
+
+DAY_S = 86400.0
+DEFAULT_KIND_TTLS: Mapping[str, float] = {"agent": 3 * DAY_S, "chat": 7 * DAY_S}
+DEFAULT_IDLE_TIMEOUT_S = 3600.0
+DEFAULT_PIN_SHARE = 0.5
+MAX_SESSION_ID_LEN = 128
+
+
+class SessionNotFound(SessionCacheError, KeyError):
+    """No open session with that id (for that tenant)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "session not found"
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    tenant: str
+    kind: str
+    ttl_s: float
+    created: float
+    last_seen: float
+    expires_at: float
+    head: BlockHash | None = None
+    pinned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    expired_sessions: int
+    idle_unpinned: int
+    expired_blocks: int
+
+
+class SessionRepository(Protocol):
+    """Where sessions outlive the process (the catalog implements it).
+
+    ``create_session`` and ``delete_session`` are durable when they return: an acknowledged
+    open or close survives a crash. ``save_session`` (the sliding TTL and head of every
+    request) may be written behind, so a crash loses at most its last batch.
+    """
+
+    def create_session(self, session: Session) -> None: ...
+
+    def save_session(self, session: Session) -> None: ...
+
+    def delete_session(self, session_id: str) -> None: ...
+
+    def load_sessions(self) -> Iterable[Session]: ...
+
+
+class SessionManager:
+    """Sessions over a ``TieredStore`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        kind_ttls: Mapping[str, float] = DEFAULT_KIND_TTLS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        pin_share: float = DEFAULT_PIN_SHARE,
+        repository: SessionRepository | None = None,
+    ) -> None:
+        for kind, ttl in kind_ttls.items():
+            if not ttl > 0:
+                raise InvalidInput(f"the TTL of session kind {kind!r} must be positive")
+        if not idle_timeout_s > 0:
+            raise InvalidInput("idle_timeout_s must be positive")
+        if not 0 <= pin_share <= 1:
+            raise InvalidInput("pin_share must be within [0, 1]")
+        self._store = store
+        self._clock = store.clock
+        self._kind_ttls = dict(kind_ttls)
+        self._idle_timeout = idle_timeout_s
+        self._pin_share = pin_share
+        self._repo = repository
+        self._lock = threading.RLock()
+        self._sessions: dict[str, Session] = {}
+        # Pinned sessions, least recently active first, with the ids their pins hold.
+        self._pins: OrderedDict[str, list[BlockHash]] = OrderedDict()
+
+    @property
+    def kind_ttls(self) -> dict[str, float]:
+        return dict(self._kind_ttls)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def open(
+        self,
+        session_id: str | None = None,
+        *,
+        tenant: str = "default",
+        kind: str = "agent",
+        ttl_s: float | None = None,
+    ) -> Session:
+        """Open a session, or return the open one with that id (and tenant)."""
+        if kind not in self._kind_ttls:
+            raise InvalidInput(
+                f"unknown session kind {kind!r}; kinds are {sorted(self._kind_ttls)}"
+            )
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidInput(f"a session TTL must be positive, got {ttl_s!r}")
+        if session_id is not None:
+            _check_id(session_id)
+        with self._lock:
+            now = self._clock.now()
+            if session_id is not None and session_id in self._sessions:
+                session = self._owned(session_id, tenant)
+                session.last_seen = now
+                session.expires_at = max(session.expires_at, now + session.ttl_s)
+                self._save(session)
+                return replace(session)
+            ttl = self._kind_ttls[kind] if ttl_s is None else float(ttl_s)
+            session = Session(
+                id=session_id or secrets.token_hex(16),
+                tenant=tenant,
+                kind=kind,
+                ttl_s=ttl,
+                created=now,
+                last_seen=now,
+                expires_at=now + ttl,
+            )
+            self._sessions[session.id] = session
+            if self._repo is not None:
+                self._repo.create_session(replace(session))
+            return replace(session)
+
+    def get(self, session_id: str, *, tenant: str | None = None) -> Session:
+        with self._lock:
+            return replace(self._owned(session_id, tenant))
+
+    def list_sessions(self, *, tenant: str | None = None) -> list[Session]:
+        with self._lock:
+            return [
+                replace(s) for s in self._sessions.values() if tenant is None or s.tenant == tenant
+            ]
+
+    def extend(
+        self, session_id: str, *, tenant: str | None = None, ttl_s: float | None = None
+    ) -> Session:
+        """Slide the session's expiry (optionally with a new, longer or shorter, TTL)."""
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidInput(f"a session TTL must be positive, got {ttl_s!r}")
+        with self._lock:
+            session = self._owned(session_id, tenant)
+            now = self._clock.now()
+            if ttl_s is not None:
+                session.ttl_s = float(ttl_s)
+            session.last_seen = now
+            session.expires_at = now + session.ttl_s
+            self._save(session)
+            return replace(session)
+
+    def close(self, session_id: str, *, tenant: str | None = None) -> None:
+        """End the session: its pins go; its blocks age out by their TTL."""
+        with self._lock:
+            self._owned(session_id, tenant)
+            self._unpin(session_id)
+            del self._sessions[session_id]
+            if self._repo is not None:
+                self._repo.delete_session(session_id)
+
+    # -- data path ----------------------------------------------------------------------
+
+    def lookup(
+        self,
+        session_id: str,
+        hashes: Sequence[BlockHash],
+        *,
+        tenant: str | None = None,
+        lease_s: float | None = None,
+    ) -> Match:
+        """``store.lookup`` on behalf of a session: TTLs at least the session's, chain pinned."""
+        with self._lock:
+            session = self._owned(session_id, tenant)
+            match = self._store.lookup(hashes, lease_s=lease_s, ttl_s=session.ttl_s)
+            if match.hashes:
+                self._activity(session, match.hashes)
+            else:
+                self._slide(session)
+            return match
+
+    def put(
+        self,
+        session_id: str,
+        hashes: Sequence[BlockHash],
+        payloads: Sequence[Payload],
+        *,
+        namespace_root: bytes,
+        prefix: Sequence[BlockHash] = (),
+        tenant: str | None = None,
+        durable: bool = False,
+    ) -> PutResult:
+        """``store.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
+        the session's chain becomes ``prefix + hashes``."""
+        with self._lock:
+            session = self._owned(session_id, tenant)
+        result = self._store.put(
+            hashes,
+            payloads,
+            namespace_root=namespace_root,
+            parent=prefix[-1] if prefix else None,
+            ttl_s=session.ttl_s,
+            durable=durable,
+        )
+        with self._lock:
+            session = self._owned(session_id, tenant)
+            self._activity(session, [*prefix, *hashes])
+        return result
+
+    def record(
+        self, session_id: str, chain: Sequence[BlockHash], *, tenant: str | None = None
+    ) -> Session:
+        """Note that the session's chain is now ``chain`` (blocks stored some other way, for
+        instance PUT one by one over HTTP): slide its TTL, raise its blocks' TTLs, pin them."""
+        with self._lock:
+            session = self._owned(session_id, tenant)
+            if chain:
+                self._store.lookup(chain, ttl_s=session.ttl_s)
+                self._activity(session, chain)
+            else:
+                self._slide(session)
+            return replace(session)
+
+    # -- maintenance --------------------------------------------------------------------
+
+    def sweep(self) -> SweepReport:
+        """Expire sessions past their TTL, unpin idle ones, then expire blocks."""
+        with self._lock:
+            now = self._clock.now()
+            expired = [s.id for s in self._sessions.values() if s.expires_at <= now]
+            for session_id in expired:
+                self._unpin(session_id)
+                del self._sessions[session_id]
+                if self._repo is not None:
+                    self._repo.delete_session(session_id)
+            idle = [
+                sid
+                for sid in self._pins
+                if self._sessions[sid].last_seen + self._idle_timeout <= now
+            ]
+            for session_id in idle:
+                self._unpin(session_id)
+        return SweepReport(len(expired), len(idle), self._store.expire())
+
+    def restore(self) -> int:
+        """Load sessions from the repository (after a restart) and pin the live ones' chains,
+        walking each head's parents in the store. Returns how many sessions were loaded."""
+        if self._repo is None:
+            return 0
+        with self._lock:
+            now = self._clock.now()
+            loaded = 0
+            for session in self._repo.load_sessions():
+                if session.expires_at <= now:
+                    self._repo.delete_session(session.id)
+                    continue
+                session.pinned = False
+                self._sessions[session.id] = session
+                loaded += 1
+                if session.head is not None and session.last_seen + self._idle_timeout > now:
+                    chain = self._store.chain_to(session.head)
+                    if chain:
+                        self._pin(session, chain)
+            self._enforce_pin_budget()
+            return loaded
+
+    def pinned_sessions(self) -> list[str]:
+        """Ids of sessions whose chains are pinned, least recently active first."""
+        with self._lock:
+            return list(self._pins)
+
+    # -- internals (lock held) ----------------------------------------------------------
+
+    def _owned(self, session_id: str, tenant: str | None) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or (tenant is not None and session.tenant != tenant):
+            raise SessionNotFound(f"no open session {session_id!r}")
+        if session.expires_at <= self._clock.now():
+            raise SessionNotFound(f"session {session_id!r} has expired")
+        return session
+
+    def _slide(self, session: Session) -> None:
+        now = self._clock.now()
+        session.last_seen = now
+        session.expires_at = max(session.expires_at, now + session.ttl_s)
+        if session.id in self._pins:
+            self._pins.move_to_end(session.id)
+        self._save(session)
+
+    def _activity(self, session: Session, chain: Sequence[BlockHash]) -> None:
+        session.head = chain[-1]
+        self._pin(session, chain)
+        self._slide(session)
+        self._enforce_pin_budget()
+
+    def _pin(self, session: Session, chain: Sequence[BlockHash]) -> None:
+        # Pin the new chain before unpinning the old one: shared blocks never drop to zero.
+        new = self._store.pin(chain)
+        old = self._pins.pop(session.id, None)
+        if old:
+            self._store.unpin(old)
+        self._pins[session.id] = new
+        session.pinned = True
+
+    def _unpin(self, session_id: str) -> None:
+        held = self._pins.pop(session_id, None)
+        if held:
+            self._store.unpin(held)
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.pinned = False
+
+    def _enforce_pin_budget(self) -> None:
+        while self._pins:
+            over = [
+                t
+                for t in self._store.stats_tiers()
+                if t.pinned_bytes > self._pin_share * t.capacity_bytes
+            ]
+            if not over:
+                return
+            self._unpin(next(iter(self._pins)))
+
+    def _save(self, session: Session) -> None:
+        if self._repo is not None:
+            self._repo.save_session(replace(session))
+
+
+def _check_id(session_id: str) -> None:
+    if (
+        not isinstance(session_id, str)
+        or not 0 < len(session_id) <= MAX_SESSION_ID_LEN
+        or not session_id.isprintable()
+        or "/" in session_id
+    ):
+        raise InvalidInput(
+            f"a session id is 1 to {MAX_SESSION_ID_LEN} printable characters without '/'"
+        )
