@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from sessioncache import __version__
 
-COMMANDS = ["info"]
+COMMANDS = ["info", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -165,6 +165,10 @@ class SessionManager:
         with self._lock:
             return replace(self._owned(session_id, tenant))
 
+    def count(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
     def list_sessions(self, *, tenant: str | None = None) -> list[Session]:
         with self._lock:
             return [
@@ -257,6 +261,16 @@ class SessionManager:
             else:
                 self._slide(session)
             return replace(session)
+
+    def adopt(self, session_id: str, hashes: Sequence[BlockHash]) -> None:
+        """Blocks of a pinned session's chain that arrived after its last request (uploaded
+        one by one): pin them too."""
+        with self._lock:
+            held = self._pins.get(session_id)
+            if held is None:
+                return
+            held.extend(self._store.pin(hashes))
+            self._enforce_pin_budget()
 
     # -- maintenance --------------------------------------------------------------------
 

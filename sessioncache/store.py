@@ -48,7 +48,7 @@ from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.policy import EvictionPolicy
 from tiers.base import RecoverableTier, Tier
-from tiers.payload import Payload, payload_nbytes
+from tiers.payload import Payload, as_memoryview, payload_nbytes
 
 log = logging.getLogger("sessioncache.store")
 
@@ -289,35 +289,50 @@ class TieredStore:
         """The block's payload as a 1-D uint8 tensor; raises ``BlockNotFound``.
 
         The tensor may be a view into tier memory: it stays valid while the block is held in
-        that tier, which a lease guarantees.
+        that tier, which a lease guarantees. ``get_bytes`` returns a copy instead.
         """
-        promote = self._promote if promote is None else promote
         with self._pinned_for_read(block_hash) as meta:
-            while True:
-                with self._lock:
-                    if not meta.tiers:
-                        raise BlockNotFound(f"block {block_hash.hex()} is not held")
-                    tier = min(meta.tiers)
-                data = self._tiers[tier].get(block_hash)
-                if data is not None:
-                    break
-                # The tier lost it (a corrupt file is quarantined): forget that copy, try lower.
-                with self._lock:
-                    self._counters.corrupt_reads += 1
-                    self._drop_from_tier(meta, tier)
-            if promote and tier > 0:
-                with self._lock:
-                    first = block_hash not in self._promoting
-                    self._promoting.add(block_hash)
-                if first:
-                    try:
-                        if self._place(meta, data, 0, stop=tier) is not None:
-                            with self._lock:
-                                self._counters.promotions += 1
-                    finally:
+            return self._read(meta, promote)
+
+    def get_bytes(self, block_hash: BlockHash, *, promote: bool | None = None) -> bytes:
+        """A copy of the block's payload, taken while the block is pinned."""
+        with self._pinned_for_read(block_hash) as meta:
+            data = self._read(meta, promote)
+            return bytes(as_memoryview(data))
+
+    def counters(self) -> Counters:
+        """A snapshot of the event counters."""
+        with self._lock:
+            return replace(self._counters)
+
+    def _read(self, meta: BlockMeta, promote: bool | None) -> torch.Tensor:
+        block_hash = meta.block_hash
+        promote = self._promote if promote is None else promote
+        while True:
+            with self._lock:
+                if not meta.tiers:
+                    raise BlockNotFound(f"block {block_hash.hex()} is not held")
+                tier = min(meta.tiers)
+            data = self._tiers[tier].get(block_hash)
+            if data is not None:
+                break
+            # The tier lost it (a corrupt file is quarantined): forget that copy, try lower.
+            with self._lock:
+                self._counters.corrupt_reads += 1
+                self._drop_from_tier(meta, tier)
+        if promote and tier > 0:
+            with self._lock:
+                first = block_hash not in self._promoting
+                self._promoting.add(block_hash)
+            if first:
+                try:
+                    if self._place(meta, data, 0, stop=tier) is not None:
                         with self._lock:
-                            self._promoting.discard(block_hash)
-            return data
+                            self._counters.promotions += 1
+                finally:
+                    with self._lock:
+                        self._promoting.discard(block_hash)
+        return data
 
     def put(
         self,

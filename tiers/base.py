@@ -23,6 +23,7 @@ Primitives (``Tier``):
 
 Optional abilities, each its own small protocol:
     ``RecoverableTier``  ``recovered()`` lists what a durable tier found on start
+    ``CheckedTier``      ``problem()`` says why the tier cannot serve now (None when it can)
 """
 
 from __future__ import annotations
@@ -84,3 +85,10 @@ class RecoverableTier(Protocol):
     """A durable tier that rebuilt its index on start and can say what it found."""
 
     def recovered(self) -> Iterator[RecoveredBlock]: ...
+
+
+@runtime_checkable
+class CheckedTier(Protocol):
+    """A tier that can tell whether it is able to serve right now (for ``/readyz``)."""
+
+    def problem(self) -> str | None: ...

@@ -1,0 +1,36 @@
+"""Dependencies shared by the routers, as ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from api.errors import AuthRequired
+from sessioncache.service import CacheNode
+
+
+def get_node(request: Request) -> CacheNode:
+    node: CacheNode = request.app.state.node
+    return node
+
+
+NodeDep = Annotated[CacheNode, Depends(get_node)]
+
+
+def get_tenant(request: Request, node: NodeDep) -> str:
+    """The caller's tenant from ``Authorization: Bearer <key>`` (the open tenant when auth is
+    off)."""
+    header = request.headers.get("authorization")
+    key = None
+    if header is not None:
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            key = value.strip()
+    tenant = node.tenant_for_key(key)
+    if tenant is None:
+        raise AuthRequired("a valid API key is required: Authorization: Bearer <key>")
+    return tenant
+
+
+TenantDep = Annotated[str, Depends(get_tenant)]

@@ -1,0 +1,85 @@
+"""Prometheus metrics: store figures read at scrape time, request latency per route."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from sessioncache.service import CacheNode
+
+
+class StoreCollector(Collector):
+    """Reads the node's store counters and tier figures at every scrape (exact, no drift)."""
+
+    def __init__(self, node: CacheNode) -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[Any]:
+        node = self._node
+        counters = node.store.counters()
+        tokens = node.metrics_tokens
+        hit = CounterMetricFamily("sessioncache_hit_tokens", "Prompt tokens found in the cache")
+        hit.add_metric([], tokens["hit"])
+        yield hit
+        miss = CounterMetricFamily("sessioncache_miss_tokens", "Prompt tokens not found")
+        miss.add_metric([], tokens["miss"])
+        yield miss
+        for name in (
+            "lookups",
+            "evictions",
+            "demotions",
+            "promotions",
+            "expirations",
+            "stored_blocks",
+            "dropped_blocks",
+            "corrupt_reads",
+        ):
+            family = CounterMetricFamily(f"sessioncache_{name}", f"Store {name.replace('_', ' ')}")
+            family.add_metric([], getattr(counters, name))
+            yield family
+        used = GaugeMetricFamily("sessioncache_tier_used_bytes", "Bytes held", labels=["tier"])
+        cap = GaugeMetricFamily("sessioncache_tier_capacity_bytes", "Capacity", labels=["tier"])
+        pinned = GaugeMetricFamily("sessioncache_tier_pinned_bytes", "Pinned", labels=["tier"])
+        blocks = GaugeMetricFamily("sessioncache_tier_blocks", "Blocks held", labels=["tier"])
+        for tier in node.store.stats_tiers():
+            used.add_metric([tier.name], tier.used_bytes)
+            cap.add_metric([tier.name], tier.capacity_bytes)
+            pinned.add_metric([tier.name], tier.pinned_bytes)
+            blocks.add_metric([tier.name], tier.blocks)
+        yield from (used, cap, pinned, blocks)
+        sessions = GaugeMetricFamily("sessioncache_sessions", "Open sessions")
+        sessions.add_metric([], node.sessions.count())
+        yield sessions
+
+
+def install(app: FastAPI, node: CacheNode) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(node))
+    latency = Histogram(
+        "sessioncache_request_seconds",
+        "Request latency by route",
+        ["method", "route", "status"],
+        registry=registry,
+        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+    )
+
+    @app.middleware("http")
+    async def _observe(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        latency.labels(request.method, path, str(response.status_code)).observe(
+            time.perf_counter() - start
+        )
+        return response
+
+    return registry

@@ -1,0 +1,98 @@
+"""Block payloads: ``PUT``/``GET /v1/blocks/{hash}`` and the batch read, whose binary framing
+is specified in ``sessioncache/wire.py`` and docs/api.md."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import anyio
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from api.deps import NodeDep, TenantDep
+from api.errors import BodyTooLarge
+from api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
+from sessioncache.errors import BlockNotFound, InvalidInput
+from sessioncache.hashing import BlockHash, from_hex
+from sessioncache.service import CacheNode
+from sessioncache.wire import BATCH_MEDIA_TYPE, batch_head, batch_record
+
+router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise InvalidInput("Content-Length is not a number") from None
+        if size > limit:
+            raise BodyTooLarge(f"body of {size} bytes exceeds the limit of {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"body exceeds the limit of {limit} bytes")
+    return body
+
+
+@router.put(
+    "/{block_hash}",
+    response_model=UploadResponse,
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+            "required": True,
+        }
+    },
+    responses={403: {"model": ErrorOut}, 413: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+)
+async def put_block(
+    block_hash: str, request: Request, node: NodeDep, tenant: TenantDep
+) -> UploadResponse:
+    """Upload one block handed out by ``POST /v1/store`` (raw payload bytes)."""
+    bid = from_hex(block_hash)
+    body = await read_body(request, node.settings.max_body_bytes)
+    if not body:
+        raise InvalidInput("empty payload")
+    stored = await anyio.to_thread.run_sync(node.upload, tenant, bid, body)
+    return UploadResponse(hash=block_hash, stored=stored, durable=node.durable_uploads)
+
+
+@router.get(
+    "/{block_hash}",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        404: {"model": ErrorOut},
+        422: {"model": ErrorOut},
+    },
+)
+def get_block(block_hash: str, node: NodeDep, tenant: TenantDep) -> Response:
+    """One block's raw payload."""
+    data = node.read_bytes(tenant, from_hex(block_hash))
+    return Response(content=data, media_type="application/octet-stream")
+
+
+def _records(node: CacheNode, tenant: str, ids: list[BlockHash]) -> Iterator[bytes]:
+    yield batch_head(len(ids))
+    for bid in ids:
+        try:
+            payload: bytes | None = node.read_bytes(tenant, bid)
+        except BlockNotFound:
+            payload = None
+        yield batch_record(bid, payload)
+
+
+@router.post(
+    "/batch",
+    response_class=StreamingResponse,
+    responses={200: {"content": {BATCH_MEDIA_TYPE: {}}}, 422: {"model": ErrorOut}},
+)
+def get_blocks(body: BlockBatchRequest, node: NodeDep, tenant: TenantDep) -> StreamingResponse:
+    """Many blocks in one response (framing in the module docstring / docs/api.md)."""
+    ids = [from_hex(h) for h in body.hashes]
+    return StreamingResponse(_records(node, tenant, ids), media_type=BATCH_MEDIA_TYPE)

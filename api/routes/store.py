@@ -1,0 +1,32 @@
+"""``POST /v1/store``: phase one of a two-phase store (the server owns the chain)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import NodeDep, TenantDep
+from api.schemas import ErrorOut, StoreRequest, StoreResponse
+
+router = APIRouter(prefix="/v1", tags=["store"])
+
+
+@router.post(
+    "/store",
+    response_model=StoreResponse,
+    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+)
+def plan_store(body: StoreRequest, node: NodeDep, tenant: TenantDep) -> StoreResponse:
+    """Every full block's id, and those still missing: upload each of the missing with
+    ``PUT /v1/blocks/{hash}`` (only ids handed out here to this caller are accepted)."""
+    plan = node.plan_store(
+        tenant,
+        body.namespace.to_namespace(),
+        body.token_bytes(),
+        session_id=body.session_id,
+        ttl_s=body.ttl_s,
+    )
+    return StoreResponse(
+        block_tokens=plan.block_tokens,
+        hashes=[h.hex() for h in plan.hashes],
+        missing=[h.hex() for h in plan.missing],
+    )

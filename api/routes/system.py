@@ -1,0 +1,53 @@
+"""Operations: ``/v1/stats``, ``/v1/whoami``, ``/healthz``, ``/readyz``, ``/metrics``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.deps import NodeDep, TenantDep
+from api.schemas import StatsOut, TierStatsOut, WhoAmI
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/v1/whoami", response_model=WhoAmI)
+def whoami(node: NodeDep, tenant: TenantDep) -> WhoAmI:
+    return WhoAmI(tenant=tenant, auth=node.auth_enabled)
+
+
+@router.get("/v1/stats", response_model=StatsOut)
+def stats(node: NodeDep, tenant: TenantDep) -> StatsOut:
+    s = node.store.stats()
+    return StatsOut(
+        blocks=s.blocks,
+        pinned_blocks=s.pinned_blocks,
+        leases=s.leases,
+        sessions=node.sessions.count(),
+        tiers=[TierStatsOut(**asdict(t)) for t in s.tiers],
+        counters=asdict(s.counters),
+    )
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(node: NodeDep) -> JSONResponse:
+    """Ready to serve: every tier answers. 503 with the reasons otherwise."""
+    problems = node.health_problems()
+    if problems:
+        return JSONResponse({"status": "degraded", "problems": problems}, status_code=503)
+    return JSONResponse({"status": "ready", "problems": []})
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

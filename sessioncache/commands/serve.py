@@ -1,0 +1,69 @@
+"""``sessioncache serve``: run the REST API on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("sessioncache.serve")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+    from sessioncache.config import Settings
+    from sessioncache.factory import open_node
+
+    overrides: dict[str, Any] = {}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    if args.data_dir is not None:
+        overrides["data_dir"] = args.data_dir
+    settings = Settings(**overrides)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not settings.api_keys:
+        if not is_loopback(settings.host):
+            print(
+                f"refusing to serve on {settings.host} without API keys: set "
+                'SESSIONCACHE_API_KEYS=\'{"<key>": "<tenant>"}\' or bind 127.0.0.1',
+                file=sys.stderr,
+            )
+            return 2
+        log.warning(
+            "no API keys configured: serving OPEN (every caller is tenant 'default') on %s only",
+            settings.host,
+        )
+    node = open_node(settings)
+    log.info(
+        "tiers: %s; data dir %s",
+        ", ".join(f"{t.name}={t.capacity_bytes}" for t in node.store.tiers),
+        settings.data_dir.resolve(),
+    )
+    uvicorn.run(create_app(node), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("serve", help="run the REST API (uvicorn)")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    parser.add_argument("--data-dir", type=Path, default=None, help="disk tier and catalog")
+    parser.set_defaults(func=run)

@@ -1,0 +1,230 @@
+"""One sessioncache node: the store, sessions, upload slots and namespace ownership, with the
+operations the REST API exposes. HTTP knows nothing of tiers; this module knows nothing of HTTP.
+
+Tenancy: with authentication on, the namespace salt a request names is never used alone: the
+effective salt is ``"<tenant>"`` or ``"<tenant>/<salt>"``, so two tenants sending the same
+tokens get different ids and can never read, hit or overwrite each other's blocks. A node also
+remembers which tenant derived each namespace root it has seen, and serves a block only to the
+tenant owning the block's root.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from sessioncache.config import Settings
+from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
+from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
+from sessioncache.sessions import SessionManager
+from sessioncache.store import Match, TieredStore
+from sessioncache.uploads import UploadSlots
+from tiers.base import CheckedTier
+from tiers.payload import Payload
+
+log = logging.getLogger("sessioncache.service")
+
+OPEN_TENANT = "default"
+
+
+class UploadRefused(SessionCacheError):
+    """A payload for an id that was not handed out to this caller (or whose slot expired)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    block_tokens: int
+    hashes: list[BlockHash]
+    match: Match
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    block_tokens: int
+    hashes: list[BlockHash]
+    missing: list[BlockHash]
+
+
+class CacheNode:
+    """The operations of one node (see module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: TieredStore,
+        sessions: SessionManager,
+        *,
+        on_close: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.sessions = sessions
+        self.uploads = UploadSlots(store.clock, ttl_s=settings.upload_ttl_s)
+        self._owners: dict[bytes, str] = {}
+        self._roots: dict[tuple[str, Namespace], bytes] = {}
+        self._lock = threading.Lock()
+        self._on_close = list(on_close)
+        self.metrics_tokens = {"hit": 0, "miss": 0}
+
+    @property
+    def durable_uploads(self) -> bool:
+        return self.settings.durable_uploads and any(t.durable for t in self.store.tiers)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.settings.api_keys)
+
+    def tenant_for_key(self, key: str | None) -> str | None:
+        """The tenant of an API key; the open tenant when auth is off; None when refused."""
+        if not self.auth_enabled:
+            return OPEN_TENANT
+        if key is None:
+            return None
+        return self.settings.api_keys.get(key)
+
+    def effective_namespace(self, tenant: str, namespace: Namespace) -> Namespace:
+        if not self.auth_enabled:
+            return namespace
+        salt = tenant if namespace.salt is None else f"{tenant}/{namespace.salt}"
+        return replace(namespace, salt=salt)
+
+    def namespace_root(self, tenant: str, namespace: Namespace) -> bytes:
+        """The root of the tenant's effective namespace, remembered as owned by the tenant."""
+        key = (tenant, namespace)
+        with self._lock:
+            root = self._roots.get(key)
+            if root is not None:
+                return root
+        root = self.effective_namespace(tenant, namespace).root(self.settings.hash_seed)
+        with self._lock:
+            if len(self._roots) > 100_000:
+                self._roots.clear()
+            self._roots[key] = root
+            self._owners[root] = tenant
+        return root
+
+    def hashes(self, tenant: str, namespace: Namespace, token_bytes: bytes) -> list[BlockHash]:
+        if len(token_bytes) // 4 > self.settings.max_tokens:
+            raise InvalidInput(
+                f"{len(token_bytes) // 4} tokens exceed the limit of {self.settings.max_tokens}"
+            )
+        root = self.namespace_root(tenant, namespace)
+        return block_hashes_from_bytes(
+            root, token_bytes, namespace.block_tokens, self.settings.hash_seed
+        )
+
+    # -- data path ----------------------------------------------------------------------
+
+    def lookup(
+        self,
+        tenant: str,
+        namespace: Namespace,
+        token_bytes: bytes,
+        *,
+        session_id: str | None = None,
+        lease_s: float | None = None,
+    ) -> LookupResult:
+        hashes = self.hashes(tenant, namespace, token_bytes)
+        if session_id is not None:
+            match = self.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
+        else:
+            match = self.store.lookup(hashes, lease_s=lease_s)
+        hit = match.num_blocks * namespace.block_tokens
+        with self._lock:
+            self.metrics_tokens["hit"] += hit
+            self.metrics_tokens["miss"] += len(token_bytes) // 4 - hit
+        return LookupResult(namespace.block_tokens, hashes, match)
+
+    def plan_store(
+        self,
+        tenant: str,
+        namespace: Namespace,
+        token_bytes: bytes,
+        *,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> StorePlan:
+        """Phase one of a store: every id of the prompt, and upload slots for the missing."""
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidInput(f"ttl_s must be positive, got {ttl_s}")
+        hashes = self.hashes(tenant, namespace, token_bytes)
+        root = self.namespace_root(tenant, namespace)
+        if session_id is not None:
+            session = self.sessions.get(session_id, tenant=tenant)
+            ttl_s = max(ttl_s or 0.0, session.ttl_s)
+        match = self.store.lookup(hashes, ttl_s=ttl_s)
+        held = set(match.hashes)
+        missing = [h for h in hashes if h not in held and not self.store.contains(h)]
+        missing_set = set(missing)
+        for i, h in enumerate(hashes):
+            if h in missing_set:
+                self.uploads.open(
+                    tenant,
+                    h,
+                    namespace_root=root,
+                    parent=hashes[i - 1] if i else None,
+                    ttl_s=ttl_s,
+                    session_id=session_id,
+                )
+        if session_id is not None and hashes:
+            self.sessions.record(session_id, hashes, tenant=tenant)
+        return StorePlan(namespace.block_tokens, hashes, missing)
+
+    def upload(self, tenant: str, block_hash: BlockHash, payload: Payload) -> bool:
+        """Phase two: store one handed-out block; with ``durable_uploads`` (and a durable tier)
+        it is on disk when this returns. Returns False when it was already held."""
+        slot = self.uploads.peek(tenant, block_hash)
+        if slot is None:
+            raise UploadRefused(
+                f"block {block_hash.hex()} was not handed out to this caller by POST /v1/store "
+                "(or its upload slot expired)"
+            )
+        result = self.store.put(
+            [block_hash],
+            [payload],
+            namespace_root=slot.namespace_root,
+            parent=slot.parent,
+            ttl_s=slot.ttl_s,
+            durable=self.durable_uploads,
+        )
+        self.uploads.close(tenant, block_hash)
+        if slot.session_id is not None and result.stored:
+            self.sessions.adopt(slot.session_id, result.stored)
+        return bool(result.stored)
+
+    def owns(self, tenant: str, block_hash: BlockHash) -> bool:
+        meta = self.store.meta(block_hash)
+        if meta is None:
+            return False
+        with self._lock:
+            owner = self._owners.get(meta.namespace_root)
+        return owner == tenant or (owner is None and not self.auth_enabled)
+
+    def read_bytes(self, tenant: str, block_hash: BlockHash) -> bytes:
+        """A copy of a block's payload, for the tenant owning its namespace only."""
+        if not self.owns(tenant, block_hash):
+            raise BlockNotFound(f"block {block_hash.hex()} is not held")
+        return self.store.get_bytes(block_hash)
+
+    def health_problems(self) -> list[str]:
+        """Why this node cannot fully serve right now (empty when it can)."""
+        problems = []
+        for tier in self.store.tiers:
+            if isinstance(tier, CheckedTier):
+                problem = tier.problem()
+                if problem:
+                    problems.append(f"{tier.name}: {problem}")
+        return problems
+
+    def release(self, lease_id: str) -> None:
+        self.store.release(lease_id)
+
+    def close(self) -> None:
+        for hook in self._on_close:
+            try:
+                hook()
+            except Exception:
+                log.exception("error while closing")
+        self.store.close()

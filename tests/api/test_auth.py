@@ -1,0 +1,84 @@
+"""API keys map to tenants; a tenant can never read, hit or overwrite another's blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from sessioncache.hashing import Namespace, block_hashes
+
+from .conftest import Server
+
+NS = {"model": "auth-model", "block_tokens": 8, "kv_dtype": "bf16", "kv_layout": "x"}
+TOKS = [int(t) for t in np.random.default_rng(0).integers(0, 1000, 32)]
+
+
+@pytest.fixture
+def acme(auth_server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(
+        base_url=auth_server.url, headers={"authorization": "Bearer key-acme"}, timeout=30
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+def globex(auth_server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(
+        base_url=auth_server.url, headers={"authorization": "Bearer key-globex"}, timeout=30
+    ) as c:
+        yield c
+
+
+def test_missing_or_unknown_key_is_401(auth_server: Server):
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic a2V5"}):
+        r = httpx.post(f"{auth_server.url}/v1/lookup", json={"namespace": NS, "tokens": TOKS},
+                       headers=headers)
+        assert r.status_code == 401 and r.json()["error"] == "AuthRequired"
+    assert httpx.get(f"{auth_server.url}/healthz").status_code == 200
+
+
+def test_whoami(acme: httpx.Client, globex: httpx.Client):
+    assert acme.get("/v1/whoami").json() == {"tenant": "acme", "auth": True}
+    assert globex.get("/v1/whoami").json() == {"tenant": "globex", "auth": True}
+
+
+def test_salt_is_derived_from_the_tenant(acme: httpx.Client):
+    hashes = acme.post("/v1/store", json={"namespace": NS, "tokens": TOKS}).json()["hashes"]
+    expected = block_hashes(Namespace(**{**NS, "salt": "acme"}), TOKS)  # type: ignore[arg-type]
+    assert hashes == [h.hex() for h in expected]
+    salted = acme.post(
+        "/v1/store", json={"namespace": {**NS, "salt": "team-1"}, "tokens": TOKS}
+    ).json()["hashes"]
+    expected = block_hashes(Namespace(**{**NS, "salt": "acme/team-1"}), TOKS)  # type: ignore[arg-type]
+    assert salted == [h.hex() for h in expected]
+
+
+def test_tenants_are_isolated(acme: httpx.Client, globex: httpx.Client):
+    plan = acme.post("/v1/store", json={"namespace": NS, "tokens": TOKS}).json()
+    for h in plan["missing"]:
+        assert acme.put(f"/v1/blocks/{h}", content=b"A" * 64).status_code == 200
+    assert acme.post("/v1/lookup", json={"namespace": NS, "tokens": TOKS}).json()[
+        "matched_blocks"
+    ] == 4
+    # globex, same tokens and even acme's salt spelled out: no hit, no read, no overwrite
+    for ns in (NS, {**NS, "salt": "acme"}):
+        out = globex.post("/v1/lookup", json={"namespace": ns, "tokens": TOKS}).json()
+        assert out["matched_blocks"] == 0
+    for h in plan["hashes"]:
+        assert globex.get(f"/v1/blocks/{h}").status_code == 404
+        assert globex.put(f"/v1/blocks/{h}", content=b"G" * 64).status_code == 403
+    batch = globex.post("/v1/blocks/batch", json={"hashes": plan["hashes"]})
+    assert batch.status_code == 200 and b"A" * 64 not in batch.content
+    for h in plan["hashes"]:
+        assert acme.get(f"/v1/blocks/{h}").content == b"A" * 64
+
+
+def test_sessions_are_per_tenant(acme: httpx.Client, globex: httpx.Client):
+    sid = acme.post("/v1/sessions", json={}).json()["id"]
+    assert globex.get(f"/v1/sessions/{sid}").status_code == 404
+    assert globex.delete(f"/v1/sessions/{sid}").status_code == 404
+    assert sid not in [s["id"] for s in globex.get("/v1/sessions").json()["sessions"]]
+    assert acme.get(f"/v1/sessions/{sid}").status_code == 200

@@ -1,0 +1,196 @@
+"""Sessions over days, with the injected clock: sliding TTLs, pins, the pin budget, the sweep."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sessioncache.clock import ManualClock
+from sessioncache.errors import InvalidInput
+from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.sessions import DAY_S, SessionManager, SessionNotFound
+from sessioncache.store import TieredStore
+from tiers.cpu import CpuTier
+
+NS = Namespace("test-model", 4, "float16", "test-layout")
+ROOT = NS.root()
+SIZE = 64
+HOUR = 3600.0
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 50_000, blocks * 4)]
+
+
+def data(h: bytes) -> bytes:
+    return (h * 4)[:SIZE]
+
+
+def make(blocks: int, clock: ManualClock, **kw: float) -> tuple[TieredStore, SessionManager]:
+    store = TieredStore([CpuTier(blocks * SIZE)], clock=clock, default_ttl_s=HOUR)
+    return store, SessionManager(store, **kw)  # type: ignore[arg-type]
+
+
+def store_turn(sm: SessionManager, sid: str, hashes: list[BlockHash]) -> None:
+    match = sm.lookup(sid, hashes)
+    new = hashes[match.num_blocks :]
+    sm.put(sid, new, [data(h) for h in new], namespace_root=ROOT, prefix=match.hashes)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def test_a_session_idle_for_two_days_still_hits_and_one_past_its_ttl_misses(clock: ManualClock):
+    store, sm = make(64, clock, idle_timeout_s=HOUR)
+    agent = sm.open("agent-1", kind="agent")
+    chat = sm.open("chat-1", kind="chat")
+    a, c = block_hashes(NS, tokens(1, 6)), block_hashes(NS, tokens(2, 6))
+    store_turn(sm, agent.id, a)
+    store_turn(sm, chat.id, c)
+    clock.advance(2 * DAY_S)
+    sm.sweep()
+    assert sm.lookup(agent.id, a).num_blocks == 6  # the default block TTL is one hour
+    clock.advance(3 * DAY_S + 1)  # the agent session (3 days) is now past its TTL
+    report = sm.sweep()
+    assert report.expired_sessions == 1 and report.expired_blocks == 6
+    with pytest.raises(SessionNotFound):
+        sm.get(agent.id)
+    assert store.lookup(a).num_blocks == 0
+    assert sm.lookup(chat.id, c).num_blocks == 6  # chat: 7 days since its last turn
+
+
+def test_every_request_slides_the_session_ttl(clock: ManualClock):
+    _, sm = make(64, clock)
+    session = sm.open("s", kind="agent")
+    hashes = block_hashes(NS, tokens(1, 2))
+    for _ in range(5):
+        clock.advance(2 * DAY_S)
+        store_turn(sm, session.id, hashes)
+    assert sm.get("s").expires_at == clock.now() + 3 * DAY_S
+
+
+def test_pinned_chains_survive_capacity_pressure(clock: ManualClock):
+    store, sm = make(10, clock, pin_share=1.0)
+    live = sm.open("live")
+    chain = block_hashes(NS, tokens(1, 6))
+    store_turn(sm, live.id, chain)
+    for i in range(30):  # session-less traffic far beyond capacity
+        clock.advance(1)
+        other = block_hashes(NS, tokens(100 + i, 2))
+        store.put(other, [data(h) for h in other], namespace_root=ROOT)
+    assert store.lookup(chain).num_blocks == 6
+    sm.close(live.id)  # the pins go; the blocks now age out like any other
+    for i in range(10):
+        clock.advance(1)
+        other = block_hashes(NS, tokens(200 + i, 2))
+        store.put(other, [data(h) for h in other], namespace_root=ROOT)
+    assert store.lookup(chain).num_blocks == 0
+
+
+def test_shared_prefix_lives_as_long_as_the_longest_lived_session(clock: ManualClock):
+    store, sm = make(64, clock)
+    system = tokens(7, 3)
+    agent, chat = sm.open("a", kind="agent"), sm.open("c", kind="chat")
+    a = block_hashes(NS, system + tokens(1, 2))
+    c = block_hashes(NS, system + tokens(2, 2))
+    store_turn(sm, agent.id, a)
+    store_turn(sm, chat.id, c)
+    shared = a[:3]
+    assert c[:3] == shared
+    meta = store.meta(shared[0])
+    assert meta is not None and meta.ttl_s == 7 * DAY_S
+    sm.close("a")
+    sm.close("c")
+    clock.advance(5 * DAY_S)
+    sm.sweep()
+    assert store.lookup(shared).num_blocks == 3  # the chat TTL carries the shared prefix
+    assert store.lookup(a).num_blocks == 3  # the agent's own tail (3 days) is gone
+
+
+def test_idle_timeout_releases_pins_and_the_next_turn_pins_again(clock: ManualClock):
+    store, sm = make(64, clock, idle_timeout_s=HOUR)
+    sm.open("s")
+    chain = block_hashes(NS, tokens(1, 4))
+    store_turn(sm, "s", chain)
+    assert sm.pinned_sessions() == ["s"] and store.stats().pinned_blocks == 4
+    clock.advance(HOUR + 1)
+    assert sm.sweep().idle_unpinned == 1
+    assert store.stats().pinned_blocks == 0 and not sm.get("s").pinned
+    store_turn(sm, "s", chain)
+    assert sm.get("s").pinned and store.stats().pinned_blocks == 4
+
+
+def test_pin_budget_unpins_the_least_recently_active_sessions(clock: ManualClock):
+    store, sm = make(20, clock, pin_share=0.5)  # at most 10 pinned blocks
+    for i, sid in enumerate(["old", "mid", "new"]):
+        sm.open(sid)
+        clock.advance(1)
+        store_turn(sm, sid, block_hashes(NS, tokens(i, 4)))
+    assert sm.pinned_sessions() == ["mid", "new"]
+    assert store.stats_tiers()[0].pinned_bytes <= 10 * SIZE
+    clock.advance(1)
+    store_turn(sm, "old", block_hashes(NS, tokens(0, 4)))  # activity pins it again
+    assert sm.pinned_sessions() == ["new", "old"]
+
+
+def test_pins_never_make_the_cache_refuse_work(clock: ManualClock):
+    store, sm = make(8, clock, pin_share=0.5)
+    for i in range(6):
+        sid = f"s{i}"
+        sm.open(sid)
+        clock.advance(1)
+        store_turn(sm, sid, block_hashes(NS, tokens(i, 3)))
+    fresh = block_hashes(NS, tokens(99, 4))
+    result = store.put(fresh, [data(h) for h in fresh], namespace_root=ROOT)
+    assert result.stored == fresh
+
+
+def test_record_pins_blocks_stored_by_other_means(clock: ManualClock):
+    store, sm = make(64, clock)
+    sm.open("s", kind="chat")
+    chain = block_hashes(NS, tokens(1, 3))
+    store.put(chain, [data(h) for h in chain], namespace_root=ROOT)
+    sm.record("s", chain)
+    assert sm.get("s").head == chain[-1] and store.stats().pinned_blocks == 3
+    meta = store.meta(chain[0])
+    assert meta is not None and meta.ttl_s == 7 * DAY_S
+    assert store.chain_to(chain[-1]) == chain
+
+
+def test_tenants_cannot_see_each_others_sessions(clock: ManualClock):
+    _, sm = make(8, clock)
+    sm.open("s", tenant="acme")
+    with pytest.raises(SessionNotFound):
+        sm.get("s", tenant="other")
+    with pytest.raises(SessionNotFound):
+        sm.open("s", tenant="other")
+    assert [s.id for s in sm.list_sessions(tenant="acme")] == ["s"]
+    assert sm.list_sessions(tenant="other") == []
+
+
+def test_bad_input(clock: ManualClock):
+    store, sm = make(8, clock)
+    with pytest.raises(InvalidInput):
+        sm.open(kind="batch")
+    with pytest.raises(InvalidInput):
+        sm.open(ttl_s=-1)
+    for bad in ["", "a/b", "x" * 200, "tab\there"]:
+        with pytest.raises(InvalidInput):
+            sm.open(bad)
+    with pytest.raises(InvalidInput):
+        SessionManager(store, kind_ttls={"agent": 0})
+    with pytest.raises(InvalidInput):
+        SessionManager(store, pin_share=1.5)
+    with pytest.raises(SessionNotFound):
+        sm.close("never-opened")
+
+
+def test_configured_kinds_and_extend(clock: ManualClock):
+    _, sm = make(8, clock, kind_ttls={"agent": HOUR, "batch": 10 * DAY_S})  # type: ignore[arg-type]
+    batch = sm.open(kind="batch")
+    assert batch.ttl_s == 10 * DAY_S and len(batch.id) == 32
+    clock.advance(HOUR)
+    extended = sm.extend(batch.id, ttl_s=20 * DAY_S)
+    assert extended.expires_at == clock.now() + 20 * DAY_S
