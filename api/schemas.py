@@ -159,3 +159,9 @@ class StatsOut(BaseModel):
 class ErrorOut(BaseModel):
     error: str
     detail: str
+
+
+class GcOut(BaseModel):
+    expired_sessions: int
+    idle_unpinned: int
+    expired_blocks: int

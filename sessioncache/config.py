@@ -52,7 +52,14 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         None, description="SQLAlchemy URL; default SQLite under data_dir."
     )
+    database_schema: str | None = Field(None, description="PostgreSQL schema of the catalog.")
     migrate_on_start: bool = Field(True, description="Run migrations when the service starts.")
+    catalog_flush_interval_s: float = Field(
+        0.2, gt=0, description="Period of the catalog's write-behind flush."
+    )
+    reconcile_verify: bool = Field(
+        True, description="On start, read back disk files the catalog lacks to verify them."
+    )
 
     # -- service
     host: str = Field("127.0.0.1", description="Address `sessioncache serve` binds.")

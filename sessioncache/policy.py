@@ -10,10 +10,12 @@ Order, per tier:
    operation that touched them (earlier first) and, within one operation (a lookup walking a
    chain), deepest first, so a chain is eaten from its tail.
 
-Both orders are heaps with lazy deletion: an entry carries the ``touch_seq`` it was pushed
-with, and a popped entry that no longer matches the block (touched again, pinned, moved, or
-no longer a tail) is dropped. Whenever a block may have become an evictable tail (it was
-stored, touched, unpinned, or lost its last child in the tier) the store calls ``track``.
+Both orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
+whole chain) costs no heap operation: a touch only moves a block's keys later. A popped entry
+whose block was touched since is pushed back with its current key; one whose block is no longer
+an evictable tail there (pinned, moved, gained a child) is dropped. Whenever a block may have
+become an evictable tail (stored, unpinned, lost its last child in the tier) the store calls
+``track``.
 """
 
 from __future__ import annotations
@@ -48,13 +50,25 @@ class EvictionPolicy:
         """Pop the next victim of ``tier``; None when every block there is pinned or a parent."""
         expiry = self._expiry[tier]
         while expiry and expiry[0][0] <= now:
-            meta = self._valid(heapq.heappop(expiry), tier, lookup)
-            if meta is not None and meta.expires_at <= now:
+            entry = heapq.heappop(expiry)
+            meta = self._candidate(entry, tier, lookup)
+            if meta is None:
+                continue
+            current = (meta.expires_at, meta.touch_op, -meta.touch_seq, meta.block_hash)
+            if current != entry:
+                heapq.heappush(expiry, current)  # touched since: its expiry moved later
+            else:
                 return meta
         lru = self._lru[tier]
         while lru:
-            meta = self._valid(heapq.heappop(lru), tier, lookup)
-            if meta is not None:
+            entry = heapq.heappop(lru)
+            meta = self._candidate(entry, tier, lookup)
+            if meta is None:
+                continue
+            current = (meta.last_access, meta.touch_op, -meta.touch_seq, meta.block_hash)
+            if current != entry:
+                heapq.heappush(lru, current)
+            else:
                 return meta
         return None
 
@@ -70,10 +84,10 @@ class EvictionPolicy:
             self.track(meta, tier)
 
     @staticmethod
-    def _valid(
+    def _candidate(
         entry: _Entry, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]
     ) -> BlockMeta | None:
         meta = lookup(entry[3])
-        if meta is None or meta.touch_seq != -entry[2] or not meta.evictable_from(tier):
+        if meta is None or not meta.evictable_from(tier):
             return None
         return meta

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import NodeDep, TenantDep
-from api.schemas import StatsOut, TierStatsOut, WhoAmI
+from api.schemas import GcOut, StatsOut, TierStatsOut, WhoAmI
 
 router = APIRouter(tags=["system"])
 
@@ -30,6 +30,13 @@ def stats(node: NodeDep, tenant: TenantDep) -> StatsOut:
         tiers=[TierStatsOut(**asdict(t)) for t in s.tiers],
         counters=asdict(s.counters),
     )
+
+
+@router.post("/v1/gc", response_model=GcOut)
+def gc(node: NodeDep, tenant: TenantDep) -> GcOut:
+    """Sweep now: expire sessions past their TTL, unpin idle ones, drop expired blocks."""
+    report = node.sessions.sweep()
+    return GcOut(**asdict(report))
 
 
 @router.get("/healthz")

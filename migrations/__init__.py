@@ -1,0 +1,1 @@
+"""Alembic environment of the catalog (driven by ``sessioncache.catalog.migrate``)."""

@@ -1,0 +1,119 @@
+"""The catalog's tables (SQLAlchemy 2.x declarative models).
+
+Portable across SQLite and PostgreSQL: block ids and namespace roots are 16-byte binaries
+(``BLOB`` / ``BYTEA``), times are float epoch seconds (the store's clock), counts are 64-bit
+integers. The schema itself is owned by the Alembic migrations in ``migrations/``; keep the two
+in step (``tests/sessioncache/catalog/test_migrations.py`` compares them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+ID_BYTES = 16
+TIER_NAME_LEN = 64
+SESSION_ID_LEN = 128
+TENANT_LEN = 128
+KIND_LEN = 64
+COUNTER_NAME_LEN = 128
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class NamespaceRow(Base):
+    """One KV namespace (model, dtype, layout, ...), keyed by its 16-byte root digest."""
+
+    __tablename__ = "namespaces"
+
+    root: Mapped[bytes] = mapped_column(LargeBinary(ID_BYTES), primary_key=True)
+    description: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created: Mapped[float] = mapped_column(Double, nullable=False)
+
+
+class BlockRow(Base):
+    """One block held in one durable tier (a block in two durable tiers has two rows)."""
+
+    __tablename__ = "blocks"
+
+    block_id: Mapped[bytes] = mapped_column(LargeBinary(ID_BYTES), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(TIER_NAME_LEN), primary_key=True)
+    namespace_root: Mapped[bytes] = mapped_column(
+        LargeBinary(ID_BYTES), ForeignKey("namespaces.root"), nullable=False
+    )
+    parent: Mapped[bytes | None] = mapped_column(LargeBinary(ID_BYTES), nullable=True)
+    nbytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    checksum: Mapped[bytes | None] = mapped_column(LargeBinary(8), nullable=True)
+    """The payload's XXH3-64 (8 bytes, big-endian) when known (set by reconciliation)."""
+    created: Mapped[float] = mapped_column(Double, nullable=False)
+    last_access: Mapped[float] = mapped_column(Double, nullable=False)
+    expires_at: Mapped[float] = mapped_column(Double, nullable=False)
+    ttl_s: Mapped[float] = mapped_column(Double, nullable=False)
+    hit_count: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    pin_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    """Pins (leases, sessions) the block had at its last recorded access."""
+
+    __table_args__ = (
+        Index("ix_blocks_tier_expires_at", "tier", "expires_at"),
+        Index("ix_blocks_namespace_root", "namespace_root"),
+    )
+
+
+class SessionRow(Base):
+    """An open agent session (``sessioncache.sessions.Session``)."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(SESSION_ID_LEN), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(TENANT_LEN), nullable=False)
+    kind: Mapped[str] = mapped_column(String(KIND_LEN), nullable=False)
+    ttl_s: Mapped[float] = mapped_column(Double, nullable=False)
+    created: Mapped[float] = mapped_column(Double, nullable=False)
+    last_seen: Mapped[float] = mapped_column(Double, nullable=False)
+    expires_at: Mapped[float] = mapped_column(Double, nullable=False)
+    head: Mapped[bytes | None] = mapped_column(LargeBinary(ID_BYTES), nullable=True)
+
+    __table_args__ = (
+        Index("ix_sessions_tenant", "tenant"),
+        Index("ix_sessions_expires_at", "expires_at"),
+    )
+
+
+class UsageCounterRow(Base):
+    """A dashboard counter: ``value`` accumulated over the bucket starting at ``bucket``."""
+
+    __tablename__ = "usage_counters"
+
+    name: Mapped[str] = mapped_column(String(COUNTER_NAME_LEN), primary_key=True)
+    bucket: Mapped[float] = mapped_column(Double, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+
+    __table_args__ = (Index("ix_usage_counters_bucket", "bucket"),)
+
+
+namespaces_table: Table = Base.metadata.tables["namespaces"]
+blocks_table: Table = Base.metadata.tables["blocks"]
+sessions_table: Table = Base.metadata.tables["sessions"]
+usage_table: Table = Base.metadata.tables["usage_counters"]

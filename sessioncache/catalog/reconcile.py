@@ -1,0 +1,242 @@
+"""Start-up reconciliation of the catalog with the durable tiers.
+
+The files are the truth for payloads, the catalog for what the files do not record (parents,
+hit counts, TTLs). After a crash the two disagree by at most the catalog's last write-behind
+batch, plus whatever was changed by hand:
+
+* a file without a row (its row was still queued, or the catalog is new) is *adopted*: a row
+  is inserted, after reading the payload back to verify its checksum (``verify=True``; the disk
+  tier quarantines a file that fails, which is then counted as *quarantined*);
+* a row without a file (the file was deleted or quarantined) is *dropped*.
+
+Run it at start-up, after building the store (``reconcile(catalog, store)``) and before serving.
+
+``CatalogRecoveredTier`` goes the other way: wrapped around a durable tier before the store is
+built, it fills in what the tier's start-up scan cannot know (a block's parent, its last access)
+from the catalog, so that the store's adopted blocks form chains again (sessions re-pin their
+whole chain; chain tails are evicted first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from itertools import islice
+from typing import Any
+
+import torch
+import xxhash
+
+from sessioncache.catalog.writer import BlockRecord, Catalog
+from sessioncache.hashing import BlockHash
+from sessioncache.store import DEFAULT_TTL_S, TieredStore
+from tiers.base import RecoverableTier, RecoveredBlock, Tier
+from tiers.payload import Payload, as_memoryview
+
+log = logging.getLogger("sessioncache.catalog.reconcile")
+
+_BATCH = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    adopted: int
+    """Files without a row that passed verification: a row was inserted."""
+    quarantined: int
+    """Files without a row that failed verification (quarantined by the tier)."""
+    dropped_rows: int
+    """Rows whose block the tier does not hold: deleted."""
+    kept: int
+    """Rows matching a file."""
+    seconds: float
+
+
+def checksum_of(data: torch.Tensor) -> bytes:
+    """The catalog's ``checksum`` of a payload: XXH3-64, 8 bytes big-endian."""
+    return xxhash.xxh3_64_intdigest(as_memoryview(data)).to_bytes(8, "big")
+
+
+def reconcile(
+    catalog: Catalog,
+    target: TieredStore | Tier | Sequence[Tier],
+    *,
+    verify: bool = True,
+    default_ttl_s: float = DEFAULT_TTL_S,
+) -> ReconcileReport:
+    """Make the catalog's block rows match the durable tiers of ``target`` (a store, a tier or
+    a list of tiers); see the module docstring. Non-durable tiers are skipped.
+
+    With a store, the rows of adopted blocks take the store's view of them (parent, TTL), a
+    file failing verification is dropped from the store too, and the catalog learns which
+    tiers are durable (``Catalog.bind_tiers``). ``default_ttl_s`` is the TTL given to rows of
+    blocks the store does not know (a bare tier).
+    """
+    start = time.perf_counter()
+    store = target if isinstance(target, TieredStore) else None
+    if isinstance(target, TieredStore):
+        tiers = target.tiers
+        catalog.bind_tiers(tiers)
+    elif isinstance(target, Tier):
+        tiers = [target]
+    else:
+        tiers = list(target)
+    catalog.flush()
+    adopted = quarantined = dropped = kept = 0
+    for tier in tiers:
+        if not tier.durable:
+            continue
+        a, q, d, k = _reconcile_tier(catalog, tier, store, verify, default_ttl_s)
+        adopted, quarantined, dropped, kept = adopted + a, quarantined + q, dropped + d, kept + k
+        log.info(
+            "catalog reconciled with tier %r: %d rows kept, %d files adopted, %d quarantined, "
+            "%d rows dropped",
+            tier.name,
+            k,
+            a,
+            q,
+            d,
+        )
+    report = ReconcileReport(adopted, quarantined, dropped, kept, time.perf_counter() - start)
+    log.info(
+        "catalog reconciled in %.3fs: adopted %d, quarantined %d, dropped %d rows",
+        report.seconds,
+        adopted,
+        quarantined,
+        dropped,
+    )
+    return report
+
+
+def _reconcile_tier(
+    catalog: Catalog,
+    tier: Tier,
+    store: TieredStore | None,
+    verify: bool,
+    default_ttl_s: float,
+) -> tuple[int, int, int, int]:
+    rows = set(catalog.iter_block_ids(tier.name))
+    held = set(tier.keys())
+    recovered: dict[BlockHash, RecoveredBlock] = {}
+    if isinstance(tier, RecoverableTier):
+        recovered = {b.block_hash: b for b in tier.recovered() if b.block_hash not in rows}
+    adopted = quarantined = 0
+    batch: list[BlockRecord] = []
+    for block_hash in sorted(held - rows):
+        meta = store.meta(block_hash) if store is not None else None
+        found = recovered.get(block_hash)
+        if meta is None and found is None:
+            continue  # stored after the scan without our observer: nothing to describe it
+        checksum = None
+        if verify:
+            data = tier.get(block_hash)
+            if data is None:
+                quarantined += 1
+                if store is not None and store.where(block_hash) == [tier.name]:
+                    store.delete([block_hash])
+                continue
+            checksum = checksum_of(data)
+        if meta is not None:
+            record = BlockRecord.from_meta(meta, tier.name, checksum)
+        else:
+            assert found is not None
+            record = BlockRecord(
+                block_id=block_hash,
+                tier=tier.name,
+                namespace_root=found.namespace_root,
+                parent=found.parent,
+                nbytes=found.nbytes,
+                created=found.mtime,
+                last_access=found.mtime,
+                expires_at=found.mtime + default_ttl_s,
+                ttl_s=default_ttl_s,
+                checksum=checksum,
+            )
+        batch.append(record)
+        if len(batch) >= _BATCH:
+            adopted += catalog.upsert_blocks(batch)
+            batch.clear()
+    adopted += catalog.upsert_blocks(batch)
+    gone = rows - held
+    dropped = catalog.delete_blocks(tier.name, gone) if gone else 0
+    return adopted, quarantined, dropped, len(rows & held)
+
+
+class CatalogRecoveredTier:
+    """A durable tier whose ``recovered()`` takes each block's parent and last access from
+    the catalog's rows (see the module docstring); everything else goes to the tier as is.
+
+    Build the store over it: ``TieredStore([..., CatalogRecoveredTier(disk, catalog)])``.
+    """
+
+    def __init__(self, tier: Tier, catalog: Catalog) -> None:
+        if not isinstance(tier, RecoverableTier):
+            raise TypeError(f"tier {tier.name!r} cannot say what it recovered")
+        self._tier = tier
+        self._catalog = catalog
+
+    @property
+    def inner(self) -> Tier:
+        return self._tier
+
+    def recovered(self) -> Iterator[RecoveredBlock]:
+        assert isinstance(self._tier, RecoverableTier)
+        self._catalog.flush()
+        found = iter(self._tier.recovered())
+        while chunk := list(islice(found, _BATCH)):
+            rows = self._catalog.lookup_blocks(self._tier.name, [b.block_hash for b in chunk])
+            for block in chunk:
+                row = rows.get(block.block_hash)
+                if row is None or row.namespace_root != block.namespace_root:
+                    yield block
+                    continue
+                yield replace(
+                    block,
+                    parent=row.parent if row.parent is not None else block.parent,
+                    mtime=max(block.mtime, row.last_access),
+                )
+
+    # -- the Tier protocol, delegated -----------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._tier.name
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._tier.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._tier.used_bytes
+
+    @property
+    def durable(self) -> bool:
+        return self._tier.durable
+
+    def fits(self, nbytes: int) -> bool:
+        return self._tier.fits(nbytes)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return self._tier.contains(block_hash)
+
+    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
+        return self._tier.get(block_hash)
+
+    def put(self, block_hash: BlockHash, payload: Payload, namespace_root: bytes) -> None:
+        self._tier.put(block_hash, payload, namespace_root)
+
+    def delete(self, block_hash: BlockHash) -> int:
+        return self._tier.delete(block_hash)
+
+    def keys(self) -> list[BlockHash]:
+        return self._tier.keys()
+
+    def close(self) -> None:
+        self._tier.close()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._tier, name)
