@@ -51,8 +51,16 @@ def start_server(data_dir: Path, env: dict[str, str] | None = None) -> Server:
         **(env or {}),
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "sessioncache.cli", "serve", "--port", str(port),
-         "--data-dir", str(data_dir)],
+        [
+            sys.executable,
+            "-m",
+            "sessioncache.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
         env=full_env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,

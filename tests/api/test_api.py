@@ -29,13 +29,18 @@ def payload(hex_id: str) -> bytes:
     return (bytes.fromhex(hex_id) * (BLOCK // 16))[:BLOCK]
 
 
-def store_all(client: httpx.Client, ns: dict[str, object], toks: list[int], **extra: object) -> list[str]:
+def store_all(
+    client: httpx.Client, ns: dict[str, object], toks: list[int], **extra: object
+) -> list[str]:
     plan = client.post("/v1/store", json={"namespace": ns, "tokens": toks, **extra})
     assert plan.status_code == 200, plan.text
     body = plan.json()
     for h in body["missing"]:
-        r = client.put(f"/v1/blocks/{h}", content=payload(h),
-                       headers={"content-type": "application/octet-stream"})
+        r = client.put(
+            f"/v1/blocks/{h}",
+            content=payload(h),
+            headers={"content-type": "application/octet-stream"},
+        )
         assert r.status_code == 200, r.text
         assert r.json() == {"hash": h, "stored": True, "durable": True}
     hashes: list[str] = body["hashes"]
@@ -181,11 +186,22 @@ def test_operations_endpoints(client: httpx.Client):
     assert {t["name"] for t in stats["tiers"]} == {"cpu", "disk"}
     metrics = client.get("/metrics")
     assert metrics.status_code == 200
-    for name in ("sessioncache_hit_tokens_total", "sessioncache_tier_used_bytes",
-                 "sessioncache_evictions_total", "sessioncache_request_seconds_bucket"):
+    for name in (
+        "sessioncache_hit_tokens_total",
+        "sessioncache_tier_used_bytes",
+        "sessioncache_evictions_total",
+        "sessioncache_request_seconds_bucket",
+    ):
         assert name in metrics.text
     spec = client.get("/openapi.json").json()
-    for path in ("/v1/lookup", "/v1/store", "/v1/blocks/{block_hash}", "/v1/blocks/batch",
-                 "/v1/sessions", "/v1/sessions/{session_id}", "/v1/stats"):
+    for path in (
+        "/v1/lookup",
+        "/v1/store",
+        "/v1/blocks/{block_hash}",
+        "/v1/blocks/batch",
+        "/v1/sessions",
+        "/v1/sessions/{session_id}",
+        "/v1/stats",
+    ):
         assert path in spec["paths"]
     assert client.get("/docs").status_code == 200

@@ -34,8 +34,9 @@ def globex(auth_server: Server) -> Iterator[httpx.Client]:
 
 def test_missing_or_unknown_key_is_401(auth_server: Server):
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic a2V5"}):
-        r = httpx.post(f"{auth_server.url}/v1/lookup", json={"namespace": NS, "tokens": TOKS},
-                       headers=headers)
+        r = httpx.post(
+            f"{auth_server.url}/v1/lookup", json={"namespace": NS, "tokens": TOKS}, headers=headers
+        )
         assert r.status_code == 401 and r.json()["error"] == "AuthRequired"
     assert httpx.get(f"{auth_server.url}/healthz").status_code == 200
 
@@ -60,9 +61,10 @@ def test_tenants_are_isolated(acme: httpx.Client, globex: httpx.Client):
     plan = acme.post("/v1/store", json={"namespace": NS, "tokens": TOKS}).json()
     for h in plan["missing"]:
         assert acme.put(f"/v1/blocks/{h}", content=b"A" * 64).status_code == 200
-    assert acme.post("/v1/lookup", json={"namespace": NS, "tokens": TOKS}).json()[
-        "matched_blocks"
-    ] == 4
+    assert (
+        acme.post("/v1/lookup", json={"namespace": NS, "tokens": TOKS}).json()["matched_blocks"]
+        == 4
+    )
     # globex, same tokens and even acme's salt spelled out: no hit, no read, no overwrite
     for ns in (NS, {**NS, "salt": "acme"}):
         out = globex.post("/v1/lookup", json={"namespace": ns, "tokens": TOKS}).json()
