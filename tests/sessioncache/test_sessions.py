@@ -194,3 +194,38 @@ def test_configured_kinds_and_extend(clock: ManualClock):
     clock.advance(HOUR)
     extended = sm.extend(batch.id, ttl_s=20 * DAY_S)
     assert extended.expires_at == clock.now() + 20 * DAY_S
+
+
+def test_worked_example_of_docs_sessions_md():
+    """docs/sessions.md's table, step by step (block_tokens 4 here; the shape is the same)."""
+    clock = ManualClock(start=0.0)
+    store = TieredStore([CpuTier(100 * SIZE), CpuTier(1000 * SIZE, name="disk-like")], clock=clock)
+    sm = SessionManager(store, idle_timeout_s=HOUR)
+    system = tokens(1, 10)
+    a_prompt = block_hashes(NS, system + tokens(2, 10))
+    c_prompt = block_hashes(NS, system + tokens(3, 5))
+    sm.open("A", kind="agent")
+    store_turn(sm, "A", a_prompt)  # Mon 09:00
+    assert store.meta(a_prompt[15]).expires_at == 3 * DAY_S  # type: ignore[union-attr]
+    clock.advance(300)  # Mon 09:05
+    sm.open("C", kind="chat")
+    store_turn(sm, "C", c_prompt)
+    assert store.meta(a_prompt[0]).ttl_s == 7 * DAY_S  # type: ignore[union-attr]
+    assert store.meta(a_prompt[15]).ttl_s == 3 * DAY_S  # type: ignore[union-attr]
+    clock.advance(HOUR)  # Mon 10:05
+    assert sm.sweep().idle_unpinned == 2 and store.stats().pinned_blocks == 0
+    clock.advance(3300)  # Mon 11:00: 300 blocks of session-less traffic
+    for i in range(100):
+        other = block_hashes(NS, tokens(1000 + i, 3))
+        store.put(other, [data(h) for h in other], namespace_root=ROOT)
+    assert store.lookup(a_prompt).num_blocks == 20  # demoted, not lost
+    clock.advance(2 * DAY_S + 4 * HOUR)  # Wed 15:00
+    longer = block_hashes(NS, system + tokens(2, 10) + tokens(4, 3))
+    store_turn(sm, "A", longer)
+    assert sm.get("A").expires_at == clock.now() + 3 * DAY_S and sm.get("A").pinned
+    wednesday = clock.now()
+    clock.advance(3 * DAY_S + 60)  # Sat 15:01
+    report = sm.sweep()
+    assert report.expired_sessions == 1
+    assert store.meta(longer[0]).expires_at == wednesday + 7 * DAY_S  # type: ignore[union-attr]
+    assert store.lookup(longer).num_blocks == 10  # the shared system prompt only
