@@ -1,0 +1,405 @@
+"""``SessionCacheClient`` (sync) and ``AsyncSessionCacheClient``: the REST API v1 for engines.
+
+The two classes mirror each other method for method; all request building, response parsing
+and id checking lives in ``sessioncache.connector.protocol``, so they differ only in ``await``.
+
+Block ids are computed here with the same code as the server (``sessioncache.hashing``), and
+every id the server returns is checked against the client's own: a mismatch (another hash
+seed, another namespace, another tenant salt) raises ``IdMismatch`` instead of letting an
+engine reuse KV that is not its own. With an API key, the server salts every namespace with
+the caller's tenant; the client learns its tenant once from ``GET /v1/whoami`` (lazily, on the
+first call that needs ids) and derives the same salt.
+
+One client holds one pooled HTTP connection set (``httpx``), safe to share between threads
+(sync) or tasks (async). Transient failures are retried by ``retry`` (see ``retry.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from sessioncache.connector import protocol
+from sessioncache.connector.errors import TransportError
+from sessioncache.connector.protocol import (
+    LookupResult,
+    PayloadSource,
+    Reply,
+    Request,
+    Session,
+    StoreResult,
+    Upload,
+    WhoAmI,
+)
+from sessioncache.connector.retry import ExponentialWithJitterBackoff, Retry
+from sessioncache.errors import InvalidInput
+from sessioncache.hashing import BlockHash, Namespace, Tokens
+
+__all__ = ["AsyncSessionCacheClient", "SessionCacheClient"]
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def default_retry() -> Retry:
+    """Three attempts, 50 ms then 100 ms (full jitter)."""
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), attempts=3)
+
+
+class _ClientBase:
+    """State and checks common to both clients (no I/O)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        namespace: Namespace,
+        api_key: str | None,
+        timeout: float | httpx.Timeout,
+        retry: Retry | None,
+        seed: int,
+        max_connections: int,
+        headers: Mapping[str, str] | None,
+    ) -> None:
+        if not isinstance(namespace, Namespace):
+            raise InvalidInput("namespace must be a sessioncache.Namespace")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            raise InvalidInput(f"seed must be an unsigned 64-bit integer, got {seed!r}")
+        if max_connections < 1:
+            raise InvalidInput("max_connections must be >= 1")
+        self.base_url = base_url.rstrip("/")
+        self.namespace = namespace
+        self.seed = seed
+        self.retry = retry if retry is not None else default_retry()
+        self._api_key = api_key
+        # Without a key there is no tenant salt (a server with auth on answers 401 anyway).
+        self._effective: Namespace | None = namespace if api_key is None else None
+        all_headers = {"user-agent": "sessioncache-connector/1", **(headers or {})}
+        if api_key is not None:
+            all_headers["authorization"] = f"Bearer {api_key}"
+        self._http_kwargs: dict[str, Any] = {
+            "base_url": self.base_url,
+            "timeout": timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout),
+            "limits": httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            "headers": all_headers,
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url!r}, model={self.namespace.model!r})"
+
+    def _learn(self, who: WhoAmI) -> WhoAmI:
+        self._effective = protocol.effective_namespace(self.namespace, who)
+        return who
+
+    def _prompt(self, effective: Namespace, tokens: Tokens) -> protocol.Prompt:
+        return protocol.prompt(effective, tokens, self.seed)
+
+
+def _transport_error(request: Request, exc: Exception) -> TransportError:
+    return TransportError(f"{request.method} {request.path}: {type(exc).__name__}: {exc}")
+
+
+class SessionCacheClient(_ClientBase):
+    """A blocking client of one sessioncache service (see the module docstring).
+
+    ``namespace`` is the engine's KV namespace (model, block size, KV dtype and layout, and
+    optionally a salt and a LoRA); ``seed`` must equal the service's ``SESSIONCACHE_HASH_SEED``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        namespace: Namespace,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
+        retry: Retry | None = None,
+        seed: int = 0,
+        max_connections: int = 16,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            base_url,
+            namespace=namespace,
+            api_key=api_key,
+            timeout=timeout,
+            retry=retry,
+            seed=seed,
+            max_connections=max_connections,
+            headers=headers,
+        )
+        self._http = httpx.Client(**self._http_kwargs, transport=transport)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _send_once(self, request: Request) -> Reply:
+        try:
+            r = self._http.request(
+                request.method,
+                request.path,
+                json=request.json,
+                content=request.content,
+                headers=request.headers,
+            )
+        except httpx.TransportError as exc:
+            raise _transport_error(request, exc) from exc
+        return protocol.check(Reply(r.status_code, r.headers, r.content))
+
+    def _send(self, request: Request) -> Reply:
+        return self.retry.call(lambda: self._send_once(request))
+
+    def _effective_namespace(self) -> Namespace:
+        if self._effective is None:
+            self.whoami()
+        assert self._effective is not None
+        return self._effective
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- ids -------------------------------------------------------------------------------
+
+    def whoami(self) -> WhoAmI:
+        """The caller's tenant and whether the server has auth on (remembered for the salt)."""
+        return self._learn(protocol.parse_whoami(self._send(protocol.whoami_request())))
+
+    def block_hashes(self, tokens: Tokens) -> list[BlockHash]:
+        """The ids the service gives the full blocks of ``tokens`` for this client."""
+        return self._prompt(self._effective_namespace(), tokens).hashes
+
+    # -- data path -------------------------------------------------------------------------
+
+    def lookup(
+        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+    ) -> LookupResult:
+        """The longest cached prefix of ``tokens``' full blocks; with ``lease_ms`` the matched
+        blocks are pinned that long (release early with ``release``)."""
+        p = self._prompt(self._effective_namespace(), tokens)
+        request = protocol.lookup_request(
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+        )
+        return protocol.parse_lookup(self._send(request), p)
+
+    def load(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        """The payloads of ``hashes`` in order (None for a block not held), in batches."""
+        out: list[bytes | None] = []
+        for chunk in protocol.batch_chunks(hashes):
+            out += protocol.parse_batch(self._send(protocol.batch_request(chunk)), chunk)
+        return out
+
+    def store(
+        self,
+        tokens: Tokens,
+        payloads: PayloadSource,
+        *,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> StoreResult:
+        """Store the KV of ``tokens``' full blocks: plan with ``POST /v1/store``, then upload
+        each block the server lacks. ``payloads`` is a function of the block index or a
+        sequence with one payload per full block; only the missing blocks' are read."""
+        p = self._prompt(self._effective_namespace(), tokens)
+        request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
+        plan = protocol.parse_store(self._send(request), p)
+        uploads: list[Upload] = []
+        for h in plan.missing:
+            payload = protocol.payload_for(payloads, plan.index[h])
+            reply = self._send(protocol.upload_request(h, payload))
+            uploads.append(protocol.parse_upload(reply))
+        return protocol.store_result(plan, uploads)
+
+    def release(self, lease_id: str) -> None:
+        """Release a lookup's lease before it expires."""
+        self._send(protocol.release_request(lease_id))
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def open_session(
+        self, session_id: str | None = None, *, kind: str = "agent", ttl_s: float | None = None
+    ) -> Session:
+        """Open a session (or get the caller's open session with that id)."""
+        return protocol.parse_session(
+            self._send(protocol.open_session_request(session_id, kind, ttl_s))
+        )
+
+    def get_session(self, session_id: str) -> Session:
+        return protocol.parse_session(self._send(protocol.get_session_request(session_id)))
+
+    def extend_session(self, session_id: str, *, ttl_s: float | None = None) -> Session:
+        """Slide the session's expiry (optionally with a new TTL)."""
+        return protocol.parse_session(
+            self._send(protocol.extend_session_request(session_id, ttl_s))
+        )
+
+    def close_session(self, session_id: str) -> None:
+        """Close the session: its pins go, its blocks age out by TTL."""
+        self._send(protocol.close_session_request(session_id))
+
+    def list_sessions(self) -> list[Session]:
+        return protocol.parse_sessions(self._send(protocol.list_sessions_request()))
+
+
+class AsyncSessionCacheClient(_ClientBase):
+    """The ``asyncio`` mirror of ``SessionCacheClient``: the same methods, awaited."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        namespace: Namespace,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
+        retry: Retry | None = None,
+        seed: int = 0,
+        max_connections: int = 16,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            base_url,
+            namespace=namespace,
+            api_key=api_key,
+            timeout=timeout,
+            retry=retry,
+            seed=seed,
+            max_connections=max_connections,
+            headers=headers,
+        )
+        self._http = httpx.AsyncClient(**self._http_kwargs, transport=transport)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    async def _send_once(self, request: Request) -> Reply:
+        try:
+            r = await self._http.request(
+                request.method,
+                request.path,
+                json=request.json,
+                content=request.content,
+                headers=request.headers,
+            )
+        except httpx.TransportError as exc:
+            raise _transport_error(request, exc) from exc
+        return protocol.check(Reply(r.status_code, r.headers, r.content))
+
+    async def _send(self, request: Request) -> Reply:
+        return await self.retry.acall(lambda: self._send_once(request))
+
+    async def _effective_namespace(self) -> Namespace:
+        if self._effective is None:
+            await self.whoami()
+        assert self._effective is not None
+        return self._effective
+
+    async def close(self) -> None:
+        """Close the pooled connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- ids -------------------------------------------------------------------------------
+
+    async def whoami(self) -> WhoAmI:
+        """The caller's tenant and whether the server has auth on (remembered for the salt)."""
+        return self._learn(protocol.parse_whoami(await self._send(protocol.whoami_request())))
+
+    async def block_hashes(self, tokens: Tokens) -> list[BlockHash]:
+        """The ids the service gives the full blocks of ``tokens`` for this client."""
+        return self._prompt(await self._effective_namespace(), tokens).hashes
+
+    # -- data path -------------------------------------------------------------------------
+
+    async def lookup(
+        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+    ) -> LookupResult:
+        """The longest cached prefix of ``tokens``' full blocks; with ``lease_ms`` the matched
+        blocks are pinned that long (release early with ``release``)."""
+        p = self._prompt(await self._effective_namespace(), tokens)
+        request = protocol.lookup_request(
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+        )
+        return protocol.parse_lookup(await self._send(request), p)
+
+    async def load(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        """The payloads of ``hashes`` in order (None for a block not held), in batches."""
+        out: list[bytes | None] = []
+        for chunk in protocol.batch_chunks(hashes):
+            out += protocol.parse_batch(await self._send(protocol.batch_request(chunk)), chunk)
+        return out
+
+    async def store(
+        self,
+        tokens: Tokens,
+        payloads: PayloadSource,
+        *,
+        session_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> StoreResult:
+        """Store the KV of ``tokens``' full blocks: plan with ``POST /v1/store``, then upload
+        each block the server lacks. ``payloads`` is a function of the block index or a
+        sequence with one payload per full block; only the missing blocks' are read."""
+        p = self._prompt(await self._effective_namespace(), tokens)
+        request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
+        plan = protocol.parse_store(await self._send(request), p)
+        uploads: list[Upload] = []
+        for h in plan.missing:
+            payload = protocol.payload_for(payloads, plan.index[h])
+            reply = await self._send(protocol.upload_request(h, payload))
+            uploads.append(protocol.parse_upload(reply))
+        return protocol.store_result(plan, uploads)
+
+    async def release(self, lease_id: str) -> None:
+        """Release a lookup's lease before it expires."""
+        await self._send(protocol.release_request(lease_id))
+
+    # -- sessions --------------------------------------------------------------------------
+
+    async def open_session(
+        self, session_id: str | None = None, *, kind: str = "agent", ttl_s: float | None = None
+    ) -> Session:
+        """Open a session (or get the caller's open session with that id)."""
+        return protocol.parse_session(
+            await self._send(protocol.open_session_request(session_id, kind, ttl_s))
+        )
+
+    async def get_session(self, session_id: str) -> Session:
+        return protocol.parse_session(await self._send(protocol.get_session_request(session_id)))
+
+    async def extend_session(self, session_id: str, *, ttl_s: float | None = None) -> Session:
+        """Slide the session's expiry (optionally with a new TTL)."""
+        return protocol.parse_session(
+            await self._send(protocol.extend_session_request(session_id, ttl_s))
+        )
+
+    async def close_session(self, session_id: str) -> None:
+        """Close the session: its pins go, its blocks age out by TTL."""
+        await self._send(protocol.close_session_request(session_id))
+
+    async def list_sessions(self) -> list[Session]:
+        return protocol.parse_sessions(await self._send(protocol.list_sessions_request()))

@@ -1,0 +1,447 @@
+"""Everything the sync and async clients share: request building, response parsing and the id
+checks. No I/O here: ``SessionCacheClient`` and ``AsyncSessionCacheClient`` only send the
+``Request`` values built here and hand each ``Reply`` back, so the two differ in ``await`` alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeAlias
+
+from sessioncache.connector.errors import IdMismatch, ProtocolError, error_for
+from sessioncache.errors import InvalidInput
+from sessioncache.hashing import (
+    BlockHash,
+    Namespace,
+    Tokens,
+    block_hashes_from_bytes,
+    namespace_root,
+    tokens_to_le_bytes,
+)
+from sessioncache.wire import decode_batch
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+PayloadSource: TypeAlias = Callable[[int], Buffer] | Sequence[Buffer]
+"""Block payloads for a store: a function of the block index, or a sequence indexed by block
+index (one item per full block of the prompt; only the missing blocks' items are read)."""
+
+MAX_BATCH = 4096
+"""The most ids one ``POST /v1/blocks/batch`` may ask for."""
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WhoAmI:
+    tenant: str
+    auth: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest cached prefix of a prompt's full blocks."""
+
+    block_tokens: int
+    hashes: list[BlockHash]
+    """The matched blocks' ids (a prefix of ``prompt_hashes``), checked against the client's."""
+    tiers: list[str]
+    lease: Lease | None
+    prompt_hashes: list[BlockHash]
+    """The client's ids of every full block of the prompt."""
+
+    @property
+    def matched_blocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def matched_tokens(self) -> int:
+        return len(self.hashes) * self.block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    block_tokens: int
+    hashes: list[BlockHash]
+    """Every full block's id (checked against the client's)."""
+    missing: list[BlockHash]
+    """The blocks the server lacked, each of which was uploaded."""
+    stored: int
+    """How many uploads stored a new block (an upload racing another writer may find it held)."""
+    durable: bool
+    """The uploads are on a durable tier (False when nothing was uploaded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    id: str
+    tenant: str
+    kind: str
+    ttl_s: float
+    created: float
+    last_seen: float
+    expires_at: float
+    head: BlockHash | None
+    pinned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: str
+    path: str
+    json: dict[str, Any] | None = None
+    content: bytes | None = None
+    headers: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt as the wire and the id check need it."""
+
+    tokens_b64: str
+    num_tokens: int
+    hashes: list[BlockHash]
+
+
+# -- identity and ids ----------------------------------------------------------------------
+
+
+def effective_namespace(namespace: Namespace, who: WhoAmI | None) -> Namespace:
+    """The namespace the server hashes under: with auth on, the salt is ``"<tenant>"`` or
+    ``"<tenant>/<salt>"`` (docs/hashing.md)."""
+    if who is None or not who.auth:
+        return namespace
+    salt = who.tenant if namespace.salt is None else f"{who.tenant}/{namespace.salt}"
+    return replace(namespace, salt=salt)
+
+
+def prompt(effective: Namespace, tokens: Tokens, seed: int) -> Prompt:
+    token_bytes = tokens_to_le_bytes(tokens)
+    root = namespace_root(effective, seed)
+    return Prompt(
+        tokens_b64=base64.b64encode(token_bytes).decode("ascii"),
+        num_tokens=len(token_bytes) // 4,
+        hashes=block_hashes_from_bytes(root, token_bytes, effective.block_tokens, seed),
+    )
+
+
+def _namespace_json(namespace: Namespace) -> dict[str, Any]:
+    return {
+        "model": namespace.model,
+        "block_tokens": namespace.block_tokens,
+        "kv_dtype": namespace.kv_dtype,
+        "kv_layout": namespace.kv_layout,
+        "salt": namespace.salt,
+        "lora": namespace.lora,
+    }
+
+
+def _hex_list(value: object, what: str) -> list[BlockHash]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{what}: expected a list of ids")
+    out = []
+    for item in value:
+        if not isinstance(item, str) or len(item) != 32:
+            raise ProtocolError(f"{what}: not a block id: {item!r:.80}")
+        try:
+            out.append(BlockHash(bytes.fromhex(item)))
+        except ValueError:
+            raise ProtocolError(f"{what}: not a block id: {item!r:.80}") from None
+    return out
+
+
+def _check_ids(theirs: list[BlockHash], ours: list[BlockHash], what: str) -> None:
+    if len(theirs) > len(ours):
+        raise IdMismatch(f"{what}: the server returned {len(theirs)} ids for {len(ours)} blocks")
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):
+        if a != b:
+            raise IdMismatch(
+                f"{what}: block {i} is {a.hex()} on the server but {b.hex()} here; the client and "
+                "the server disagree on the hash seed, the namespace or the tenant salt"
+            )
+
+
+# -- replies -------------------------------------------------------------------------------
+
+
+def check(reply: Reply) -> Reply:
+    """The reply itself when it is a success, else the matching ``ServerError`` raised."""
+    if reply.status < 400:
+        return reply
+    error, detail = "HTTPError", reply.body[:500].decode("utf-8", "replace")
+    try:
+        body = json.loads(reply.body)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        error = body["error"]
+        detail = str(body.get("detail", ""))
+    exc = error_for(reply.status, error, detail)
+    retry_after = _retry_after(reply.headers)
+    if retry_after is not None:
+        exc.retry_after = retry_after
+    raise exc
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # an HTTP date: rare from a cache service; the backoff applies
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _json(reply: Reply) -> dict[str, Any]:
+    try:
+        body = json.loads(reply.body)
+    except ValueError as exc:
+        raise ProtocolError(f"not JSON: {reply.body[:200]!r}") from exc
+    if not isinstance(body, dict):
+        raise ProtocolError("expected a JSON object")
+    return body
+
+
+def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ProtocolError(f"field {name!r} missing or of the wrong type")
+    return value
+
+
+# -- requests and their parsers ------------------------------------------------------------
+
+
+def whoami_request() -> Request:
+    return Request("GET", "/v1/whoami")
+
+
+def parse_whoami(reply: Reply) -> WhoAmI:
+    body = _json(reply)
+    return WhoAmI(tenant=_field(body, "tenant", str), auth=_field(body, "auth", bool))
+
+
+def lookup_request(
+    namespace: Namespace, p: Prompt, *, session_id: str | None, lease_ms: int | None
+) -> Request:
+    body: dict[str, Any] = {"namespace": _namespace_json(namespace), "tokens_b64": p.tokens_b64}
+    if session_id is not None:
+        body["session_id"] = session_id
+    if lease_ms is not None:
+        body["lease_ms"] = lease_ms
+    return Request("POST", "/v1/lookup", json=body)
+
+
+def parse_lookup(reply: Reply, p: Prompt) -> LookupResult:
+    body = _json(reply)
+    blocks = _field(body, "blocks", list)
+    if not all(isinstance(b, dict) for b in blocks):
+        raise ProtocolError("blocks: expected objects")
+    hashes = _hex_list([b.get("hash") for b in blocks], "lookup")
+    tiers = [str(b.get("tier", "")) for b in blocks]
+    if _field(body, "matched_blocks", int) != len(hashes):
+        raise ProtocolError("lookup: matched_blocks does not match the blocks listed")
+    _check_ids(hashes, p.hashes, "lookup")
+    lease_body = body.get("lease")
+    lease = None
+    if lease_body is not None:
+        if not isinstance(lease_body, dict):
+            raise ProtocolError("lease: expected an object")
+        lease = Lease(
+            id=_field(lease_body, "id", str),
+            expires_at=float(_field(lease_body, "expires_at", (int, float))),
+        )
+    return LookupResult(
+        block_tokens=_field(body, "block_tokens", int),
+        hashes=hashes,
+        tiers=tiers,
+        lease=lease,
+        prompt_hashes=p.hashes,
+    )
+
+
+def release_request(lease_id: str) -> Request:
+    return Request("DELETE", f"/v1/leases/{_path_part(lease_id)}")
+
+
+def store_request(
+    namespace: Namespace, p: Prompt, *, session_id: str | None, ttl_s: float | None
+) -> Request:
+    body: dict[str, Any] = {"namespace": _namespace_json(namespace), "tokens_b64": p.tokens_b64}
+    if session_id is not None:
+        body["session_id"] = session_id
+    if ttl_s is not None:
+        body["ttl_s"] = ttl_s
+    return Request("POST", "/v1/store", json=body)
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    block_tokens: int
+    hashes: list[BlockHash]
+    missing: list[BlockHash]
+    index: dict[BlockHash, int]
+
+
+def parse_store(reply: Reply, p: Prompt) -> StorePlan:
+    body = _json(reply)
+    hashes = _hex_list(body.get("hashes"), "store")
+    missing = _hex_list(body.get("missing"), "store")
+    _check_ids(hashes, p.hashes, "store")
+    if len(hashes) != len(p.hashes):
+        raise IdMismatch(f"store: the server has {len(hashes)} blocks, the client {len(p.hashes)}")
+    index = {h: i for i, h in enumerate(hashes)}
+    if any(h not in index for h in missing):
+        raise ProtocolError("store: a missing id that is not one of the prompt's")
+    return StorePlan(_field(body, "block_tokens", int), hashes, missing, index)
+
+
+def payload_for(source: PayloadSource, index: int) -> bytes:
+    """Block ``index``'s payload from a store's payload source, as non-empty bytes."""
+    if callable(source):
+        data = source(index)
+    else:
+        if index >= len(source):
+            raise InvalidInput(
+                f"no payload for block {index}: the sequence has {len(source)} (one per full "
+                "block of the prompt, in order)"
+            )
+        data = source[index]
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidInput(f"payload of block {index} is {type(data).__name__}, not bytes")
+    data = bytes(data)
+    if not data:
+        raise InvalidInput(f"payload of block {index} is empty")
+    return data
+
+
+def upload_request(block_hash: BlockHash, payload: bytes) -> Request:
+    return Request(
+        "PUT",
+        f"/v1/blocks/{block_hash.hex()}",
+        content=payload,
+        headers={"content-type": "application/octet-stream"},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    stored: bool
+    durable: bool
+
+
+def parse_upload(reply: Reply) -> Upload:
+    body = _json(reply)
+    return Upload(stored=_field(body, "stored", bool), durable=_field(body, "durable", bool))
+
+
+def store_result(plan: StorePlan, uploads: Sequence[Upload]) -> StoreResult:
+    return StoreResult(
+        block_tokens=plan.block_tokens,
+        hashes=plan.hashes,
+        missing=plan.missing,
+        stored=sum(u.stored for u in uploads),
+        durable=bool(uploads) and all(u.durable for u in uploads),
+    )
+
+
+def batch_chunks(hashes: Sequence[bytes]) -> list[list[BlockHash]]:
+    """Ids to read, in chunks of at most ``MAX_BATCH``."""
+    ids = []
+    for h in hashes:
+        if not isinstance(h, bytes) or len(h) != 16:
+            raise InvalidInput(f"a block id is 16 bytes, got {h!r:.80}")
+        ids.append(BlockHash(h))
+    return [ids[i : i + MAX_BATCH] for i in range(0, len(ids), MAX_BATCH)]
+
+
+def batch_request(chunk: Sequence[BlockHash]) -> Request:
+    return Request("POST", "/v1/blocks/batch", json={"hashes": [h.hex() for h in chunk]})
+
+
+def parse_batch(reply: Reply, chunk: Sequence[BlockHash]) -> list[bytes | None]:
+    try:
+        records = decode_batch(reply.body)
+    except InvalidInput as exc:
+        raise ProtocolError(f"block batch: {exc}") from exc
+    if [r[0] for r in records] != list(chunk):
+        raise ProtocolError("block batch: the records do not answer the ids asked, in order")
+    return [payload for _, payload in records]
+
+
+def _path_part(value: str) -> str:
+    if not value or "/" in value or any(c.isspace() for c in value):
+        raise InvalidInput(f"not a valid id: {value!r:.80}")
+    return value
+
+
+def open_session_request(session_id: str | None, kind: str, ttl_s: float | None) -> Request:
+    body: dict[str, Any] = {"kind": kind}
+    if session_id is not None:
+        body["session_id"] = session_id
+    if ttl_s is not None:
+        body["ttl_s"] = ttl_s
+    return Request("POST", "/v1/sessions", json=body)
+
+
+def get_session_request(session_id: str) -> Request:
+    return Request("GET", f"/v1/sessions/{_path_part(session_id)}")
+
+
+def extend_session_request(session_id: str, ttl_s: float | None) -> Request:
+    body: dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
+    return Request("POST", f"/v1/sessions/{_path_part(session_id)}/extend", json=body)
+
+
+def close_session_request(session_id: str) -> Request:
+    return Request("DELETE", f"/v1/sessions/{_path_part(session_id)}")
+
+
+def list_sessions_request() -> Request:
+    return Request("GET", "/v1/sessions")
+
+
+def _session(body: Mapping[str, Any]) -> Session:
+    head = body.get("head")
+    return Session(
+        id=_field(body, "id", str),
+        tenant=_field(body, "tenant", str),
+        kind=_field(body, "kind", str),
+        ttl_s=float(_field(body, "ttl_s", (int, float))),
+        created=float(_field(body, "created", (int, float))),
+        last_seen=float(_field(body, "last_seen", (int, float))),
+        expires_at=float(_field(body, "expires_at", (int, float))),
+        head=None if head is None else _hex_list([head], "session head")[0],
+        pinned=_field(body, "pinned", bool),
+    )
+
+
+def parse_session(reply: Reply) -> Session:
+    return _session(_json(reply))
+
+
+def parse_sessions(reply: Reply) -> list[Session]:
+    sessions = _field(_json(reply), "sessions", list)
+    if not all(isinstance(s, dict) for s in sessions):
+        raise ProtocolError("sessions: expected objects")
+    return [_session(s) for s in sessions]
