@@ -13,8 +13,10 @@ class BlockMeta:
 
     ``tiers`` holds the indices of the tiers that have the payload (a promoted block is in
     several); ``child_count[t]`` counts this block's children held in tier ``t``, which keeps
-    a parent from being evicted before its tail. ``ref_cnt`` counts pins: leases, live
-    sessions and in-flight moves; a block with ``ref_cnt > 0`` is never a victim.
+    a parent from being evicted before its tail. ``held_kids`` counts its children held in any
+    tier: the last copy of a parent is not dropped while a child of it is held anywhere.
+    ``ref_cnt`` counts pins: leases, live sessions and in-flight moves; a block with
+    ``ref_cnt > 0`` is never a victim.
     """
 
     block_hash: BlockHash
@@ -28,6 +30,7 @@ class BlockMeta:
     child_count: list[int]
     tiers: set[int] = field(default_factory=set)
     ref_cnt: int = 0
+    held_kids: int = 0
     hit_count: int = 0
     touch_op: int = 0
     touch_seq: int = 0
@@ -39,6 +42,10 @@ class BlockMeta:
     def expired(self, now: float) -> bool:
         return self.expires_at <= now
 
-    def evictable_from(self, tier: int) -> bool:
-        """Unpinned, held in ``tier``, and the tail of its chain there."""
-        return self.ref_cnt == 0 and tier in self.tiers and self.child_count[tier] == 0
+    def evictable_from(self, tier: int, *, last: bool = False) -> bool:
+        """Unpinned, held in ``tier``, and the tail of its chain there; from the ``last``
+        tier (where a victim is dropped, not demoted) also not the last copy of a parent
+        whose child is held elsewhere."""
+        if self.ref_cnt or tier not in self.tiers or self.child_count[tier]:
+            return False
+        return not last or not self.held_kids or len(self.tiers) > 1

@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     session_kinds: dict[str, float] = Field(
         default_factory=dict, description="Extra session kinds: name -> TTL seconds."
     )
-    idle_timeout_s: float = Field(3600.0, gt=0, description="Idle time that releases pins.")
+    idle_timeout_s: float = Field(300.0, gt=0, description="Idle time that releases pins.")
     pin_share: float = Field(0.5, ge=0, le=1, description="Share of a tier pins may hold.")
     sweep_interval_s: float = Field(60.0, gt=0, description="Period of the background sweep.")
 

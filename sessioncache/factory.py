@@ -59,10 +59,12 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         clock=clock,
     )
     try:
-        tiers: list[Tier] = [
-            CatalogRecoveredTier(t, catalog) if isinstance(t, RecoverableTier) else t
-            for t in build_tiers(settings)
-        ]
+        tiers: list[Tier] = []
+        for tier in build_tiers(settings):
+            # the catalog restores the LRU order (last access) the files do not record
+            tiers.append(
+                CatalogRecoveredTier(tier, catalog) if isinstance(tier, RecoverableTier) else tier
+            )
         store = TieredStore(
             tiers,
             clock=clock,

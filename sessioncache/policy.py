@@ -3,7 +3,9 @@
 Order, per tier:
 1. Pinned blocks (``ref_cnt > 0``: leases, live sessions, in-flight moves) are never victims.
 2. A block whose child is held in the same tier is not a victim before that child: chains are
-   evicted tail first, since a child is useless without its parent.
+   evicted tail first, since a child is useless without its parent. In the last tier, where
+   victims are dropped rather than demoted, the last copy of a parent is not a victim while
+   a child of it is held in any tier.
 3. Among the remaining chain tails, expired blocks (``expires_at <= now``) go first, earliest
    expiry first.
 4. Then least recently used first. Blocks touched at the same instant are ordered by the
@@ -33,12 +35,13 @@ class EvictionPolicy:
     """TTL first, then LRU over unpinned chain tails (see module docstring)."""
 
     def __init__(self, num_tiers: int) -> None:
+        self._last = num_tiers - 1
         self._expiry: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._lru: list[list[_Entry]] = [[] for _ in range(num_tiers)]
 
     def track(self, meta: BlockMeta, tier: int) -> None:
         """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail there."""
-        if not meta.evictable_from(tier):
+        if not meta.evictable_from(tier, last=tier == self._last):
             return
         op, neg_seq = meta.touch_op, -meta.touch_seq
         heapq.heappush(self._expiry[tier], (meta.expires_at, op, neg_seq, meta.block_hash))
@@ -83,11 +86,10 @@ class EvictionPolicy:
         for meta in metas:
             self.track(meta, tier)
 
-    @staticmethod
     def _candidate(
-        entry: _Entry, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]
+        self, entry: _Entry, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]
     ) -> BlockMeta | None:
         meta = lookup(entry[3])
-        if meta is None or not meta.evictable_from(tier):
+        if meta is None or not meta.evictable_from(tier, last=tier == self._last):
             return None
         return meta

@@ -36,7 +36,7 @@ from tiers.payload import Payload
 
 DAY_S = 86400.0
 DEFAULT_KIND_TTLS: Mapping[str, float] = {"agent": 3 * DAY_S, "chat": 7 * DAY_S}
-DEFAULT_IDLE_TIMEOUT_S = 3600.0
+DEFAULT_IDLE_TIMEOUT_S = 300.0
 DEFAULT_PIN_SHARE = 0.5
 MAX_SESSION_ID_LEN = 128
 
@@ -345,11 +345,17 @@ class SessionManager:
         self._enforce_pin_budget()
 
     def _pin(self, session: Session, chain: Sequence[BlockHash]) -> None:
-        # Pin the new chain before unpinning the old one: shared blocks never drop to zero.
-        new = self._store.pin(chain)
         old = self._pins.pop(session.id, None)
-        if old:
-            self._store.unpin(old)
+        if old and len(chain) >= len(old) and chain[len(old) - 1] == old[-1]:
+            # The usual turn: the chain only grew. Ids commit to their whole prefix, so equal
+            # last ids mean the old pins are a prefix of the new chain: pin the growth only.
+            old.extend(self._store.pin(chain[len(old) :]))
+            new = old
+        else:
+            # Pin the new chain before unpinning the old: shared blocks never drop to zero.
+            new = self._store.pin(chain)
+            if old:
+                self._store.unpin(old)
         self._pins[session.id] = new
         session.pinned = True
 

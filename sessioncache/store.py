@@ -232,15 +232,16 @@ class TieredStore:
             self._unref_all(lease.hashes)
 
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Pin the held blocks among ``hashes`` (a live session's chain); returns those pinned,
-        which is exactly what a later ``unpin`` must be given."""
+        """Pin the longest held prefix of ``hashes`` (a live session's chain: blocks past a
+        hole are useless); returns the pinned ids, exactly what ``unpin`` must be given."""
         with self._lock:
             pinned: list[BlockHash] = []
             for block_hash in hashes:
                 meta = self._blocks.get(block_hash)
-                if meta is not None:
-                    self._ref(meta)
-                    pinned.append(block_hash)
+                if meta is None or not meta.tiers:
+                    break
+                self._ref(meta)
+                pinned.append(block_hash)
             return pinned
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
@@ -356,7 +357,13 @@ class TieredStore:
         result = PutResult([], [], [])
         prev = parent
         op = next(self._ops)
-        for block_hash, payload, nbytes in zip(hashes, payloads, sizes, strict=True):
+        for i, (block_hash, payload, nbytes) in enumerate(
+            zip(hashes, payloads, sizes, strict=True)
+        ):
+            if result.dropped:
+                # The rest hangs off a dropped block: unreachable, so not worth any room.
+                result.dropped.extend(hashes[i:])
+                break
             meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)
             prev = block_hash
             if meta is None:
@@ -447,7 +454,13 @@ class TieredStore:
             for _ in range(_PLACE_ATTEMPTS):
                 if self._tiers[tier].fits(meta.nbytes):
                     try:
-                        self._tiers[tier].put(meta.block_hash, payload, meta.namespace_root)
+                        self._tiers[tier].put(
+                            meta.block_hash,
+                            payload,
+                            meta.namespace_root,
+                            parent=meta.parent,
+                            expires_at=meta.expires_at,
+                        )
                     except TierFull:
                         continue  # another thread took the room: evict again
                     with self._lock:
@@ -467,7 +480,12 @@ class TieredStore:
             victim = self._policy.next_victim(tier, now, self._blocks.get)
             if victim is None:
                 return False
-            if not victim.expired(now) and _colder(incoming, victim):
+            lost = tier + 1 == len(self._tiers) and len(victim.tiers) == 1
+            if not victim.expired(now) and (
+                _colder(incoming, victim) or (lost and victim.block_hash == incoming.parent)
+            ):
+                # Admitting ``incoming`` would cost a hotter block, or the only copy of its
+                # own parent (orphaning it): ``incoming`` belongs lower down, or nowhere.
                 self._policy.track(victim, tier)
                 return False
             self._counters.evictions += 1
@@ -561,6 +579,8 @@ class TieredStore:
     def _add_to_tier(self, meta: BlockMeta, tier: int) -> None:
         if tier in meta.tiers:
             return
+        if not meta.tiers:
+            self._held_kid_changed(meta, +1)
         meta.tiers.add(tier)
         self._tier_blocks[tier] += 1
         if meta.ref_cnt:
@@ -592,8 +612,20 @@ class TieredStore:
         if parent is not None and tier in parent.tiers:
             parent.child_count[tier] -= 1
             self._policy.track(parent, tier)
-        if not meta.tiers and not meta.ref_cnt:
-            self._forget(meta)
+        if not meta.tiers:
+            self._held_kid_changed(meta, -1)
+            if not meta.ref_cnt:
+                self._forget(meta)
+
+    def _held_kid_changed(self, meta: BlockMeta, delta: int) -> None:
+        """``meta`` gained its first or lost its last copy: its parent's ``held_kids``."""
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        if parent is None:
+            return
+        parent.held_kids += delta
+        if parent.held_kids == 0:
+            for tier in parent.tiers:
+                self._policy.track(parent, tier)
 
     def _forget(self, meta: BlockMeta) -> None:
         if self._blocks.get(meta.block_hash) is not meta:
@@ -731,17 +763,18 @@ class TieredStore:
                 meta.tiers.add(index)
                 self._tier_blocks[index] += 1
                 adopted += 1
-            # Children counts need every record in place first.
-            for meta in self._blocks.values():
-                if index in meta.tiers:
-                    meta.child_count[index] = sum(
-                        1
-                        for kid in self._kids.get(meta.block_hash, ())
-                        if kid in self._blocks and index in self._blocks[kid].tiers
-                    )
-            self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
             if adopted:
                 log.info("adopted %d blocks found in tier %s", adopted, tier.name)
+        # Chain links need every record in place first.
+        for meta in self._blocks.values():
+            for kid_hash in self._kids.get(meta.block_hash, ()):
+                kid = self._blocks[kid_hash]
+                if kid.tiers:
+                    meta.held_kids += 1
+                for index in kid.tiers & meta.tiers:
+                    meta.child_count[index] += 1
+        for index in range(len(self._tiers)):
+            self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
 
 
 def _colder(a: BlockMeta, b: BlockMeta) -> bool:

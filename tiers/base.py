@@ -13,10 +13,12 @@ Primitives (``Tier``):
     contains(h)     whether the block is held
     get(h)          the payload as a 1-D ``torch.uint8`` tensor (possibly a view into tier
                     memory, valid until the block is deleted), or None when absent
-    put(h, payload, namespace_root)
+    put(h, payload, namespace_root, *, parent=None, expires_at=None)
                     stores a copy of the payload; raises ``TierFull`` when it does not fit and
                     ``PayloadSizeError`` for an empty or oversize payload; putting an id that is
-                    already held is a no-op
+                    already held is a no-op. ``parent`` (the previous block of the chain) and
+                    ``expires_at`` (epoch seconds) are hints a tier may keep: the disk tier
+                    records the parent, a shared tier expires the key
     delete(h)       drops the block, returning the bytes freed (0 when absent)
     keys()          a snapshot of the held ids
     close()         releases memory, file handles and threads
@@ -60,7 +62,15 @@ class Tier(Protocol):
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None: ...
 
-    def put(self, block_hash: BlockHash, payload: Payload, namespace_root: bytes) -> None: ...
+    def put(
+        self,
+        block_hash: BlockHash,
+        payload: Payload,
+        namespace_root: bytes,
+        *,
+        parent: BlockHash | None = None,
+        expires_at: float | None = None,
+    ) -> None: ...
 
     def delete(self, block_hash: BlockHash) -> int: ...
 

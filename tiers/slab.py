@@ -120,7 +120,15 @@ class SlabTier:
             assert chunk is not None
             return chunk.tensor[slot.slot]
 
-    def put(self, block_hash: BlockHash, payload: Payload, namespace_root: bytes) -> None:
+    def put(
+        self,
+        block_hash: BlockHash,
+        payload: Payload,
+        namespace_root: bytes,
+        *,
+        parent: BlockHash | None = None,
+        expires_at: float | None = None,
+    ) -> None:
         nbytes = payload_nbytes(payload)
         if nbytes == 0 or nbytes > self._capacity:
             raise PayloadSizeError(

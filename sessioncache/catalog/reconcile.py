@@ -12,9 +12,9 @@ batch, plus whatever was changed by hand:
 Run it at start-up, after building the store (``reconcile(catalog, store)``) and before serving.
 
 ``CatalogRecoveredTier`` goes the other way: wrapped around a durable tier before the store is
-built, it fills in what the tier's start-up scan cannot know (a block's parent, its last access)
-from the catalog, so that the store's adopted blocks form chains again (sessions re-pin their
-whole chain; chain tails are evicted first).
+built, it fills in what the tier's start-up scan cannot know (a block's last access; its parent,
+for a tier whose files do not record it) from the catalog, so that the adopted blocks keep
+their LRU order and chains.
 """
 
 from __future__ import annotations
@@ -224,8 +224,16 @@ class CatalogRecoveredTier:
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
         return self._tier.get(block_hash)
 
-    def put(self, block_hash: BlockHash, payload: Payload, namespace_root: bytes) -> None:
-        self._tier.put(block_hash, payload, namespace_root)
+    def put(
+        self,
+        block_hash: BlockHash,
+        payload: Payload,
+        namespace_root: bytes,
+        *,
+        parent: BlockHash | None = None,
+        expires_at: float | None = None,
+    ) -> None:
+        self._tier.put(block_hash, payload, namespace_root, parent=parent, expires_at=expires_at)
 
     def delete(self, block_hash: BlockHash) -> int:
         return self._tier.delete(block_hash)

@@ -316,3 +316,52 @@ def test_concurrent_put_get_lookup_and_eviction_lose_and_corrupt_nothing():
     for hashes in chains:
         for h in store.lookup(hashes).hashes:
             assert bytes(store.get(h).numpy()) == data(h)
+
+
+# -- regressions found by the trace replay ---------------------------------------------------
+
+
+def test_put_stops_at_the_first_dropped_block(clock: ManualClock):
+    """Blocks after a dropped one are unreachable: storing them would only evict others."""
+    store = one_tier(3, clock)
+    pinned = chain(1, 2)
+    put(store, pinned)
+    store.pin(pinned)
+    clock.advance(1)
+    hashes = chain(2, 3)
+    result = store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
+    assert result.stored == hashes[:1] and result.dropped == hashes[1:]
+    assert store.lookup(pinned).num_blocks == 2 and store.where(hashes[0]) == ["cpu"]
+
+
+def test_put_never_evicts_the_incoming_blocks_own_parent(clock: ManualClock):
+    store = one_tier(3, clock)
+    prefix = chain(1, 4)
+    put(store, prefix[:3])
+    clock.advance(10)
+    match = store.lookup(prefix)  # the engine reads the prefix, then stores its suffix
+    result = store.put(prefix[3:], [data(prefix[3])], namespace_root=ROOT, parent=match.hashes[-1])
+    assert result.dropped == prefix[3:]
+    assert store.lookup(prefix).num_blocks == 3
+
+
+def test_the_last_copy_of_a_parent_outlives_its_children_in_other_tiers(clock: ManualClock):
+    """Chains are evicted tail first across tiers too: a parent whose only copy is on the
+    last tier is not dropped while a child of it is held in a faster tier."""
+    store = TieredStore(
+        [GpuTier(1 * SIZE, device="cpu"), CpuTier(2 * SIZE)], clock=clock, promote_on_get=False
+    )
+    parent, child = chain(1, 2)
+    put(store, [parent])
+    clock.advance(1)
+    other = chain(2, 1)
+    put(store, other)  # parent demoted to the last tier
+    clock.advance(1)
+    store.put([child], [data(child)], namespace_root=ROOT, parent=parent, tier="gpu")
+    assert store.where(parent) == ["cpu"] and store.where(child) == ["gpu"]
+    clock.advance(1)
+    for i in range(3):  # pressure on the last tier: the parent is older than everything
+        h = chain(10 + i, 1)
+        store.put(h, [data(h[0])], namespace_root=ROOT, tier="cpu")
+        clock.advance(1)
+    assert store.lookup([parent, child]).num_blocks == 2

@@ -1,0 +1,199 @@
+"""``sessioncache replay PATH``: replay a trace through the production policy and baselines.
+
+PATH is a Mooncake JSONL trace or a folder of agentic session files. The command prints the
+token hit rate of an infinite cache (the oracle), a plain LRU, a 5-minute sliding TTL and
+sessioncache's default policy at the same capacity, overall and per tier; ``--json`` prints
+``{"oracle": rate, "lru": .., "ttl_5min": .., "sessioncache": .., "detail": {...}}`` instead
+(one key per policy run). A progress bar goes to stderr when it is a terminal. ``--plot``
+also writes a PNG of hit rate vs capacity (needs matplotlib). See ``sessioncache.replay``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PLOT_FRACS = "0.01,0.02,0.05,0.1,0.2,0.5"
+
+
+def _fracs(text: str) -> list[float]:
+    try:
+        fracs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of fractions: {text!r}") from None
+    if not fracs or any(not f > 0 for f in fracs):
+        raise argparse.ArgumentTypeError("capacity fractions must be positive")
+    return fracs
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+@contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety: run without it
+        yield None
+        return
+    bar = tqdm(total=total, unit="req", file=sys.stderr, desc="replay", dynamic_ncols=True)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from sessioncache.errors import InvalidInput
+    from sessioncache.replay.report import format_report, write_plot
+    from sessioncache.replay.runner import (
+        EXTRA_POLICIES,
+        POLICIES,
+        parse_tiers,
+        run_capacity_sweep,
+        run_replay,
+    )
+    from sessioncache.replay.trace import load_trace
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(
+                "--plot needs matplotlib, which is not installed: pip install matplotlib",
+                file=sys.stderr,
+            )
+            return 2
+    policies = [*POLICIES]
+    for extra in args.extra:
+        if extra not in policies:
+            policies.append(extra)
+    started = time.perf_counter()
+    try:
+        tiers = parse_tiers(args.tiers)
+        for name in policies:
+            if name not in (*POLICIES, *EXTRA_POLICIES):
+                raise InvalidInput(f"unknown policy {name!r}")
+        trace = load_trace(
+            args.path, span_days=args.span_days, seed=args.seed, block_tokens=args.block_tokens
+        )
+    except InvalidInput as exc:
+        print(f"sessioncache replay: {exc}", file=sys.stderr)
+        return 2
+    if not trace.requests:
+        print(f"sessioncache replay: {args.path} has no requests", file=sys.stderr)
+        return 2
+    plot_fracs = [f for f in args.plot_fracs if f != args.capacity_frac] if args.plot else []
+    runs = 1 + len(plot_fracs)
+    total = len(trace.requests) * (len(policies) + (runs - 1) * (len(policies) - 1))
+    show = not args.no_progress and sys.stderr.isatty()
+    with _progress(total, show) as progress:
+        report = run_replay(
+            trace,
+            capacity_frac=args.capacity_frac,
+            tiers=tiers,
+            policies=policies,
+            progress=progress,
+        )
+        sweep = (
+            run_capacity_sweep(
+                trace,
+                plot_fracs,
+                tiers=tiers,
+                policies=policies,
+                progress=progress,
+                oracle=report.results.get("oracle"),
+            )
+            if args.plot
+            else []
+        )
+    if args.plot is not None:
+        title = f"{trace.name}: token hit rate vs capacity"
+        write_plot([report, *sweep], Path(args.plot), title=title)
+    wall = time.perf_counter() - started
+    if args.json:
+        out: dict[str, Any] = report.to_json()
+        out["detail"]["span_days"] = args.span_days if trace.kind == "agent-sessions" else None
+        out["detail"]["seed"] = args.seed
+        out["detail"]["wall_s"] = round(wall, 2)
+        if sweep:
+            out["detail"]["capacity_sweep"] = {
+                str(r.capacity_frac): r.hit_rates()
+                for r in sorted([report, *sweep], key=lambda r: r.capacity_frac)
+            }
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(report, span_days=args.span_days, seed=args.seed))
+        if args.plot is not None:
+            print(f"plot: {args.plot}")
+        print(f"wall time: {wall:.1f}s")
+    return 0
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "replay",
+        help="replay a request trace: token hit rate of sessioncache vs oracle, LRU, 5-min TTL",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", help="a Mooncake JSONL trace, or a folder of session files")
+    parser.add_argument(
+        "--span-days",
+        type=float,
+        default=3.0,
+        help="spread session start times over this many days (session folders; default 3)",
+    )
+    parser.add_argument(
+        "--capacity-frac",
+        type=_positive,
+        default=0.05,
+        help="total capacity as a fraction of the trace's unique blocks (default 0.05)",
+    )
+    parser.add_argument(
+        "--tiers",
+        default="cpu:1",
+        help="tier names and capacity weights, fastest first, the same for every policy "
+        "(default 'cpu:1'; the service's default layout is 'cpu:1,disk:16')",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of session start times")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=None,
+        help="tokens per block of a JSONL trace (default 512); session files give theirs",
+    )
+    parser.add_argument(
+        "--extra",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["lru_tail_first"],
+        help="further baselines: lru_tail_first, belady (clairvoyant); default lru_tail_first",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--plot", metavar="PNG", default=None, help="also write hit rate vs capacity to PNG"
+    )
+    parser.add_argument(
+        "--plot-fracs",
+        type=_fracs,
+        default=_fracs(DEFAULT_PLOT_FRACS),
+        help=f"capacity fractions of the plot (default {DEFAULT_PLOT_FRACS})",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)

@@ -1,0 +1,94 @@
+"""Human-readable report and the hit-rate-vs-capacity plot of a replay."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from sessioncache.replay.runner import ReplayReport
+
+TARGET_VS_ORACLE = 1.10
+"""The issue's target: sessioncache's misses at most 1.10x the oracle's (and fewer than LRU's)."""
+
+
+def format_report(report: ReplayReport, *, span_days: float | None = None, seed: int = 0) -> str:
+    trace = report.trace
+    lines: list[str] = []
+    where = ""
+    if trace.kind == "agent-sessions" and span_days is not None:
+        where = f", starts spread over {span_days:g} days (seed {seed})"
+    lines.append(
+        f"{trace.name} ({trace.kind}): {len(trace.requests):,} requests"
+        + (f" in {trace.sessions} sessions" if trace.sessions else "")
+        + f", {trace.total_tokens / 1e6:.1f}M input tokens, {trace.unique_blocks:,} unique"
+        f" {trace.block_tokens}-token blocks{where}"
+    )
+    tiers = ", ".join(f"{name} {blocks:,}" for name, blocks in report.tiers)
+    lines.append(
+        f"capacity: {report.capacity_frac:.1%} of unique blocks = "
+        f"{report.capacity_blocks:,} blocks ({tiers})"
+    )
+    lines.append("")
+    tier_names = [name for name, _ in report.tiers]
+    header = f"{'policy':<16}{'token hit':>10}{'miss tokens':>13}{'x oracle':>10}"
+    header += "".join(f"{name:>9}" for name in tier_names) + f"{'time':>8}"
+    lines.append(header)
+    oracle = report.results.get("oracle")
+    for name, r in report.results.items():
+        ratio = (
+            f"{r.miss_tokens / oracle.miss_tokens:.3f}" if oracle and oracle.miss_tokens else "-"
+        )
+        rates = r.tier_hit_rates()
+        row = f"{name:<16}{r.hit_rate:>10.2%}{r.miss_tokens:>13,}{ratio:>10}"
+        row += "".join(f"{rates[t]:>9.2%}" if t in rates else f"{'-':>9}" for t in tier_names)
+        lines.append(row + f"{r.seconds:>7.1f}s")
+    verdict = target_verdict(report)
+    if verdict:
+        lines.append("")
+        lines.append(verdict)
+    return "\n".join(lines)
+
+
+def target_verdict(report: ReplayReport) -> str | None:
+    results = report.results
+    if not all(k in results for k in ("oracle", "lru", "sessioncache")):
+        return None
+    oracle, lru, ours = results["oracle"], results["lru"], results["sessioncache"]
+    if not oracle.miss_tokens:
+        return None
+    ratio = ours.miss_tokens / oracle.miss_tokens
+    ok_oracle = ratio <= TARGET_VS_ORACLE
+    ok_lru = ours.miss_tokens < lru.miss_tokens
+    return (
+        f"target: sessioncache misses {ratio:.3f}x the oracle's (<= {TARGET_VS_ORACLE:.2f}x: "
+        f"{'met' if ok_oracle else 'NOT met'}); fewer than lru's: {'yes' if ok_lru else 'NO'}"
+    )
+
+
+def write_plot(reports: Sequence[ReplayReport], path: Path, *, title: str) -> None:
+    """Token hit rate vs capacity fraction, one line per policy. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(reports, key=lambda r: r.capacity_frac)
+    fracs = [r.capacity_frac for r in ordered]
+    names: list[str] = []
+    for r in ordered:
+        names.extend(n for n in r.results if n not in names)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        ys = [r.results[name].hit_rate if name in r.results else float("nan") for r in ordered]
+        style = "--" if name in ("oracle", "belady") else "-"
+        ax.plot(fracs, ys, style, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("total capacity (fraction of unique blocks)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

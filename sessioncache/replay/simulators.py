@@ -1,0 +1,384 @@
+"""The caches a replay compares, all behind one small interface (``Simulator``).
+
+* ``OracleSim``: an infinite cache; a block misses only the first time it is seen.
+* ``LruSim``: a plain LRU over blocks, independent of the production code: no chain awareness,
+  no pins, optionally a sliding TTL (``ttl_5min`` is this with ``ttl_s=300``). Its tiers form
+  one exclusive LRU stack: new and hit blocks enter the first tier, the first tier's least
+  recently used block moves down to the next, the last tier's is dropped; a hit in a lower
+  tier moves the block back up (the usual promote-on-hit). By default a request touches its
+  blocks in prompt order, root first, so the root is the least recent block of its chain: the
+  textbook LRU, which can evict a prefix from under its own tail. ``tail_first=True`` touches
+  the deepest block first (what engines such as vLLM do), a stronger baseline.
+* ``BeladySim``: clairvoyant (Belady's MIN over blocks, with bypass): it knows every future
+  request and evicts the block reused furthest in the future, deepest first among ties. Not a
+  policy anyone can run; an estimate of the best any policy could do at that capacity. It
+  ignores the tier split (one pool of the total capacity).
+* ``StoreSim``: the production ``TieredStore`` (its ``EvictionPolicy`` unless another is given)
+  and, for requests that name a session, the production ``SessionManager``, over
+  ``AccountingTier``s and a ``ManualClock``. It follows the service's data path: a lookup in
+  the session, a ``get`` of every matched block held only below the first tier (the engine's
+  load, which promotes it), then a put of the missing blocks in the session, parent = the last
+  matched block. ``sweep`` runs every ``sweep_s`` simulated seconds, as the service's
+  background thread does (a sweep between two requests is run at the last sweep instant before
+  the second one: nothing happens in between, so the state is the same).
+
+Every ``serve`` returns, for each matched block of the request's prefix, the index of the
+fastest tier that held it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from sessioncache.clock import ManualClock
+from sessioncache.errors import SessionCacheError
+from sessioncache.hashing import BlockHash
+from sessioncache.policy import EvictionPolicy
+from sessioncache.replay.trace import Request, Trace
+from sessioncache.sessions import SessionManager, SessionNotFound
+from sessioncache.store import DEFAULT_TTL_S, TieredStore
+from tiers.accounting import AccountingTier, zero_payload
+
+NAMESPACE_ROOT = b"sessioncache-rpl"
+"""The one namespace root of a replay: trace ids are already distinct per session file."""
+
+CLOCK_START = 1_700_000_000.0
+
+
+class Simulator(Protocol):
+    """One cache under replay."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tier_names(self) -> list[str]: ...
+
+    def serve(self, request: Request) -> list[int]:
+        """Serve ``request``: return the tier index of each block of its matched prefix."""
+        ...
+
+    def detail(self) -> dict[str, Any]:
+        """Counters worth reporting after the run."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class OracleSim:
+    """An infinite cache: the best any policy can do."""
+
+    def __init__(self, name: str = "oracle") -> None:
+        self._name = name
+        self._seen: set[int] = set()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def tier_names(self) -> list[str]:
+        return ["infinite"]
+
+    def serve(self, request: Request) -> list[int]:
+        seen = self._seen
+        matched = 0
+        for block in request.ids:
+            if block not in seen:
+                break
+            matched += 1
+        seen.update(request.ids)
+        return [0] * matched
+
+    def detail(self) -> dict[str, Any]:
+        return {"blocks_held": len(self._seen)}
+
+    def close(self) -> None:
+        self._seen.clear()
+
+
+class LruSim:
+    """A plain LRU over blocks, optionally with a sliding TTL (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        tiers: Sequence[tuple[str, int]],
+        *,
+        ttl_s: float | None = None,
+        tail_first: bool = False,
+    ) -> None:
+        if not tiers:
+            raise ValueError("an LRU needs at least one tier")
+        self._name = name
+        self._tier_names = [t for t, _ in tiers]
+        self._caps = [c for _, c in tiers]
+        self._ttl = ttl_s
+        self._tail_first = tail_first
+        # Per tier: block -> last access time, least recent first.
+        self._tiers: list[OrderedDict[int, float]] = [OrderedDict() for _ in tiers]
+        self._evictions = 0
+        self._expired_hits = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self._tier_names)
+
+    def serve(self, request: Request) -> list[int]:
+        now, ttl, tiers = request.time, self._ttl, self._tiers
+        matched: list[int] = []
+        for block in request.ids:
+            index, last = 0, None
+            for tier in tiers:
+                last = tier.get(block)
+                if last is not None:
+                    break
+                index += 1
+            if last is None:
+                break
+            if ttl is not None and last + ttl <= now:
+                self._expired_hits += 1
+                break
+            matched.append(index)
+        for block in reversed(request.ids) if self._tail_first else request.ids:
+            self._touch(block, now)
+        return matched
+
+    def _touch(self, block: int, now: float) -> None:
+        top = self._tiers[0]
+        if block in top:
+            top.move_to_end(block)
+            top[block] = now
+            return
+        for tier in self._tiers[1:]:
+            if tier.pop(block, None) is not None:
+                break
+        top[block] = now
+        self._cascade()
+
+    def _cascade(self) -> None:
+        tiers, caps = self._tiers, self._caps
+        last = len(tiers) - 1
+        for index in range(last + 1):
+            tier = tiers[index]
+            while len(tier) > caps[index]:
+                block, when = tier.popitem(last=False)
+                if index < last:
+                    tiers[index + 1][block] = when
+                else:
+                    self._evictions += 1
+
+    def detail(self) -> dict[str, Any]:
+        return {
+            "evictions": self._evictions,
+            "expired_lookups": self._expired_hits,
+            "blocks_held": sum(len(t) for t in self._tiers),
+        }
+
+    def close(self) -> None:
+        for tier in self._tiers:
+            tier.clear()
+
+
+class BeladySim:
+    """Clairvoyant eviction over ``trace`` (see the module docstring); serve its requests in
+    order, each exactly once."""
+
+    _NEVER = 1 << 62
+
+    def __init__(self, trace: Trace, capacity_blocks: int, name: str = "belady") -> None:
+        self._name = name
+        self._capacity = capacity_blocks
+        # For request i and each of its blocks, the index of the next request using the block.
+        never = self._NEVER
+        upcoming: dict[int, int] = {}
+        self._next: list[list[int]] = [[] for _ in trace.requests]
+        for i in range(len(trace.requests) - 1, -1, -1):
+            ids = trace.requests[i].ids
+            self._next[i] = [upcoming.get(b, never) for b in ids]
+            for b in ids:
+                upcoming[b] = i
+        self._served = 0
+        self._held: dict[int, tuple[int, int]] = {}  # block -> (next use, depth)
+        self._heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block), lazy
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def tier_names(self) -> list[str]:
+        return ["all"]
+
+    def serve(self, request: Request) -> list[int]:
+        held, heap, never = self._held, self._heap, self._NEVER
+        matched = 0
+        for block in request.ids:
+            if block not in held:
+                break
+            matched += 1
+        for depth, (block, use) in enumerate(
+            zip(request.ids, self._next[self._served], strict=True)
+        ):
+            key = (use, depth)
+            if block not in held:
+                if use == never:
+                    continue
+                if len(held) >= self._capacity:
+                    while heap and held.get(heap[0][2]) != (-heap[0][0], -heap[0][1]):
+                        heapq.heappop(heap)
+                    if not heap or (-heap[0][0], -heap[0][1]) <= key:
+                        continue  # every held block is reused sooner: bypass this one
+                    del held[heapq.heappop(heap)[2]]
+            held[block] = key
+            heapq.heappush(heap, (-use, -depth, block))
+        self._served += 1
+        return [0] * matched
+
+    def detail(self) -> dict[str, Any]:
+        return {"blocks_held": len(self._held)}
+
+    def close(self) -> None:
+        self._held.clear()
+        self._heap.clear()
+
+
+class StoreSim:
+    """The production store and sessions over accounting tiers (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        tiers: Sequence[tuple[str, int]],
+        *,
+        block_bytes: int,
+        policy: EvictionPolicy | None = None,
+        default_ttl_s: float = DEFAULT_TTL_S,
+        sessions: bool = True,
+        session_kind: str = "agent",
+        session_options: Mapping[str, Any] | None = None,
+        sweep_s: float = 60.0,
+    ) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        if not sweep_s > 0:
+            raise ValueError(f"sweep_s must be positive, got {sweep_s}")
+        self._name = name
+        self._tier_names = [t for t, _ in tiers]
+        self._tier_index = {t: i for i, t in enumerate(self._tier_names)}
+        self.clock = ManualClock(CLOCK_START)
+        self.store = TieredStore(
+            [AccountingTier(t, c) for t, c in tiers],
+            policy,
+            clock=self.clock,
+            default_ttl_s=default_ttl_s,
+        )
+        self.sessions = SessionManager(self.store, **(session_options or {})) if sessions else None
+        self._kind = session_kind
+        self._payload = zero_payload(block_bytes)
+        self._ids: dict[int, BlockHash] = {}
+        self._sweep_s = sweep_s
+        self._next_sweep = sweep_s
+        self._sweeps = 0
+        self._dropped = 0
+        self._session_reopens = 0
+        self._opened: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self._tier_names)
+
+    def serve(self, request: Request) -> list[int]:
+        if request.time >= self._next_sweep:
+            last = math.floor(request.time / self._sweep_s) * self._sweep_s
+            self.clock.set(CLOCK_START + last)
+            self._sweep()
+            self._next_sweep = last + self._sweep_s
+        self.clock.set(CLOCK_START + request.time)
+        hashes = self._hashes(request.ids)
+        sessions, store, session = self.sessions, self.store, request.session
+        if sessions is not None and session is not None:
+            self._ensure_open(sessions, session)
+            match = sessions.lookup(session, hashes)
+        else:
+            match = store.lookup(hashes)
+        index = self._tier_index
+        tiers = [index[t] for t in match.tiers]
+        for block_hash, tier in zip(match.hashes, tiers, strict=True):
+            if tier:
+                with contextlib.suppress(SessionCacheError):
+                    store.get(block_hash)  # the engine's load: promotes a lower-tier hit
+        matched = match.num_blocks
+        if matched < len(hashes):
+            new = hashes[matched:]
+            payloads = [self._payload] * len(new)
+            if sessions is not None and session is not None:
+                result = sessions.put(
+                    session, new, payloads, namespace_root=NAMESPACE_ROOT, prefix=match.hashes
+                )
+            else:
+                result = store.put(
+                    new,
+                    payloads,
+                    namespace_root=NAMESPACE_ROOT,
+                    parent=match.hashes[-1] if match.hashes else None,
+                )
+            self._dropped += len(result.dropped)
+        return tiers
+
+    def _ensure_open(self, sessions: SessionManager, session: str) -> None:
+        try:
+            sessions.get(session)
+        except SessionNotFound:
+            if session in self._opened:
+                self._session_reopens += 1  # it expired: the client opens it again
+                self._sweep()
+            self._opened.add(session)
+            sessions.open(session, kind=self._kind)
+
+    def _sweep(self) -> None:
+        self._sweeps += 1
+        if self.sessions is not None:
+            self.sessions.sweep()
+        else:
+            self.store.expire()
+
+    def _hashes(self, ids: Sequence[int]) -> list[BlockHash]:
+        cache = self._ids
+        out: list[BlockHash] = []
+        for block in ids:
+            block_hash = cache.get(block)
+            if block_hash is None:
+                block_hash = cache[block] = BlockHash(block.to_bytes(16, "little"))
+            out.append(block_hash)
+        return out
+
+    def detail(self) -> dict[str, Any]:
+        stats = self.store.stats()
+        out: dict[str, Any] = {
+            "counters": asdict(stats.counters),
+            "blocks_held": stats.blocks,
+            "dropped_on_put": self._dropped,
+            "sweeps": self._sweeps,
+        }
+        if self.sessions is not None:
+            out["sessions_open"] = len(self.sessions.list_sessions())
+            out["sessions_reopened_after_expiry"] = self._session_reopens
+        return out
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,221 @@
+"""Trace replay on hand-written fixtures: loading, hand-computed hit rates, the CLI's JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sessioncache.commands import replay as replay_command
+from sessioncache.replay.runner import (
+    POLICIES,
+    parse_tiers,
+    run_replay,
+    split_capacity,
+)
+from sessioncache.replay.simulators import LruSim, OracleSim, StoreSim
+from sessioncache.replay.trace import Request, Trace, load_trace
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
+AGENT = FIXTURES / "agent-sessions"
+JSONL = FIXTURES / "tiny.jsonl"
+
+# tiny.jsonl by hand (512-token blocks): tokens 1200 + 1100 + 700 + 1536 + 1000 = 5536.
+# Oracle: r2 hits [1, 2] (1024), r3 [1] (512), r4 [1, 2, 3] (1536), r5 [1, 2] -> min(1024, 1000).
+JSONL_TOKENS = 5536
+JSONL_ORACLE_HITS = 0 + 1024 + 512 + 1536 + 1000
+# Plain LRU of 3 blocks touching each request root first (LRU -> MRU):
+#   r1 [1,2,3] miss           -> 1 2 3
+#   r2 [1,2,4] hits 1,2       -> 1 2 4    (3 evicted)
+#   r3 [1,5]   hits 1         -> 2 4 1 -> 4 1 5
+#   r4 [1,2,3] hits 1         -> 4 5 1 -> 1 2 3
+#   r5 [1,2]   hits 1,2 (1000 tokens: the second block is partial)
+JSONL_LRU_HITS = 0 + 1024 + 512 + 512 + 1000
+# The same LRU touching deepest first: r4 then hits [1, 2].
+JSONL_LRU_TAIL_FIRST_HITS = 0 + 1024 + 512 + 1024 + 1000
+
+# agent-sessions by hand (64-token blocks; each file its own id space, so start times do not
+# matter to the oracle): a: 192 + 128 (subagent) + 256 of 1300; b: 448 + 128 of 1150;
+# c: 64 of 164.
+AGENT_TOKENS = 1300 + 1150 + 164
+AGENT_ORACLE_HITS = 576 + 576 + 64
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sessioncache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    replay_command.register(sub)
+    return parser.parse_args(["replay", *argv])
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    args = _args(*argv, "--json", "--no-progress")
+    assert args.func(args) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_jsonl_loads_in_order_with_seconds_and_512_token_blocks():
+    trace = load_trace(JSONL)
+    assert trace.kind == "mooncake" and trace.block_tokens == 512
+    assert [r.time for r in trace.requests] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(r.session is None for r in trace.requests)
+    assert trace.unique_blocks == 5 and trace.total_tokens == JSONL_TOKENS
+
+
+def test_session_folder_namespaces_files_and_times_subagents():
+    trace = load_trace(AGENT, span_days=1, seed=3)
+    assert trace.kind == "agent-sessions" and trace.block_tokens == 64
+    assert trace.sessions == 4  # a, its subagent, b, c
+    assert trace.unique_blocks == 9 + 8 + 1
+    assert trace.total_tokens == AGENT_TOKENS
+    times = [r.time for r in trace.requests]
+    assert times == sorted(times) and all(0 <= t < 86400 + 4000 for t in times)
+    by_session: dict[str | None, list[Request]] = {}
+    for r in trace.requests:
+        by_session.setdefault(r.session, []).append(r)
+    a, sub = by_session["a"], by_session["a:agent_001"]
+    start = a[0].time
+    assert [r.time - start for r in a] == pytest.approx([0, 30, 4000])
+    assert [r.time - start for r in sub] == pytest.approx([40, 45])
+    # Equal local ids in different files are different blocks.
+    assert not set(a[0].ids) & set(by_session["b"][0].ids)
+
+
+def test_oracle_matches_the_hand_computed_rates():
+    report = run_replay(load_trace(JSONL), capacity_frac=0.6, policies=["oracle"])
+    assert report.results["oracle"].hit_tokens == JSONL_ORACLE_HITS
+    assert report.hit_rates()["oracle"] == pytest.approx(JSONL_ORACLE_HITS / JSONL_TOKENS)
+    report = run_replay(load_trace(AGENT), policies=["oracle"])
+    assert report.results["oracle"].hit_tokens == AGENT_ORACLE_HITS
+    assert report.results["oracle"].total_tokens == AGENT_TOKENS
+
+
+def test_lru_matches_the_hand_computed_example():
+    trace = load_trace(JSONL)
+    report = run_replay(trace, capacity_frac=0.6, policies=["lru", "lru_tail_first"])
+    assert report.capacity_blocks == 3
+    assert report.results["lru"].hit_tokens == JSONL_LRU_HITS
+    assert report.results["lru_tail_first"].hit_tokens == JSONL_LRU_TAIL_FIRST_HITS
+
+
+def test_ttl_expires_five_minutes_after_the_last_access():
+    sim = LruSim("ttl", [("cpu", 100)], ttl_s=300.0)
+
+    def at(t: float) -> int:
+        return len(sim.serve(Request(t, None, (1, 2), 128)))
+
+    assert [at(0), at(200), at(499), at(800), at(801)] == [0, 2, 2, 0, 2]
+
+
+def test_two_tier_lru_is_one_stack_and_credits_the_tier_that_held_each_block():
+    sim = LruSim("lru", [("cpu", 1), ("disk", 2)])
+    assert sim.serve(Request(0, None, (1, 2, 3), 192)) == []
+    # cpu holds 3 (most recent); disk holds 1, 2; a hit on the chain reads 1, 2 from disk.
+    assert sim.serve(Request(1, None, (1, 2, 3), 192)) == [1, 1, 0]
+
+
+def test_oracle_is_an_upper_bound_and_full_capacity_reaches_it():
+    trace = load_trace(AGENT, span_days=0.01, seed=1)
+    small = run_replay(trace, capacity_frac=0.3, tiers=parse_tiers("cpu:1,disk:2"))
+    oracle = small.results["oracle"].hit_rate
+    for result in small.results.values():
+        assert 0.0 <= result.hit_rate <= oracle + 1e-12
+        assert sum(result.tier_hit_tokens.values()) == result.hit_tokens
+    full = run_replay(trace, capacity_frac=1.0, policies=["oracle", "lru", "sessioncache"])
+    assert full.hit_rates()["lru"] == pytest.approx(oracle)
+    assert full.hit_rates()["sessioncache"] == pytest.approx(oracle)
+
+
+def test_store_sim_opens_a_session_per_file_and_subagent_and_sweeps():
+    trace = load_trace(AGENT, span_days=1, seed=0)
+    sim = StoreSim("sc", [("cpu", 64 * 100)], block_bytes=64, sweep_s=60.0)
+    for request in trace.requests:
+        sim.serve(request)
+    detail = sim.detail()
+    assert detail["sessions_open"] == 4
+    assert detail["sweeps"] >= 1 and detail["dropped_on_put"] == 0
+    assert sim.store.stats_tiers()[0].used_bytes == 64 * trace.unique_blocks
+    sim.close()
+
+
+def test_store_sim_serves_session_less_requests_through_the_store():
+    trace = load_trace(JSONL)
+    sim = StoreSim("sc", [("cpu", 512 * 3)], block_bytes=512)
+    matched = [len(sim.serve(r)) for r in trace.requests]
+    assert matched[1] == 2 and matched[-1] == 2
+    assert sim.detail()["counters"]["evictions"] > 0
+
+
+def test_split_capacity_and_tier_spec():
+    assert parse_tiers("cpu:1,disk:16") == [("cpu", 1.0), ("disk", 16.0)]
+    assert split_capacity(17, [("cpu", 1.0), ("disk", 16.0)]) == [("cpu", 1), ("disk", 16)]
+    assert split_capacity(5, [("a", 1.0), ("b", 1.0)]) == [("a", 2), ("b", 3)]
+
+
+def test_oracle_sim_reports_tier_zero():
+    sim = OracleSim()
+    sim.serve(Request(0, None, (1, 2), 10))
+    assert sim.serve(Request(1, None, (1, 2, 3), 10)) == [0, 0]
+
+
+def test_json_shape(capsys: pytest.CaptureFixture[str]):
+    out = _run_json(capsys, str(AGENT), "--span-days", "0.5", "--capacity-frac", "0.3")
+    for name in POLICIES:
+        assert 0.0 <= out[name] <= 1.0
+    assert out["oracle"] == pytest.approx(AGENT_ORACLE_HITS / AGENT_TOKENS)
+    detail = out["detail"]
+    assert detail["trace"]["unique_blocks"] == 18
+    assert detail["capacity"]["blocks"] == round(0.3 * 18)
+    assert set(detail["policies"]) >= set(POLICIES)
+    assert set(detail["policies"]["sessioncache"]["tier_hit_rates"]) == {"cpu"}
+
+
+def test_same_seed_same_numbers(capsys: pytest.CaptureFixture[str]):
+    argv = (str(AGENT), "--span-days", "0.01", "--capacity-frac", "0.4", "--seed", "7")
+    first = _run_json(capsys, *argv)
+    second = _run_json(capsys, *argv)
+    assert {k: first[k] for k in POLICIES} == {k: second[k] for k in POLICIES}
+    a = load_trace(AGENT, span_days=3, seed=7)
+    b = load_trace(AGENT, span_days=3, seed=7)
+    c = load_trace(AGENT, span_days=3, seed=8)
+    assert a.requests == b.requests and a.requests != c.requests
+
+
+def test_text_report_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "hit.png"
+    args = _args(
+        str(JSONL),
+        "--capacity-frac",
+        "0.6",
+        "--plot",
+        str(png),
+        "--plot-fracs",
+        "0.2,1.0",
+        "--no-progress",
+        "--extra",
+        "lru_tail_first,belady",
+    )
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    for name in (*POLICIES, "belady"):
+        assert name in text
+    assert "target:" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    args = _args(str(tmp_path / "missing.jsonl"), "--no-progress")
+    assert args.func(args) == 2
+    assert "no trace" in capsys.readouterr().err
+    args = _args(str(JSONL), "--tiers", "cpu:0", "--no-progress")
+    assert args.func(args) == 2
+
+
+def test_empty_trace_object_has_no_requests():
+    trace = Trace("empty", "mooncake", 512, [], 0, 0)
+    assert trace.total_tokens == 0 and trace.total_blocks == 0
