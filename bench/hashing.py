@@ -2,7 +2,7 @@
 
 Each figure is printed beside one single-pass XXH3-128 over the same token bytes (the floor of
 any hashing scheme: the bytes must be read once) and, when ``lmcache`` is importable, LMCache's
-own token database on the same prompt. Run: ``python bench/hashing.py [--repeat 50]``.
+own token database on the same prompt. Run: ``python -m bench.hashing [--repeat 50]``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ encoded once up front: the figures are the server's and the loopback's, not the 
 encoder. The reference printed beside them is the same number of empty ``GET /healthz`` round
 trips at the same concurrency (the HTTP floor of this machine).
 
-Run: ``python bench/lookup.py [--requests 200] [--block-tokens 16]``.
+Run: ``python -m bench.lookup [--requests 200] [--block-tokens 16]``.
 """
 
 from __future__ import annotations
