@@ -32,21 +32,17 @@ def best_ms(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
 
 
 def lmcache_hasher(block_tokens: int) -> Callable[[np.ndarray], object] | None:
+    """LMCache's own chunked token database (its prefix-hash chain), when importable."""
     try:
         import torch
         from lmcache.v1.token_database import ChunkedTokenDatabase  # type: ignore[import-not-found]
     except Exception:
         return None
-    try:
-        from lmcache.v1.config import LMCacheEngineConfig  # type: ignore[import-not-found]
-
-        config = LMCacheEngineConfig.from_defaults(chunk_size=block_tokens)
-        db = ChunkedTokenDatabase(config, None)
-    except Exception:
-        return None
+    db = ChunkedTokenDatabase(None, None)
+    db.chunk_size = block_tokens
 
     def run(tokens: np.ndarray) -> object:
-        return list(db.process_tokens(torch.from_numpy(tokens.astype(np.int64))))
+        return list(db.process_tokens(torch.from_numpy(tokens.astype(np.int64)), make_key=False))
 
     return run
 

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -122,20 +122,21 @@ def block_hashes_from_bytes(
     step = block_tokens * 4
     end = len(token_bytes) // step * step
     digest = xxhash.xxh3_128_digest
-    out: list[BlockHash] = []
+    out: list[bytes] = []
     append = out.append
     parent = root
     # One concatenation and one digest per block: the measured floor for a Python loop
-    # (bench/hashing.py); building a strided buffer and hashing memoryview slices is slower.
+    # (bench/hashing.py); building a strided buffer and hashing memoryview slices is slower,
+    # and so is wrapping each digest in BlockHash() (NewType is a call at run time).
     if seed == 0:
         for off in range(0, end, step):
             parent = digest(parent + token_bytes[off : off + step])
-            append(BlockHash(parent))
+            append(parent)
     else:
         for off in range(0, end, step):
             parent = digest(parent + token_bytes[off : off + step], seed)
-            append(BlockHash(parent))
-    return out
+            append(parent)
+    return cast(list[BlockHash], out)
 
 
 def block_hashes(namespace: Namespace, tokens: Tokens, seed: int = 0) -> list[BlockHash]:
