@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sessioncache.service import CacheNode
+from tiers.base import CheckedTier
 
 
 class StoreCollector(Collector):
@@ -56,6 +57,21 @@ class StoreCollector(Collector):
         sessions = GaugeMetricFamily("sessioncache_sessions", "Open sessions")
         sessions.add_metric([], node.sessions.count())
         yield sessions
+        up = GaugeMetricFamily(
+            "sessioncache_tier_up", "1 when the tier can serve (0: degraded)", labels=["tier"]
+        )
+        for t in node.store.tiers:
+            up.add_metric([t.name], 0 if isinstance(t, CheckedTier) and t.problem() else 1)
+        yield up
+        degraded = GaugeMetricFamily(
+            "sessioncache_degraded", "1 while a shared tier or the fleet index is unreachable"
+        )
+        degraded.add_metric([], 1 if node.health_problems() else 0)
+        yield degraded
+        if node.fleet is not None:
+            pending = GaugeMetricFamily("sessioncache_fleet_pending", "Queued fleet updates")
+            pending.add_metric([], node.fleet.pending)
+            yield pending
 
 
 def install(app: FastAPI, node: CacheNode) -> CollectorRegistry:

@@ -67,6 +67,11 @@ class TokensIn(Strict):
 
 class LookupRequest(TokensIn):
     lease_ms: int | None = Field(None, gt=0, description="Pin the matched blocks this long.")
+    locations: bool = Field(
+        False,
+        description="Also report, per matched block, which nodes of the fleet hold it and in "
+        "which tiers (one Redis round trip per block: ask only when routing on it).",
+    )
 
 
 class BlockRef(BaseModel):
@@ -85,6 +90,9 @@ class LookupResponse(BaseModel):
     matched_tokens: int
     blocks: list[BlockRef]
     lease: LeaseOut | None
+    locations: list[dict[str, list[str]]] | None = Field(
+        None, description="Per matched block: node id -> tiers (when asked, with a fleet)."
+    )
 
 
 class StoreRequest(TokensIn):

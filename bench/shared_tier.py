@@ -15,30 +15,23 @@ node writing new blocks does. Raw and tier runs alternate, and each figure is th
 ``--repeats`` runs, so that load from elsewhere on the machine hits both alike. The target is a
 tier/raw ratio >= 0.70.
 
-Run: ``python bench/shared_tier.py [--url redis://127.0.0.1:6379/0] [--blocks 64 128 256]
-[--batch 16] [--repeats 5]`` (``$SESSIONCACHE_REDIS_URL`` is the default URL).
+Run: ``python -m bench.shared_tier [--url redis://127.0.0.1:6379/0] [--blocks 64 128 256]
+[--batch 16] [--repeats 7]`` (``$SESSIONCACHE_REDIS_URL`` is the default URL).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-# Run as a script, this folder comes first on sys.path and bench/tiers.py would shadow the
-# ``tiers`` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from sessioncache.hashing import BlockHash  # noqa: E402
-from tiers.redis import PutItem, RedisTier, make_client  # noqa: E402
+from sessioncache.hashing import BlockHash
+from tiers.redis import PutItem, RedisTier, make_client
 
 MiB = 1 << 20
 NS = b"\x01" * 16
@@ -72,7 +65,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--block-mib", type=float, default=2.0)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
     block = int(args.block_mib * MiB)

@@ -7,7 +7,9 @@ Every field below is documented in README.md's configuration reference; keep the
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import (
@@ -60,6 +62,23 @@ class Settings(BaseSettings):
     reconcile_verify: bool = Field(
         True, description="On start, read back disk files the catalog lacks to verify them."
     )
+
+    # -- shared tier and fleet (Redis)
+    redis_url: str | None = Field(
+        None, description="redis://host:port/db or redis+cluster://host:port; none: no sharing."
+    )
+    redis_bytes: int = Field(64 * GiB, gt=0, description="This node's budget in the shared tier.")
+    redis_prefix: str = Field("sc:", min_length=1, description="Prefix of every Redis key.")
+    redis_write_policy: Literal["write_through", "write_back"] = Field(
+        "write_through",
+        description="write_through: every stored block also goes to Redis; write_back: only "
+        "blocks demoted from the last local tier do.",
+    )
+    node_id: str = Field(
+        default_factory=socket.gethostname, description="This node's name in the fleet index."
+    )
+    node_url: str | None = Field(None, description="Where other nodes reach this one.")
+    fleet_ttl_s: float = Field(15.0, gt=0, description="Heartbeat expiry of a node's entry.")
 
     # -- service
     host: str = Field("127.0.0.1", description="Address `sessioncache serve` binds.")

@@ -3,27 +3,33 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sessioncache.catalog.reconcile import CatalogRecoveredTier, reconcile
 from sessioncache.catalog.writer import Catalog
 from sessioncache.clock import Clock
 from sessioncache.config import Settings
+from sessioncache.errors import InvalidInput
 from sessioncache.events import StoreObserver
+from sessioncache.fleet import FleetIndex, FleetObserver
 from sessioncache.service import CacheNode
 from sessioncache.sessions import SessionManager
+from sessioncache.shared import SharedExpiryRefresher
 from sessioncache.store import TieredStore
 from sessioncache.sweeper import Sweeper
 from tiers.base import RecoverableTier, Tier
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
 from tiers.gpu import GpuTier
+from tiers.redis import RedisTier, client_factory
 
 log = logging.getLogger("sessioncache.factory")
 
 
 def build_tiers(settings: Settings) -> list[Tier]:
-    """The configured tiers, fastest first; a capacity of 0 leaves a tier out."""
+    """The configured tiers, fastest first; a capacity of 0 leaves a tier out. With a Redis
+    URL and the write-back policy the shared tier comes last, below the local ones (it gets
+    their victims); with write-through it is last too and also written on every put."""
     tiers: list[Tier] = []
     if settings.gpu_bytes:
         tiers.append(GpuTier(settings.gpu_bytes, device=settings.gpu_device))
@@ -31,6 +37,17 @@ def build_tiers(settings: Settings) -> list[Tier]:
         tiers.append(CpuTier(settings.cpu_bytes))
     if settings.disk_bytes:
         tiers.append(DiskTier.open(settings.data_dir / "blocks", settings.disk_bytes))
+    if settings.redis_url:
+        tiers.append(
+            RedisTier(
+                client_factory(settings.redis_url),
+                settings.redis_bytes,
+                prefix=settings.redis_prefix,
+                default_ttl_s=settings.default_ttl_s,
+            )
+        )
+    if not tiers:
+        raise InvalidInput("every tier is disabled: give at least one a capacity")
     return tiers
 
 
@@ -50,7 +67,8 @@ def build_store(
 
 def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = True) -> CacheNode:
     """Everything one node runs: catalog (migrated when asked), tiers reconciled with it,
-    store, sessions restored, and (``start``) the catalog flusher and the background sweep."""
+    store, sessions restored, the fleet index when Redis is configured, and (``start``) the
+    catalog flusher, the fleet's heartbeat and the background sweep."""
     catalog = Catalog.open(
         settings.catalog_url(),
         schema=settings.database_schema,
@@ -58,6 +76,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         flush_interval_s=settings.catalog_flush_interval_s,
         clock=clock,
     )
+    closers: list[Callable[[], None]] = []
     try:
         tiers: list[Tier] = []
         for tier in build_tiers(settings):
@@ -65,14 +84,43 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             tiers.append(
                 CatalogRecoveredTier(tier, catalog) if isinstance(tier, RecoverableTier) else tier
             )
+        observers: list[StoreObserver] = [catalog]
+        fleet: FleetIndex | None = None
+        refresher: SharedExpiryRefresher | None = None
+        shared = next((t for t in tiers if isinstance(t, RedisTier)), None)
+        if shared is not None and settings.redis_url:
+            fleet = FleetIndex(
+                client_factory(settings.redis_url),
+                settings.node_id,
+                prefix=settings.redis_prefix,
+                ttl_s=settings.fleet_ttl_s,
+                info={"url": settings.node_url or f"http://{settings.host}:{settings.port}"},
+            )
+            refresher = SharedExpiryRefresher(shared, shared.name)
+            observers += [
+                FleetObserver(fleet, [t.name for t in tiers], exclude=[shared.name]),
+                refresher,
+            ]
+        write_through = (
+            [shared.name]
+            if shared is not None and settings.redis_write_policy == "write_through"
+            else []
+        )
         store = TieredStore(
             tiers,
             clock=clock,
             default_ttl_s=settings.default_ttl_s,
             promote_on_get=settings.promote_on_get,
             max_lease_s=settings.max_lease_s,
-            observers=[catalog],
+            observers=observers,
+            write_through=write_through,
         )
+        closers.append(store.close)
+        if refresher is not None and shared is not None:
+            refresher.bind(store.tier_names().index(shared.name))
+        if fleet is not None and shared is not None:
+            shared_name = shared.name
+            fleet.set_held(lambda: [held for held in store.holdings() if held[1] != shared_name])
         reconcile(catalog, store, verify=settings.reconcile_verify)
         sessions = SessionManager(
             store,
@@ -87,10 +135,20 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         catalog.close()
         raise
     sweeper = Sweeper(sessions, settings.sweep_interval_s)
+    on_close: list[Callable[[], None]] = [sweeper.stop]
     if start:
         catalog.start()
         sweeper.start()
-    return CacheNode(settings, store, sessions, on_close=[sweeper.stop, catalog.close])
+        if fleet is not None:
+            fleet.start()
+        if refresher is not None:
+            refresher.start()
+    if fleet is not None:
+        on_close.append(fleet.stop)
+    if refresher is not None:
+        on_close.append(refresher.stop)
+    on_close.append(catalog.close)
+    return CacheNode(settings, store, sessions, on_close=on_close, fleet=fleet)
 
 
 def catalog_label(settings: Settings) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from sessioncache.config import Settings
 from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
+from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
 from sessioncache.sessions import SessionManager
 from sessioncache.store import Match, TieredStore
@@ -57,6 +58,7 @@ class CacheNode:
         sessions: SessionManager,
         *,
         on_close: Sequence[Callable[[], None]] = (),
+        fleet: FleetIndex | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -66,6 +68,7 @@ class CacheNode:
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()
         self._on_close = list(on_close)
+        self.fleet = fleet
         self.metrics_tokens = {"hit": 0, "miss": 0}
 
     @property
@@ -211,12 +214,23 @@ class CacheNode:
     def health_problems(self) -> list[str]:
         """Why this node cannot fully serve right now (empty when it can)."""
         problems = []
+        if self.fleet is not None:
+            problem = self.fleet.problem()
+            if problem:
+                problems.append(f"fleet index: {problem}")
         for tier in self.store.tiers:
             if isinstance(tier, CheckedTier):
                 problem = tier.problem()
                 if problem:
                     problems.append(f"{tier.name}: {problem}")
         return problems
+
+    def locations(self, hashes: Sequence[BlockHash]) -> list[dict[str, list[str]]] | None:
+        """For each id, which nodes of the fleet hold it and in which tiers (None without a
+        fleet index)."""
+        if self.fleet is None:
+            return None
+        return self.fleet.locations(hashes)
 
     def release(self, lease_id: str) -> None:
         self.store.release(lease_id)

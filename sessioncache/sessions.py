@@ -84,6 +84,8 @@ class SessionRepository(Protocol):
 
     def load_sessions(self) -> Iterable[Session]: ...
 
+    def load_session(self, session_id: str) -> Session | None: ...
+
 
 class SessionManager:
     """Sessions over a ``TieredStore`` (see the module docstring)."""
@@ -140,7 +142,7 @@ class SessionManager:
             _check_id(session_id)
         with self._lock:
             now = self._clock.now()
-            if session_id is not None and session_id in self._sessions:
+            if session_id is not None and self._find(session_id) is not None:
                 session = self._owned(session_id, tenant)
                 session.last_seen = now
                 session.expires_at = max(session.expires_at, now + session.ttl_s)
@@ -322,8 +324,18 @@ class SessionManager:
 
     # -- internals (lock held) ----------------------------------------------------------
 
-    def _owned(self, session_id: str, tenant: str | None) -> Session:
+    def _find(self, session_id: str) -> Session | None:
         session = self._sessions.get(session_id)
+        if session is None and self._repo is not None:
+            # Opened through another node sharing the catalog: it continues here.
+            session = self._repo.load_session(session_id)
+            if session is not None and session.expires_at > self._clock.now():
+                session.pinned = False
+                self._sessions[session_id] = session
+        return session
+
+    def _owned(self, session_id: str, tenant: str | None) -> Session:
+        session = self._find(session_id)
         if session is None or (tenant is not None and session.tenant != tenant):
             raise SessionNotFound(f"no open session {session_id!r}")
         if session.expires_at <= self._clock.now():

@@ -47,7 +47,7 @@ from sessioncache.errors import (
 from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.policy import EvictionPolicy
-from tiers.base import RecoverableTier, Tier
+from tiers.base import CheckedTier, RecoverableTier, SharedTier, Tier
 from tiers.payload import Payload, as_memoryview, payload_nbytes
 
 log = logging.getLogger("sessioncache.store")
@@ -139,6 +139,7 @@ class TieredStore:
         promote_on_get: bool = True,
         max_lease_s: float = 3600.0,
         observers: Sequence[StoreObserver] = (),
+        write_through: Sequence[str] = (),
     ) -> None:
         if not tiers:
             raise InvalidInput("a store needs at least one tier")
@@ -162,6 +163,13 @@ class TieredStore:
         self._promoting: set[BlockHash] = set()
         self._observers = list(observers)
         self._pinned_bytes = [0] * len(self._tiers)
+        # The fleet's shared tier (at most one): looked up on local misses, and never
+        # trimmed by this node's expiry sweep (its keys expire in the shared server itself).
+        shared = [(i, t) for i, t in enumerate(self._tiers) if isinstance(t, SharedTier)]
+        if len(shared) > 1:
+            raise InvalidInput("a store takes at most one shared tier")
+        self._shared: tuple[int, SharedTier] | None = shared[0] if shared else None
+        self._write_through = sorted({self._tier_by_name(name) for name in write_through})
         self._seq = itertools.count(1)  # one per block touch: orders a chain's blocks
         self._ops = itertools.count(1)  # one per operation: orders same-instant touches
         self._counters = Counters()
@@ -198,12 +206,14 @@ class TieredStore:
         with self._lock:
             now = self._clock.now()
             self._reap_leases(now)
-            matched: list[BlockMeta] = []
-            for block_hash in hashes:
-                meta = self._blocks.get(block_hash)
-                if meta is None or not meta.tiers or meta.expires_at <= now:
-                    break
-                matched.append(meta)
+            held = self._held_prefix(hashes, 0, now)
+        if len(held) < len(hashes) and self._shared is not None:
+            # Local tiers stop short: the fleet's shared tier may hold the rest of the chain,
+            # stored by another node. One round trip, outside the lock.
+            self._adopt_shared(hashes, len(held), now)
+        with self._lock:
+            now = self._clock.now()
+            matched = self._held_prefix(hashes, 0, now)
             self._counters.lookups += 1
             self._counters.hit_blocks += len(matched)
             self._counters.miss_blocks += len(hashes) - len(matched)
@@ -222,6 +232,58 @@ class TieredStore:
                 [self._tiers[min(m.tiers)].name for m in matched],
                 lease,
             )
+
+    def _held_prefix(self, hashes: Sequence[BlockHash], start: int, now: float) -> list[BlockMeta]:
+        """The records of the held, unexpired run of ``hashes`` from ``start`` (lock held)."""
+        run: list[BlockMeta] = []
+        blocks = self._blocks
+        for block_hash in hashes[start:] if start else hashes:
+            meta = blocks.get(block_hash)
+            if meta is None or not meta.tiers or meta.expires_at <= now:
+                break
+            run.append(meta)
+        return run
+
+    def _adopt_shared(self, hashes: Sequence[BlockHash], start: int, now: float) -> int:
+        """Index the blocks of ``hashes[start:]`` that the shared tier holds, as far as they
+        continue the chain; returns how many were adopted."""
+        assert self._shared is not None
+        index, tier = self._shared
+        found = tier.locate_many(hashes[start:])
+        adopted = 0
+        with self._lock:
+            parent = hashes[start - 1] if start else None
+            for block_hash, remote in zip(hashes[start:], found, strict=False):
+                if remote is None or (start + adopted and remote.parent != parent):
+                    break
+                expires_at = remote.expires_at if remote.expires_at is not None else now
+                if expires_at <= now:
+                    break
+                meta = self._blocks.get(block_hash)
+                if meta is None:
+                    meta = BlockMeta(
+                        block_hash=block_hash,
+                        parent=remote.parent,
+                        namespace_root=remote.namespace_root,
+                        nbytes=remote.nbytes,
+                        ttl_s=max(self._default_ttl, expires_at - now),
+                        created=now,
+                        last_access=now,
+                        expires_at=expires_at,
+                        child_count=[0] * len(self._tiers),
+                        touch_seq=next(self._seq),
+                    )
+                    self._blocks[block_hash] = meta
+                    if remote.parent is not None:
+                        self._kids.setdefault(remote.parent, set()).add(block_hash)
+                elif meta.expires_at <= now and not meta.tiers:
+                    meta.expires_at = expires_at
+                meta.expires_at = max(meta.expires_at, expires_at)
+                self._payload_sizes.setdefault(remote.namespace_root, remote.nbytes)
+                self._add_to_tier(meta, index)
+                parent = block_hash
+                adopted += 1
+        return adopted
 
     def release(self, lease_id: str) -> None:
         """Unpin a lease's blocks; raises ``LeaseNotFound`` if it is unknown or already over."""
@@ -263,6 +325,16 @@ class TieredStore:
                 cursor = meta.parent
             chain.reverse()
             return chain
+
+    def holdings(self) -> list[tuple[BlockHash, str, float]]:
+        """``(id, tier name, expires_at)`` of every held copy (the fleet index republishes
+        these when it re-registers)."""
+        with self._lock:
+            return [
+                (meta.block_hash, self._tiers[tier].name, meta.expires_at)
+                for meta in self._blocks.values()
+                for tier in meta.tiers
+            ]
 
     def contains(self, block_hash: BlockHash) -> bool:
         with self._lock:
@@ -311,10 +383,15 @@ class TieredStore:
                 if not meta.tiers:
                     raise BlockNotFound(f"block {block_hash.hex()} is not held")
                 tier = min(meta.tiers)
-            data = self._tiers[tier].get(block_hash)
+            source = self._tiers[tier]
+            data = source.get(block_hash)
             if data is not None:
                 break
-            # The tier lost it (a corrupt file is quarantined): forget that copy, try lower.
+            if isinstance(source, CheckedTier) and source.problem() is not None:
+                # Unreachable, not lost (a Redis outage): keep the record, read nothing.
+                raise BlockNotFound(f"block {block_hash.hex()}: tier {source.name} is down")
+            # The tier lost it (a corrupt file is quarantined, a shared key expired or was
+            # evicted by its server): forget that copy, try lower.
             with self._lock:
                 self._counters.corrupt_reads += 1
                 self._drop_from_tier(meta, tier)
@@ -371,8 +448,12 @@ class TieredStore:
                 continue
             try:
                 placed = self._place(meta, payload, start)
-                if placed is not None and durable_tier is not None and placed != durable_tier:
-                    self._place(meta, payload, durable_tier)
+                if placed is not None:
+                    also = [t for t in self._write_through if t != placed]
+                    if durable_tier is not None and durable_tier != placed:
+                        also.append(durable_tier)
+                    for extra in also:
+                        self._place(meta, payload, extra, stop=extra + 1)
             finally:
                 with self._lock:
                     self._unref(meta)
@@ -407,9 +488,11 @@ class TieredStore:
             now = self._clock.now()
             self._reap_leases(now)
             victims = [m for m in self._blocks.values() if m.expires_at <= now and not m.ref_cnt]
+            shared = self._shared[0] if self._shared is not None else -1
             for meta in victims:
                 for tier in sorted(meta.tiers):
-                    self._drop_from_tier(meta, tier)
+                    # Another node may have extended a shared key: let the server expire it.
+                    self._drop_from_tier(meta, tier, delete=tier != shared)
             self._counters.expirations += len(victims)
             return len(victims)
 
@@ -596,10 +679,11 @@ class TieredStore:
         self._policy.track(meta, tier)
         self._maybe_compact(tier)
 
-    def _drop_from_tier(self, meta: BlockMeta, tier: int) -> None:
+    def _drop_from_tier(self, meta: BlockMeta, tier: int, *, delete: bool = True) -> None:
         if tier not in meta.tiers:
             return
-        self._tiers[tier].delete(meta.block_hash)
+        if delete:
+            self._tiers[tier].delete(meta.block_hash)
         meta.tiers.discard(tier)
         self._tier_blocks[tier] -= 1
         if meta.ref_cnt:

@@ -26,11 +26,13 @@ Primitives (``Tier``):
 Optional abilities, each its own small protocol:
     ``RecoverableTier``  ``recovered()`` lists what a durable tier found on start
     ``CheckedTier``      ``problem()`` says why the tier cannot serve now (None when it can)
+    ``SharedTier``       ``locate_many(ids)`` tells which blocks the fleet's shared tier holds
+                         (without moving payloads), ``set_expiry_many`` raises their expiry
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -102,3 +104,32 @@ class CheckedTier(Protocol):
     """A tier that can tell whether it is able to serve right now (for ``/readyz``)."""
 
     def problem(self) -> str | None: ...
+
+
+class LocatedBlock(Protocol):
+    """What a shared tier knows of a block it holds (no payload)."""
+
+    @property
+    def block_hash(self) -> BlockHash: ...
+
+    @property
+    def namespace_root(self) -> bytes: ...
+
+    @property
+    def parent(self) -> BlockHash | None: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def expires_at(self) -> float | None: ...
+
+
+@runtime_checkable
+class SharedTier(Protocol):
+    """A tier shared by every node of a fleet (Redis): blocks other nodes stored can be found
+    in it, and its keys expire on their own."""
+
+    def locate_many(self, hashes: Sequence[BlockHash]) -> Sequence[LocatedBlock | None]: ...
+
+    def set_expiry_many(self, items: Sequence[tuple[BlockHash, float]]) -> None: ...

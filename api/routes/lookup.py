@@ -38,6 +38,7 @@ def lookup(body: LookupRequest, node: NodeDep, tenant: TenantDep) -> Response:
             {"hash": h.hex(), "tier": t} for h, t in zip(match.hashes, match.tiers, strict=True)
         ],
         "lease": {"id": lease.id, "expires_at": lease.expires_at} if lease else None,
+        "locations": node.locations(match.hashes) if body.locations else None,
     }
     return Response(json.dumps(out, separators=(",", ":")), media_type="application/json")
 

@@ -47,11 +47,11 @@ def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 def readyz(node: NodeDep) -> JSONResponse:
-    """Ready to serve: every tier answers. 503 with the reasons otherwise."""
+    """Ready to serve. A node whose shared tier or fleet index is unreachable still serves
+    from its local tiers: it answers 200 with ``status: degraded`` and the reasons, so a load
+    balancer keeps it while an operator sees why."""
     problems = node.health_problems()
-    if problems:
-        return JSONResponse({"status": "degraded", "problems": problems}, status_code=503)
-    return JSONResponse({"status": "ready", "problems": []})
+    return JSONResponse({"status": "degraded" if problems else "ready", "problems": problems})
 
 
 @router.get("/metrics", response_class=Response)

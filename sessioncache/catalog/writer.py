@@ -357,19 +357,14 @@ class Catalog:
         t = sessions_table
         with self._engine.connect() as conn:
             rows = conn.execute(select(t).order_by(t.c.created, t.c.id)).all()
-        return [
-            Session(
-                id=r.id,
-                tenant=r.tenant,
-                kind=r.kind,
-                ttl_s=float(r.ttl_s),
-                created=float(r.created),
-                last_seen=float(r.last_seen),
-                expires_at=float(r.expires_at),
-                head=BlockHash(bytes(r.head)) if r.head is not None else None,
-            )
-            for r in rows
-        ]
+        return [_session_of(r) for r in rows]
+
+    def load_session(self, session_id: str) -> Session | None:
+        """One stored session, e.g. opened through another node sharing this catalog."""
+        t = sessions_table
+        with self._engine.connect() as conn:
+            row = conn.execute(select(t).where(t.c.id == session_id)).first()
+        return _session_of(row) if row is not None else None
 
     # -- block rows (synchronous: reconciliation, tools, tests) -------------------------
 
@@ -731,3 +726,16 @@ if TYPE_CHECKING:
 
     def _protocols(catalog: Catalog) -> tuple[StoreObserver, SessionRepository]:
         return catalog, catalog
+
+
+def _session_of(r: Any) -> Session:
+    return Session(
+        id=r.id,
+        tenant=r.tenant,
+        kind=r.kind,
+        ttl_s=float(r.ttl_s),
+        created=float(r.created),
+        last_seen=float(r.last_seen),
+        expires_at=float(r.expires_at),
+        head=BlockHash(bytes(r.head)) if r.head is not None else None,
+    )

@@ -28,10 +28,25 @@ def _disk(tmp_path: Path) -> TierFactory:
     return lambda capacity: DiskTier.open(tmp_path / f"disk{next(counter)}", capacity)
 
 
+def _redis(_: Path) -> TierFactory:
+    """The real Redis ($SESSIONCACHE_TEST_REDIS_URL, default 127.0.0.1:6379): a fresh key
+    prefix per tier, whose keys the tier deletes at close."""
+    import os
+    import uuid
+
+    from tiers.redis import RedisTier, make_client
+
+    url = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    return lambda capacity: RedisTier(
+        lambda: make_client(url), capacity, prefix=f"sctest:{uuid.uuid4().hex}:", owns_keys=True
+    )
+
+
 FACTORIES: dict[str, Callable[[Path], TierFactory]] = {
     "gpu": lambda _: lambda capacity: GpuTier(capacity, device="cpu", chunk_bytes=4096),
     "cpu": lambda _: lambda capacity: CpuTier(capacity, chunk_bytes=4096),
     "disk": _disk,
+    "redis": _redis,
 }
 
 

@@ -1,0 +1,88 @@
+"""Keeps the shared tier's key expiries in step with the store's sliding TTLs.
+
+A lookup on any node slides the TTL of the blocks it touches; blocks held in the shared tier
+must then live longer in Redis too, or another node would miss them. Touches are queued from
+the store's observer callbacks (never blocking, coalesced per block) and a small thread sends
+them as one pipelined ``PEXPIREAT ... GT`` batch per period.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.hashing import BlockHash
+from tiers.base import SharedTier
+
+log = logging.getLogger("sessioncache.shared")
+
+
+class SharedExpiryRefresher:
+    """A ``StoreObserver`` that raises shared-tier expiries; ``start``/``stop`` its thread."""
+
+    def __init__(
+        self,
+        tier: SharedTier,
+        tier_name: str,
+        *,
+        interval_s: float = 1.0,
+        max_pending: int = 1_000_000,
+    ) -> None:
+        self._tier = tier
+        self._name = tier_name
+        self._interval = interval_s
+        self._max = max_pending
+        self._pending: dict[BlockHash, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._shared_index: int | None = None
+
+    def bind(self, tier_index: int) -> None:
+        """The shared tier's index in the store (``BlockMeta.tiers`` holds indices)."""
+        self._shared_index = tier_index
+
+    def block_added(self, meta: BlockMeta, tier: str, durable: bool) -> None:
+        pass
+
+    def block_removed(self, block_hash: BlockHash, tier: str, durable: bool) -> None:
+        pass
+
+    def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
+        index = self._shared_index
+        if index is None:
+            return
+        with self._lock:
+            for meta in metas:
+                if index in meta.tiers and len(self._pending) < self._max:
+                    self._pending[meta.block_hash] = meta.expires_at
+
+    def flush(self) -> int:
+        with self._lock:
+            batch, self._pending = self._pending, {}
+        if batch:
+            try:
+                self._tier.set_expiry_many(list(batch.items()))
+            except Exception:  # the tier degrades on its own; expiries are best effort
+                log.debug("shared expiry refresh failed", exc_info=True)
+        return len(batch)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="sessioncache-shared-expiry", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()

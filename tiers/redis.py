@@ -1,0 +1,1194 @@
+"""The shared tier: block payloads in Redis (or Redis Cluster), visible to every node.
+
+One key per block, ``{prefix}b:{hex}`` (``hex`` = 32 hex digits of the id), holds an 88-byte
+header followed by the payload, so a reader sees the whole block or nothing. Header fields,
+little-endian (``struct`` format ``<8sHHI16s16s16sQQQ``):
+
+    offset  size  field
+         0     8  magic            b"SCRBLK\\x00\\x01"
+         8     2  version          u16, currently 1
+        10     2  flags            u16, bit 0: the block has a parent
+        12     4  reserved         u32, 0
+        16    16  block id         the 16-byte ``BlockHash``
+        32    16  namespace root   16 bytes
+        48    16  parent           16 bytes (zeros at a chain root)
+        64     8  payload length   u64, bytes following the header
+        72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)``
+        80     8  header xxh3      u64, ``xxh3_64_intdigest(header[0:80])``
+
+Every key carries the block's absolute expiry (``SET ... PXAT`` on write, ``PEXPIREAT ... GT``
+when a node extends it, so the longest-lived claim of any node wins); Redis drops expired
+blocks by itself. A read verifies magic, version, both checksums, the id and the length; a
+mismatch is a miss and the key is deleted. ``locate_many`` reads only the header
+(``GETRANGE 0 87``) and the expiry (``PEXPIRETIME``): it says what the fleet holds without
+moving payloads.
+
+No hash tags: each block key lands on the slot of its own name, so one namespace (or one long
+chain) spreads over every shard of a cluster instead of making one shard hot. Batches are
+non-transactional pipelines; redis-py splits them per node on a cluster. Needs Redis >= 7.0
+(``PEXPIREAT ... GT``, ``PEXPIRETIME``).
+
+Capacity: Redis is shared, so ``used_bytes`` counts what *this node* wrote and has neither
+deleted nor seen expire (expiry is tracked locally from the expiry each write carried);
+``fits`` is a local check that costs no round trip. Blocks written by other nodes, or dropped
+by Redis' own ``maxmemory`` policy, are not reflected: size each node's ``capacity_bytes`` as
+its share of the Redis memory and let ``maxmemory`` + ``volatile-lru`` be the hard guard (see
+``docs/scale-out.md``). ``server_memory()`` reads the real figure from ``INFO memory``.
+
+Degradation: every data call that meets a connection error, timeout or cluster outage behaves
+as a miss (``get`` -> None, ``contains`` -> False, ``delete`` -> 0) or raises
+``TierUnavailable`` (``put``, a ``TierFull`` the store already knows how to handle), and marks
+the link degraded. While degraded, calls fail at once without touching the network; at most
+once per ``probe_interval_s`` one call probes with a ``PING`` and, when it answers, the link is
+healthy again. ``problem()`` reports the state for ``/readyz``.
+
+Expiry times are wall-clock seconds since the epoch (``time.time()``), like the store's
+``SystemClock``.
+
+Speed: a client from ``make_client`` sends header and payload as two pieces of one bulk
+string (its connection class packs ``_Parts`` arguments), so no value is ever assembled by
+copying; other clients get pooled copies. ``put_many`` checksums one 8 MiB group while the
+previous one is on the wire (a few worker threads, started on first use, stopped by
+``close``). ``get`` returns a zero-copy view of the reply. ``python -m bench.shared_tier``
+compares all this with raw redis-py ``SET``/``GET``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
+
+import numpy as np
+import redis
+import redis.connection
+import redis.exceptions as rex
+import torch
+import xxhash
+from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
+from sessioncache.hashing import HASH_BYTES, BlockHash
+from tiers.payload import Payload, as_memoryview, payload_nbytes
+
+__all__ = [
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "REDIS_URL_ENV",
+    "VERSION",
+    "Client",
+    "LinkStatus",
+    "PutItem",
+    "RedisCounters",
+    "RedisLink",
+    "RedisTier",
+    "RemoteBlock",
+    "TierUnavailable",
+    "WritePolicy",
+    "client_factory",
+    "make_client",
+]
+
+logger = logging.getLogger("sessioncache.tiers.redis")
+
+Client: TypeAlias = "redis.Redis | RedisCluster"
+"""A synchronous redis-py client: one server (or Sentinel-managed primary) or a cluster."""
+
+REDIS_URL_ENV = "SESSIONCACHE_REDIS_URL"
+MAGIC = b"SCRBLK\x00\x01"
+VERSION = 1
+HEADER = struct.Struct("<8sHHI16s16s16sQQQ")
+HEADER_SIZE = HEADER.size  # 88
+_HEADER_BODY = HEADER_SIZE - 8
+_FLAG_PARENT = 1
+_NO_PARENT = b"\x00" * HASH_BYTES
+_xxh3 = xxhash.xxh3_64_intdigest
+_T = TypeVar("_T")
+
+# What "Redis is not there" looks like through redis-py: connection and socket failures,
+# timeouts, a cluster without a covering primary, a replica promoted mid-write.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    rex.ConnectionError,  # includes BusyLoadingError, MaxConnectionsError
+    rex.TimeoutError,
+    rex.ClusterError,  # ClusterDownError, MasterDownError
+    rex.RedisClusterException,  # SlotNotCoveredError, no reachable startup node
+    rex.TryAgainError,
+    rex.ReadOnlyError,
+    OSError,
+)
+_PROBE_ERRORS: tuple[type[BaseException], ...] = (*_UNAVAILABLE, rex.RedisError)
+
+
+class TierUnavailable(TierFull):
+    """The shared tier cannot be reached right now. A ``TierFull`` (so the store moves on to
+    the next tier, or drops the demotion) and a ``SessionCacheError``."""
+
+
+class WritePolicy(StrEnum):
+    """How a deployment feeds the shared tier (``SESSIONCACHE_REDIS_WRITE_POLICY``)."""
+
+    WRITE_THROUGH = "write-through"
+    """Every block a node stores also goes to Redis before the put returns."""
+    WRITE_BACK = "write-back"
+    """Redis is the last tier: blocks reach it only when demoted out of the local tiers."""
+
+
+# --------------------------------------------------------------------------------- clients
+
+
+def make_client(
+    url: str | None = None,
+    *,
+    connect_timeout_s: float = 0.2,
+    timeout_s: float = 0.5,
+    retries: int = 2,
+    backoff_base_s: float = 0.005,
+    backoff_cap_s: float = 0.05,
+    max_connections: int | None = None,
+) -> Client:
+    """A client for ``url`` (default: ``$SESSIONCACHE_REDIS_URL``) whose failures are cheap.
+
+    ``redis://host:port/db`` (or ``rediss://``, ``unix://``) gives ``redis.Redis``;
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) gives ``redis.RedisCluster``
+    seeded from that node. Connection errors and timeouts are retried ``retries`` times with
+    exponential backoff between ``backoff_base_s`` and ``backoff_cap_s``, so a dead Redis
+    costs a few milliseconds per call, not seconds. ``redis.Redis`` connects lazily; a
+    ``RedisCluster`` connects here and raises if no node answers (use ``client_factory``
+    to let the tier create it once the cluster is up).
+    """
+    url = url or os.environ.get(REDIS_URL_ENV)
+    if not url:
+        raise InvalidInput(f"no Redis URL: pass one or set {REDIS_URL_ENV}")
+    retry = Retry(ExponentialBackoff(cap=backoff_cap_s, base=backoff_base_s), retries)
+    kwargs: dict[str, Any] = {
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_timeout": timeout_s,
+        "retry": retry,
+    }
+    if max_connections is not None:
+        kwargs["max_connections"] = max_connections
+    scheme, sep, rest = url.partition("://")
+    cluster = bool(sep) and scheme.endswith("+cluster")
+    scheme = scheme.removesuffix("+cluster")
+    kwargs["connection_class"] = {"rediss": _SslConnection, "unix": _UnixConnection}.get(
+        scheme, _TcpConnection
+    )
+    if cluster:
+        return RedisCluster.from_url(f"{scheme}://{rest}", **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def client_factory(url: str | None = None, **options: Any) -> Callable[[], Client]:
+    """A zero-argument callable making ``make_client(url, **options)``: hand it to
+    ``RedisTier``/``FleetIndex`` so a node starts even while Redis is down."""
+    url = url or os.environ.get(REDIS_URL_ENV)
+    if not url:
+        raise InvalidInput(f"no Redis URL: pass one or set {REDIS_URL_ENV}")
+    return lambda: make_client(url, **options)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStatus:
+    """The health of a ``RedisLink`` (for ``/readyz`` and ``/metrics``)."""
+
+    healthy: bool
+    reason: str | None
+    degraded_since: float | None
+    """Wall-clock time the link last went down, None while healthy."""
+    failures: int
+    """Times the link went from healthy to degraded."""
+    recoveries: int
+    """Times it came back."""
+
+
+class RedisLink:
+    """One client plus the health state its users share (see the module docstring).
+
+    ``run(op)`` calls ``op(client)``; on an outage it raises ``TierUnavailable`` and marks
+    the link degraded. While degraded, ``run`` raises at once, except that one call per
+    ``probe_interval_s`` first sends a ``PING`` and resumes when it answers. Listeners added
+    with ``on_recover`` run (in the probing thread, so they must be quick) when it does.
+    """
+
+    def __init__(
+        self,
+        client: Client | Callable[[], Client],
+        *,
+        name: str = "redis",
+        probe_interval_s: float = 1.0,
+    ) -> None:
+        self._name = name
+        self._probe_interval = probe_interval_s
+        self._factory: Callable[[], Client] | None
+        self._client: Client | None
+        if isinstance(client, redis.Redis | RedisCluster):
+            self._factory, self._client = None, client
+        else:
+            self._factory, self._client = client, None
+        self._owns_client = self._factory is not None
+        self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._healthy = self._client is not None
+        self._reason: str | None = None if self._healthy else "not connected yet"
+        self._since: float | None = None if self._healthy else time.time()
+        self._next_probe = 0.0
+        self._last_ok = float("-inf")
+        self._failures = 0
+        self._recoveries = 0
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def client(self) -> Client | None:
+        """The client, or None while a factory has not managed to make one."""
+        return self._client
+
+    def on_recover(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def status(self) -> LinkStatus:
+        with self._lock:
+            return LinkStatus(
+                self._healthy, self._reason, self._since, self._failures, self._recoveries
+            )
+
+    def problem(self) -> str | None:
+        """None when Redis answers; otherwise why not. Sends a ``PING`` when nothing has been
+        heard from Redis for ``probe_interval_s`` (so an idle node notices an outage too)."""
+        if self._healthy and time.monotonic() - self._last_ok < self._probe_interval:
+            return None
+        try:
+            self.run(lambda c: c.ping())
+        except TierUnavailable:
+            return f"{self._name}: {self._reason}"
+        except rex.RedisError as exc:  # answering, if oddly (e.g. NOAUTH): report it
+            return f"{self._name}: {_describe(exc)}"
+        return None
+
+    def run(self, op: Callable[[Client], _T]) -> _T:
+        client = self._ready()
+        try:
+            result = op(client)
+        except _UNAVAILABLE as exc:
+            self.mark_failed(exc)
+            raise TierUnavailable(f"{self._name}: {_describe(exc)}") from exc
+        self._last_ok = time.monotonic()
+        return result
+
+    def mark_failed(self, exc: BaseException) -> None:
+        reason = _describe(exc)
+        with self._lock:
+            self._next_probe = time.monotonic() + self._probe_interval
+            self._reason = reason
+            if self._healthy:
+                self._healthy = False
+                self._since = time.time()
+                self._failures += 1
+                logger.warning("%s unreachable, degraded: %s", self._name, reason)
+
+    def close(self) -> None:
+        """Close the client if this link made it (a client handed in belongs to the caller)."""
+        client, self._client = self._client, None
+        if client is not None and self._owns_client:
+            client.close()
+
+    def _ready(self) -> Client:
+        client = self._client
+        if self._healthy and client is not None:
+            return client
+        # Before the first connection attempt everyone waits for it; once Redis has failed,
+        # only one caller per interval probes and the others fail at once.
+        if self._next_probe == 0.0:
+            self._probe_lock.acquire()
+        elif time.monotonic() < self._next_probe or not self._probe_lock.acquire(blocking=False):
+            raise TierUnavailable(f"{self._name}: {self._reason}")
+        try:
+            if self._healthy and self._client is not None:  # another thread got there first
+                return self._client
+            try:
+                if self._client is None:
+                    assert self._factory is not None
+                    self._client = self._factory()
+                self._client.ping()
+            except _PROBE_ERRORS as exc:
+                self.mark_failed(exc)
+                raise TierUnavailable(f"{self._name}: {_describe(exc)}") from exc
+            with self._lock:
+                self._healthy = True
+                self._reason = None
+                self._since = None
+                self._recoveries += 1
+            client = self._client
+        finally:
+            self._probe_lock.release()
+        logger.warning("%s reachable again, resuming", self._name)
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:
+                logger.exception("%s: recovery listener failed", self._name)
+        return client
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:200]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, rex.OutOfMemoryError) or str(exc).startswith("OOM")
+
+
+# ------------------------------------------------------------------- zero-copy block values
+
+
+class _Parts:
+    """One bulk-string argument sent as several buffers (header, payload), so a block value
+    is never assembled by copying. Only connections made by ``make_client`` can send it."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, *parts: memoryview) -> None:
+        self.parts = parts
+        self.nbytes = sum(p.nbytes for p in parts)
+
+
+class _PartsConnection:
+    """Mixed into redis-py's connection classes: packs ``_Parts`` arguments as a RESP bulk
+    string whose buffers go to the socket as they are (everything else is packed as usual).
+    Overrides only the public ``pack_command``/``pack_commands``/``send_command``."""
+
+    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(isinstance(a, _Parts) for a in args):
+            return cast(list[bytes | memoryview], super().pack_command(*args))  # type: ignore[misc]
+        encode = self.encoder.encode  # type: ignore[attr-defined]
+        out: list[bytes | memoryview] = []
+        buff = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, _Parts):
+                out.append(buff + b"$%d\r\n" % arg.nbytes)
+                out.extend(arg.parts)
+                buff = b"\r\n"
+            else:
+                value = bytes(encode(arg))
+                buff += b"$%d\r\n%s\r\n" % (len(value), value)
+        out.append(buff)
+        return out
+
+    def pack_commands(self, commands: Iterable[Sequence[Any]]) -> list[bytes | memoryview]:
+        # redis-py's own loop, over this class's pack_command: small chunks are joined, big
+        # ones and memoryviews are sent as they are.
+        cutoff: int = self._buffer_cutoff  # type: ignore[attr-defined]
+        output: list[bytes | memoryview] = []
+        pieces: list[bytes] = []
+        length = 0
+        for cmd in commands:
+            for chunk in self.pack_command(*cmd):
+                big = len(chunk) > cutoff or isinstance(chunk, memoryview)
+                if length > cutoff or big:
+                    if pieces:
+                        output.append(b"".join(pieces))
+                    length = 0
+                    pieces = []
+                if big:
+                    output.append(chunk)
+                else:
+                    pieces.append(cast(bytes, chunk))
+                    length += len(chunk)
+        if pieces:
+            output.append(b"".join(pieces))
+        return output
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        self.send_packed_command(  # type: ignore[attr-defined]
+            self.pack_command(*args), check_health=kwargs.get("check_health", True)
+        )
+
+
+class _TcpConnection(_PartsConnection, redis.connection.Connection):
+    pass
+
+
+class _SslConnection(_PartsConnection, redis.connection.SSLConnection):
+    pass
+
+
+class _UnixConnection(_PartsConnection, redis.connection.UnixDomainSocketConnection):
+    pass
+
+
+def _sends_parts(client: Client) -> bool:
+    """Whether every connection of ``client`` can send ``_Parts`` (made by ``make_client``)."""
+    try:
+        if isinstance(client, RedisCluster):
+            cls = client.nodes_manager.connection_kwargs.get("connection_class")
+        else:
+            cls = client.connection_pool.connection_class
+    except AttributeError:
+        return False
+    return isinstance(cls, type) and issubclass(cls, _PartsConnection)
+
+
+# ----------------------------------------------------------------------------------- header
+
+
+def encode_header(
+    block_hash: bytes, namespace_root: bytes, parent: bytes | None, nbytes: int, checksum: int
+) -> bytes:
+    """The 88-byte header of a block value (see the module docstring)."""
+    flags = _FLAG_PARENT if parent is not None else 0
+    body = HEADER.pack(
+        MAGIC,
+        VERSION,
+        flags,
+        0,
+        block_hash,
+        namespace_root,
+        parent if parent is not None else _NO_PARENT,
+        nbytes,
+        checksum,
+        0,
+    )
+    return body[:_HEADER_BODY] + struct.pack("<Q", _xxh3(body[:_HEADER_BODY]))
+
+
+class _Invalid(Exception):
+    """A value failed validation (internal: becomes a miss and a delete)."""
+
+
+class _Header(NamedTuple):
+    block_hash: bytes
+    namespace_root: bytes
+    parent: bytes | None
+    nbytes: int
+    checksum: int
+
+
+def decode_header(raw: bytes | memoryview) -> _Header:
+    """Parse and verify a header; raises ``_Invalid``."""
+    if len(raw) < HEADER_SIZE:
+        raise _Invalid(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
+    magic, version, flags, _res, bid, ns, parent, nbytes, checksum, hsum = HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise _Invalid("bad magic")
+    if _xxh3(memoryview(raw)[:_HEADER_BODY]) != hsum:
+        raise _Invalid("header checksum mismatch")
+    if version != VERSION:
+        raise _Invalid(f"unsupported format version {version}")
+    return _Header(bid, ns, parent if flags & _FLAG_PARENT else None, nbytes, checksum)
+
+
+# ------------------------------------------------------------------------------------- tier
+
+
+class PutItem(NamedTuple):
+    """One block for ``RedisTier.put_many``."""
+
+    block_hash: BlockHash
+    payload: Payload
+    namespace_root: bytes
+    parent: BlockHash | None = None
+    expires_at: float | None = None
+    """Wall-clock expiry; None: ``default_ttl_s`` from now."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteBlock:
+    """A block the shared tier holds, as ``locate_many`` reports it (no payload moved)."""
+
+    block_hash: BlockHash
+    namespace_root: bytes
+    parent: BlockHash | None
+    nbytes: int
+    expires_at: float | None
+    """Wall-clock expiry of the key; None if Redis reports none."""
+
+
+@dataclass(slots=True)
+class RedisCounters:
+    """What this node's tier did, for ``/metrics``."""
+
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    stored: int = 0
+    unavailable: int = 0
+    """Calls answered as a miss / ``TierUnavailable`` because Redis was unreachable."""
+
+
+@dataclass(slots=True)
+class _Own:
+    nbytes: int
+    expires_at: float
+
+
+_MIN_TTL_S = 1.0
+_GROUP_BYTES = 8 << 20
+_SEND_WORKERS = 4
+
+
+class _BufferPool:
+    """Reusable value buffers (header + payload) for puts: a batch of fresh 2 MiB buffers
+    costs more in page faults than the copy into them; blocks of one deployment share one
+    size, so buffers are reused as they are. Holds at most ``max_bytes`` while idle."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._lock = threading.Lock()
+        self._free: dict[int, list[bytearray]] = {}
+        self._held = 0
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._held -= size
+                return free.pop()
+        return bytearray(size)
+
+    def give(self, buffers: Iterable[bytearray]) -> None:
+        with self._lock:
+            for buf in buffers:
+                if self._held + len(buf) <= self._max:
+                    self._free.setdefault(len(buf), []).append(buf)
+                    self._held += len(buf)
+
+
+class RedisTier:
+    """Block payloads in Redis, shared by every node (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: Client | Callable[[], Client] | RedisLink,
+        capacity_bytes: int,
+        *,
+        name: str = "redis",
+        prefix: str = "sc:",
+        default_ttl_s: float = 3 * 86400.0,
+        durable: bool = False,
+        owns_keys: bool = False,
+        probe_interval_s: float = 1.0,
+        skip_existing: bool = False,
+        max_batch_bytes: int = 64 << 20,
+        buffer_pool_bytes: int = 128 << 20,
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if default_ttl_s <= 0:
+            raise ValueError(f"default_ttl_s must be positive, got {default_ttl_s}")
+        self._link = (
+            client
+            if isinstance(client, RedisLink)
+            else RedisLink(client, name=name, probe_interval_s=probe_interval_s)
+        )
+        self._name = name
+        self._capacity = capacity_bytes
+        self._prefix = prefix
+        self._block_prefix = f"{prefix}b:"
+        self._default_ttl = default_ttl_s
+        self._durable = durable
+        self._owns_keys = owns_keys
+        self._skip_existing = skip_existing
+        self._max_batch_bytes = max(1, max_batch_bytes)
+        self._buffers = _BufferPool(buffer_pool_bytes)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._own: dict[BlockHash, _Own] = {}
+        self._expiry_heap: list[tuple[float, BlockHash]] = []
+        self._used = 0
+        self._reserved = 0
+        self._counters = RedisCounters()
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Payload bytes this node wrote that are neither deleted nor expired (approximate:
+        see the module docstring)."""
+        with self._lock:
+            self._reap(time.time())
+            return self._used
+
+    @property
+    def durable(self) -> bool:
+        return self._durable
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def link(self) -> RedisLink:
+        return self._link
+
+    def key(self, block_hash: bytes) -> str:
+        """The Redis key of a block."""
+        return f"{self._block_prefix}{block_hash.hex()}"
+
+    def problem(self) -> str | None:
+        return self._link.problem()
+
+    def status(self) -> LinkStatus:
+        return self._link.status()
+
+    def counters(self) -> RedisCounters:
+        with self._lock:
+            return RedisCounters(**{f: getattr(self._counters, f) for f in _COUNTER_FIELDS})
+
+    def fits(self, nbytes: int) -> bool:
+        with self._lock:
+            self._reap(time.time())
+            return nbytes > 0 and self._used + self._reserved + nbytes <= self._capacity
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        key = self.key(block_hash)
+        try:
+            return bool(self._run(lambda c: c.exists(key)))
+        except (TierUnavailable, rex.RedisError):
+            return False
+
+    def get(self, block_hash: BlockHash) -> torch.Tensor | None:
+        return self.get_many([block_hash])[0]
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """The payloads of ``hashes`` (None for each miss), in one pipelined round trip.
+
+        Each tensor is a zero-copy, read-only view of the bytes Redis returned: do not write
+        through it. A value that fails verification is a miss and its key is deleted.
+        """
+        if not hashes:
+            return []
+        keys = [self.key(h) for h in hashes]
+        try:
+            raws = self._pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
+        except (TierUnavailable, rex.RedisError) as exc:
+            self._note_unavailable(exc, len(hashes))
+            return [None] * len(hashes)
+        out: list[torch.Tensor | None] = []
+        corrupt: list[BlockHash] = []
+        for block_hash, raw in zip(hashes, raws, strict=True):
+            if raw is None:
+                out.append(None)
+                continue
+            try:
+                if isinstance(raw, Exception):  # WRONGTYPE: something else took the key
+                    raise _Invalid(_describe(raw))
+                out.append(self._decode(block_hash, cast(bytes, raw)))
+            except _Invalid as exc:
+                logger.warning(
+                    "%s tier: block %s is corrupt (%s); deleting it",
+                    self._name,
+                    block_hash.hex(),
+                    exc,
+                )
+                corrupt.append(block_hash)
+                out.append(None)
+        hits = sum(1 for t in out if t is not None)
+        with self._lock:
+            self._counters.hits += hits
+            self._counters.misses += len(out) - hits
+            self._counters.corrupt += len(corrupt)
+        if corrupt:
+            self.delete_many(corrupt)
+        return out
+
+    def _decode(self, block_hash: bytes, raw: bytes) -> torch.Tensor:
+        if not isinstance(raw, bytes):
+            raise _Invalid(f"value is {type(raw).__name__}, not bytes")
+        header = decode_header(raw)
+        if header.block_hash != block_hash:
+            raise _Invalid("block id in header does not match the key")
+        if header.nbytes == 0 or len(raw) != HEADER_SIZE + header.nbytes:
+            raise _Invalid(f"value is {len(raw)} bytes, header says {HEADER_SIZE + header.nbytes}")
+        if _xxh3(memoryview(raw)[HEADER_SIZE:]) != header.checksum:
+            raise _Invalid("payload checksum mismatch")
+        return torch.frombuffer(raw, dtype=torch.uint8, count=header.nbytes, offset=HEADER_SIZE)
+
+    def locate_many(self, hashes: Sequence[BlockHash]) -> list[RemoteBlock | None]:
+        """For each id, what Redis holds of it (from the header alone), or None.
+
+        One pipelined round trip of ``GETRANGE key 0 87`` + ``PEXPIRETIME key`` per block:
+        a few hundred bytes per block whatever the payload size. All None when Redis is down.
+        """
+        if not hashes:
+            return []
+        keys = [self.key(h) for h in hashes]
+
+        def queue(p: Any) -> None:
+            for k in keys:
+                p.getrange(k, 0, HEADER_SIZE - 1)
+                p.pexpiretime(k)
+
+        try:
+            replies = self._pipeline(queue, raise_errors=False)
+        except (TierUnavailable, rex.RedisError) as exc:
+            self._note_unavailable(exc, len(hashes))
+            return [None] * len(hashes)
+        out: list[RemoteBlock | None] = []
+        for i, block_hash in enumerate(hashes):
+            raw, pexp = replies[2 * i], replies[2 * i + 1]
+            if not isinstance(raw, bytes) or not raw:
+                out.append(None)
+                continue
+            try:
+                header = decode_header(raw)
+                if header.block_hash != block_hash or header.nbytes == 0:
+                    raise _Invalid("header does not describe this block")
+            except _Invalid:
+                out.append(None)  # get() will find it corrupt and delete it
+                continue
+            if pexp == -2:  # gone between the two commands
+                out.append(None)
+                continue
+            expires = pexp / 1000.0 if isinstance(pexp, int) and pexp > 0 else None
+            out.append(
+                RemoteBlock(
+                    block_hash,
+                    header.namespace_root,
+                    BlockHash(header.parent) if header.parent is not None else None,
+                    header.nbytes,
+                    expires,
+                )
+            )
+        return out
+
+    def keys(self) -> list[BlockHash]:
+        """Every block under this tier's prefix, from ``SCAN`` over every shard: a snapshot of
+        the whole fleet's shared tier, for tools and tests (not for a hot path)."""
+        try:
+            found = self._run(lambda c: list(self._scan(c)))
+        except (TierUnavailable, rex.RedisError):
+            return []
+        out: list[BlockHash] = []
+        for key in found:
+            text = key.decode() if isinstance(key, bytes) else str(key)
+            try:
+                raw = bytes.fromhex(text[len(self._block_prefix) :])
+            except ValueError:
+                continue
+            if len(raw) == HASH_BYTES:
+                out.append(BlockHash(raw))
+        return out
+
+    def server_memory(self) -> tuple[int, int]:
+        """``(used_memory, maxmemory)`` summed over every server (0 maxmemory: unlimited).
+        A round trip per server: for ``/metrics`` and capacity planning, not the data path."""
+
+        def read(c: Client) -> tuple[int, int]:
+            if isinstance(c, RedisCluster):
+                info = c.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                info = c.info("memory")
+            per_node: list[dict[str, Any]] = [info]
+            if isinstance(info, dict) and all(isinstance(v, dict) for v in info.values()):
+                per_node = list(info.values())  # a cluster answers per node
+            used = sum(int(n.get("used_memory", 0)) for n in per_node)
+            limit = sum(int(n.get("maxmemory", 0)) for n in per_node)
+            return used, limit
+
+        return self._run(read)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(
+        self,
+        block_hash: BlockHash,
+        payload: Payload,
+        namespace_root: bytes,
+        *,
+        parent: BlockHash | None = None,
+        expires_at: float | None = None,
+    ) -> None:
+        """Store one block (a no-op when Redis already holds it, except that its expiry is
+        raised to ``expires_at``). Raises ``TierFull``, ``TierUnavailable`` (a ``TierFull``),
+        ``PayloadSizeError`` or ``InvalidInput``."""
+        self.put_many([PutItem(block_hash, payload, namespace_root, parent, expires_at)])
+
+    def put_many(self, items: Sequence[PutItem]) -> list[bool]:
+        """Store several blocks in pipelined round trips; for each, whether this call wrote it
+        (False: Redis already held it, or it came twice in ``items``).
+
+        Everything is validated, and the whole batch's bytes reserved, before anything is
+        sent: a batch that does not fit raises ``TierFull`` having written nothing. ``SET NX``
+        never overwrites a block. With ``skip_existing`` one ``EXISTS`` round trip first keeps
+        blocks Redis already holds from crossing the network again: worth it where many puts
+        are duplicates (the store already skips blocks it knows are in this tier, and the
+        engine recomputes only what every tier missed, so it is off by default).
+        """
+        now = time.time()
+        prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
+        seen: set[BlockHash] = set()
+        for item in items:
+            block_hash = _check_id(item.block_hash, "block id")
+            namespace_root = _check_id(item.namespace_root, "namespace root")
+            parent = _check_id(item.parent, "parent") if item.parent is not None else None
+            nbytes = payload_nbytes(item.payload)
+            if nbytes == 0:
+                raise PayloadSizeError(f"{self._name}: empty payload")
+            if nbytes > self._capacity:
+                raise PayloadSizeError(
+                    f"{self._name}: payload of {nbytes} bytes exceeds the tier's capacity of "
+                    f"{self._capacity}"
+                )
+            if block_hash in seen:
+                continue
+            seen.add(block_hash)
+            expires = self._expiry(item.expires_at, now)
+            view = as_memoryview(item.payload)
+            prepared.append((block_hash, view, namespace_root, parent, nbytes, expires))
+        result = dict.fromkeys((p[0] for p in prepared), False)
+        if not prepared:
+            return [False] * len(items)
+        with self._lock:
+            self._reap(now)
+            need = sum(p[4] for p in prepared if p[0] not in self._own)
+            if self._used + self._reserved + need > self._capacity:
+                raise TierFull(
+                    f"{self._name} tier: {need} bytes do not fit "
+                    f"({self._used + self._reserved} of {self._capacity} in use by this node)"
+                )
+            self._reserved += need
+        try:
+            for batch in self._batches(prepared):
+                for block_hash, stored in self._put_batch(batch):
+                    result[block_hash] = stored
+        except (TierUnavailable, rex.RedisError) as exc:
+            self._note_unavailable(exc, 1)
+            if isinstance(exc, TierUnavailable):
+                raise
+            if _is_oom(exc):
+                raise TierFull(f"{self._name} tier: Redis is out of memory: {exc}") from exc
+            raise TierUnavailable(f"{self._name}: {_describe(exc)}") from exc
+        finally:
+            with self._lock:
+                self._reserved -= need
+        out: list[bool] = []
+        emitted: set[BlockHash] = set()
+        for item in items:
+            first = item.block_hash not in emitted
+            emitted.add(item.block_hash)
+            out.append(first and result.get(item.block_hash, False))
+        return out
+
+    def _batches(
+        self, prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]
+    ) -> Iterable[list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]]:
+        batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
+        size = 0
+        for entry in prepared:
+            if batch and size + entry[4] > self._max_batch_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append(entry)
+            size += entry[4]
+        if batch:
+            yield batch
+
+    def _put_batch(
+        self, batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]
+    ) -> list[tuple[BlockHash, bool]]:
+        keys = [self.key(entry[0]) for entry in batch]
+        if self._skip_existing:
+            present = [bool(x) for x in self._pipeline(lambda p: [p.exists(k) for k in keys])]
+        else:
+            present = [False] * len(batch)
+        # Groups of about ``_GROUP_BYTES``: while one group is on the wire (a worker thread;
+        # socket writes release the GIL) the next is checksummed and copied (xxh3 and numpy
+        # copies release it too), so the CPU work hides behind the transfer.
+        groups: list[list[int]] = [[]]
+        size = 0
+        for i, entry in enumerate(batch):
+            if groups[-1] and size + entry[4] > _GROUP_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += entry[4]
+        sends: list[Future[list[Any]]] = []
+        buffers: list[list[bytearray]] = []
+        replies: list[Any] = []
+        try:
+            for group in groups:
+                commands, held_buffers = self._prepare_group(group, keys, batch, present)
+                buffers.append(held_buffers)
+                if len(groups) == 1:
+                    replies = self._send_group(commands)
+                else:
+                    sends.append(self._executor().submit(self._send_group, commands))
+            if sends:
+                failure: BaseException | None = None
+                for send in sends:
+                    try:
+                        replies += send.result()
+                    except BaseException as exc:  # wait for every send before re-raising
+                        failure = failure or exc
+                if failure is not None:
+                    raise failure
+        finally:
+            for held_buffers in buffers:
+                self._buffers.give(held_buffers)
+        out: list[tuple[BlockHash, bool]] = []
+        stored_now: list[tuple[BlockHash, int, float]] = []
+        index = 0
+        for entry, held in zip(batch, present, strict=True):
+            block_hash, _view, _ns, _parent, nbytes, expires = entry
+            if held:
+                index += 1
+                out.append((block_hash, False))
+                self._extend_own(block_hash, expires)
+                continue
+            stored = bool(replies[index])
+            index += 2
+            out.append((block_hash, stored))
+            if stored:
+                stored_now.append((block_hash, nbytes, expires))
+            else:
+                self._extend_own(block_hash, expires)
+        with self._lock:
+            for block_hash, nbytes, expires in stored_now:
+                if block_hash not in self._own:
+                    self._used += nbytes
+                    self._own[block_hash] = _Own(nbytes, expires)
+                    heapq.heappush(self._expiry_heap, (expires, block_hash))
+            self._counters.stored += len(stored_now)
+        return out
+
+    def _prepare_group(
+        self,
+        group: list[int],
+        keys: list[str],
+        batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]],
+        present: list[bool],
+    ) -> tuple[list[tuple[str, int, memoryview | _Parts | None]], list[bytearray]]:
+        """``(key, expiry ms, value or None for an expiry-only claim)`` per block, with the
+        pooled buffers the values live in. With a client from ``make_client`` a value is the
+        header and the caller's payload buffer, sent without being copied."""
+        commands: list[tuple[str, int, memoryview | _Parts | None]] = []
+        held_buffers: list[bytearray] = []
+        client = self._link.client
+        zero_copy = client is not None and _sends_parts(client)
+        for i in group:
+            block_hash, view, namespace_root, parent, nbytes, expires = batch[i]
+            ms = int(expires * 1000)
+            if present[i]:
+                commands.append((keys[i], ms, None))
+                continue
+            header = encode_header(block_hash, namespace_root, parent, nbytes, _xxh3(view))
+            if zero_copy:
+                commands.append((keys[i], ms, _Parts(memoryview(header), view)))
+                continue
+            buf = self._buffers.take(HEADER_SIZE + nbytes)
+            held_buffers.append(buf)
+            value = memoryview(buf)
+            value[:HEADER_SIZE] = header
+            np.copyto(
+                np.frombuffer(buf, dtype=np.uint8, offset=HEADER_SIZE),
+                np.frombuffer(view, dtype=np.uint8),
+            )
+            commands.append((keys[i], ms, value))
+        return commands, held_buffers
+
+    def _send_group(self, commands: list[tuple[str, int, memoryview | _Parts | None]]) -> list[Any]:
+        def queue(p: Any) -> None:
+            for key, ms, value in commands:
+                if value is not None:
+                    p.set(key, value, pxat=ms, nx=True)
+                # A held block, or a racing writer got there first: keep the longest expiry.
+                p.pexpireat(key, ms, gt=True)
+
+        return self._pipeline(queue)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=_SEND_WORKERS, thread_name_prefix=f"{self._name}-send"
+                )
+            return self._pool
+
+    def set_expiry(self, block_hash: BlockHash, expires_at: float) -> None:
+        """Raise the block's expiry to ``expires_at`` (``PEXPIREAT ... GT``: never lowers it,
+        so the node wanting it longest wins). Silently nothing when Redis is down."""
+        self.set_expiry_many([(block_hash, expires_at)])
+
+    def set_expiry_many(self, items: Sequence[tuple[BlockHash, float]]) -> None:
+        if not items:
+            return
+        pairs = [(self.key(h), int(max(t, time.time() + _MIN_TTL_S) * 1000)) for h, t in items]
+        try:
+            self._pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
+        except (TierUnavailable, rex.RedisError) as exc:
+            self._note_unavailable(exc, len(items))
+            return
+        for block_hash, expires_at in items:
+            self._extend_own(block_hash, expires_at)
+
+    def delete(self, block_hash: BlockHash) -> int:
+        return self.delete_many([block_hash])[0]
+
+    def delete_many(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Drop blocks from Redis; for each, the payload bytes freed (0 when absent, or when
+        Redis is down: the key then lives until its expiry)."""
+        if not hashes:
+            return []
+        with self._lock:
+            for block_hash in hashes:
+                own = self._own.pop(block_hash, None)
+                if own is not None:
+                    self._used -= own.nbytes
+        keys = [self.key(h) for h in hashes]
+
+        def queue(p: Any) -> None:
+            for k in keys:
+                p.strlen(k)
+                p.delete(k)
+
+        try:
+            replies = self._pipeline(queue, raise_errors=False)
+        except (TierUnavailable, rex.RedisError) as exc:
+            self._note_unavailable(exc, len(hashes))
+            return [0] * len(hashes)
+        out: list[int] = []
+        for i in range(len(hashes)):
+            length, deleted = replies[2 * i], replies[2 * i + 1]
+            ok = deleted == 1 and isinstance(length, int)
+            freed = max(0, length - HEADER_SIZE) if ok else 0
+            out.append(freed)
+        return out
+
+    def close(self) -> None:
+        """Forget local accounting, delete this tier's keys if it ``owns_keys`` (tests; never
+        the whole database), and close the client if the tier made it."""
+        if self._owns_keys:
+            try:
+                self.clear_prefix()
+            except (TierUnavailable, rex.RedisError) as exc:
+                logger.warning("%s tier: could not delete its keys: %s", self._name, exc)
+        with self._lock:
+            self._own.clear()
+            self._expiry_heap.clear()
+            self._used = 0
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._link.close()
+
+    def clear_prefix(self) -> int:
+        """Delete every key under ``prefix`` (blocks and anything else there); returns how many."""
+        pattern = _glob_escape(self._prefix) + "*"
+
+        def wipe(c: Client) -> int:
+            found = list(c.scan_iter(match=pattern, count=1000))
+            for start in range(0, len(found), 1000):
+                pipe = c.pipeline(transaction=False)
+                for k in found[start : start + 1000]:
+                    pipe.unlink(k)
+                pipe.execute()
+            return len(found)
+
+        return self._run(wipe)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _run(self, op: Callable[[Client], _T]) -> _T:
+        return self._link.run(op)
+
+    def _pipeline(self, queue: Callable[[Any], object], *, raise_errors: bool = True) -> list[Any]:
+        """Run the commands ``queue(pipe)`` adds in one non-transactional pipeline (split per
+        node on a cluster). An outage among the replies raises ``TierUnavailable``; any other
+        error reply is raised too, or with ``raise_errors=False`` left in its slot."""
+
+        def op(c: Client) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            queue(pipe)
+            return cast(list[Any], pipe.execute(raise_on_error=False))
+
+        replies = self._run(op)
+        for reply in replies:
+            if isinstance(reply, _UNAVAILABLE):
+                self._link.mark_failed(reply)
+                raise TierUnavailable(f"{self._name}: {_describe(reply)}") from reply
+        if raise_errors:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies
+
+    def _scan(self, c: Client) -> Iterable[bytes | str]:
+        return cast(
+            Iterable[bytes | str],
+            c.scan_iter(match=_glob_escape(self._block_prefix) + "*", count=1000),
+        )
+
+    def _expiry(self, expires_at: float | None, now: float) -> float:
+        if expires_at is None:
+            return now + self._default_ttl
+        if expires_at != expires_at:
+            raise InvalidInput("expires_at is NaN")
+        return max(expires_at, now + _MIN_TTL_S)
+
+    def _extend_own(self, block_hash: BlockHash, expires_at: float) -> None:
+        with self._lock:
+            own = self._own.get(block_hash)
+            if own is not None and expires_at > own.expires_at:
+                own.expires_at = expires_at
+                heapq.heappush(self._expiry_heap, (expires_at, block_hash))
+                if len(self._expiry_heap) > 4 * len(self._own) + 1024:
+                    self._expiry_heap = [(o.expires_at, h) for h, o in self._own.items()]
+                    heapq.heapify(self._expiry_heap)
+
+    def _reap(self, now: float) -> None:
+        """Forget own blocks whose expiry passed (Redis dropped them). Lock held."""
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, block_hash = heapq.heappop(heap)
+            own = self._own.get(block_hash)
+            if own is not None and own.expires_at <= now:
+                del self._own[block_hash]
+                self._used -= own.nbytes
+
+    def _note_unavailable(self, exc: BaseException, calls: int) -> None:
+        if not isinstance(exc, TierUnavailable):
+            logger.warning("%s tier: Redis error: %s", self._name, _describe(exc))
+        with self._lock:
+            self._counters.unavailable += calls
+
+
+_COUNTER_FIELDS = tuple(RedisCounters.__dataclass_fields__)
+
+
+def _check_id(value: object, what: str) -> BlockHash:
+    if not isinstance(value, bytes) or len(value) != HASH_BYTES:
+        raise InvalidInput(f"{what} must be {HASH_BYTES} bytes, got {value!r:.80}")
+    return BlockHash(value)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
