@@ -42,6 +42,7 @@ class Server:
 
 def start_server(data_dir: Path, env: dict[str, str] | None = None) -> Server:
     port = free_port()
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
     log = data_dir.parent / f"serve-{port}.log"
     full_env = {
         **os.environ,
