@@ -37,11 +37,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start(data_dir: Path, cpu_bytes: int = 1 << 30) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {
         **os.environ,
-        "SESSIONCACHE_CPU_BYTES": str(1 << 30),
+        "SESSIONCACHE_CPU_BYTES": str(cpu_bytes),
         "SESSIONCACHE_DISK_BYTES": "0",
         "SESSIONCACHE_DURABLE_UPLOADS": "false",
     }
