@@ -206,32 +206,46 @@ class TieredStore:
         with self._lock:
             now = self._clock.now()
             self._reap_leases(now)
-            held = self._held_prefix(hashes, 0, now)
-        if len(held) < len(hashes) and self._shared is not None:
-            # Local tiers stop short: the fleet's shared tier may hold the rest of the chain,
-            # stored by another node. One round trip, outside the lock.
-            self._adopt_shared(hashes, len(held), now)
+            matched = self._held_prefix(hashes, 0, now)
+            short = len(matched) < len(hashes) and self._shared is not None
+            if not short:
+                return self._finish_lookup(hashes, matched, now, lease_s, ttl_s)
+        # Local tiers stop short: the fleet's shared tier may hold the rest of the chain,
+        # stored by another node. One round trip, outside the lock.
+        self._adopt_shared(hashes, len(matched), now)
         with self._lock:
             now = self._clock.now()
-            matched = self._held_prefix(hashes, 0, now)
-            self._counters.lookups += 1
-            self._counters.hit_blocks += len(matched)
-            self._counters.miss_blocks += len(hashes) - len(matched)
-            self._touch_chain(matched, now, ttl_s)
-            self._notify_touched(matched)
-            lease = None
-            if lease_s is not None and matched:
-                lease = Lease(
-                    secrets.token_hex(16), tuple(m.block_hash for m in matched), now + lease_s
-                )
-                for meta in matched:
-                    self._ref(meta)
-                self._leases[lease.id] = lease
-            return Match(
-                [m.block_hash for m in matched],
-                [self._tiers[min(m.tiers)].name for m in matched],
-                lease,
+            return self._finish_lookup(
+                hashes, self._held_prefix(hashes, 0, now), now, lease_s, ttl_s
             )
+
+    def _finish_lookup(
+        self,
+        hashes: Sequence[BlockHash],
+        matched: list[BlockMeta],
+        now: float,
+        lease_s: float | None,
+        ttl_s: float | None,
+    ) -> Match:
+        """Count, touch and lease a lookup's match (lock held)."""
+        self._counters.lookups += 1
+        self._counters.hit_blocks += len(matched)
+        self._counters.miss_blocks += len(hashes) - len(matched)
+        self._touch_chain(matched, now, ttl_s)
+        self._notify_touched(matched)
+        lease = None
+        if lease_s is not None and matched:
+            lease = Lease(
+                secrets.token_hex(16), tuple(m.block_hash for m in matched), now + lease_s
+            )
+            for meta in matched:
+                self._ref(meta)
+            self._leases[lease.id] = lease
+        return Match(
+            [m.block_hash for m in matched],
+            [self._tiers[min(m.tiers)].name for m in matched],
+            lease,
+        )
 
     def _held_prefix(self, hashes: Sequence[BlockHash], start: int, now: float) -> list[BlockMeta]:
         """The records of the held, unexpired run of ``hashes`` from ``start`` (lock held)."""
