@@ -3,8 +3,9 @@ concurrent clients, JSON tokens vs binary (``tokens_b64``) tokens.
 
 A real ``sessioncache serve`` process is started on a free port (CPU tier only) and every
 prompt's chain is stored first, so each lookup matches the whole prompt. Request bodies are
-encoded once up front: the figures are the server's and the loopback's, not the client's JSON
-encoder. The reference printed beside them is the same number of empty ``GET /healthz`` round
+encoded once up front and each client is its own process: the figures are the server's and
+the loopback's, not the client's JSON encoder; clients and server share this machine's two
+cores. The reference printed beside them is the same number of empty ``GET /healthz`` round
 trips at the same concurrency (the HTTP floor of this machine).
 
 Run: ``python -m bench.lookup [--requests 200] [--block-tokens 16]``.
@@ -15,12 +16,12 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -71,30 +72,28 @@ def start(data_dir: Path, cpu_bytes: int = 1 << 30) -> tuple[subprocess.Popen[by
     raise RuntimeError("server did not start")
 
 
+def _client(job: tuple[str, str, bytes | None, int]) -> list[float]:
+    url, path, body, count = job
+    out = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for _ in range(count):
+            start = time.perf_counter()
+            if body is None:
+                r = c.get(path)
+            else:
+                r = c.post(path, content=body, headers={"content-type": "application/json"})
+            r.read()
+            out.append(time.perf_counter() - start)
+            assert r.status_code == 200, r.text
+    return out
+
+
 def run(url: str, path: str, body: bytes | None, clients: int, per_client: int) -> list[float]:
-    latencies: list[float] = []
-    lock = threading.Lock()
-
-    def client() -> None:
-        mine = []
-        with httpx.Client(base_url=url, timeout=60) as c:
-            for _ in range(per_client):
-                start = time.perf_counter()
-                if body is None:
-                    r = c.get(path)
-                else:
-                    r = c.post(path, content=body, headers={"content-type": "application/json"})
-                mine.append(time.perf_counter() - start)
-                assert r.status_code == 200, r.text
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return latencies
+    """Latencies of ``clients`` concurrent closed-loop clients, each its own process (client
+    threads in one process would contend for one GIL and measure the client)."""
+    with multiprocessing.get_context("fork").Pool(clients) as pool:
+        results = pool.map(_client, [(url, path, body, per_client)] * clients)
+    return [t for r in results for t in r]
 
 
 def pct(values: list[float], q: float) -> float:
