@@ -76,6 +76,12 @@ def main() -> None:
                     puts.append(time.perf_counter() - start_t)
                     hashes = plan["hashes"]
                 http_put = min(puts[1:])  # the first round faults the slabs in
+                # The HTTP floor: the same bodies sent and read in full by the server, then
+                # refused (an id not handed out): transport and body reading, no store.
+                forged = "ab" * 16
+                http_floor = best(
+                    lambda: [c.put(f"/v1/blocks/{forged}", content=payload) for _ in range(n)]
+                )
                 http_get = best(lambda: [c.get(f"/v1/blocks/{h}").content for h in hashes])
 
                 def batch() -> None:
@@ -95,6 +101,7 @@ def main() -> None:
         )
 
     print(f"{n} blocks of {args.block_mib} MiB over loopback")
+    print(row("HTTP PUT refused (floor)", http_floor, raw_set))
     print(row("HTTP PUT /v1/blocks/{id}", http_put, raw_set))
     print(row("HTTP GET /v1/blocks/{id}", http_get, raw_get))
     print(row("HTTP POST /v1/blocks/batch", http_batch, raw_get))

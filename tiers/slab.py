@@ -15,11 +15,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from tiers.payload import Payload, as_byte_tensor, payload_nbytes
+from tiers.payload import Payload, as_byte_tensor, as_memoryview, payload_nbytes
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -146,7 +147,13 @@ class SlabTier:
         # The copy runs outside the lock so that puts of large blocks overlap; the slot is
         # reserved and the id invisible to readers until it is published below.
         try:
-            dst.copy_(as_byte_tensor(payload))
+            if dst.device.type == "cpu":
+                # numpy's single-threaded memcpy: torch's copy_ splits a 2 MiB copy over its
+                # intra-op threads, which contend with the server's own threads (measured
+                # 5x slower in a serving process on two cores).
+                np.copyto(dst.numpy(), np.frombuffer(as_memoryview(payload), dtype=np.uint8))
+            else:
+                dst.copy_(as_byte_tensor(payload))
         except BaseException:
             with self._lock:
                 self._pending.discard(block_hash)

@@ -3,12 +3,14 @@ is specified in ``sessioncache/wire.py`` and docs/api.md."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from api.buffers import BufferPool
 from api.deps import NodeDep, TenantDep
 from api.errors import BodyTooLarge
 from api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
@@ -20,8 +22,10 @@ from sessioncache.wire import BATCH_MEDIA_TYPE, batch_head, batch_record
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int, into: BufferPool) -> AsyncIterator[bytearray]:
+    """The request body, in a pooled buffer when its length is declared (see api/buffers)."""
     declared = request.headers.get("content-length")
+    size: int | None = None
     if declared is not None:
         try:
             size = int(declared)
@@ -29,12 +33,29 @@ async def read_body(request: Request, limit: int) -> bytearray:
             raise InvalidInput("Content-Length is not a number") from None
         if size > limit:
             raise BodyTooLarge(f"body of {size} bytes exceeds the limit of {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(f"body exceeds the limit of {limit} bytes")
-    return body
+    if size is None:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BodyTooLarge(f"body exceeds the limit of {limit} bytes")
+        yield body
+        return
+    with into.borrow(size) as buf:
+        view = memoryview(buf)
+        filled = 0
+        async for chunk in request.stream():
+            end = filled + len(chunk)
+            if end > size:
+                raise InvalidInput("body longer than its Content-Length")
+            view[filled:end] = chunk
+            filled = end
+        if filled != size:
+            raise InvalidInput("body shorter than its Content-Length")
+        yield buf
+
+
+_UPLOAD_BUFFERS = BufferPool()
 
 
 @router.put(
@@ -55,10 +76,12 @@ async def put_block(
 ) -> UploadResponse:
     """Upload one block handed out by ``POST /v1/store`` (raw payload bytes)."""
     bid = from_hex(block_hash)
-    body = await read_body(request, node.settings.max_body_bytes)
-    if not body:
-        raise InvalidInput("empty payload")
-    stored = await anyio.to_thread.run_sync(node.upload, tenant, bid, body)
+    async with asynccontextmanager(read_body)(
+        request, node.settings.max_body_bytes, _UPLOAD_BUFFERS
+    ) as body:
+        if not body:
+            raise InvalidInput("empty payload")
+        stored = await anyio.to_thread.run_sync(node.upload, tenant, bid, body)
     return UploadResponse(hash=block_hash, stored=stored, durable=node.durable_uploads)
 
 
