@@ -16,7 +16,8 @@ class BlockMeta:
     a parent from being evicted before its tail. ``held_kids`` counts its children held in any
     tier: the last copy of a parent is not dropped while a child of it is held anywhere.
     ``ref_cnt`` counts pins: leases, live sessions and in-flight moves; a block with
-    ``ref_cnt > 0`` is never a victim.
+    ``ref_cnt > 0`` is never a victim. ``pins`` counts the live sessions' among them: those
+    keep the block in the store, not its spare copies (see ``EvictionPolicy``).
     """
 
     block_hash: BlockHash
@@ -30,6 +31,7 @@ class BlockMeta:
     child_count: list[int]
     tiers: set[int] = field(default_factory=set)
     ref_cnt: int = 0
+    pins: int = 0
     held_kids: int = 0
     hit_count: int = 0
     touch_op: int = 0

@@ -8,7 +8,10 @@ Order, per tier:
    a child of it is held in any tier.
 3. Among the remaining chain tails, expired blocks (``expires_at <= now``) go first, earliest
    expiry first.
-4. Then least recently used first. Blocks touched at the same instant are ordered by the
+4. Then spare copies: below the first tier, a block also held in a faster tier, tail or
+   not, least recently used first; dropping it loses nothing, so the tiers hold distinct
+   blocks whenever room is short. Session pins keep a block, not its spare copies.
+5. Then least recently used first. Blocks touched at the same instant are ordered by the
    operation that touched them (earlier first) and, within one operation (a lookup walking a
    chain), deepest first, so a chain is eaten from its tail.
 
@@ -38,12 +41,16 @@ class EvictionPolicy:
         self._last = num_tiers - 1
         self._expiry: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._lru: list[list[_Entry]] = [[] for _ in range(num_tiers)]
+        self._spare: list[list[_Entry]] = [[] for _ in range(num_tiers)]
 
     def track(self, meta: BlockMeta, tier: int) -> None:
-        """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail there."""
+        """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail or a spare
+        copy there."""
+        op, neg_seq = meta.touch_op, -meta.touch_seq
+        if spare_copy(meta, tier):
+            heapq.heappush(self._spare[tier], (meta.last_access, op, neg_seq, meta.block_hash))
         if not meta.evictable_from(tier, last=tier == self._last):
             return
-        op, neg_seq = meta.touch_op, -meta.touch_seq
         heapq.heappush(self._expiry[tier], (meta.expires_at, op, neg_seq, meta.block_hash))
         heapq.heappush(self._lru[tier], (meta.last_access, op, neg_seq, meta.block_hash))
 
@@ -62,6 +69,17 @@ class EvictionPolicy:
                 heapq.heappush(expiry, current)  # touched since: its expiry moved later
             else:
                 return meta
+        spare = self._spare[tier]
+        while spare:
+            entry = heapq.heappop(spare)
+            meta = lookup(entry[3])
+            if meta is None or not spare_copy(meta, tier):
+                continue
+            current = (meta.last_access, meta.touch_op, -meta.touch_seq, meta.block_hash)
+            if current != entry:
+                heapq.heappush(spare, current)
+            else:
+                return meta
         lru = self._lru[tier]
         while lru:
             entry = heapq.heappop(lru)
@@ -77,12 +95,13 @@ class EvictionPolicy:
 
     def queued(self, tier: int) -> int:
         """Heap entries held for ``tier``, stale ones included."""
-        return len(self._expiry[tier]) + len(self._lru[tier])
+        return len(self._expiry[tier]) + len(self._lru[tier]) + len(self._spare[tier])
 
     def rebuild(self, tier: int, metas: Iterable[BlockMeta]) -> None:
         """Drop stale entries by rebuilding ``tier``'s heaps from the blocks held there."""
         self._expiry[tier] = []
         self._lru[tier] = []
+        self._spare[tier] = []
         for meta in metas:
             self.track(meta, tier)
 
@@ -93,3 +112,9 @@ class EvictionPolicy:
         if meta is None or not meta.evictable_from(tier, last=tier == self._last):
             return None
         return meta
+
+
+def spare_copy(meta: BlockMeta, tier: int) -> bool:
+    """``meta``'s copy in ``tier`` is spare: a faster tier holds the block too, and nothing
+    but session pins holds it (a lease or a move in flight may be reading that copy)."""
+    return meta.ref_cnt == meta.pins and tier in meta.tiers and min(meta.tiers) < tier

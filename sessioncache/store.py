@@ -46,7 +46,7 @@ from sessioncache.errors import (
 )
 from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.policy import EvictionPolicy
+from sessioncache.policy import EvictionPolicy, spare_copy
 from tiers.base import CheckedTier, RecoverableTier, SharedTier, Tier
 from tiers.payload import Payload, as_memoryview, payload_nbytes
 
@@ -285,6 +285,7 @@ class TieredStore:
                         last_access=now,
                         expires_at=expires_at,
                         child_count=[0] * len(self._tiers),
+                        held_kids=self._held_kids_of(block_hash),
                         touch_seq=next(self._seq),
                     )
                     self._blocks[block_hash] = meta
@@ -316,6 +317,7 @@ class TieredStore:
                 meta = self._blocks.get(block_hash)
                 if meta is None or not meta.tiers:
                     break
+                meta.pins += 1
                 self._ref(meta)
                 pinned.append(block_hash)
             return pinned
@@ -323,6 +325,10 @@ class TieredStore:
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
         """Undo ``pin`` for the same ids."""
         with self._lock:
+            for block_hash in hashes:
+                meta = self._blocks.get(block_hash)
+                if meta is not None and meta.pins:
+                    meta.pins -= 1
             self._unref_all(hashes)
 
     def chain_to(self, head: BlockHash) -> list[BlockHash]:
@@ -461,7 +467,11 @@ class TieredStore:
                 result.present.append(block_hash)
                 continue
             try:
-                placed = self._place(meta, payload, start)
+                # By default no faster than its parent: a fast tier holds the heads of chains,
+                # which then leave it tail first, as they leave the store.
+                with self._lock:
+                    target = start if tier is not None else max(start, self._parent_tier(meta))
+                placed = self._place(meta, payload, target)
                 if placed is not None:
                     also = [t for t in self._write_through if t != placed]
                     if durable_tier is not None and durable_tier != placed:
@@ -569,17 +579,22 @@ class TieredStore:
 
     def _evict_one(self, tier: int, incoming: BlockMeta) -> bool:
         """Move one victim out of ``tier`` to admit ``incoming``: demote it, or drop it if
-        expired or at the bottom. Refuses (False) when nothing is evictable or when the best
-        victim is hotter than ``incoming`` itself: then ``incoming`` belongs lower down, and
-        a long new chain fills the fast tier with its head instead of shredding it."""
+        expired, at the bottom or a spare copy. Refuses (False) when nothing is evictable or
+        when the best victim is hotter than a new or promoted ``incoming``: then ``incoming``
+        belongs lower down, and a long new chain fills the fast tier with its head instead of
+        shredding it. A demoted ``incoming`` is not judged again: it was the coldest above,
+        and refusing it here would drop it (orphaning any tail of it held below)."""
         with self._lock:
             now = self._clock.now()
             victim = self._policy.next_victim(tier, now, self._blocks.get)
             if victim is None:
                 return False
             lost = tier + 1 == len(self._tiers) and len(victim.tiers) == 1
+            spare = spare_copy(victim, tier)  # dropping it loses nothing
+            entering = not any(t < tier for t in incoming.tiers)  # new or promoted
             if not victim.expired(now) and (
-                _colder(incoming, victim) or (lost and victim.block_hash == incoming.parent)
+                (entering and not spare and _colder(incoming, victim))
+                or (lost and victim.block_hash == incoming.parent)
             ):
                 # Admitting ``incoming`` would cost a hotter block, or the only copy of its
                 # own parent (orphaning it): ``incoming`` belongs lower down, or nowhere.
@@ -587,8 +602,8 @@ class TieredStore:
                 return False
             self._counters.evictions += 1
             below = tier + 1 < len(self._tiers) and not victim.expired(now)
-            if not below or any(t > tier for t in victim.tiers):
-                # Expired, last tier, or already held lower down: nothing to copy.
+            if not below or len(victim.tiers) > 1:
+                # Expired, last tier, or held in another tier too: nothing to copy.
                 if victim.expired(now):
                     self._counters.expirations += 1
                 self._drop_from_tier(victim, tier)
@@ -601,9 +616,9 @@ class TieredStore:
                     self._counters.demotions += 1
         finally:
             with self._lock:
-                # Keep the only copy of a block someone pinned meanwhile (a lease taken while
-                # it was in flight) when it found no room below.
-                if victim.ref_cnt == 1 or any(t > tier for t in victim.tiers):
+                # Keep the copy of a block someone pinned meanwhile (a lease taken while it
+                # was in flight may be reading it), even when it found room below.
+                if victim.ref_cnt == 1:
                     self._drop_from_tier(victim, tier)
                 self._unref(victim)
                 if not victim.tiers:
@@ -641,6 +656,7 @@ class TieredStore:
                 last_access=now,
                 expires_at=now + ttl,
                 child_count=[0] * len(self._tiers),
+                held_kids=self._held_kids_of(block_hash),
                 ref_cnt=1,
                 touch_op=op,
                 touch_seq=next(self._seq),
@@ -690,7 +706,8 @@ class TieredStore:
         parent = self._blocks.get(meta.parent) if meta.parent is not None else None
         if parent is not None and tier in parent.tiers:
             parent.child_count[tier] += 1
-        self._policy.track(meta, tier)
+        for held in meta.tiers:
+            self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
         self._maybe_compact(tier)
 
     def _drop_from_tier(self, meta: BlockMeta, tier: int, *, delete: bool = True) -> None:
@@ -714,6 +731,16 @@ class TieredStore:
             self._held_kid_changed(meta, -1)
             if not meta.ref_cnt:
                 self._forget(meta)
+
+    def _parent_tier(self, meta: BlockMeta) -> int:
+        """The fastest tier holding ``meta``'s parent (0 for a root, or a parent not held)."""
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        return min(parent.tiers) if parent is not None and parent.tiers else 0
+
+    def _held_kids_of(self, block_hash: BlockHash) -> int:
+        """Children of ``block_hash`` held somewhere: a record made anew (its old one was
+        forgotten while they were held) must count them, or ``held_kids`` goes negative."""
+        return sum(1 for kid in self._kids.get(block_hash, ()) if self._blocks[kid].tiers)
 
     def _held_kid_changed(self, meta: BlockMeta, delta: int) -> None:
         """``meta`` gained its first or lost its last copy: its parent's ``held_kids``."""
@@ -750,6 +777,9 @@ class TieredStore:
             for tier in meta.tiers:
                 self._pinned_bytes[tier] -= meta.nbytes
                 self._policy.track(meta, tier)
+        elif meta.ref_cnt == meta.pins and len(meta.tiers) > 1:
+            for tier in meta.tiers:
+                self._policy.track(meta, tier)  # only session pins left: copies are spare
 
     def _notify_touched(self, metas: Sequence[BlockMeta]) -> None:
         if metas:

@@ -16,11 +16,12 @@
 * ``StoreSim``: the production ``TieredStore`` (its ``EvictionPolicy`` unless another is given)
   and, for requests that name a session, the production ``SessionManager``, over
   ``AccountingTier``s and a ``ManualClock``. It follows the service's data path: a lookup in
-  the session, a ``get`` of every matched block held only below the first tier (the engine's
-  load, which promotes it), then a put of the missing blocks in the session, parent = the last
-  matched block. ``sweep`` runs every ``sweep_s`` simulated seconds, as the service's
-  background thread does (a sweep between two requests is run at the last sweep instant before
-  the second one: nothing happens in between, so the state is the same).
+  the session leasing its match, a ``get`` of every matched block held only below the first
+  tier (the engine's load, which promotes it), the lease's release, then a put of the missing
+  blocks in the session, parent = the last matched block. ``sweep`` runs every ``sweep_s``
+  simulated seconds, as the service's background thread does (a sweep between two requests is
+  run at the last sweep instant before the second one: nothing happens in between, so the
+  state is the same).
 
 Every ``serve`` returns, for each matched block of the request's prefix, the index of the
 fastest tier that held it.
@@ -49,6 +50,9 @@ NAMESPACE_ROOT = b"sessioncache-rpl"
 """The one namespace root of a replay: trace ids are already distinct per session file."""
 
 CLOCK_START = 1_700_000_000.0
+
+LOAD_LEASE_S = 30.0
+"""The lease an engine takes on its lookup's match while it loads it (docs/architecture.md)."""
 
 
 class Simulator(Protocol):
@@ -313,15 +317,17 @@ class StoreSim:
         sessions, store, session = self.sessions, self.store, request.session
         if sessions is not None and session is not None:
             self._ensure_open(sessions, session)
-            match = sessions.lookup(session, hashes)
+            match = sessions.lookup(session, hashes, lease_s=LOAD_LEASE_S)
         else:
-            match = store.lookup(hashes)
+            match = store.lookup(hashes, lease_s=LOAD_LEASE_S)
         index = self._tier_index
         tiers = [index[t] for t in match.tiers]
         for block_hash, tier in zip(match.hashes, tiers, strict=True):
             if tier:
                 with contextlib.suppress(SessionCacheError):
                     store.get(block_hash)  # the engine's load: promotes a lower-tier hit
+        if match.lease is not None:
+            store.release(match.lease.id)  # loaded
         matched = match.num_blocks
         if matched < len(hashes):
             new = hashes[matched:]

@@ -365,3 +365,61 @@ def test_the_last_copy_of_a_parent_outlives_its_children_in_other_tiers(clock: M
         store.put(h, [data(h[0])], namespace_root=ROOT, tier="cpu")
         clock.advance(1)
     assert store.lookup([parent, child]).num_blocks == 2
+
+
+def test_a_parent_stored_again_counts_the_children_that_outlived_it(clock: ManualClock):
+    """A record made anew while its children are held starts from them: otherwise the count
+    goes negative when they leave, and its last copy can never be evicted again."""
+    store = one_tier(2, clock)
+    parent, child = chain(1, 2)
+    store.put([parent], [data(parent)], namespace_root=ROOT, ttl_s=10)
+    store.put([child], [data(child)], namespace_root=ROOT, parent=parent, ttl_s=100)
+    clock.advance(20)
+    assert store.expire() == 1 and store.where(child) == ["cpu"]  # the parent expired alone
+    put(store, [parent])
+    store.delete([child])
+    clock.advance(1)
+    other = chain(2, 2)
+    put(store, other)
+    assert store.where(parent) == [] and store.lookup(other).num_blocks == 2
+
+
+def test_a_demoted_block_is_admitted_below_even_when_colder(clock: ManualClock):
+    """Refusing a demoted block below drops it, orphaning its tail held there."""
+    store = TieredStore([GpuTier(1 * SIZE, device="cpu"), CpuTier(2 * SIZE)], clock=clock)
+    head = chain(1, 2)
+    put(store, head)  # the head in the fast tier, its tail below
+    assert store.where(head[0]) == ["gpu"] and store.where(head[1]) == ["cpu"]
+    clock.advance(1)
+    other = chain(2, 1)
+    put(store, other, tier="cpu")
+    clock.advance(1)
+    store.get(head[1], promote=False)  # everything below is now hotter than the head
+    clock.advance(1)
+    put(store, chain(3, 1))  # demotes the head
+    assert store.lookup(head).num_blocks == 2 and store.where(other[0]) == []
+
+
+def test_spare_copies_below_go_first_even_when_pinned_by_a_session(clock: ManualClock):
+    store = TieredStore([GpuTier(1 * SIZE, device="cpu"), CpuTier(2 * SIZE)], clock=clock)
+    old, hot = chain(1, 1), chain(2, 1)
+    put(store, old, tier="cpu")
+    clock.advance(1)
+    put(store, hot, tier="cpu")
+    clock.advance(1)
+    store.get(hot[0])  # promoted: its copy below is spare
+    store.pin(hot)
+    assert store.where(hot[0]) == ["gpu", "cpu"]
+    clock.advance(1)
+    new = chain(3, 1)
+    put(store, new, tier="cpu")
+    assert store.where(hot[0]) == ["gpu"] and store.where(old[0]) == ["cpu"]
+    assert store.where(new[0]) == ["cpu"]
+
+
+def test_a_block_is_stored_no_faster_than_its_parent(clock: ManualClock):
+    store = TieredStore([GpuTier(2 * SIZE, device="cpu"), CpuTier(4 * SIZE)], clock=clock)
+    parent, child = chain(1, 2)
+    put(store, [parent], tier="cpu")
+    store.put([child], [data(child)], namespace_root=ROOT, parent=parent)
+    assert store.where(child) == ["cpu"]
