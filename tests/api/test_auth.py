@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from sessioncache.hashing import Namespace, block_hashes
-
-from .conftest import Server
+from tests.support.servers import Server
 
 NS = {"model": "auth-model", "block_tokens": 8, "kv_dtype": "bf16", "kv_layout": "x"}
 TOKS = [int(t) for t in np.random.default_rng(0).integers(0, 1000, 32)]

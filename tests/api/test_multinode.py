@@ -21,7 +21,7 @@ import psycopg
 import pytest
 import redis
 
-from .conftest import Server, start_server
+from tests.support.servers import Server, start_server
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 NS = {"model": "fleet-model", "block_tokens": 16, "kv_dtype": "bf16", "kv_layout": "x"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from .conftest import start_server
+from tests.support.servers import start_server
 
 NS = {"model": "restart-model", "block_tokens": 16, "kv_dtype": "bf16", "kv_layout": "x"}
 

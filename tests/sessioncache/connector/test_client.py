@@ -26,8 +26,9 @@ from sessioncache.connector.protocol import Request
 from sessioncache.errors import BlockNotFound as CoreBlockNotFound
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import block_hashes
+from tests.support.servers import Server
 
-from .conftest import NS, Server
+from .conftest import NS
 
 
 class Recording(Backoff):

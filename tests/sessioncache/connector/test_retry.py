@@ -24,8 +24,9 @@ from sessioncache.connector import (
     SessionCacheClient,
     TransportError,
 )
+from tests.support.servers import free_port, spawn_server
 
-from .conftest import NS, free_port, spawn_server
+from .conftest import NS
 from .test_client import Recording, payload, toks
 
 WHOAMI = {"tenant": "default", "auth": False}

@@ -21,8 +21,7 @@ from sessioncache.connector.transformers import (
     namespace_for,
 )
 from sessioncache.errors import InvalidInput, PayloadSizeError
-
-from .conftest import Server
+from tests.support.servers import Server
 
 B = 16
 TOLERANCE = 1e-4

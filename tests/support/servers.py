@@ -1,0 +1,86 @@
+"""Real ``sessioncache serve`` processes for tests that talk HTTP to the service."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    data_dir: Path
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def spawn_server(data_dir: Path, env: dict[str, str] | None = None, port: int = 0) -> Server:
+    """Start a server process without waiting for it to answer."""
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir.parent / f"serve-{port}.log"
+    full_env = {
+        **os.environ,
+        "SESSIONCACHE_CPU_BYTES": str(64 << 20),
+        "SESSIONCACHE_DISK_BYTES": str(256 << 20),
+        "SESSIONCACHE_MAX_BODY_BYTES": str(8 << 20),
+        **(env or {}),
+    }
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sessioncache.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
+        env=full_env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    return Server(f"http://127.0.0.1:{port}", port, process, data_dir, log)
+
+
+def wait_ready(server: Server, timeout_s: float = 30.0) -> Server:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited: {server.log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    server.stop()
+    raise RuntimeError(f"server did not start: {server.log.read_text()}")
+
+
+def start_server(data_dir: Path, env: dict[str, str] | None = None) -> Server:
+    return wait_ready(spawn_server(data_dir, env))
