@@ -158,19 +158,22 @@ class CacheNode:
             session = self.sessions.get(session_id, tenant=tenant)
             ttl_s = max(ttl_s or 0.0, session.ttl_s)
         match = self.store.lookup(hashes, ttl_s=ttl_s)
-        held = set(match.hashes)
-        missing = [h for h in hashes if h not in held and not self.store.contains(h)]
-        missing_set = set(missing)
-        for i, h in enumerate(hashes):
-            if h in missing_set:
-                self.uploads.open(
-                    tenant,
-                    h,
-                    namespace_root=root,
-                    parent=hashes[i - 1] if i else None,
-                    ttl_s=ttl_s,
-                    session_id=session_id,
-                )
+        # The match is a prefix; past it, blocks may still be held beyond a hole: one pass
+        # under the store's lock instead of a lock round per block.
+        start = match.num_blocks
+        missing: list[BlockHash] = []
+        for i, held in enumerate(self.store.contains_many(hashes[start:]), start):
+            if held:
+                continue
+            missing.append(hashes[i])
+            self.uploads.open(
+                tenant,
+                hashes[i],
+                namespace_root=root,
+                parent=hashes[i - 1] if i else None,
+                ttl_s=ttl_s,
+                session_id=session_id,
+            )
         if session_id is not None and hashes:
             self.sessions.record(session_id, hashes, tenant=tenant)
         return StorePlan(namespace.block_tokens, hashes, missing)

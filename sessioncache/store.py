@@ -357,9 +357,17 @@ class TieredStore:
             ]
 
     def contains(self, block_hash: BlockHash) -> bool:
+        return self.contains_many([block_hash])[0]
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """For each id, whether a tier holds it unexpired (one pass under the lock)."""
         with self._lock:
-            meta = self._blocks.get(block_hash)
-            return meta is not None and bool(meta.tiers) and meta.expires_at > self._clock.now()
+            now = self._clock.now()
+            out = []
+            for block_hash in hashes:
+                meta = self._blocks.get(block_hash)
+                out.append(meta is not None and bool(meta.tiers) and meta.expires_at > now)
+            return out
 
     def where(self, block_hash: BlockHash) -> list[str]:
         """Names of the tiers holding the block, fastest first."""
