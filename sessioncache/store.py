@@ -880,15 +880,19 @@ class TieredStore:
             for found in tier.recovered():
                 meta = self._blocks.get(found.block_hash)
                 if meta is None:
+                    last_access = min(found.mtime, now)
+                    ttl = found.ttl_s if found.ttl_s is not None else self._default_ttl
                     meta = BlockMeta(
                         block_hash=found.block_hash,
                         parent=found.parent,
                         namespace_root=found.namespace_root,
                         nbytes=found.nbytes,
-                        ttl_s=self._default_ttl,
+                        ttl_s=ttl,
                         created=found.mtime,
-                        last_access=min(found.mtime, now),
-                        expires_at=min(found.mtime, now) + self._default_ttl,
+                        last_access=last_access,
+                        expires_at=(
+                            found.expires_at if found.expires_at is not None else last_access + ttl
+                        ),
                         child_count=[0] * len(self._tiers),
                         touch_seq=next(self._seq),
                     )

@@ -90,6 +90,10 @@ class RecoveredBlock:
     nbytes: int
     mtime: float
     parent: BlockHash | None = None
+    ttl_s: float | None = None
+    """The block's own TTL, where something recorded it (the catalog); None: the default."""
+    expires_at: float | None = None
+    """When it expires, where recorded; None: its last access plus its TTL."""
 
 
 @runtime_checkable

@@ -12,9 +12,10 @@ batch, plus whatever was changed by hand:
 Run it at start-up, after building the store (``reconcile(catalog, store)``) and before serving.
 
 ``CatalogRecoveredTier`` goes the other way: wrapped around a durable tier before the store is
-built, it fills in what the tier's start-up scan cannot know (a block's last access; its parent,
-for a tier whose files do not record it) from the catalog, so that the adopted blocks keep
-their LRU order and chains.
+built, it fills in what the tier's start-up scan cannot know (a block's last access, TTL and expiry;
+its parent, for a tier whose files do not record it) from the catalog, so that the adopted
+blocks keep their LRU order, their chains and the expiry they had (session-raised TTLs
+included).
 """
 
 from __future__ import annotations
@@ -164,8 +165,9 @@ def _reconcile_tier(
 
 
 class CatalogRecoveredTier:
-    """A durable tier whose ``recovered()`` takes each block's parent and last access from
-    the catalog's rows (see the module docstring); everything else goes to the tier as is.
+    """A durable tier whose ``recovered()`` takes each block's parent, last access, TTL and
+    expiry from the catalog's rows (see the module docstring); everything else goes to the
+    tier as is.
 
     Build the store over it: ``TieredStore([..., CatalogRecoveredTier(disk, catalog)])``.
     """
@@ -195,6 +197,8 @@ class CatalogRecoveredTier:
                     block,
                     parent=row.parent if row.parent is not None else block.parent,
                     mtime=max(block.mtime, row.last_access),
+                    ttl_s=row.ttl_s,
+                    expires_at=row.expires_at,
                 )
 
     # -- the Tier protocol, delegated -----------------------------------------------------

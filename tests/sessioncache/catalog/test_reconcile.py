@@ -10,6 +10,7 @@ import pytest
 
 from sessioncache.catalog import BlockRecord
 from sessioncache.catalog.reconcile import CatalogRecoveredTier, checksum_of, reconcile
+from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.store import TieredStore
 from tiers.base import RecoverableTier, Tier
@@ -172,3 +173,37 @@ def test_catalog_recovered_tier_restores_chains(make_catalog, tmp_path):
 def test_catalog_recovered_tier_needs_a_recoverable_tier(make_catalog):
     with pytest.raises(TypeError):
         CatalogRecoveredTier(CpuTier(1024), make_catalog())
+
+
+def test_a_restart_keeps_each_blocks_own_ttl(make_catalog, tmp_path):
+    """Issue 8, bug 1: the catalog is the truth for TTLs. A short-TTL block that expired
+    while the node was down misses after the restart and is freed by the sweep; a block whose
+    TTL a session raised above the default keeps that expiry."""
+    root = tmp_path / "disk"
+    clock = ManualClock()
+    short, long_ = chain(7, 3), chain(8, 3)
+    catalog = make_catalog(clock=clock)
+    store = TieredStore(
+        [DiskTier.open(root, CAPACITY, fsync=False)],
+        observers=[catalog],
+        clock=clock,
+        default_ttl_s=100.0,
+    )
+    store.put(short, [data(h) for h in short], namespace_root=ROOT, durable=True, ttl_s=2.0)
+    store.put(long_, [data(h) for h in long_], namespace_root=ROOT, durable=True)
+    store.lookup(long_, ttl_s=7 * 86400.0)  # a chat session raises the TTL to 7 days
+    raised = store.meta(long_[-1]).expires_at
+    catalog.flush()
+    store.close()
+
+    clock.advance(10.0)  # the node is down while the short blocks expire
+    wrapped = CatalogRecoveredTier(DiskTier.open(root, CAPACITY, fsync=False), catalog)
+    store = TieredStore([wrapped], observers=[catalog], clock=clock, default_ttl_s=100.0)
+    assert store.lookup(short).num_blocks == 0
+    assert store.lookup(long_).num_blocks == 3
+    assert store.meta(long_[0]).ttl_s == 7 * 86400.0
+    assert store.meta(long_[-1]).expires_at >= raised
+    assert store.expire() == 3
+    assert store.where(short[0]) == []
+    clock.advance(200.0)  # past the default TTL, well within the raised one
+    assert store.lookup(long_).num_blocks == 3
