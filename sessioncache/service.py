@@ -23,7 +23,7 @@ from sessioncache.sessions import SessionManager
 from sessioncache.store import Match, TieredStore
 from sessioncache.uploads import UploadSlots
 from tiers.base import CheckedTier
-from tiers.payload import Payload
+from tiers.payload import Payload, as_memoryview
 
 log = logging.getLogger("sessioncache.service")
 
@@ -187,6 +187,8 @@ class CacheNode:
                 f"block {block_hash.hex()} was not handed out to this caller by POST /v1/store "
                 "(or its upload slot expired)"
             )
+        if slot.used and self._same_as_held(block_hash, payload):
+            return False  # a retry whose first answer was lost
         result = self.store.put(
             [block_hash],
             [payload],
@@ -195,10 +197,25 @@ class CacheNode:
             ttl_s=slot.ttl_s,
             durable=self.durable_uploads,
         )
-        self.uploads.close(tenant, block_hash)
+        self.uploads.mark_used(tenant, block_hash)
         if slot.session_id is not None and result.stored:
             self.sessions.adopt(slot.session_id, result.stored)
         return bool(result.stored)
+
+    def _same_as_held(self, block_hash: BlockHash, payload: Payload) -> bool:
+        """Whether the store holds ``block_hash`` with exactly ``payload``; raises
+        ``UploadRefused`` when it holds other bytes. False when it no longer holds it (the
+        retry stores it again)."""
+        try:
+            held = self.store.get_bytes(block_hash, promote=False)
+        except BlockNotFound:
+            return False
+        if memoryview(held) != as_memoryview(payload):
+            raise UploadRefused(
+                f"block {block_hash.hex()} is already stored with other bytes; a repeated "
+                "upload must carry the same payload"
+            )
+        return True
 
     def owns(self, tenant: str, block_hash: BlockHash) -> bool:
         meta = self.store.meta(block_hash)

@@ -4,13 +4,17 @@
 missing; each of those may then be uploaded once by the same tenant, within ``ttl_s``. A
 payload for an id that was not handed out to that caller is refused, so nobody can plant a
 payload under an id they did not derive from their own tokens and namespace.
+
+A slot outlives its first upload (marked ``used``) until it expires: a client whose answer was
+lost (a timeout, a dropped connection) sends the same PUT again, and the node answers
+``stored=false`` for the same bytes instead of refusing it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sessioncache.clock import Clock
 from sessioncache.hashing import BlockHash
@@ -25,6 +29,8 @@ class UploadSlot:
     ttl_s: float | None
     session_id: str | None
     expires_at: float
+    used: bool = False
+    """Uploaded once already: a repeat must carry the same bytes."""
 
 
 class UploadSlots:
@@ -68,6 +74,13 @@ class UploadSlots:
         with self._lock:
             self._reap()
             return self._slots.get((tenant, block_hash))
+
+    def mark_used(self, tenant: str, block_hash: BlockHash) -> None:
+        """The slot's block was uploaded; the slot stays open for retries until it expires."""
+        with self._lock:
+            slot = self._slots.get((tenant, block_hash))
+            if slot is not None and not slot.used:
+                self._slots[(tenant, block_hash)] = replace(slot, used=True)
 
     def close(self, tenant: str, block_hash: BlockHash) -> None:
         with self._lock:

@@ -106,9 +106,30 @@ def test_put_of_an_id_not_handed_out_is_rejected(client: httpx.Client):
     r = client.put(f"/v1/blocks/{forged}", content=b"x" * BLOCK)
     assert r.status_code == 403 and r.json()["error"] == "UploadRefused"
     hashes = store_all(client, ns, toks)
-    r = client.put(f"/v1/blocks/{hashes[0]}", content=b"y" * BLOCK)  # slot already used
-    assert r.status_code == 403
+    r = client.put(f"/v1/blocks/{hashes[0]}", content=b"y" * BLOCK)  # other bytes, held id
+    assert r.status_code == 403 and r.json()["error"] == "UploadRefused"
     assert client.get(f"/v1/blocks/{hashes[0]}").content == payload(hashes[0])
+
+
+def test_a_retried_put_of_the_same_bytes_succeeds_without_storing_twice(client: httpx.Client):
+    """A client whose first answer was lost sends the PUT again (issue 8, bug 2)."""
+    ns = unique_ns()
+    hashes = store_all(client, ns, tokens(17, 32))
+    stats = client.get("/v1/stats").json()
+    for h in hashes:
+        r = client.put(f"/v1/blocks/{h}", content=payload(h))
+        assert r.status_code == 200, r.text
+        assert r.json()["stored"] is False
+    assert (
+        client.get("/v1/stats").json()["counters"]["stored_blocks"]
+        == (stats["counters"]["stored_blocks"])
+    )
+    out = client.post("/v1/lookup", json={"namespace": ns, "tokens": tokens(17, 32)}).json()
+    assert out["matched_blocks"] == 2
+    # Another caller (another tenant's key would be refused too) never had the slot.
+    other = unique_ns()
+    forged = block_hashes(Namespace(**other), tokens(17, 16))[0].hex()  # type: ignore[arg-type]
+    assert client.put(f"/v1/blocks/{forged}", content=payload(forged)).status_code == 403
 
 
 def test_payload_of_the_wrong_size_is_rejected_and_nothing_written(client: httpx.Client):
