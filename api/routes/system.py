@@ -45,13 +45,22 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
-def readyz(node: NodeDep) -> JSONResponse:
+@router.get(
+    "/readyz",
+    responses={
+        200: {"description": "ready, or degraded (serving from local tiers) unless strict"},
+        503: {"description": "strict, and degraded"},
+    },
+)
+def readyz(node: NodeDep, strict: bool = False) -> JSONResponse:
     """Ready to serve. A node whose shared tier or fleet index is unreachable still serves
-    from its local tiers: it answers 200 with ``status: degraded`` and the reasons, so a load
-    balancer keeps it while an operator sees why."""
+    from its local tiers, so it answers 200 with ``status: degraded`` and the reasons: a
+    Redis outage hits every node at once, and failing readiness would take the whole fleet
+    out of its load balancer. ``?strict=true`` answers 503 while degraded, for probes that
+    want to know (alerts, a balancer preferring fully healthy nodes)."""
     problems = node.health_problems()
-    return JSONResponse({"status": "degraded" if problems else "ready", "problems": problems})
+    body = {"status": "degraded" if problems else "ready", "problems": problems}
+    return JSONResponse(body, status_code=503 if strict and problems else 200)
 
 
 @router.get("/metrics", response_class=Response)
