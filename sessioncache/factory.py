@@ -17,6 +17,7 @@ from sessioncache.sessions import SessionManager
 from sessioncache.shared import SharedExpiryRefresher
 from sessioncache.store import TieredStore
 from sessioncache.sweeper import Sweeper
+from sessioncache.tenancy import NamespaceOwners
 from tiers.base import RecoverableTier, Tier
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
@@ -130,7 +131,14 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             repository=catalog,
         )
         restored = sessions.restore()
-        log.info("catalog %s: %d sessions restored", catalog_label(settings), restored)
+        owners = NamespaceOwners(catalog)
+        owned = owners.load()
+        log.info(
+            "catalog %s: %d sessions, %d tenant namespaces restored",
+            catalog_label(settings),
+            restored,
+            owned,
+        )
     except BaseException:
         catalog.close()
         raise
@@ -148,7 +156,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
     if refresher is not None:
         on_close.append(refresher.stop)
     on_close.append(catalog.close)
-    return CacheNode(settings, store, sessions, on_close=on_close, fleet=fleet)
+    return CacheNode(settings, store, sessions, on_close=on_close, fleet=fleet, owners=owners)
 
 
 def catalog_label(settings: Settings) -> str:

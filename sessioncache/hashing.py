@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import NewType, cast
 
@@ -73,6 +73,16 @@ class Namespace:
     @cached_property
     def _root0(self) -> NamespaceRoot:
         return NamespaceRoot(xxhash.xxh3_128_digest(NAMESPACE_TAG + self.canonical_json(), 0))
+
+
+def tenant_namespace(namespace: Namespace, tenant: str | None) -> Namespace:
+    """The namespace a server hashes under for ``tenant`` (None: authentication is off): the
+    salt becomes ``"<tenant>"`` or ``"<tenant>/<salt>"``, so that two tenants sending the same
+    tokens get different ids (docs/hashing.md). Servers and clients both call this."""
+    if tenant is None:
+        return namespace
+    salt = tenant if namespace.salt is None else f"{tenant}/{namespace.salt}"
+    return replace(namespace, salt=salt)
 
 
 def _check_seed(seed: int) -> None:

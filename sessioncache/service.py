@@ -1,11 +1,10 @@
 """One sessioncache node: the store, sessions, upload slots and namespace ownership, with the
 operations the REST API exposes. HTTP knows nothing of tiers; this module knows nothing of HTTP.
 
-Tenancy: with authentication on, the namespace salt a request names is never used alone: the
-effective salt is ``"<tenant>"`` or ``"<tenant>/<salt>"``, so two tenants sending the same
-tokens get different ids and can never read, hit or overwrite each other's blocks. A node also
-remembers which tenant derived each namespace root it has seen, and serves a block only to the
-tenant owning the block's root.
+Tenancy: with authentication on, the namespace salt a request names is never used alone
+(``hashing.tenant_namespace``), so two tenants sending the same tokens get different ids and
+can never read, hit or overwrite each other's blocks. A node serves a block only to the tenant
+owning the block's root (``tenancy.NamespaceOwners``, kept in the catalog).
 """
 
 from __future__ import annotations
@@ -13,14 +12,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sessioncache.config import Settings
 from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
 from sessioncache.fleet import FleetIndex
-from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
+from sessioncache.hashing import (
+    BlockHash,
+    Namespace,
+    block_hashes_from_bytes,
+    tenant_namespace,
+)
 from sessioncache.sessions import SessionManager
 from sessioncache.store import Match, TieredStore
+from sessioncache.tenancy import NamespaceOwners
 from sessioncache.uploads import UploadSlots
 from tiers.base import CheckedTier
 from tiers.payload import Payload, as_memoryview
@@ -59,12 +64,13 @@ class CacheNode:
         *,
         on_close: Sequence[Callable[[], None]] = (),
         fleet: FleetIndex | None = None,
+        owners: NamespaceOwners | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.sessions = sessions
         self.uploads = UploadSlots(store.clock, ttl_s=settings.upload_ttl_s)
-        self._owners: dict[bytes, str] = {}
+        self._owners = owners or NamespaceOwners()
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()
         self._on_close = list(on_close)
@@ -88,10 +94,7 @@ class CacheNode:
         return self.settings.api_keys.get(key)
 
     def effective_namespace(self, tenant: str, namespace: Namespace) -> Namespace:
-        if not self.auth_enabled:
-            return namespace
-        salt = tenant if namespace.salt is None else f"{tenant}/{namespace.salt}"
-        return replace(namespace, salt=salt)
+        return tenant_namespace(namespace, tenant if self.auth_enabled else None)
 
     def namespace_root(self, tenant: str, namespace: Namespace) -> bytes:
         """The root of the tenant's effective namespace, remembered as owned by the tenant."""
@@ -101,11 +104,11 @@ class CacheNode:
             if root is not None:
                 return root
         root = self.effective_namespace(tenant, namespace).root(self.settings.hash_seed)
+        self._owners.claim(root, tenant, namespace)
         with self._lock:
             if len(self._roots) > 100_000:
                 self._roots.clear()
             self._roots[key] = root
-            self._owners[root] = tenant
         return root
 
     def hashes(self, tenant: str, namespace: Namespace, token_bytes: bytes) -> list[BlockHash]:
@@ -221,8 +224,7 @@ class CacheNode:
         meta = self.store.meta(block_hash)
         if meta is None:
             return False
-        with self._lock:
-            owner = self._owners.get(meta.namespace_root)
+        owner = self._owners.owner(meta.namespace_root)
         return owner == tenant or (owner is None and not self.auth_enabled)
 
     def read_bytes(self, tenant: str, block_hash: BlockHash) -> bytes:

@@ -9,7 +9,7 @@ import base64
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError, error_for
@@ -20,6 +20,7 @@ from sessioncache.hashing import (
     Tokens,
     block_hashes_from_bytes,
     namespace_root,
+    tenant_namespace,
     tokens_to_le_bytes,
 )
 from sessioncache.wire import decode_batch
@@ -126,10 +127,7 @@ class Prompt:
 def effective_namespace(namespace: Namespace, who: WhoAmI | None) -> Namespace:
     """The namespace the server hashes under: with auth on, the salt is ``"<tenant>"`` or
     ``"<tenant>/<salt>"`` (docs/hashing.md)."""
-    if who is None or not who.auth:
-        return namespace
-    salt = who.tenant if namespace.salt is None else f"{who.tenant}/{namespace.salt}"
-    return replace(namespace, salt=salt)
+    return tenant_namespace(namespace, who.tenant if who is not None and who.auth else None)
 
 
 def prompt(effective: Namespace, tokens: Tokens, seed: int) -> Prompt:

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from sessioncache.hashing import Namespace, block_hashes
-from tests.support.servers import Server
+from tests.api.conftest import KEYS
+from tests.support.servers import Server, start_server
 
 NS = {"model": "auth-model", "block_tokens": 8, "kv_dtype": "bf16", "kv_layout": "x"}
 TOKS = [int(t) for t in np.random.default_rng(0).integers(0, 1000, 32)]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
 
 
 @pytest.fixture
@@ -83,3 +90,26 @@ def test_sessions_are_per_tenant(acme: httpx.Client, globex: httpx.Client):
     assert globex.delete(f"/v1/sessions/{sid}").status_code == 404
     assert sid not in [s["id"] for s in globex.get("/v1/sessions").json()["sessions"]]
     assert acme.get(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_a_tenant_reads_its_blocks_after_a_restart_before_any_lookup(tmp_path: Path):
+    """Ownership of namespace roots is kept in the catalog: after a restart a tenant's first
+    request may be a block read, and another tenant still cannot read it."""
+    env = {"SESSIONCACHE_API_KEYS": json.dumps(KEYS)}
+    server = start_server(tmp_path / "data", env)
+    try:
+        with httpx.Client(base_url=server.url, headers=bearer("key-acme"), timeout=30) as c:
+            plan = c.post("/v1/store", json={"namespace": NS, "tokens": TOKS}).json()
+            for h in plan["missing"]:
+                assert c.put(f"/v1/blocks/{h}", content=b"\x05" * 1024).status_code == 200
+    finally:
+        server.stop()
+    server = start_server(tmp_path / "data", env)
+    try:
+        with httpx.Client(base_url=server.url, headers=bearer("key-globex"), timeout=30) as c:
+            assert c.get(f"/v1/blocks/{plan['hashes'][0]}").status_code == 404
+        with httpx.Client(base_url=server.url, headers=bearer("key-acme"), timeout=30) as c:
+            r = c.get(f"/v1/blocks/{plan['hashes'][0]}")
+            assert r.status_code == 200 and r.content == b"\x05" * 1024
+    finally:
+        server.stop()

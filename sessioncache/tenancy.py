@@ -1,0 +1,64 @@
+"""Which tenant owns which namespace root.
+
+With authentication on, a tenant's namespace roots are salted with the tenant
+(``hashing.tenant_namespace``), so a root belongs to exactly one tenant, and a node serves a
+block only to the tenant owning the block's root. ``NamespaceOwners`` remembers the owners in
+memory and, through an ``OwnerRepository`` (the catalog's ``namespaces`` table), across
+restarts and across the nodes sharing the catalog: a tenant's first request after a restart
+may be a block read.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from sessioncache.hashing import Namespace
+
+
+class OwnerRepository(Protocol):
+    """Where owners outlive the process (``Catalog`` implements it)."""
+
+    def register_namespace(self, root: bytes, description: dict[str, Any] | None = None) -> None:
+        """Record ``root`` with its description, now."""
+
+    def namespaces(self) -> dict[bytes, dict[str, Any] | None]:
+        """Every recorded root with its description."""
+
+
+class NamespaceOwners:
+    """Root -> owning tenant; claims are written through to the repository once per root."""
+
+    def __init__(self, repository: OwnerRepository | None = None) -> None:
+        self._repository = repository
+        self._owners: dict[bytes, str] = {}
+        self._lock = threading.Lock()
+
+    def load(self) -> int:
+        """Read the owners the repository knows; returns how many."""
+        if self._repository is None:
+            return 0
+        found = {
+            bytes(root): description["tenant"]
+            for root, description in self._repository.namespaces().items()
+            if isinstance(description, dict) and isinstance(description.get("tenant"), str)
+        }
+        with self._lock:
+            self._owners.update(found)
+        return len(found)
+
+    def claim(self, root: bytes, tenant: str, namespace: Namespace) -> None:
+        """``tenant`` derived ``root`` from ``namespace`` (its unsalted form)."""
+        with self._lock:
+            if self._owners.get(root) == tenant:
+                return
+            self._owners[root] = tenant
+        if self._repository is not None:
+            self._repository.register_namespace(
+                root, {"tenant": tenant, "namespace": asdict(namespace)}
+            )
+
+    def owner(self, root: bytes) -> str | None:
+        with self._lock:
+            return self._owners.get(root)
