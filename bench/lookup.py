@@ -8,7 +8,8 @@ the loopback's, not the client's JSON encoder; clients and server share this mac
 cores. The reference printed beside them is the same number of empty ``GET /healthz`` round
 trips at the same concurrency (the HTTP floor of this machine).
 
-Run: ``python -m bench.lookup [--requests 200] [--block-tokens 16]``.
+Run: ``python -m bench.lookup [--requests 200] [--block-tokens 16] [--tokens 8192 32768 131072]
+[--clients 1 8 32]``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=200, help="per configuration")
     parser.add_argument("--block-tokens", type=int, default=16)
+    parser.add_argument("--tokens", type=int, nargs="+", default=PROMPTS, help="prompt lengths")
+    parser.add_argument(
+        "--clients", type=int, nargs="+", default=CONCURRENCY, help="concurrent clients"
+    )
     args = parser.parse_args()
     ns = {
         "model": "bench",
@@ -117,7 +122,7 @@ def main() -> None:
             rng = np.random.default_rng(0)
             bodies: dict[tuple[int, str], bytes] = {}
             with httpx.Client(base_url=url, timeout=120) as c:
-                for n in PROMPTS:
+                for n in args.tokens:
                     toks = rng.integers(0, 128_000, n, dtype=np.uint32)
                     plan = c.post("/v1/store", json={"namespace": ns, "tokens": toks.tolist()})
                     for h in plan.json()["missing"]:
@@ -141,10 +146,10 @@ def main() -> None:
                 f"{'tokens':>7} {'form':>6} {'clients':>7} {'p50 ms':>8} {'p99 ms':>8} "
                 f"{'healthz p50':>11} {'p99':>7}"
             )
-            for clients in CONCURRENCY:
+            for clients in args.clients:
                 per_client = max(1, args.requests // clients)
                 floor = run(url, "/healthz", None, clients, per_client)
-                for n in PROMPTS:
+                for n in args.tokens:
                     for form in ("json", "binary"):
                         lat = run(url, "/v1/lookup", bodies[(n, form)], clients, per_client)
                         print(

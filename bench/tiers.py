@@ -158,8 +158,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--total-mib", type=int, default=512)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--dir", type=Path, default=None, help="folder for the disk tier")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="folder for the disk tier (created if missing)"
+    )
     args = parser.parse_args()
+    if args.dir is not None:
+        try:
+            args.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--dir {args.dir}: {e.strerror or e}")
     total = args.total_mib * MiB
     scratch = Path(tempfile.mkdtemp(prefix="sc-bench-", dir=args.dir))
     try:

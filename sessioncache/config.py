@@ -1,17 +1,24 @@
 """Settings, read from ``SESSIONCACHE_*`` environment variables and an optional TOML file
 (``SESSIONCACHE_CONFIG=/etc/sessioncache.toml``; the environment wins over the file).
 
-Every field below is documented in README.md's configuration reference; keep the two in step.
+README.md's configuration table is rendered from the fields below (their descriptions and
+defaults): after changing a field, run ``python -m sessioncache.config --write README.md``.
+``tests/sessioncache/test_config.py`` fails while the two differ.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import socket
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -30,68 +37,105 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SESSIONCACHE_", extra="ignore")
 
     # -- tiers
-    data_dir: Path = Field(Path(".sessioncache"), description="Disk tier and SQLite catalog.")
-    gpu_bytes: int = Field(0, ge=0, description="GPU tier capacity; 0 disables the tier.")
-    gpu_device: str | None = Field(None, description="torch device of the GPU tier.")
-    cpu_bytes: int = Field(4 * GiB, ge=0, description="CPU tier capacity; 0 disables it.")
-    disk_bytes: int = Field(64 * GiB, ge=0, description="Disk tier capacity; 0 disables it.")
-    default_ttl_s: float = Field(3 * DAY_S, gt=0, description="TTL of blocks with no session.")
-    hash_seed: int = Field(0, ge=0, lt=1 << 64, description="Seed of every block id.")
-    promote_on_get: bool = Field(True, description="Copy lower-tier hits up into the first tier.")
-    max_lease_s: float = Field(3600.0, gt=0, description="Longest lease a lookup may take.")
+    data_dir: Path = Field(
+        Path(".sessioncache"),
+        description="disk tier (`blocks/`) and the SQLite catalog (`catalog.db`)",
+    )
+    gpu_bytes: int = Field(0, ge=0, description="GPU tier capacity in bytes; 0 leaves the tier out")
+    gpu_device: str | None = Field(
+        None,
+        description="torch device of the GPU tier",
+        json_schema_extra={"doc_default": "current CUDA device, else `cpu`"},
+    )
+    cpu_bytes: int = Field(4 * GiB, ge=0, description="CPU tier capacity; 0 leaves it out")
+    disk_bytes: int = Field(64 * GiB, ge=0, description="disk tier capacity; 0 leaves it out")
+    default_ttl_s: float = Field(
+        3 * DAY_S, gt=0, description="TTL of blocks stored outside a session"
+    )
+    hash_seed: int = Field(
+        0,
+        ge=0,
+        lt=1 << 64,
+        description="the seed of every block id (the same on every node and client)",
+    )
+    promote_on_get: bool = Field(True, description="copy a lower-tier hit up into the first tier")
+    max_lease_s: float = Field(3600.0, gt=0, description="the longest lease a lookup may take")
 
     # -- sessions
-    agent_ttl_s: float = Field(3 * DAY_S, gt=0, description="Sliding TTL of agent sessions.")
-    chat_ttl_s: float = Field(7 * DAY_S, gt=0, description="Sliding TTL of chat sessions.")
+    agent_ttl_s: float = Field(3 * DAY_S, gt=0, description="sliding TTL of `agent` sessions")
+    chat_ttl_s: float = Field(7 * DAY_S, gt=0, description="sliding TTL of `chat` sessions")
     session_kinds: dict[str, float] = Field(
-        default_factory=dict, description="Extra session kinds: name -> TTL seconds."
+        default_factory=dict, description="more session kinds, JSON name -> TTL seconds"
     )
-    idle_timeout_s: float = Field(300.0, gt=0, description="Idle time that releases pins.")
-    pin_share: float = Field(0.5, ge=0, le=1, description="Share of a tier pins may hold.")
-    sweep_interval_s: float = Field(60.0, gt=0, description="Period of the background sweep.")
+    idle_timeout_s: float = Field(
+        300.0, gt=0, description="idle time after which a session's pins are released"
+    )
+    pin_share: float = Field(
+        0.5, ge=0, le=1, description="largest share of a tier's capacity that pins may hold"
+    )
+    sweep_interval_s: float = Field(60.0, gt=0, description="period of the background sweep")
 
     # -- catalog
     database_url: str | None = Field(
-        None, description="SQLAlchemy URL; default SQLite under data_dir."
+        None,
+        description="catalog URL, e.g. `postgresql+psycopg://user@host/db`",
+        json_schema_extra={"doc_default": "SQLite under the data dir"},
     )
-    database_schema: str | None = Field(None, description="PostgreSQL schema of the catalog.")
-    migrate_on_start: bool = Field(True, description="Run migrations when the service starts.")
+    database_schema: str | None = Field(None, description="PostgreSQL schema of the catalog")
+    migrate_on_start: bool = Field(
+        True, description="run catalog migrations when the service starts"
+    )
     catalog_flush_interval_s: float = Field(
-        0.2, gt=0, description="Period of the catalog's write-behind flush."
+        0.2, gt=0, description="period of the catalog's write-behind flush"
     )
     reconcile_verify: bool = Field(
-        True, description="On start, read back disk files the catalog lacks to verify them."
+        True, description="on start, read back disk files the catalog lacks"
     )
 
     # -- shared tier and fleet (Redis)
     redis_url: str | None = Field(
-        None, description="redis://host:port/db or redis+cluster://host:port; none: no sharing."
+        None,
+        description="shared tier and fleet index: `redis://host:port/db` or "
+        "`redis+cluster://host:port`; unset: neither",
     )
-    redis_bytes: int = Field(64 * GiB, gt=0, description="This node's budget in the shared tier.")
-    redis_prefix: str = Field("sc:", min_length=1, description="Prefix of every Redis key.")
+    redis_bytes: int = Field(64 * GiB, gt=0, description="this node's budget in the shared tier")
+    redis_prefix: str = Field(
+        "sc:", min_length=1, description="prefix of every Redis key (one per deployment)"
+    )
     redis_write_policy: Literal["write_through", "write_back"] = Field(
         "write_through",
-        description="write_through: every stored block also goes to Redis; write_back: only "
-        "blocks demoted from the last local tier do.",
+        description="`write_through`: every stored block also goes to Redis; `write_back`: "
+        "only blocks demoted from the last local tier do",
     )
     node_id: str = Field(
-        default_factory=socket.gethostname, description="This node's name in the fleet index."
+        default_factory=socket.gethostname,
+        description="this node's name in the fleet index",
+        json_schema_extra={"doc_default": "the host name"},
     )
-    node_url: str | None = Field(None, description="Where other nodes reach this one.")
-    fleet_ttl_s: float = Field(15.0, gt=0, description="Heartbeat expiry of a node's entry.")
+    node_url: str | None = Field(
+        None,
+        description="where other nodes reach this one (advertised in the fleet index)",
+        json_schema_extra={"doc_default": "`http://{host}:{port}`"},
+    )
+    fleet_ttl_s: float = Field(
+        15.0, gt=0, description="heartbeat expiry of a node's fleet index entry"
+    )
 
     # -- service
-    host: str = Field("127.0.0.1", description="Address `sessioncache serve` binds.")
-    port: int = Field(8080, ge=0, lt=65536, description="Port `sessioncache serve` binds.")
+    host: str = Field("127.0.0.1", description="address `sessioncache serve` binds")
+    port: int = Field(8080, ge=0, lt=65536, description="port `sessioncache serve` binds")
     api_keys: dict[str, str] = Field(
-        default_factory=dict, description="Bearer API key -> tenant; empty runs open."
+        default_factory=dict,
+        description='JSON `{"<key>": "<tenant>"}`; empty runs open, loopback only',
     )
-    max_body_bytes: int = Field(256 * MiB, gt=0, description="Largest request body accepted.")
-    max_tokens: int = Field(2_000_000, gt=0, description="Most tokens in one request.")
+    max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
+    max_tokens: int = Field(2_000_000, gt=0, description="most tokens in one request")
     durable_uploads: bool = Field(
-        True, description="Write uploaded blocks through to the disk tier before answering."
+        True, description="write uploaded blocks through to disk before answering"
     )
-    upload_ttl_s: float = Field(600.0, gt=0, description="How long a store's PUT slots stay open.")
+    upload_ttl_s: float = Field(
+        600.0, gt=0, description="how long the upload slots of a store stay open"
+    )
 
     def kind_ttls(self) -> dict[str, float]:
         return {"agent": self.agent_ttl_s, "chat": self.chat_ttl_s, **self.session_kinds}
@@ -115,3 +159,102 @@ class Settings(BaseSettings):
         if toml_path:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(toml_path)))
         return tuple(sources)
+
+
+# -- the configuration table of README.md ---------------------------------------------------
+
+TABLE_BEGIN = (
+    "<!-- settings table: generated by `python -m sessioncache.config --write README.md` -->"
+)
+TABLE_END = "<!-- end of settings table -->"
+
+
+def _unit_note(name: str, value: object) -> str:
+    """A readable size or duration beside a large raw default: "4 GiB", "3 days"."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return ""
+    if name.endswith("_bytes"):
+        for unit, size in (("GiB", GiB), ("MiB", MiB)):
+            if value >= size and value % size == 0:
+                return f"{int(value // size)} {unit}"
+    if name.endswith("_s") and value >= DAY_S and value % DAY_S == 0:
+        days = int(value // DAY_S)
+        return f"{days} day" if days == 1 else f"{days} days"
+    return ""
+
+
+def _default_text(name: str, field: FieldInfo) -> str:
+    """The default as the table states it: ``doc_default`` in the field's
+    ``json_schema_extra`` where the value says little (``None`` resolved at run time, a
+    ``default_factory`` such as the host name), else the value itself."""
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and "doc_default" in extra:
+        return str(extra["doc_default"])
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, dict | list):
+        text = json.dumps(value)
+    elif isinstance(value, float) and value.is_integer():
+        text = str(int(value))
+    else:
+        text = str(value)
+    note = _unit_note(name, value)
+    return f"`{text}` ({note})" if note else f"`{text}`"
+
+
+def settings_table() -> str:
+    """The markdown table of every setting: variable, default, meaning (the description)."""
+    prefix = Settings.model_config.get("env_prefix", "")
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        meaning = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}{name.upper()}` | {_default_text(name, field)} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def _table_span(text: str) -> tuple[int, int]:
+    """Where the table sits in README's ``text``: between the two marker lines."""
+    begin = text.find(TABLE_BEGIN + "\n")
+    end = text.find(TABLE_END, max(begin, 0))
+    if begin < 0 or end < 0:
+        raise ValueError(f"no {TABLE_BEGIN!r} ... {TABLE_END!r} section")
+    return begin + len(TABLE_BEGIN) + 1, end
+
+
+def readme_table(text: str) -> str:
+    """The configuration table as README's ``text`` has it."""
+    begin, end = _table_span(text)
+    return text[begin:end]
+
+
+def with_table(text: str) -> str:
+    """README's ``text`` with its configuration table rendered afresh from ``Settings``."""
+    begin, end = _table_span(text)
+    return text[:begin] + settings_table() + text[end:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sessioncache.config",
+        description="Render README.md's configuration table from the Settings fields.",
+    )
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--markdown", action="store_true", help="print the table")
+    action.add_argument(
+        "--write", type=Path, metavar="README", help="replace the table in this file"
+    )
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(settings_table())
+        return 0
+    path: Path = args.write
+    text = path.read_text()
+    path.write_text(with_table(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,9 @@
 """The CPU tier: host-memory slabs of fixed-size slots, pinned when CUDA is present so that
-device copies run at full PCIe speed; ``get`` hands out zero-copy views."""
+device copies run at full PCIe speed; ``get`` hands out zero-copy views.
+
+Pinning needs CUDA (without it torch refuses ``pin_memory=True``), and the tests run without
+a GPU: they exercise unpinned slabs only, never a pinned allocation.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,13 @@
 """The GPU tier: slabs of fixed-size slots in device memory.
 
-The device defaults to the current CUDA device when one exists; the identical code runs on
-``torch.device("cpu")``, which is how the tests exercise it on machines without a GPU.
+The device defaults to the current CUDA device when one exists, else ``torch.device("cpu")``.
+
+What the tests exercise: they run without a GPU and build this tier on ``device="cpu"``, so
+they cover the slab bookkeeping (allocation, slot reuse, chunk reclaim, the store's eviction
+and promotion through it), not the device. Never run by the tests: the CUDA branch of
+``default_device``, the host-to-device copy in ``SlabTier.put``, ``get`` handing out views
+of device memory, and the device-to-host copy (``tiers.payload.as_memoryview``) when such a
+view is demoted to a lower tier or read out over HTTP.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ KV layout) there is a single payload size and a single slab.
 
 ``get`` returns a view into the slot: zero-copy, valid until the block is deleted from the tier
 (the store leases blocks across a load so that this cannot happen under a reader).
+
+Only the host path runs in the tests (they have no GPU): slabs on ``torch.device("cpu")``,
+unpinned. The CUDA-only lines are the pinned allocation (``pin_memory``, CPU tier with CUDA)
+and the ``copy_`` into a device slot in ``put`` (GPU tier on CUDA); see ``tiers.gpu``.
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ class SlabTier:
                 # intra-op threads, which contend with the server's own threads (measured
                 # 5x slower in a serving process on two cores).
                 np.copyto(dst.numpy(), np.frombuffer(as_memoryview(payload), dtype=np.uint8))
-            else:
+            else:  # a device slot (GPU tier on CUDA): never run by the tests
                 dst.copy_(as_byte_tensor(payload))
         except BaseException:
             with self._lock:

@@ -1,0 +1,87 @@
+"""Every benchmark under ``bench/`` runs to the end on tiny sizes and prints its figures.
+
+Marked ``slow`` (CI's default ``-m 'not slow'`` leaves it out): run with
+``python -m pytest -m slow tests/bench``. Sizes are far too small for the figures to mean
+anything; this only checks that each script still starts, measures and reports. The transfer
+and shared-tier benchmarks need the real Redis ($SESSIONCACHE_TEST_REDIS_URL, default
+127.0.0.1:6379), as the other tests do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+REDIS_URL = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# module -> (tiny arguments, a pattern every successful run prints)
+CASES: dict[str, tuple[list[str], str]] = {
+    "bench.hashing": (
+        ["--repeat", "1"],
+        r"(?m)^ *131072 +256 +512 .*\nms per prompt; ratio = ours",
+    ),
+    "bench.lookup": (
+        ["--requests", "2", "--tokens", "64", "--clients", "1", "2"],
+        r"(?m)^ +64 +binary +2 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$",
+    ),
+    "bench.shared_tier": (
+        [
+            *("--url", REDIS_URL, "--blocks", "2", "--block-mib", "0.0625"),
+            *("--batch", "2", "--repeats", "1"),
+        ],
+        r"(?m)^ +2 +get( +[\d.]+){6}\nlowest tier/raw ratio [\d.]+",
+    ),
+    "bench.tiers": (
+        ["--total-mib", "2", "--threads", "1"],
+        r"(?m)^ *disk +32 MiB +1 thr \| put .* GB/s .*\ntotal 2 MiB per run",
+    ),
+    "bench.transfer": (
+        ["--blocks", "2", "--block-mib", "1", "--redis", REDIS_URL],
+        r"(?m)^HTTP POST /v1/blocks/batch +[\d.]+ GB/s",
+    ),
+}
+
+
+def run_bench(module: str, args: list[str]) -> str:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert proc.returncode == 0, f"{module} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_every_bench_script_has_a_case():
+    scripts = {f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__"}
+    assert scripts == set(CASES)
+
+
+@pytest.mark.parametrize("module", sorted(CASES))
+def test_bench_runs_and_prints_its_figures(module: str):
+    args, pattern = CASES[module]
+    out = run_bench(module, args)
+    assert re.search(pattern, out), f"{module} printed no figures:\n{out}"
+
+
+def test_tiers_creates_a_missing_dir(tmp_path: Path):
+    folder = tmp_path / "not" / "yet"
+    out = run_bench("bench.tiers", ["--total-mib", "2", "--threads", "1", "--dir", str(folder)])
+    assert folder.is_dir()
+    assert list(folder.iterdir()) == []  # its scratch folder inside is removed
+    assert "total 2 MiB per run" in out
