@@ -16,7 +16,7 @@ from sessioncache.service import CacheNode
 from sessioncache.sessions import SessionManager
 from sessioncache.shared import SharedExpiryRefresher
 from sessioncache.store import TieredStore
-from sessioncache.sweeper import Sweeper
+from sessioncache.sweeper import sweeper
 from sessioncache.tenancy import NamespaceOwners
 from tiers.base import RecoverableTier, Tier
 from tiers.cpu import CpuTier
@@ -142,11 +142,11 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
     except BaseException:
         catalog.close()
         raise
-    sweeper = Sweeper(sessions, settings.sweep_interval_s)
-    on_close: list[Callable[[], None]] = [sweeper.stop]
+    sweep = sweeper(sessions, settings.sweep_interval_s)
+    on_close: list[Callable[[], None]] = [sweep.stop]
     if start:
         catalog.start()
-        sweeper.start()
+        sweep.start()
         if fleet is not None:
             fleet.start()
         if refresher is not None:

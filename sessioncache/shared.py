@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
 from tiers.base import SharedTier
@@ -36,8 +37,7 @@ class SharedExpiryRefresher:
         self._max = max_pending
         self._pending: dict[BlockHash, float] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = BackgroundLoop("sessioncache-shared-expiry", self.flush, interval_s)
         self._shared_index: int | None = None
 
     def bind(self, tier_index: int) -> None:
@@ -70,19 +70,8 @@ class SharedExpiryRefresher:
         return len(batch)
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="sessioncache-shared-expiry", daemon=True
-            )
-            self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._loop.stop()
         self.flush()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.flush()

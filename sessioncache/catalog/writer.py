@@ -43,6 +43,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import URL
 
+from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
 from sessioncache.catalog.db import make_engine
 from sessioncache.catalog.models import (
@@ -186,9 +187,12 @@ class Catalog:
         self._pending = _Batch()
         self._durable_indices: frozenset[int] | None = None
         self._tier_counters: dict[str, tuple[str, str, str]] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._flusher = BackgroundLoop(
+            "sessioncache-catalog-flusher",
+            self.flush,
+            flush_interval_s,
+            max_backoff_s=MAX_RETRY_DELAY_S,
+        )
         self._closed = False
         self._flushes = 0
         self._rows_written = 0
@@ -263,7 +267,7 @@ class Catalog:
             usage[(nbytes, bucket)] = usage.get((nbytes, bucket), 0) + meta.nbytes
             size = len(pending.blocks) + len(pending.touches)
         if size >= self._max_pending:
-            self._wake.set()
+            self._flusher.wake()
 
     def block_removed(self, block_hash: BlockHash, tier: str, durable: bool) -> None:
         removed = self._counter_names(tier)[2]
@@ -275,7 +279,7 @@ class Catalog:
             pending.usage[(removed, bucket)] = pending.usage.get((removed, bucket), 0) + 1
             size = len(pending.blocks) + len(pending.touches)
         if size >= self._max_pending:
-            self._wake.set()
+            self._flusher.wake()
 
     def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
         durable = self._durable_indices
@@ -295,7 +299,7 @@ class Catalog:
             usage[key] = usage.get(key, 0) + len(metas)
             size = len(self._pending.blocks) + len(touches)
         if size >= self._max_pending:
-            self._wake.set()
+            self._flusher.wake()
 
     # -- usage counters -----------------------------------------------------------------
 
@@ -342,7 +346,7 @@ class Catalog:
             self._pending.sessions[session.id] = session
             size = len(self._pending.sessions)
         if size >= self._max_pending:
-            self._wake.set()
+            self._flusher.wake()
 
     def delete_session(self, session_id: str) -> None:
         """Delete the session's row; durable when this returns."""
@@ -477,13 +481,7 @@ class Catalog:
         with self._state_lock:
             if self._closed:
                 raise CatalogError("the catalog is closed")
-            if self._thread is not None:
-                return
-            self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._run, name="sessioncache-catalog-flusher", daemon=True
-            )
-            self._thread.start()
+            self._flusher.start()
 
     def close(self) -> None:
         """Stop the flusher, write what is pending and release the engine (if owned)."""
@@ -491,11 +489,7 @@ class Catalog:
             if self._closed:
                 return
             self._closed = True
-            thread, self._thread = self._thread, None
-        self._stop.set()
-        self._wake.set()
-        if thread is not None:
-            thread.join()
+        self._flusher.stop(timeout_s=None)
         try:
             self.flush()
         finally:
@@ -509,20 +503,6 @@ class Catalog:
         self.close()
 
     # -- internals ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        delay = self._interval
-        while not self._stop.is_set():
-            self._wake.wait(delay)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self.flush()
-                delay = self._interval
-            except Exception:
-                delay = min(max(delay, self._interval) * 2, MAX_RETRY_DELAY_S)
-                log.exception("catalog flush failed; retrying in %.1fs", delay)
 
     def _bucket(self, when: float) -> float:
         return math.floor(when / self._bucket_s) * self._bucket_s
