@@ -1,4 +1,8 @@
-"""Dependencies shared by the routers, as ``Annotated`` aliases."""
+"""Dependencies shared by the routers, as ``Annotated`` aliases.
+
+A route depends on what it calls: ``NodeDep`` for the tenant-aware data path (lookup, store,
+upload, block reads: ``CacheNode`` methods), ``SessionsDep`` and ``StoreDep`` for the
+components themselves, never ``node.sessions``/``node.store`` reached through the node."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from fastapi import Depends, Request
 
 from api.errors import AuthRequired
 from sessioncache.service import CacheNode
+from sessioncache.sessions import SessionManager
+from sessioncache.store import TieredStore
 
 
 def get_node(request: Request) -> CacheNode:
@@ -16,6 +22,18 @@ def get_node(request: Request) -> CacheNode:
 
 
 NodeDep = Annotated[CacheNode, Depends(get_node)]
+
+
+def get_sessions(node: NodeDep) -> SessionManager:
+    return node.sessions
+
+
+def get_store(node: NodeDep) -> TieredStore:
+    return node.store
+
+
+SessionsDep = Annotated[SessionManager, Depends(get_sessions)]
+StoreDep = Annotated[TieredStore, Depends(get_store)]
 
 
 def get_tenant(request: Request, node: NodeDep) -> str:

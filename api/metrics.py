@@ -25,12 +25,12 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[Any]:
         node = self._node
         counters = node.store.counters()
-        tokens = node.metrics_tokens
+        tokens = node.token_counts()
         hit = CounterMetricFamily("sessioncache_hit_tokens", "Prompt tokens found in the cache")
-        hit.add_metric([], tokens["hit"])
+        hit.add_metric([], tokens.hit)
         yield hit
         miss = CounterMetricFamily("sessioncache_miss_tokens", "Prompt tokens not found")
-        miss.add_metric([], tokens["miss"])
+        miss.add_metric([], tokens.miss)
         yield miss
         for name in (
             "lookups",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sessioncache.config import Settings
 from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
@@ -46,6 +46,12 @@ class LookupResult:
     match: Match
 
 
+@dataclass(slots=True)
+class TokenCounts:
+    hit: int = 0
+    miss: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class StorePlan:
     block_tokens: int
@@ -75,7 +81,12 @@ class CacheNode:
         self._lock = threading.Lock()
         self._on_close = list(on_close)
         self.fleet = fleet
-        self.metrics_tokens = {"hit": 0, "miss": 0}
+        self._tokens = TokenCounts()
+
+    def token_counts(self) -> TokenCounts:
+        """Prompt tokens looked up so far: found in the cache (hit) or not (miss)."""
+        with self._lock:
+            return replace(self._tokens)
 
     @property
     def durable_uploads(self) -> bool:
@@ -139,8 +150,8 @@ class CacheNode:
             match = self.store.lookup(hashes, lease_s=lease_s)
         hit = match.num_blocks * namespace.block_tokens
         with self._lock:
-            self.metrics_tokens["hit"] += hit
-            self.metrics_tokens["miss"] += len(token_bytes) // 4 - hit
+            self._tokens.hit += hit
+            self._tokens.miss += len(token_bytes) // 4 - hit
         return LookupResult(namespace.block_tokens, hashes, match)
 
     def plan_store(

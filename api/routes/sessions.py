@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import NodeDep, TenantDep
+from api.deps import SessionsDep, TenantDep
 from api.schemas import ErrorOut, SessionCreate, SessionExtend, SessionList, SessionOut
 from sessioncache.sessions import Session
 
@@ -31,33 +31,31 @@ def session_out(session: Session) -> SessionOut:
 
 
 @router.post("", response_model=SessionOut, status_code=201, responses=ERRORS)
-def create_session(body: SessionCreate, node: NodeDep, tenant: TenantDep) -> SessionOut:
+def create_session(body: SessionCreate, sessions: SessionsDep, tenant: TenantDep) -> SessionOut:
     """Open a session (or return the caller's open session with that id)."""
-    session = node.sessions.open(body.session_id, tenant=tenant, kind=body.kind, ttl_s=body.ttl_s)
+    session = sessions.open(body.session_id, tenant=tenant, kind=body.kind, ttl_s=body.ttl_s)
     return session_out(session)
 
 
 @router.get("", response_model=SessionList, responses=ERRORS)
-def list_sessions(node: NodeDep, tenant: TenantDep) -> SessionList:
-    return SessionList(
-        sessions=[session_out(s) for s in node.sessions.list_sessions(tenant=tenant)]
-    )
+def list_sessions(sessions: SessionsDep, tenant: TenantDep) -> SessionList:
+    return SessionList(sessions=[session_out(s) for s in sessions.list_sessions(tenant=tenant)])
 
 
 @router.get("/{session_id}", response_model=SessionOut, responses=ERRORS)
-def get_session(session_id: str, node: NodeDep, tenant: TenantDep) -> SessionOut:
-    return session_out(node.sessions.get(session_id, tenant=tenant))
+def get_session(session_id: str, sessions: SessionsDep, tenant: TenantDep) -> SessionOut:
+    return session_out(sessions.get(session_id, tenant=tenant))
 
 
 @router.post("/{session_id}/extend", response_model=SessionOut, responses=ERRORS)
 def extend_session(
-    session_id: str, body: SessionExtend, node: NodeDep, tenant: TenantDep
+    session_id: str, body: SessionExtend, sessions: SessionsDep, tenant: TenantDep
 ) -> SessionOut:
     """Slide the session's expiry (optionally with a new TTL)."""
-    return session_out(node.sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s))
+    return session_out(sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s))
 
 
 @router.delete("/{session_id}", status_code=204, responses=ERRORS)
-def close_session(session_id: str, node: NodeDep, tenant: TenantDep) -> None:
+def close_session(session_id: str, sessions: SessionsDep, tenant: TenantDep) -> None:
     """Close the session: its pins go, its blocks age out by TTL."""
-    node.sessions.close(session_id, tenant=tenant)
+    sessions.close(session_id, tenant=tenant)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import NodeDep, TenantDep
+from api.deps import NodeDep, SessionsDep, StoreDep, TenantDep
 from api.schemas import GcOut, StatsOut, TierStatsOut, WhoAmI
 
 router = APIRouter(tags=["system"])
@@ -20,22 +20,22 @@ def whoami(node: NodeDep, tenant: TenantDep) -> WhoAmI:
 
 
 @router.get("/v1/stats", response_model=StatsOut)
-def stats(node: NodeDep, tenant: TenantDep) -> StatsOut:
-    s = node.store.stats()
+def stats(store: StoreDep, sessions: SessionsDep, tenant: TenantDep) -> StatsOut:
+    s = store.stats()
     return StatsOut(
         blocks=s.blocks,
         pinned_blocks=s.pinned_blocks,
         leases=s.leases,
-        sessions=node.sessions.count(),
+        sessions=sessions.count(),
         tiers=[TierStatsOut(**asdict(t)) for t in s.tiers],
         counters=asdict(s.counters),
     )
 
 
 @router.post("/v1/gc", response_model=GcOut)
-def gc(node: NodeDep, tenant: TenantDep) -> GcOut:
+def gc(sessions: SessionsDep, tenant: TenantDep) -> GcOut:
     """Sweep now: expire sessions past their TTL, unpin idle ones, drop expired blocks."""
-    report = node.sessions.sweep()
+    report = sessions.sweep()
     return GcOut(**asdict(report))
 
 
