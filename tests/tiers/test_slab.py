@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sessioncache.hashing import BlockHash
@@ -54,4 +55,22 @@ def test_gpu_tier_runs_on_the_given_device():
     got = tier.get(bid(1))
     assert got is not None and got.device.type == "cpu"
     assert torch.equal(got.view(torch.float32), torch.ones(25))
-    assert default_device().type in {"cpu", "cuda"}
+
+
+def test_default_device_is_the_current_cuda_device_else_the_cpu():
+    if torch.cuda.is_available():
+        expected = torch.device("cuda", torch.cuda.current_device())
+    else:
+        expected = torch.device("cpu")
+    assert default_device() == expected
+    assert GpuTier(1000).device == expected  # a GpuTier given no device lands there
+
+
+def test_default_device_names_the_current_cuda_device_not_cuda_0(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    # CI has no GPU: make torch report one whose current device is cuda:1, to check the
+    # branch a CPU-only machine never takes (nothing is allocated on it).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert default_device() == torch.device("cuda", 1)

@@ -102,6 +102,74 @@ def test_lru_matches_the_hand_computed_example():
     assert report.results["lru_tail_first"].hit_tokens == JSONL_LRU_TAIL_FIRST_HITS
 
 
+# A trace to replay by hand: 100-token blocks, 9 unique blocks, capacity round(6/9 * 9) = 6
+# blocks in one tier; 200 + 500 + 300 + 400 + 500 = 1900 input tokens. Session "a" grows one
+# chain over three turns, the last one ten minutes after the previous; a session-less burst
+# comes in between and again at the end.
+HAND_TRACE = [
+    Request(0.0, "a", (1, 2), 200),  # r1
+    Request(10.0, None, (5, 6, 7, 8, 9), 500),  # r2
+    Request(20.0, "a", (1, 2, 3), 300),  # r3
+    Request(620.0, "a", (1, 2, 3, 4), 400),  # r4
+    Request(630.0, None, (5, 6, 7, 8, 9), 500),  # r5
+]
+HAND_TOKENS = 1900
+# (hit tokens, hit blocks) per policy, by hand:
+#
+# oracle: a block misses only the first time it is seen: r3 hits 1 2, r4 1 2 3, r5 5..9.
+#
+# lru, 6 blocks, each request touching root first (stack least recent first):
+#   r1 miss                  -> 1 2
+#   r2 miss; 9 evicts 1      -> 2 5 6 7 8 9
+#   r3 1 is gone: miss; touching 1 2 3 evicts 2 5 6 -> 7 8 9 1 2 3
+#   r4 hits 1 2 3; 4 evicts 7 -> 8 9 1 2 3 4
+#   r5 5 is gone: miss
+# ttl_5min: the same stack, but r4 comes 600 s after r3 last touched 1: expired, a miss (its
+#   one expired lookup); nothing else hits.
+# lru_tail_first, touching deepest first:
+#   r1 -> 2 1;  r2: 5 evicts 2 -> 1 9 8 7 6 5
+#   r3 hits 1 (2 is gone); touching 3 2 1 evicts 1 9 8 -> 7 6 5 3 2 1
+#   r4 hits 1 2 3; 4 evicts 7 -> 6 5 4 3 2 1
+#   r5 hits 5 6 (7 is gone)
+# sessioncache (the production store and sessions): a live session's chain is pinned, within
+# pin_share = half the tier (3 blocks); victims are unpinned chain tails, least recent first.
+#   r1 miss; stores 1 2, a pins them.
+#   r2 miss; stores 5 6 7 8. For 9 the one unpinned tail is 8, its parent, stored in the same
+#      put: hotter than 9, so 9 is refused (dropped_on_put 1). Held: 1 2 5 6 7 8. (Without
+#      the pins, 9 would evict 2, the coldest tail, and r3 would hit only 1.)
+#   r3 hits 1 2; 3 evicts the coldest tail, 8. a pins 1 2 3 (3 blocks: within its share).
+#   r4 the sweep at 600 s unpins a (idle 580 s > 300 s); nothing has expired (TTLs are days).
+#      Hits 1 2 3; 4 evicts 7. Pinning 1 2 3 4 would pass the share: a's pins go.
+#   r5 hits 5 6; 7 8 9 evict the coldest tails, 4, 3, 2. Evictions: 8 7 4 3 2 = 5.
+HAND_HITS = {
+    "oracle": (200 + 300 + 500, 2 + 3 + 5),
+    "lru": (300, 3),
+    "ttl_5min": (0, 0),
+    "sessioncache": (200 + 300 + 200, 2 + 3 + 2),
+    "lru_tail_first": (100 + 300 + 200, 1 + 3 + 2),
+}
+
+
+def test_every_policy_matches_the_hand_replayed_trace():
+    trace = Trace("hand", "agent-sessions", 100, HAND_TRACE, 9, 1)
+    assert len({b for r in HAND_TRACE for b in r.ids}) == trace.unique_blocks
+    report = run_replay(trace, capacity_frac=6 / 9, policies=[*POLICIES, "lru_tail_first"])
+    assert report.tiers == [("cpu", 6)]
+    got = {name: (r.hit_tokens, r.hit_blocks) for name, r in report.results.items()}
+    assert got == HAND_HITS
+    assert {name: r.total_tokens for name, r in report.results.items()} == dict.fromkeys(
+        HAND_HITS, HAND_TOKENS
+    )
+    assert report.hit_rates() == {name: hits / HAND_TOKENS for name, (hits, _) in HAND_HITS.items()}
+    results = report.results
+    assert results["sessioncache"].tier_hit_tokens == {"cpu": 700}
+    assert results["lru"].tier_hit_tokens == {"cpu": 300}
+    assert results["ttl_5min"].detail["expired_lookups"] == 1
+    ours = results["sessioncache"].detail
+    assert ours["dropped_on_put"] == 1 and ours["counters"]["evictions"] == 5
+    assert ours["sweeps"] == 1 and ours["blocks_held"] == 6 and ours["sessions_open"] == 1
+
+
 def test_ttl_expires_five_minutes_after_the_last_access():
     sim = LruSim("ttl", [("cpu", 100)], ttl_s=300.0)
 
@@ -186,7 +254,7 @@ def test_same_seed_same_numbers(capsys: pytest.CaptureFixture[str]):
 
 
 def test_text_report_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path):
-    pytest.importorskip("matplotlib")
+    # matplotlib is in the dev extra, so CI runs this test rather than skipping it.
     png = tmp_path / "hit.png"
     args = _args(
         str(JSONL),
