@@ -7,8 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from sessioncache.config import Settings
 from sessioncache.factory import build_store, open_node
 from sessioncache.hashing import BlockHash
@@ -78,7 +76,6 @@ def test_gc_frees_expired_blocks_and_keeps_a_live_sessions_chain(tmp_path: Path)
     assert held(data, loose + chain) == [False, False, True, True, True]
 
 
-@pytest.mark.xfail(reason="issue 8 bug 1: block TTL lost on restart", strict=True)
 def test_gc_frees_blocks_whose_own_ttl_passed_while_the_node_was_stopped(tmp_path: Path):
     # Default TTL (3 days) everywhere; two blocks were stored with a TTL of their own, 1 s.
     data = tmp_path / "data"
