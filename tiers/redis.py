@@ -64,7 +64,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
 
 import numpy as np
@@ -95,7 +94,6 @@ __all__ = [
     "RedisTier",
     "RemoteBlock",
     "TierUnavailable",
-    "WritePolicy",
     "client_factory",
     "make_client",
 ]
@@ -133,15 +131,6 @@ _PROBE_ERRORS: tuple[type[BaseException], ...] = (*_UNAVAILABLE, rex.RedisError)
 class TierUnavailable(TierFull):
     """The shared tier cannot be reached right now. A ``TierFull`` (so the store moves on to
     the next tier, or drops the demotion) and a ``SessionCacheError``."""
-
-
-class WritePolicy(StrEnum):
-    """How a deployment feeds the shared tier (``SESSIONCACHE_REDIS_WRITE_POLICY``)."""
-
-    WRITE_THROUGH = "write-through"
-    """Every block a node stores also goes to Redis before the put returns."""
-    WRITE_BACK = "write-back"
-    """Redis is the last tier: blocks reach it only when demoted out of the local tiers."""
 
 
 # --------------------------------------------------------------------------------- clients
