@@ -1,20 +1,8 @@
 """The shared tier: block payloads in Redis (or Redis Cluster), visible to every node.
 
-One key per block, ``{prefix}b:{hex}`` (``hex`` = 32 hex digits of the id), holds an 88-byte
-header followed by the payload, so a reader sees the whole block or nothing. Header fields,
-little-endian (``struct`` format ``<8sHHI16s16s16sQQQ``):
-
-    offset  size  field
-         0     8  magic            b"SCRBLK\\x00\\x01"
-         8     2  version          u16, currently 1
-        10     2  flags            u16, bit 0: the block has a parent
-        12     4  reserved         u32, 0
-        16    16  block id         the 16-byte ``BlockHash``
-        32    16  namespace root   16 bytes
-        48    16  parent           16 bytes (zeros at a chain root)
-        64     8  payload length   u64, bytes following the header
-        72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)``
-        80     8  header xxh3      u64, ``xxh3_64_intdigest(header[0:80])``
+One key per block, ``{prefix}b:{hex}`` (``hex`` = 32 hex digits of the id), holds the 88-byte
+block header of ``tiers/header.py`` (magic ``b"SCRBLK\\x00\\x01"``) followed by the payload,
+so a reader sees the whole block or nothing.
 
 Every key carries the block's absolute expiry (``SET ... PXAT`` on write, ``PEXPIREAT ... GT``
 when a node extends it, so the longest-lived claim of any node wins); Redis drops expired
@@ -57,7 +45,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -83,6 +70,14 @@ from sessioncache.redis_link import (
     describe_error,
     sends_parts,
 )
+from tiers.header import (
+    HEADER,
+    HEADER_SIZE,
+    VERSION,
+    HeaderCodec,
+    InvalidBlock,
+    check_id,
+)
 from tiers.payload import Payload, as_memoryview, payload_nbytes
 
 __all__ = [
@@ -99,67 +94,15 @@ __all__ = [
 logger = logging.getLogger("sessioncache.tiers.redis")
 
 MAGIC = b"SCRBLK\x00\x01"
-VERSION = 1
-HEADER = struct.Struct("<8sHHI16s16s16sQQQ")
-HEADER_SIZE = HEADER.size  # 88
-_HEADER_BODY = HEADER_SIZE - 8
-_FLAG_PARENT = 1
-_NO_PARENT = b"\x00" * HASH_BYTES
+_CODEC = HeaderCodec(MAGIC)
+encode_header = _CODEC.encode
+decode_header = _CODEC.decode
 _xxh3 = xxhash.xxh3_64_intdigest
 _T = TypeVar("_T")
 
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, rex.OutOfMemoryError) or str(exc).startswith("OOM")
-
-
-# ----------------------------------------------------------------------------------- header
-
-
-def encode_header(
-    block_hash: bytes, namespace_root: bytes, parent: bytes | None, nbytes: int, checksum: int
-) -> bytes:
-    """The 88-byte header of a block value (see the module docstring)."""
-    flags = _FLAG_PARENT if parent is not None else 0
-    body = HEADER.pack(
-        MAGIC,
-        VERSION,
-        flags,
-        0,
-        block_hash,
-        namespace_root,
-        parent if parent is not None else _NO_PARENT,
-        nbytes,
-        checksum,
-        0,
-    )
-    return body[:_HEADER_BODY] + struct.pack("<Q", _xxh3(body[:_HEADER_BODY]))
-
-
-class _Invalid(Exception):
-    """A value failed validation (internal: becomes a miss and a delete)."""
-
-
-class _Header(NamedTuple):
-    block_hash: bytes
-    namespace_root: bytes
-    parent: bytes | None
-    nbytes: int
-    checksum: int
-
-
-def decode_header(raw: bytes | memoryview) -> _Header:
-    """Parse and verify a header; raises ``_Invalid``."""
-    if len(raw) < HEADER_SIZE:
-        raise _Invalid(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
-    magic, version, flags, _res, bid, ns, parent, nbytes, checksum, hsum = HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise _Invalid("bad magic")
-    if _xxh3(memoryview(raw)[:_HEADER_BODY]) != hsum:
-        raise _Invalid("header checksum mismatch")
-    if version != VERSION:
-        raise _Invalid(f"unsupported format version {version}")
-    return _Header(bid, ns, parent if flags & _FLAG_PARENT else None, nbytes, checksum)
 
 
 # ------------------------------------------------------------------------------------- tier
@@ -366,9 +309,9 @@ class RedisTier:
                 continue
             try:
                 if isinstance(raw, Exception):  # WRONGTYPE: something else took the key
-                    raise _Invalid(describe_error(raw))
+                    raise InvalidBlock(describe_error(raw))
                 out.append(self._decode(block_hash, cast(bytes, raw)))
-            except _Invalid as exc:
+            except InvalidBlock as exc:
                 logger.warning(
                     "%s tier: block %s is corrupt (%s); deleting it",
                     self._name,
@@ -388,14 +331,16 @@ class RedisTier:
 
     def _decode(self, block_hash: bytes, raw: bytes) -> torch.Tensor:
         if not isinstance(raw, bytes):
-            raise _Invalid(f"value is {type(raw).__name__}, not bytes")
+            raise InvalidBlock(f"value is {type(raw).__name__}, not bytes")
         header = decode_header(raw)
         if header.block_hash != block_hash:
-            raise _Invalid("block id in header does not match the key")
+            raise InvalidBlock("block id in header does not match the key")
         if header.nbytes == 0 or len(raw) != HEADER_SIZE + header.nbytes:
-            raise _Invalid(f"value is {len(raw)} bytes, header says {HEADER_SIZE + header.nbytes}")
+            raise InvalidBlock(
+                f"value is {len(raw)} bytes, header says {HEADER_SIZE + header.nbytes}"
+            )
         if _xxh3(memoryview(raw)[HEADER_SIZE:]) != header.checksum:
-            raise _Invalid("payload checksum mismatch")
+            raise InvalidBlock("payload checksum mismatch")
         return torch.frombuffer(raw, dtype=torch.uint8, count=header.nbytes, offset=HEADER_SIZE)
 
     def locate_many(self, hashes: Sequence[BlockHash]) -> list[RemoteBlock | None]:
@@ -427,8 +372,8 @@ class RedisTier:
             try:
                 header = decode_header(raw)
                 if header.block_hash != block_hash or header.nbytes == 0:
-                    raise _Invalid("header does not describe this block")
-            except _Invalid:
+                    raise InvalidBlock("header does not describe this block")
+            except InvalidBlock:
                 out.append(None)  # get() will find it corrupt and delete it
                 continue
             if pexp == -2:  # gone between the two commands
@@ -513,9 +458,9 @@ class RedisTier:
         prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
         seen: set[BlockHash] = set()
         for item in items:
-            block_hash = _check_id(item.block_hash, "block id")
-            namespace_root = _check_id(item.namespace_root, "namespace root")
-            parent = _check_id(item.parent, "parent") if item.parent is not None else None
+            block_hash = check_id(item.block_hash, "block id")
+            namespace_root = check_id(item.namespace_root, "namespace root")
+            parent = check_id(item.parent, "parent") if item.parent is not None else None
             nbytes = payload_nbytes(item.payload)
             if nbytes == 0:
                 raise PayloadSizeError(f"{self._name}: empty payload")
@@ -848,12 +793,6 @@ class RedisTier:
 
 
 _COUNTER_FIELDS = tuple(RedisCounters.__dataclass_fields__)
-
-
-def _check_id(value: object, what: str) -> BlockHash:
-    if not isinstance(value, bytes) or len(value) != HASH_BYTES:
-        raise InvalidInput(f"{what} must be {HASH_BYTES} bytes, got {value!r:.80}")
-    return BlockHash(value)
 
 
 def _glob_escape(text: str) -> str:
