@@ -58,6 +58,7 @@ import torch
 import xxhash
 from redis.cluster import RedisCluster
 
+from sessioncache.buffers import BufferPool
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
@@ -154,33 +155,6 @@ _GROUP_BYTES = 8 << 20
 _SEND_WORKERS = 4
 
 
-class _BufferPool:
-    """Reusable value buffers (header + payload) for puts: a batch of fresh 2 MiB buffers
-    costs more in page faults than the copy into them; blocks of one deployment share one
-    size, so buffers are reused as they are. Holds at most ``max_bytes`` while idle."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max = max_bytes
-        self._lock = threading.Lock()
-        self._free: dict[int, list[bytearray]] = {}
-        self._held = 0
-
-    def take(self, size: int) -> bytearray:
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._held -= size
-                return free.pop()
-        return bytearray(size)
-
-    def give(self, buffers: Iterable[bytearray]) -> None:
-        with self._lock:
-            for buf in buffers:
-                if self._held + len(buf) <= self._max:
-                    self._free.setdefault(len(buf), []).append(buf)
-                    self._held += len(buf)
-
-
 class RedisTier:
     """Block payloads in Redis, shared by every node (see the module docstring)."""
 
@@ -217,7 +191,7 @@ class RedisTier:
         self._owns_keys = owns_keys
         self._skip_existing = skip_existing
         self._max_batch_bytes = max(1, max_batch_bytes)
-        self._buffers = _BufferPool(buffer_pool_bytes)
+        self._buffers = BufferPool(buffer_pool_bytes)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._own: dict[BlockHash, _Own] = {}
