@@ -22,11 +22,8 @@ next ``open`` deletes.
 
 Write speed: on Linux the payload is written in 256 KiB chunks and the device write of each
 chunk is started at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so copying into the page
-cache overlaps the disk transfer and the ``fdatasync`` waits for the tail only. On the ext4
-machine it was measured on, this took single-threaded 32 MiB puts from about 0.6-0.8x to about
-1.1x (or more) the speed of one sequential write of the same bytes + ``fdatasync``; 128 KiB
-chunks cost more in syscalls and 1 MiB chunks overlapped less. Small blocks stay bound by the
-latency of one flush and journal commit per put, which only concurrent puts hide.
+cache overlaps the disk transfer and the ``fdatasync`` waits for the tail only (measured in
+docs/benchmarks.md, "Tiers").
 
 Start-up (``DiskTier.open``) walks the shard folders, reads each block's header only (the
 payload checksum is verified on every ``get``) and checks the file size; files that fail are

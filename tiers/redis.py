@@ -37,8 +37,8 @@ Speed: a client from ``make_client`` sends header and payload as two pieces of o
 string (its connection class packs ``Parts`` arguments), so no value is ever assembled by
 copying; other clients get pooled copies. ``put_many`` checksums one 8 MiB group while the
 previous one is on the wire (a few worker threads, started on first use, stopped by
-``close``). ``get`` returns a zero-copy view of the reply. ``python -m bench.shared_tier``
-compares all this with raw redis-py ``SET``/``GET``.
+``close``). ``get`` returns a zero-copy view of the reply. Figures beside raw redis-py
+``SET``/``GET``: docs/benchmarks.md, "Shared tier".
 """
 
 from __future__ import annotations
