@@ -227,6 +227,28 @@ class RedisLink:
         self._last_ok = time.monotonic()
         return result
 
+    def pipeline(self, queue: Callable[[Any], object], *, raise_errors: bool = True) -> list[Any]:
+        """Run the commands ``queue(pipe)`` adds in one non-transactional pipeline (split per
+        node on a cluster). An outage among the replies marks the link degraded and raises
+        ``TierUnavailable``; any other error reply is raised too, or with
+        ``raise_errors=False`` left in its slot."""
+
+        def op(c: Client) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            queue(pipe)
+            return cast(list[Any], pipe.execute(raise_on_error=False))
+
+        replies = self.run(op)
+        for reply in replies:
+            if isinstance(reply, UNAVAILABLE_ERRORS):
+                self.mark_failed(reply)
+                raise TierUnavailable(f"{self._name}: {describe_error(reply)}") from reply
+        if raise_errors:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies
+
     def mark_failed(self, exc: BaseException) -> None:
         reason = describe_error(exc)
         with self._lock:

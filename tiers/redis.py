@@ -62,7 +62,6 @@ from sessioncache.buffers import BufferPool
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
-    UNAVAILABLE_ERRORS,
     Client,
     LinkStatus,
     Parts,
@@ -271,7 +270,7 @@ class RedisTier:
             return []
         keys = [self.key(h) for h in hashes]
         try:
-            raws = self._pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
+            raws = self._link.pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
@@ -333,7 +332,7 @@ class RedisTier:
                 p.pexpiretime(k)
 
         try:
-            replies = self._pipeline(queue, raise_errors=False)
+            replies = self._link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
@@ -502,7 +501,7 @@ class RedisTier:
     ) -> list[tuple[BlockHash, bool]]:
         keys = [self.key(entry[0]) for entry in batch]
         if self._skip_existing:
-            present = [bool(x) for x in self._pipeline(lambda p: [p.exists(k) for k in keys])]
+            present = [bool(x) for x in self._link.pipeline(lambda p: [p.exists(k) for k in keys])]
         else:
             present = [False] * len(batch)
         # Groups of about ``_GROUP_BYTES``: while one group is on the wire (a worker thread;
@@ -608,7 +607,7 @@ class RedisTier:
                 # A held block, or a racing writer got there first: keep the longest expiry.
                 p.pexpireat(key, ms, gt=True)
 
-        return self._pipeline(queue)
+        return self._link.pipeline(queue)
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -628,7 +627,7 @@ class RedisTier:
             return
         pairs = [(self.key(h), int(max(t, time.time() + _MIN_TTL_S) * 1000)) for h, t in items]
         try:
-            self._pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
+            self._link.pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(items))
             return
@@ -656,7 +655,7 @@ class RedisTier:
                 p.delete(k)
 
         try:
-            replies = self._pipeline(queue, raise_errors=False)
+            replies = self._link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [0] * len(hashes)
@@ -704,27 +703,6 @@ class RedisTier:
 
     def _run(self, op: Callable[[Client], _T]) -> _T:
         return self._link.run(op)
-
-    def _pipeline(self, queue: Callable[[Any], object], *, raise_errors: bool = True) -> list[Any]:
-        """Run the commands ``queue(pipe)`` adds in one non-transactional pipeline (split per
-        node on a cluster). An outage among the replies raises ``TierUnavailable``; any other
-        error reply is raised too, or with ``raise_errors=False`` left in its slot."""
-
-        def op(c: Client) -> list[Any]:
-            pipe = c.pipeline(transaction=False)
-            queue(pipe)
-            return cast(list[Any], pipe.execute(raise_on_error=False))
-
-        replies = self._run(op)
-        for reply in replies:
-            if isinstance(reply, UNAVAILABLE_ERRORS):
-                self._link.mark_failed(reply)
-                raise TierUnavailable(f"{self._name}: {describe_error(reply)}") from reply
-        if raise_errors:
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-        return replies
 
     def _scan(self, c: Client) -> Iterable[bytes | str]:
         return cast(
