@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from sessioncache.hashing import BlockHash
-from tiers.redis import PutItem, RedisTier, make_client
+from sessioncache.redis_link import make_client
+from tiers.redis import PutItem, RedisTier
 
 MiB = 1 << 20
 NS = b"\x01" * 16

@@ -12,6 +12,7 @@ from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
 from sessioncache.events import StoreObserver
 from sessioncache.fleet import FleetIndex, FleetObserver
+from sessioncache.redis_link import client_factory
 from sessioncache.service import CacheNode
 from sessioncache.sessions import SessionManager
 from sessioncache.shared import SharedExpiryRefresher
@@ -22,7 +23,7 @@ from tiers.base import RecoverableTier, Tier
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
 from tiers.gpu import GpuTier
-from tiers.redis import RedisTier, client_factory
+from tiers.redis import RedisTier
 
 log = logging.getLogger("sessioncache.factory")
 

@@ -53,7 +53,7 @@ import redis.exceptions as rex
 from sessioncache.blocks import BlockMeta
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import BlockHash
-from tiers.redis import Client, LinkStatus, RedisLink, TierUnavailable
+from sessioncache.redis_link import Client, LinkStatus, RedisLink, TierUnavailable
 
 __all__ = ["FleetIndex", "FleetObserver", "NodeInfo"]
 

@@ -7,24 +7,11 @@ Layout under ``root``::
                                                     a put in progress (removed on open)
     root/quarantine/<hex>.<ns-time>.blk             files that failed validation, kept for study
 
-A block file is a fixed 88-byte header followed by the payload. Header fields, little-endian
-(``struct`` format ``<8sHHI16s16s16sQQQ``):
-
-    offset  size  field
-         0     8  magic            b"SCBLK\\x00\\x01\\x00"
-         8     2  version          u16, currently 1
-        10     2  flags            u16, bit 0: the block has a parent (else it roots a chain)
-        12     4  reserved         u32, 0
-        16    16  block id         the 16-byte ``BlockHash``
-        32    16  namespace root   16 bytes
-        48    16  parent id        the parent's ``BlockHash``, zeros when flag bit 0 is clear
-        64     8  payload length   u64, bytes following the header
-        72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)``
-        80     8  header xxh3      u64, ``xxh3_64_intdigest(header[0:80])``
-
-The file size is exactly ``88 + payload length``. The parent makes the folder self-describing:
-after a restart the store rebuilds whole chains (tail-first eviction, session re-pinning) from
-the files alone.
+A block file is the 88-byte block header of ``tiers/header.py`` (block id, namespace root,
+parent, payload length, payload and header checksums) with magic ``b"SCBLK\\x00\\x01\\x00"``,
+followed by the payload. The file size is exactly ``88 + payload length``. The parent makes
+the folder self-describing: after a restart the store rebuilds whole chains (tail-first
+eviction, session re-pinning) from the files alone.
 
 Durability of ``put``: the header and payload go to a temp file in the block's shard folder
 (no copy of the payload is made), the file is ``fdatasync``-ed, renamed over its final name and
@@ -35,11 +22,8 @@ next ``open`` deletes.
 
 Write speed: on Linux the payload is written in 256 KiB chunks and the device write of each
 chunk is started at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so copying into the page
-cache overlaps the disk transfer and the ``fdatasync`` waits for the tail only. On the ext4
-machine it was measured on, this took single-threaded 32 MiB puts from about 0.6-0.8x to about
-1.1x (or more) the speed of one sequential write of the same bytes + ``fdatasync``; 128 KiB
-chunks cost more in syscalls and 1 MiB chunks overlapped less. Small blocks stay bound by the
-latency of one flush and journal commit per put, which only concurrent puts hide.
+cache overlaps the disk transfer and the ``fdatasync`` waits for the tail only (measured in
+docs/benchmarks.md, "Tiers").
 
 Start-up (``DiskTier.open``) walks the shard folders, reads each block's header only (the
 payload checksum is verified on every ``get``) and checks the file size; files that fail are
@@ -59,7 +43,6 @@ import errno
 import logging
 import os
 import secrets
-import struct
 import sys
 import threading
 import time
@@ -74,6 +57,7 @@ import xxhash
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from tiers.base import RecoveredBlock
+from tiers.header import HEADER, HEADER_SIZE, VERSION, HeaderCodec, InvalidBlock, check_id
 from tiers.payload import Payload, as_memoryview, payload_nbytes
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
@@ -81,12 +65,9 @@ __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
 logger = logging.getLogger("sessioncache.tiers.disk")
 
 MAGIC = b"SCBLK\x00\x01\x00"
-VERSION = 1
-HEADER = struct.Struct("<8sHHI16s16s16sQQQ")
-HEADER_SIZE = HEADER.size  # 88
-_HAS_PARENT = 1
-_NO_PARENT = bytes(HASH_BYTES)
-_HEADER_BODY = HEADER_SIZE - 8  # the bytes the header checksum covers
+_CODEC = HeaderCodec(MAGIC)
+encode_header = _CODEC.encode
+decode_header = _CODEC.decode
 _BLOCK_SUFFIX = ".blk"
 _TMP_SUFFIX = ".tmp"
 _HEX_LEN = 2 * HASH_BYTES
@@ -105,53 +86,6 @@ class _Entry:
     namespace_root: bytes
     mtime: float
     parent: BlockHash | None = None
-
-
-class _Invalid(Exception):
-    """A block file failed validation (internal; turned into quarantine + miss)."""
-
-
-def encode_header(
-    block_hash: bytes, namespace_root: bytes, parent: bytes | None, nbytes: int, checksum: int
-) -> bytes:
-    """The 88-byte header of a block file (see the module docstring)."""
-    flags = 0 if parent is None else _HAS_PARENT
-    body = HEADER.pack(
-        MAGIC,
-        VERSION,
-        flags,
-        0,
-        block_hash,
-        namespace_root,
-        parent or _NO_PARENT,
-        nbytes,
-        checksum,
-        0,
-    )
-    return body[:_HEADER_BODY] + struct.pack("<Q", _xxh3(body[:_HEADER_BODY]))
-
-
-def decode_header(
-    raw: bytes | bytearray | memoryview,
-) -> tuple[bytes, bytes, BlockHash | None, int, int]:
-    """``(block id, namespace root, parent or None, payload length, payload checksum)``;
-    raises ``_Invalid``."""
-    if len(raw) < HEADER_SIZE:
-        raise _Invalid(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
-    magic, version, flags, _res, bid, ns, parent, nbytes, checksum, hsum = HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise _Invalid("bad magic")
-    if _xxh3(memoryview(raw)[:_HEADER_BODY]) != hsum:
-        raise _Invalid("header checksum mismatch")
-    if version != VERSION:
-        raise _Invalid(f"unsupported format version {version}")
-    return bid, ns, BlockHash(parent) if flags & _HAS_PARENT else None, nbytes, checksum
-
-
-def _check_id(value: object, what: str) -> bytes:
-    if not isinstance(value, bytes) or len(value) != HASH_BYTES:
-        raise InvalidInput(f"{what} must be {HASH_BYTES} bytes, got {value!r:.80}")
-    return value
 
 
 def _fsync_dir(path: str) -> None:
@@ -352,7 +286,7 @@ class DiskTier:
                     continue
                 try:
                     found.append(self._read_header_of(entry.path, block_hash))
-                except _Invalid as exc:
+                except InvalidBlock as exc:
                     self._quarantine_file(entry.path, block_hash, str(exc))
                     quarantined += 1
                 except FileNotFoundError:
@@ -380,9 +314,9 @@ class DiskTier:
             os.close(fd)
         bid, ns, parent, nbytes, _checksum = decode_header(raw)
         if bid != block_hash:
-            raise _Invalid("block id in header does not match the file name")
+            raise InvalidBlock("block id in header does not match the file name")
         if nbytes == 0 or size.st_size != HEADER_SIZE + nbytes:
-            raise _Invalid(f"file is {size.st_size} bytes, header says {HEADER_SIZE + nbytes}")
+            raise InvalidBlock(f"file is {size.st_size} bytes, header says {HEADER_SIZE + nbytes}")
         return RecoveredBlock(block_hash, ns, nbytes, size.st_mtime, parent)
 
     # ------------------------------------------------------------------------------ properties
@@ -443,10 +377,10 @@ class DiskTier:
         parent: BlockHash | None = None,
         expires_at: float | None = None,
     ) -> None:
-        _check_id(block_hash, "block id")
-        _check_id(namespace_root, "namespace root")
+        check_id(block_hash, "block id")
+        check_id(namespace_root, "namespace root")
         if parent is not None:
-            _check_id(parent, "parent id")
+            check_id(parent, "parent id")
         nbytes = payload_nbytes(payload)
         if nbytes == 0:
             raise PayloadSizeError("empty payload")
@@ -576,14 +510,14 @@ class DiskTier:
         try:
             bid, ns, _parent, nbytes, checksum = decode_header(header)
             if bid != block_hash:
-                raise _Invalid("block id in header does not match the file name")
+                raise InvalidBlock("block id in header does not match the file name")
             if ns != entry.namespace_root:
-                raise _Invalid("namespace root in header does not match the index")
+                raise InvalidBlock("namespace root in header does not match the index")
             if nbytes != entry.nbytes or got != HEADER_SIZE + nbytes:
-                raise _Invalid(f"file holds {got} bytes, expected {HEADER_SIZE + entry.nbytes}")
+                raise InvalidBlock(f"file holds {got} bytes, expected {HEADER_SIZE + entry.nbytes}")
             if _xxh3(body) != checksum:
-                raise _Invalid("payload checksum mismatch")
-        except _Invalid as exc:
+                raise InvalidBlock("payload checksum mismatch")
+        except InvalidBlock as exc:
             self._drop(block_hash, entry, path, str(exc))
             return None
         return torch.from_numpy(buf)

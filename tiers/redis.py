@@ -1,20 +1,8 @@
 """The shared tier: block payloads in Redis (or Redis Cluster), visible to every node.
 
-One key per block, ``{prefix}b:{hex}`` (``hex`` = 32 hex digits of the id), holds an 88-byte
-header followed by the payload, so a reader sees the whole block or nothing. Header fields,
-little-endian (``struct`` format ``<8sHHI16s16s16sQQQ``):
-
-    offset  size  field
-         0     8  magic            b"SCRBLK\\x00\\x01"
-         8     2  version          u16, currently 1
-        10     2  flags            u16, bit 0: the block has a parent
-        12     4  reserved         u32, 0
-        16    16  block id         the 16-byte ``BlockHash``
-        32    16  namespace root   16 bytes
-        48    16  parent           16 bytes (zeros at a chain root)
-        64     8  payload length   u64, bytes following the header
-        72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)``
-        80     8  header xxh3      u64, ``xxh3_64_intdigest(header[0:80])``
+One key per block, ``{prefix}b:{hex}`` (``hex`` = 32 hex digits of the id), holds the 88-byte
+block header of ``tiers/header.py`` (magic ``b"SCRBLK\\x00\\x01"``) followed by the payload,
+so a reader sees the whole block or nothing.
 
 Every key carries the block's absolute expiry (``SET ... PXAT`` on write, ``PEXPIREAT ... GT``
 when a node extends it, so the longest-lived claim of any node wins); Redis drops expired
@@ -37,463 +25,84 @@ its share of the Redis memory and let ``maxmemory`` + ``volatile-lru`` be the ha
 
 Degradation: every data call that meets a connection error, timeout or cluster outage behaves
 as a miss (``get`` -> None, ``contains`` -> False, ``delete`` -> 0) or raises
-``TierUnavailable`` (``put``, a ``TierFull`` the store already knows how to handle), and marks
-the link degraded. While degraded, calls fail at once without touching the network; at most
-once per ``probe_interval_s`` one call probes with a ``PING`` and, when it answers, the link is
-healthy again. ``problem()`` reports the state for ``/readyz``.
+``TierUnavailable`` (``put``, a ``TierFull`` the store already knows how to handle). The
+client and its health are a ``RedisLink`` (``sessioncache.redis_link``): while it is
+degraded, calls fail at once without touching the network until a probe answers.
+``problem()`` reports the state for ``/readyz``.
 
 Expiry times are wall-clock seconds since the epoch (``time.time()``), like the store's
 ``SystemClock``.
 
 Speed: a client from ``make_client`` sends header and payload as two pieces of one bulk
-string (its connection class packs ``_Parts`` arguments), so no value is ever assembled by
+string (its connection class packs ``Parts`` arguments), so no value is ever assembled by
 copying; other clients get pooled copies. ``put_many`` checksums one 8 MiB group while the
 previous one is on the wire (a few worker threads, started on first use, stopped by
-``close``). ``get`` returns a zero-copy view of the reply. ``python -m bench.shared_tier``
-compares all this with raw redis-py ``SET``/``GET``.
+``close``). ``get`` returns a zero-copy view of the reply. Figures beside raw redis-py
+``SET``/``GET``: docs/benchmarks.md, "Shared tier".
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
-import redis
-import redis.connection
 import redis.exceptions as rex
 import torch
 import xxhash
-from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
-from redis.retry import Retry
 
+from sessioncache.buffers import BufferPool
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
+from sessioncache.redis_link import (
+    Client,
+    LinkStatus,
+    Parts,
+    RedisLink,
+    TierUnavailable,
+    describe_error,
+    sends_parts,
+)
+from tiers.header import (
+    HEADER,
+    HEADER_SIZE,
+    VERSION,
+    HeaderCodec,
+    InvalidBlock,
+    check_id,
+)
 from tiers.payload import Payload, as_memoryview, payload_nbytes
 
 __all__ = [
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
-    "REDIS_URL_ENV",
     "VERSION",
-    "Client",
-    "LinkStatus",
     "PutItem",
     "RedisCounters",
-    "RedisLink",
     "RedisTier",
     "RemoteBlock",
-    "TierUnavailable",
-    "WritePolicy",
-    "client_factory",
-    "make_client",
 ]
 
 logger = logging.getLogger("sessioncache.tiers.redis")
 
-Client: TypeAlias = "redis.Redis | RedisCluster"
-"""A synchronous redis-py client: one server (or Sentinel-managed primary) or a cluster."""
-
-REDIS_URL_ENV = "SESSIONCACHE_REDIS_URL"
 MAGIC = b"SCRBLK\x00\x01"
-VERSION = 1
-HEADER = struct.Struct("<8sHHI16s16s16sQQQ")
-HEADER_SIZE = HEADER.size  # 88
-_HEADER_BODY = HEADER_SIZE - 8
-_FLAG_PARENT = 1
-_NO_PARENT = b"\x00" * HASH_BYTES
+_CODEC = HeaderCodec(MAGIC)
+encode_header = _CODEC.encode
+decode_header = _CODEC.decode
 _xxh3 = xxhash.xxh3_64_intdigest
 _T = TypeVar("_T")
-
-# What "Redis is not there" looks like through redis-py: connection and socket failures,
-# timeouts, a cluster without a covering primary, a replica promoted mid-write.
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    rex.ConnectionError,  # includes BusyLoadingError, MaxConnectionsError
-    rex.TimeoutError,
-    rex.ClusterError,  # ClusterDownError, MasterDownError
-    rex.RedisClusterException,  # SlotNotCoveredError, no reachable startup node
-    rex.TryAgainError,
-    rex.ReadOnlyError,
-    OSError,
-)
-_PROBE_ERRORS: tuple[type[BaseException], ...] = (*_UNAVAILABLE, rex.RedisError)
-
-
-class TierUnavailable(TierFull):
-    """The shared tier cannot be reached right now. A ``TierFull`` (so the store moves on to
-    the next tier, or drops the demotion) and a ``SessionCacheError``."""
-
-
-class WritePolicy(StrEnum):
-    """How a deployment feeds the shared tier (``SESSIONCACHE_REDIS_WRITE_POLICY``)."""
-
-    WRITE_THROUGH = "write-through"
-    """Every block a node stores also goes to Redis before the put returns."""
-    WRITE_BACK = "write-back"
-    """Redis is the last tier: blocks reach it only when demoted out of the local tiers."""
-
-
-# --------------------------------------------------------------------------------- clients
-
-
-def make_client(
-    url: str | None = None,
-    *,
-    connect_timeout_s: float = 0.2,
-    timeout_s: float = 0.5,
-    retries: int = 2,
-    backoff_base_s: float = 0.005,
-    backoff_cap_s: float = 0.05,
-    max_connections: int | None = None,
-) -> Client:
-    """A client for ``url`` (default: ``$SESSIONCACHE_REDIS_URL``) whose failures are cheap.
-
-    ``redis://host:port/db`` (or ``rediss://``, ``unix://``) gives ``redis.Redis``;
-    ``redis+cluster://host:port`` (or ``rediss+cluster://``) gives ``redis.RedisCluster``
-    seeded from that node. Connection errors and timeouts are retried ``retries`` times with
-    exponential backoff between ``backoff_base_s`` and ``backoff_cap_s``, so a dead Redis
-    costs a few milliseconds per call, not seconds. ``redis.Redis`` connects lazily; a
-    ``RedisCluster`` connects here and raises if no node answers (use ``client_factory``
-    to let the tier create it once the cluster is up).
-    """
-    url = url or os.environ.get(REDIS_URL_ENV)
-    if not url:
-        raise InvalidInput(f"no Redis URL: pass one or set {REDIS_URL_ENV}")
-    retry = Retry(ExponentialBackoff(cap=backoff_cap_s, base=backoff_base_s), retries)
-    kwargs: dict[str, Any] = {
-        "socket_connect_timeout": connect_timeout_s,
-        "socket_timeout": timeout_s,
-        "retry": retry,
-    }
-    if max_connections is not None:
-        kwargs["max_connections"] = max_connections
-    scheme, sep, rest = url.partition("://")
-    cluster = bool(sep) and scheme.endswith("+cluster")
-    scheme = scheme.removesuffix("+cluster")
-    kwargs["connection_class"] = {"rediss": _SslConnection, "unix": _UnixConnection}.get(
-        scheme, _TcpConnection
-    )
-    if cluster:
-        return RedisCluster.from_url(f"{scheme}://{rest}", **kwargs)
-    return redis.Redis.from_url(url, **kwargs)
-
-
-def client_factory(url: str | None = None, **options: Any) -> Callable[[], Client]:
-    """A zero-argument callable making ``make_client(url, **options)``: hand it to
-    ``RedisTier``/``FleetIndex`` so a node starts even while Redis is down."""
-    url = url or os.environ.get(REDIS_URL_ENV)
-    if not url:
-        raise InvalidInput(f"no Redis URL: pass one or set {REDIS_URL_ENV}")
-    return lambda: make_client(url, **options)
-
-
-@dataclass(frozen=True, slots=True)
-class LinkStatus:
-    """The health of a ``RedisLink`` (for ``/readyz`` and ``/metrics``)."""
-
-    healthy: bool
-    reason: str | None
-    degraded_since: float | None
-    """Wall-clock time the link last went down, None while healthy."""
-    failures: int
-    """Times the link went from healthy to degraded."""
-    recoveries: int
-    """Times it came back."""
-
-
-class RedisLink:
-    """One client plus the health state its users share (see the module docstring).
-
-    ``run(op)`` calls ``op(client)``; on an outage it raises ``TierUnavailable`` and marks
-    the link degraded. While degraded, ``run`` raises at once, except that one call per
-    ``probe_interval_s`` first sends a ``PING`` and resumes when it answers. Listeners added
-    with ``on_recover`` run (in the probing thread, so they must be quick) when it does.
-    """
-
-    def __init__(
-        self,
-        client: Client | Callable[[], Client],
-        *,
-        name: str = "redis",
-        probe_interval_s: float = 1.0,
-    ) -> None:
-        self._name = name
-        self._probe_interval = probe_interval_s
-        self._factory: Callable[[], Client] | None
-        self._client: Client | None
-        if isinstance(client, redis.Redis | RedisCluster):
-            self._factory, self._client = None, client
-        else:
-            self._factory, self._client = client, None
-        self._owns_client = self._factory is not None
-        self._lock = threading.Lock()
-        self._probe_lock = threading.Lock()
-        self._healthy = self._client is not None
-        self._reason: str | None = None if self._healthy else "not connected yet"
-        self._since: float | None = None if self._healthy else time.time()
-        self._next_probe = 0.0
-        self._last_ok = float("-inf")
-        self._failures = 0
-        self._recoveries = 0
-        self._listeners: list[Callable[[], None]] = []
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
-
-    @property
-    def client(self) -> Client | None:
-        """The client, or None while a factory has not managed to make one."""
-        return self._client
-
-    def on_recover(self, listener: Callable[[], None]) -> None:
-        self._listeners.append(listener)
-
-    def status(self) -> LinkStatus:
-        with self._lock:
-            return LinkStatus(
-                self._healthy, self._reason, self._since, self._failures, self._recoveries
-            )
-
-    def problem(self) -> str | None:
-        """None when Redis answers; otherwise why not. Sends a ``PING`` when nothing has been
-        heard from Redis for ``probe_interval_s`` (so an idle node notices an outage too)."""
-        if self._healthy and time.monotonic() - self._last_ok < self._probe_interval:
-            return None
-        try:
-            self.run(lambda c: c.ping())
-        except TierUnavailable:
-            return f"{self._name}: {self._reason}"
-        except rex.RedisError as exc:  # answering, if oddly (e.g. NOAUTH): report it
-            return f"{self._name}: {_describe(exc)}"
-        return None
-
-    def run(self, op: Callable[[Client], _T]) -> _T:
-        client = self._ready()
-        try:
-            result = op(client)
-        except _UNAVAILABLE as exc:
-            self.mark_failed(exc)
-            raise TierUnavailable(f"{self._name}: {_describe(exc)}") from exc
-        self._last_ok = time.monotonic()
-        return result
-
-    def mark_failed(self, exc: BaseException) -> None:
-        reason = _describe(exc)
-        with self._lock:
-            self._next_probe = time.monotonic() + self._probe_interval
-            self._reason = reason
-            if self._healthy:
-                self._healthy = False
-                self._since = time.time()
-                self._failures += 1
-                logger.warning("%s unreachable, degraded: %s", self._name, reason)
-
-    def close(self) -> None:
-        """Close the client if this link made it (a client handed in belongs to the caller)."""
-        client, self._client = self._client, None
-        if client is not None and self._owns_client:
-            client.close()
-
-    def _ready(self) -> Client:
-        client = self._client
-        if self._healthy and client is not None:
-            return client
-        # Before the first connection attempt everyone waits for it; once Redis has failed,
-        # only one caller per interval probes and the others fail at once.
-        if self._next_probe == 0.0:
-            self._probe_lock.acquire()
-        elif time.monotonic() < self._next_probe or not self._probe_lock.acquire(blocking=False):
-            raise TierUnavailable(f"{self._name}: {self._reason}")
-        try:
-            if self._healthy and self._client is not None:  # another thread got there first
-                return self._client
-            try:
-                if self._client is None:
-                    assert self._factory is not None
-                    self._client = self._factory()
-                self._client.ping()
-            except _PROBE_ERRORS as exc:
-                self.mark_failed(exc)
-                raise TierUnavailable(f"{self._name}: {_describe(exc)}") from exc
-            with self._lock:
-                self._healthy = True
-                self._reason = None
-                self._since = None
-                self._recoveries += 1
-            client = self._client
-        finally:
-            self._probe_lock.release()
-        logger.warning("%s reachable again, resuming", self._name)
-        for listener in list(self._listeners):
-            try:
-                listener()
-            except Exception:
-                logger.exception("%s: recovery listener failed", self._name)
-        return client
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:200]
 
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, rex.OutOfMemoryError) or str(exc).startswith("OOM")
-
-
-# ------------------------------------------------------------------- zero-copy block values
-
-
-class _Parts:
-    """One bulk-string argument sent as several buffers (header, payload), so a block value
-    is never assembled by copying. Only connections made by ``make_client`` can send it."""
-
-    __slots__ = ("nbytes", "parts")
-
-    def __init__(self, *parts: memoryview) -> None:
-        self.parts = parts
-        self.nbytes = sum(p.nbytes for p in parts)
-
-
-class _PartsConnection:
-    """Mixed into redis-py's connection classes: packs ``_Parts`` arguments as a RESP bulk
-    string whose buffers go to the socket as they are (everything else is packed as usual).
-    Overrides only the public ``pack_command``/``pack_commands``/``send_command``."""
-
-    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
-        if not any(isinstance(a, _Parts) for a in args):
-            return cast(list[bytes | memoryview], super().pack_command(*args))  # type: ignore[misc]
-        encode = self.encoder.encode  # type: ignore[attr-defined]
-        out: list[bytes | memoryview] = []
-        buff = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, _Parts):
-                out.append(buff + b"$%d\r\n" % arg.nbytes)
-                out.extend(arg.parts)
-                buff = b"\r\n"
-            else:
-                value = bytes(encode(arg))
-                buff += b"$%d\r\n%s\r\n" % (len(value), value)
-        out.append(buff)
-        return out
-
-    def pack_commands(self, commands: Iterable[Sequence[Any]]) -> list[bytes | memoryview]:
-        # redis-py's own loop, over this class's pack_command: small chunks are joined, big
-        # ones and memoryviews are sent as they are.
-        cutoff: int = self._buffer_cutoff  # type: ignore[attr-defined]
-        output: list[bytes | memoryview] = []
-        pieces: list[bytes] = []
-        length = 0
-        for cmd in commands:
-            for chunk in self.pack_command(*cmd):
-                big = len(chunk) > cutoff or isinstance(chunk, memoryview)
-                if length > cutoff or big:
-                    if pieces:
-                        output.append(b"".join(pieces))
-                    length = 0
-                    pieces = []
-                if big:
-                    output.append(chunk)
-                else:
-                    pieces.append(cast(bytes, chunk))
-                    length += len(chunk)
-        if pieces:
-            output.append(b"".join(pieces))
-        return output
-
-    def send_command(self, *args: Any, **kwargs: Any) -> None:
-        self.send_packed_command(  # type: ignore[attr-defined]
-            self.pack_command(*args), check_health=kwargs.get("check_health", True)
-        )
-
-
-class _TcpConnection(_PartsConnection, redis.connection.Connection):
-    pass
-
-
-class _SslConnection(_PartsConnection, redis.connection.SSLConnection):
-    pass
-
-
-class _UnixConnection(_PartsConnection, redis.connection.UnixDomainSocketConnection):
-    pass
-
-
-def _sends_parts(client: Client) -> bool:
-    """Whether every connection of ``client`` can send ``_Parts`` (made by ``make_client``)."""
-    try:
-        if isinstance(client, RedisCluster):
-            cls = client.nodes_manager.connection_kwargs.get("connection_class")
-        else:
-            cls = client.connection_pool.connection_class
-    except AttributeError:
-        return False
-    return isinstance(cls, type) and issubclass(cls, _PartsConnection)
-
-
-# ----------------------------------------------------------------------------------- header
-
-
-def encode_header(
-    block_hash: bytes, namespace_root: bytes, parent: bytes | None, nbytes: int, checksum: int
-) -> bytes:
-    """The 88-byte header of a block value (see the module docstring)."""
-    flags = _FLAG_PARENT if parent is not None else 0
-    body = HEADER.pack(
-        MAGIC,
-        VERSION,
-        flags,
-        0,
-        block_hash,
-        namespace_root,
-        parent if parent is not None else _NO_PARENT,
-        nbytes,
-        checksum,
-        0,
-    )
-    return body[:_HEADER_BODY] + struct.pack("<Q", _xxh3(body[:_HEADER_BODY]))
-
-
-class _Invalid(Exception):
-    """A value failed validation (internal: becomes a miss and a delete)."""
-
-
-class _Header(NamedTuple):
-    block_hash: bytes
-    namespace_root: bytes
-    parent: bytes | None
-    nbytes: int
-    checksum: int
-
-
-def decode_header(raw: bytes | memoryview) -> _Header:
-    """Parse and verify a header; raises ``_Invalid``."""
-    if len(raw) < HEADER_SIZE:
-        raise _Invalid(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
-    magic, version, flags, _res, bid, ns, parent, nbytes, checksum, hsum = HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise _Invalid("bad magic")
-    if _xxh3(memoryview(raw)[:_HEADER_BODY]) != hsum:
-        raise _Invalid("header checksum mismatch")
-    if version != VERSION:
-        raise _Invalid(f"unsupported format version {version}")
-    return _Header(bid, ns, parent if flags & _FLAG_PARENT else None, nbytes, checksum)
 
 
 # ------------------------------------------------------------------------------------- tier
@@ -545,33 +154,6 @@ _GROUP_BYTES = 8 << 20
 _SEND_WORKERS = 4
 
 
-class _BufferPool:
-    """Reusable value buffers (header + payload) for puts: a batch of fresh 2 MiB buffers
-    costs more in page faults than the copy into them; blocks of one deployment share one
-    size, so buffers are reused as they are. Holds at most ``max_bytes`` while idle."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max = max_bytes
-        self._lock = threading.Lock()
-        self._free: dict[int, list[bytearray]] = {}
-        self._held = 0
-
-    def take(self, size: int) -> bytearray:
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._held -= size
-                return free.pop()
-        return bytearray(size)
-
-    def give(self, buffers: Iterable[bytearray]) -> None:
-        with self._lock:
-            for buf in buffers:
-                if self._held + len(buf) <= self._max:
-                    self._free.setdefault(len(buf), []).append(buf)
-                    self._held += len(buf)
-
-
 class RedisTier:
     """Block payloads in Redis, shared by every node (see the module docstring)."""
 
@@ -608,7 +190,7 @@ class RedisTier:
         self._owns_keys = owns_keys
         self._skip_existing = skip_existing
         self._max_batch_bytes = max(1, max_batch_bytes)
-        self._buffers = _BufferPool(buffer_pool_bytes)
+        self._buffers = BufferPool(buffer_pool_bytes)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._own: dict[BlockHash, _Own] = {}
@@ -688,7 +270,7 @@ class RedisTier:
             return []
         keys = [self.key(h) for h in hashes]
         try:
-            raws = self._pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
+            raws = self._link.pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
@@ -700,9 +282,9 @@ class RedisTier:
                 continue
             try:
                 if isinstance(raw, Exception):  # WRONGTYPE: something else took the key
-                    raise _Invalid(_describe(raw))
+                    raise InvalidBlock(describe_error(raw))
                 out.append(self._decode(block_hash, cast(bytes, raw)))
-            except _Invalid as exc:
+            except InvalidBlock as exc:
                 logger.warning(
                     "%s tier: block %s is corrupt (%s); deleting it",
                     self._name,
@@ -722,14 +304,16 @@ class RedisTier:
 
     def _decode(self, block_hash: bytes, raw: bytes) -> torch.Tensor:
         if not isinstance(raw, bytes):
-            raise _Invalid(f"value is {type(raw).__name__}, not bytes")
+            raise InvalidBlock(f"value is {type(raw).__name__}, not bytes")
         header = decode_header(raw)
         if header.block_hash != block_hash:
-            raise _Invalid("block id in header does not match the key")
+            raise InvalidBlock("block id in header does not match the key")
         if header.nbytes == 0 or len(raw) != HEADER_SIZE + header.nbytes:
-            raise _Invalid(f"value is {len(raw)} bytes, header says {HEADER_SIZE + header.nbytes}")
+            raise InvalidBlock(
+                f"value is {len(raw)} bytes, header says {HEADER_SIZE + header.nbytes}"
+            )
         if _xxh3(memoryview(raw)[HEADER_SIZE:]) != header.checksum:
-            raise _Invalid("payload checksum mismatch")
+            raise InvalidBlock("payload checksum mismatch")
         return torch.frombuffer(raw, dtype=torch.uint8, count=header.nbytes, offset=HEADER_SIZE)
 
     def locate_many(self, hashes: Sequence[BlockHash]) -> list[RemoteBlock | None]:
@@ -748,7 +332,7 @@ class RedisTier:
                 p.pexpiretime(k)
 
         try:
-            replies = self._pipeline(queue, raise_errors=False)
+            replies = self._link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
@@ -761,8 +345,8 @@ class RedisTier:
             try:
                 header = decode_header(raw)
                 if header.block_hash != block_hash or header.nbytes == 0:
-                    raise _Invalid("header does not describe this block")
-            except _Invalid:
+                    raise InvalidBlock("header does not describe this block")
+            except InvalidBlock:
                 out.append(None)  # get() will find it corrupt and delete it
                 continue
             if pexp == -2:  # gone between the two commands
@@ -847,9 +431,9 @@ class RedisTier:
         prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
         seen: set[BlockHash] = set()
         for item in items:
-            block_hash = _check_id(item.block_hash, "block id")
-            namespace_root = _check_id(item.namespace_root, "namespace root")
-            parent = _check_id(item.parent, "parent") if item.parent is not None else None
+            block_hash = check_id(item.block_hash, "block id")
+            namespace_root = check_id(item.namespace_root, "namespace root")
+            parent = check_id(item.parent, "parent") if item.parent is not None else None
             nbytes = payload_nbytes(item.payload)
             if nbytes == 0:
                 raise PayloadSizeError(f"{self._name}: empty payload")
@@ -886,7 +470,7 @@ class RedisTier:
                 raise
             if _is_oom(exc):
                 raise TierFull(f"{self._name} tier: Redis is out of memory: {exc}") from exc
-            raise TierUnavailable(f"{self._name}: {_describe(exc)}") from exc
+            raise TierUnavailable(f"{self._name}: {describe_error(exc)}") from exc
         finally:
             with self._lock:
                 self._reserved -= need
@@ -917,7 +501,7 @@ class RedisTier:
     ) -> list[tuple[BlockHash, bool]]:
         keys = [self.key(entry[0]) for entry in batch]
         if self._skip_existing:
-            present = [bool(x) for x in self._pipeline(lambda p: [p.exists(k) for k in keys])]
+            present = [bool(x) for x in self._link.pipeline(lambda p: [p.exists(k) for k in keys])]
         else:
             present = [False] * len(batch)
         # Groups of about ``_GROUP_BYTES``: while one group is on the wire (a worker thread;
@@ -986,14 +570,14 @@ class RedisTier:
         keys: list[str],
         batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]],
         present: list[bool],
-    ) -> tuple[list[tuple[str, int, memoryview | _Parts | None]], list[bytearray]]:
+    ) -> tuple[list[tuple[str, int, memoryview | Parts | None]], list[bytearray]]:
         """``(key, expiry ms, value or None for an expiry-only claim)`` per block, with the
         pooled buffers the values live in. With a client from ``make_client`` a value is the
         header and the caller's payload buffer, sent without being copied."""
-        commands: list[tuple[str, int, memoryview | _Parts | None]] = []
+        commands: list[tuple[str, int, memoryview | Parts | None]] = []
         held_buffers: list[bytearray] = []
         client = self._link.client
-        zero_copy = client is not None and _sends_parts(client)
+        zero_copy = client is not None and sends_parts(client)
         for i in group:
             block_hash, view, namespace_root, parent, nbytes, expires = batch[i]
             ms = int(expires * 1000)
@@ -1002,7 +586,7 @@ class RedisTier:
                 continue
             header = encode_header(block_hash, namespace_root, parent, nbytes, _xxh3(view))
             if zero_copy:
-                commands.append((keys[i], ms, _Parts(memoryview(header), view)))
+                commands.append((keys[i], ms, Parts(memoryview(header), view)))
                 continue
             buf = self._buffers.take(HEADER_SIZE + nbytes)
             held_buffers.append(buf)
@@ -1015,7 +599,7 @@ class RedisTier:
             commands.append((keys[i], ms, value))
         return commands, held_buffers
 
-    def _send_group(self, commands: list[tuple[str, int, memoryview | _Parts | None]]) -> list[Any]:
+    def _send_group(self, commands: list[tuple[str, int, memoryview | Parts | None]]) -> list[Any]:
         def queue(p: Any) -> None:
             for key, ms, value in commands:
                 if value is not None:
@@ -1023,7 +607,7 @@ class RedisTier:
                 # A held block, or a racing writer got there first: keep the longest expiry.
                 p.pexpireat(key, ms, gt=True)
 
-        return self._pipeline(queue)
+        return self._link.pipeline(queue)
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -1043,7 +627,7 @@ class RedisTier:
             return
         pairs = [(self.key(h), int(max(t, time.time() + _MIN_TTL_S) * 1000)) for h, t in items]
         try:
-            self._pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
+            self._link.pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(items))
             return
@@ -1071,7 +655,7 @@ class RedisTier:
                 p.delete(k)
 
         try:
-            replies = self._pipeline(queue, raise_errors=False)
+            replies = self._link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [0] * len(hashes)
@@ -1120,27 +704,6 @@ class RedisTier:
     def _run(self, op: Callable[[Client], _T]) -> _T:
         return self._link.run(op)
 
-    def _pipeline(self, queue: Callable[[Any], object], *, raise_errors: bool = True) -> list[Any]:
-        """Run the commands ``queue(pipe)`` adds in one non-transactional pipeline (split per
-        node on a cluster). An outage among the replies raises ``TierUnavailable``; any other
-        error reply is raised too, or with ``raise_errors=False`` left in its slot."""
-
-        def op(c: Client) -> list[Any]:
-            pipe = c.pipeline(transaction=False)
-            queue(pipe)
-            return cast(list[Any], pipe.execute(raise_on_error=False))
-
-        replies = self._run(op)
-        for reply in replies:
-            if isinstance(reply, _UNAVAILABLE):
-                self._link.mark_failed(reply)
-                raise TierUnavailable(f"{self._name}: {_describe(reply)}") from reply
-        if raise_errors:
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-        return replies
-
     def _scan(self, c: Client) -> Iterable[bytes | str]:
         return cast(
             Iterable[bytes | str],
@@ -1176,18 +739,12 @@ class RedisTier:
 
     def _note_unavailable(self, exc: BaseException, calls: int) -> None:
         if not isinstance(exc, TierUnavailable):
-            logger.warning("%s tier: Redis error: %s", self._name, _describe(exc))
+            logger.warning("%s tier: Redis error: %s", self._name, describe_error(exc))
         with self._lock:
             self._counters.unavailable += calls
 
 
 _COUNTER_FIELDS = tuple(RedisCounters.__dataclass_fields__)
-
-
-def _check_id(value: object, what: str) -> BlockHash:
-    if not isinstance(value, bytes) or len(value) != HASH_BYTES:
-        raise InvalidInput(f"{what} must be {HASH_BYTES} bytes, got {value!r:.80}")
-    return BlockHash(value)
 
 
 def _glob_escape(text: str) -> str:

@@ -163,7 +163,7 @@ class RedisClusterProcs:
 
     @property
     def url(self) -> str:
-        """A seed URL for ``tiers.redis.make_client``."""
+        """A seed URL for ``sessioncache.redis_link.make_client``."""
         return f"redis+cluster://127.0.0.1:{self.ports[0]}"
 
     def start(self, timeout_s: float = 15.0) -> RedisClusterProcs:

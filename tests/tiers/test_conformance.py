@@ -34,7 +34,8 @@ def _redis(_: Path) -> TierFactory:
     import os
     import uuid
 
-    from tiers.redis import RedisTier, make_client
+    from sessioncache.redis_link import make_client
+    from tiers.redis import RedisTier
 
     url = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     return lambda capacity: RedisTier(

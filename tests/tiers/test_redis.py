@@ -20,18 +20,15 @@ import torch
 
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from tiers.base import CheckedTier, Tier
-from tiers.redis import (
-    HEADER_SIZE,
+from sessioncache.redis_link import (
     REDIS_URL_ENV,
-    PutItem,
-    RedisTier,
     TierUnavailable,
-    _sends_parts,
     client_factory,
-    encode_header,
     make_client,
 )
+from sessioncache.redis_link import sends_parts as _sends_parts
+from tiers.base import CheckedTier, Tier
+from tiers.redis import HEADER_SIZE, PutItem, RedisTier, encode_header
 
 URL = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NS = b"\x07" * 16

@@ -20,8 +20,10 @@ from redis.cluster import RedisCluster
 
 from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import BlockHash
+from sessioncache.redis_link import make_client
+from sessioncache.redis_link import sends_parts as _sends_parts
 from tiers.base import Tier
-from tiers.redis import HEADER_SIZE, PutItem, RedisTier, _sends_parts, make_client
+from tiers.redis import HEADER_SIZE, PutItem, RedisTier
 
 NS = b"\x07" * 16
 TESTS = Path(__file__).resolve().parents[1]

@@ -1,0 +1,120 @@
+"""The 88-byte header in front of every stored block payload: a disk tier file, a Redis value.
+
+One layout for both; each format has its own magic (``HeaderCodec(magic)``). Fields,
+little-endian (``struct`` format ``<8sHHI16s16s16sQQQ``):
+
+    offset  size  field
+         0     8  magic            the format's (``tiers.disk.MAGIC``, ``tiers.redis.MAGIC``)
+         8     2  version          u16, currently 1
+        10     2  flags            u16, bit 0: the block has a parent (else it roots a chain)
+        12     4  reserved         u32, 0
+        16    16  block id         the 16-byte ``BlockHash``
+        32    16  namespace root   16 bytes
+        48    16  parent id        the parent's ``BlockHash``, zeros when flag bit 0 is clear
+        64     8  payload length   u64, bytes following the header
+        72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)``
+        80     8  header xxh3      u64, ``xxh3_64_intdigest(header[0:80])``
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import xxhash
+
+from sessioncache.errors import InvalidInput
+from sessioncache.hashing import HASH_BYTES, BlockHash
+
+__all__ = [
+    "HEADER",
+    "HEADER_SIZE",
+    "VERSION",
+    "Header",
+    "HeaderCodec",
+    "InvalidBlock",
+    "check_id",
+]
+
+VERSION = 1
+HEADER = struct.Struct("<8sHHI16s16s16sQQQ")
+HEADER_SIZE = HEADER.size  # 88
+_HEADER_BODY = HEADER_SIZE - 8  # the bytes the header checksum covers
+_HAS_PARENT = 1
+_NO_PARENT = bytes(HASH_BYTES)
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+class InvalidBlock(Exception):
+    """A stored block failed validation (internal to the tiers: it becomes a miss, and the
+    block is deleted or quarantined)."""
+
+
+class Header(NamedTuple):
+    """What a header says of its block."""
+
+    block_hash: bytes
+    namespace_root: bytes
+    parent: BlockHash | None
+    nbytes: int
+    """Payload length."""
+    checksum: int
+    """``xxh3_64_intdigest`` of the payload."""
+
+
+class HeaderCodec:
+    """Encodes and verifies the header of one format, told apart by its 8-byte ``magic``."""
+
+    __slots__ = ("magic",)
+
+    def __init__(self, magic: bytes) -> None:
+        if len(magic) != 8:
+            raise ValueError(f"a header magic is 8 bytes, got {magic!r}")
+        self.magic = magic
+
+    def encode(
+        self,
+        block_hash: bytes,
+        namespace_root: bytes,
+        parent: bytes | None,
+        nbytes: int,
+        checksum: int,
+    ) -> bytes:
+        """The 88-byte header of a block."""
+        body = HEADER.pack(
+            self.magic,
+            VERSION,
+            0 if parent is None else _HAS_PARENT,
+            0,
+            block_hash,
+            namespace_root,
+            parent or _NO_PARENT,
+            nbytes,
+            checksum,
+            0,
+        )
+        return body[:_HEADER_BODY] + struct.pack("<Q", _xxh3(body[:_HEADER_BODY]))
+
+    def decode(self, raw: bytes | bytearray | memoryview) -> Header:
+        """Parse and verify a header (the payload checksum is the caller's to check); raises
+        ``InvalidBlock``."""
+        if len(raw) < HEADER_SIZE:
+            raise InvalidBlock(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
+        magic, version, flags, _res, bid, ns, parent, nbytes, checksum, hsum = HEADER.unpack_from(
+            raw
+        )
+        if magic != self.magic:
+            raise InvalidBlock("bad magic")
+        if _xxh3(memoryview(raw)[:_HEADER_BODY]) != hsum:
+            raise InvalidBlock("header checksum mismatch")
+        if version != VERSION:
+            raise InvalidBlock(f"unsupported format version {version}")
+        return Header(bid, ns, BlockHash(parent) if flags & _HAS_PARENT else None, nbytes, checksum)
+
+
+def check_id(value: object, what: str) -> BlockHash:
+    """``value`` as a ``BlockHash`` if it is 16 bytes (a block id, namespace root or parent);
+    raises ``InvalidInput`` otherwise."""
+    if not isinstance(value, bytes) or len(value) != HASH_BYTES:
+        raise InvalidInput(f"{what} must be {HASH_BYTES} bytes, got {value!r:.80}")
+    return BlockHash(value)
