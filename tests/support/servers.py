@@ -68,7 +68,7 @@ def spawn_server(data_dir: Path, env: dict[str, str] | None = None, port: int = 
     return Server(f"http://127.0.0.1:{port}", port, process, data_dir, log)
 
 
-def wait_ready(server: Server, timeout_s: float = 30.0) -> Server:
+def wait_ready(server: Server, timeout_s: float = 90.0) -> Server:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
