@@ -50,6 +50,7 @@ from typing import Any, cast
 
 import redis.exceptions as rex
 
+from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import BlockHash
@@ -129,8 +130,7 @@ class FleetIndex:
         self._dropped = 0
         self._live: dict[str, float] = {}
         self._live_at = float("-inf")
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._loop = BackgroundLoop("fleet-index", self.tick, flush_interval_s)
         self._next_heartbeat = 0.0
         self._link.on_recover(self._recovered)
 
@@ -473,21 +473,16 @@ class FleetIndex:
         """Register (if Redis answers: one round trip, or a fast failure) and start the
         thread, which first publishes what ``held`` reports, then flushes the queue and
         sends heartbeats."""
-        if self._thread is not None:
+        if self._loop.running:
             return
-        self._stop.clear()
         if self._held is not None:
             self._needs_resync = True  # the thread publishes what the node holds first
         self.register()
-        self._thread = threading.Thread(target=self._loop, name="fleet-index", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self, *, deregister: bool = True, timeout_s: float = 5.0) -> None:
         """Stop the thread after a last flush; ``deregister`` leaves the index."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._stop.set()
-            thread.join(timeout_s)
+        self._loop.stop(timeout_s)
         self.flush(touches=True)
         if deregister:
             self.deregister()
@@ -508,13 +503,6 @@ class FleetIndex:
         if self._needs_resync:
             self._resync()
         self.flush()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._flush_interval):
-            try:
-                self.tick()
-            except Exception:
-                logger.exception("fleet index: background round failed")
 
     def _recovered(self) -> None:
         # Called in whichever thread's probe found Redis back: only flag, no I/O here.
