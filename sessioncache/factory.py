@@ -100,7 +100,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             )
             refresher = SharedExpiryRefresher(shared, shared.name)
             observers += [
-                FleetObserver(fleet, [t.name for t in tiers], exclude=[shared.name]),
+                FleetObserver(fleet, exclude=[shared.name]),
                 refresher,
             ]
         write_through = (

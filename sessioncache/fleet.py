@@ -566,9 +566,8 @@ class FleetObserver:
     blocking). ``exclude``: tiers not to publish (the shared Redis tier is the fleet's, not
     a node's)."""
 
-    def __init__(self, fleet: FleetIndex, tiers: Sequence[str], exclude: Collection[str] = ()):
+    def __init__(self, fleet: FleetIndex, exclude: Collection[str] = ()) -> None:
         self._fleet = fleet
-        self._tiers = list(tiers)
         self._exclude = set(exclude)
 
     def block_added(self, meta: BlockMeta, tier: str, durable: bool) -> None:

@@ -353,10 +353,6 @@ class DiskTier:
         with self._lock:
             return list(self._index)
 
-    def namespace_root_of(self, block_hash: BlockHash) -> bytes | None:
-        entry = self._index.get(block_hash)
-        return entry.namespace_root if entry is not None else None
-
     def recovered(self) -> Iterator[RecoveredBlock]:
         """The blocks the start-up scan found that are still held."""
         for block in self._recovered:

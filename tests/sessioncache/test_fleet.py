@@ -167,7 +167,7 @@ def test_store_observer_feeds_the_index(prefix: str) -> None:
     fleet = FleetIndex(make_client(URL), "node-1", prefix=prefix, flush_interval_s=0.01)
     store = TieredStore(
         [CpuTier(2048, name="cpu", chunk_bytes=2048), CpuTier(1 << 20, name="cpu2")],
-        observers=[FleetObserver(fleet, ["cpu", "cpu2"], exclude=["cpu2"])],
+        observers=[FleetObserver(fleet, exclude=["cpu2"])],
     )
     fleet.start()
     try:
