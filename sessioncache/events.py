@@ -23,3 +23,10 @@ class StoreObserver(Protocol):
 
     def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
         """A lookup, get or put refreshed these blocks' access time, expiry or hit count."""
+
+
+class UsageRecorder(Protocol):
+    """Where a node's usage counters go, bucketed over time (the catalog's ``usage`` table)."""
+
+    def record_usage(self, name: str, amount: int = 1, *, at: float | None = None) -> None:
+        """Add ``amount`` to counter ``name`` now (or ``at``); must not block."""

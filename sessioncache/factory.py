@@ -157,7 +157,9 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
     if refresher is not None:
         on_close.append(refresher.stop)
     on_close.append(catalog.close)
-    return CacheNode(settings, store, sessions, on_close=on_close, fleet=fleet, owners=owners)
+    return CacheNode(
+        settings, store, sessions, on_close=on_close, fleet=fleet, owners=owners, usage=catalog
+    )
 
 
 def catalog_label(settings: Settings) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from sessioncache.config import Settings
 from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
+from sessioncache.events import UsageRecorder
 from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import (
     BlockHash,
@@ -71,6 +72,7 @@ class CacheNode:
         on_close: Sequence[Callable[[], None]] = (),
         fleet: FleetIndex | None = None,
         owners: NamespaceOwners | None = None,
+        usage: UsageRecorder | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -82,6 +84,7 @@ class CacheNode:
         self._on_close = list(on_close)
         self.fleet = fleet
         self._tokens = TokenCounts()
+        self._usage = usage
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far: found in the cache (hit) or not (miss)."""
@@ -149,9 +152,13 @@ class CacheNode:
         else:
             match = self.store.lookup(hashes, lease_s=lease_s)
         hit = match.num_blocks * namespace.block_tokens
+        miss = len(token_bytes) // 4 - hit
         with self._lock:
             self._tokens.hit += hit
-            self._tokens.miss += len(token_bytes) // 4 - hit
+            self._tokens.miss += miss
+        if self._usage is not None:  # durable history, bucketed (write-behind, never blocks)
+            self._usage.record_usage("hit_tokens", hit)
+            self._usage.record_usage("miss_tokens", miss)
         return LookupResult(namespace.block_tokens, hashes, match)
 
     def plan_store(

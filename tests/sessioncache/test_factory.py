@@ -1,0 +1,30 @@
+"""A node as ``open_node`` wires it: what outlives the process goes to the catalog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sessioncache.catalog import Catalog
+from sessioncache.config import Settings
+from sessioncache.factory import open_node
+from sessioncache.hashing import Namespace, tokens_to_le_bytes
+
+NS = Namespace("factory-model", 4, "bf16", "x")
+
+
+def test_lookups_record_hit_and_miss_tokens_in_the_catalog_usage(tmp_path: Path):
+    settings = Settings(data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=4 << 20)
+    node = open_node(settings, start=False)
+    try:
+        tokens = tokens_to_le_bytes(list(range(12)))
+        plan = node.plan_store("default", NS, tokens)
+        for h in plan.missing[:2]:
+            node.upload("default", h, b"\x01" * 64)
+        node.lookup("default", NS, tokens + tokens_to_le_bytes([7]))  # 8 hit, 5 missed
+    finally:
+        node.close()
+    with Catalog.open(settings.catalog_url()) as catalog:
+        totals: dict[str, int] = {}
+        for sample in catalog.usage(0.0, names=["hit_tokens", "miss_tokens"]):
+            totals[sample.name] = totals.get(sample.name, 0) + sample.value
+    assert totals == {"hit_tokens": 8, "miss_tokens": 5}
