@@ -50,7 +50,7 @@ from sessioncache.errors import (
 from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index import BlockIndex, Lease
-from sessioncache.policy import EvictionPolicy, spare_copy
+from sessioncache.policy import EvictionPolicy
 from tiers.base import CheckedTier, RecoverableTier, SharedTier, Tier
 from tiers.payload import Payload, as_memoryview, payload_nbytes
 
@@ -531,25 +531,15 @@ class TieredStore:
     def _evict_one(self, tier: int, incoming: BlockMeta) -> bool:
         """Move one victim out of ``tier`` to admit ``incoming``: demote it, or drop it if
         expired, at the bottom or a spare copy. Refuses (False) when nothing is evictable or
-        when the best victim is hotter than a new or promoted ``incoming``: then ``incoming``
-        belongs lower down, and a long new chain fills the fast tier with its head instead of
-        shredding it. A demoted ``incoming`` is not judged again: it was the coldest above,
-        and refusing it here would drop it (orphaning any tail of it held below)."""
+        when the policy does not admit ``incoming`` at the cost of the victim (see
+        ``EvictionPolicy.admits``): then ``incoming`` belongs lower down, or nowhere."""
         with self._lock:
             now = self._clock.now()
             victim = self._policy.next_victim(tier, now, self._index.get)
             if victim is None:
                 return False
-            lost = tier + 1 == len(self._tiers) and len(victim.tiers) == 1
-            spare = spare_copy(victim, tier)  # dropping it loses nothing
-            entering = not any(t < tier for t in incoming.tiers)  # new or promoted
-            if not victim.expired(now) and (
-                (entering and not spare and _colder(incoming, victim))
-                or (lost and victim.block_hash == incoming.parent)
-            ):
-                # Admitting ``incoming`` would cost a hotter block, or the only copy of its
-                # own parent (orphaning it): ``incoming`` belongs lower down, or nowhere.
-                self._policy.track(victim, tier)
+            if not self._policy.admits(victim, incoming, tier, now):
+                self._policy.track(victim, tier)  # not evicted: back in line
                 return False
             self._counters.evictions += 1
             below = tier + 1 < len(self._tiers) and not victim.expired(now)
@@ -705,11 +695,6 @@ class TieredStore:
             if adopted:
                 log.info("adopted %d blocks found in tier %s", adopted, tier.name)
         self._index.relink()  # chain links need every record in place first
-
-
-def _colder(a: BlockMeta, b: BlockMeta) -> bool:
-    """Whether LRU order would evict ``a`` before ``b``."""
-    return a.lru_key() < b.lru_key()
 
 
 def _check_ttl(ttl_s: float) -> float:
