@@ -36,6 +36,7 @@ become an evictable tail (stored, unpinned, lost its last child in the tier) the
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable
 
 from sessioncache.blocks import BlockMeta
@@ -67,40 +68,26 @@ class EvictionPolicy:
     def next_victim(
         self, tier: int, now: float, lookup: Callable[[BlockHash], BlockMeta | None]
     ) -> BlockMeta | None:
-        """Pop the next victim of ``tier``; None when every block there is pinned or a parent."""
-        expiry = self._expiry[tier]
-        while expiry and expiry[0][0] <= now:
-            entry = heapq.heappop(expiry)
-            meta = self._candidate(entry, tier, lookup)
-            if meta is None:
-                continue
-            current = (meta.expires_at, meta.touch_op, -meta.touch_seq, meta.block_hash)
-            if current != entry:
-                heapq.heappush(expiry, current)  # touched since: its expiry moved later
-            else:
-                return meta
-        spare = self._spare[tier]
-        while spare:
-            entry = heapq.heappop(spare)
-            meta = lookup(entry[3])
-            if meta is None or not spare_copy(meta, tier):
-                continue
-            current = (meta.last_access, meta.touch_op, -meta.touch_seq, meta.block_hash)
-            if current != entry:
-                heapq.heappush(spare, current)
-            else:
-                return meta
-        lru = self._lru[tier]
-        while lru:
-            entry = heapq.heappop(lru)
-            meta = self._candidate(entry, tier, lookup)
-            if meta is None:
-                continue
-            current = (meta.last_access, meta.touch_op, -meta.touch_seq, meta.block_hash)
-            if current != entry:
-                heapq.heappush(lru, current)
-            else:
-                return meta
+        """Pop the next victim of ``tier``; None when every block there is pinned or a parent.
+
+        The orders in turn (module docstring): expired tails, spare copies, tails by LRU."""
+        last = tier == self._last
+        expiry, spare = self._expiry[tier], self._spare[tier]
+        for heap in (expiry, spare, self._lru[tier]):
+            by_expiry, by_spare = heap is expiry, heap is spare
+            until = now if by_expiry else math.inf  # only the expired leave by expiry
+            while heap and heap[0][0] <= until:
+                entry = heapq.heappop(heap)
+                meta = lookup(entry[3])
+                if meta is None or not (
+                    spare_copy(meta, tier) if by_spare else meta.evictable_from(tier, last=last)
+                ):
+                    continue  # no longer a candidate there: a stale entry
+                time = meta.expires_at if by_expiry else meta.last_access
+                current = (time, meta.touch_op, -meta.touch_seq, meta.block_hash)
+                if current == entry:
+                    return meta
+                heapq.heappush(heap, current)  # touched since: back in line, later
         return None
 
     def admits(self, victim: BlockMeta, incoming: BlockMeta, tier: int, now: float) -> bool:
@@ -124,14 +111,6 @@ class EvictionPolicy:
         self._spare[tier] = []
         for meta in metas:
             self.track(meta, tier)
-
-    def _candidate(
-        self, entry: _Entry, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]
-    ) -> BlockMeta | None:
-        meta = lookup(entry[3])
-        if meta is None or not meta.evictable_from(tier, last=tier == self._last):
-            return None
-        return meta
 
 
 def spare_copy(meta: BlockMeta, tier: int) -> bool:
