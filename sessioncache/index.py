@@ -158,13 +158,16 @@ class BlockIndex:
         """A new operation number (blocks touched by one operation share it)."""
         return next(self._ops)
 
-    def touch_chain(self, metas: Sequence[BlockMeta], now: float, ttl: float | None) -> None:
-        """A lookup hit on ``metas`` (root first): ``touch`` of each, one operation, inlined
-        for speed."""
+    def touch_chain(
+        self, metas: Sequence[BlockMeta], now: float, ttl: float | None, *, hit: bool = True
+    ) -> None:
+        """``touch`` of each of ``metas`` (root first) in one operation, inlined for speed;
+        ``hit``: a lookup's match, counted in each block's ``hit_count``."""
         op = next(self._ops)
         seq = self._seq
+        hits = 1 if hit else 0
         for meta in metas:
-            meta.hit_count += 1
+            meta.hit_count += hits
             if ttl is not None and ttl > meta.ttl_s:
                 meta.ttl_s = ttl
             meta.last_access = now

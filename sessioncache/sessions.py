@@ -258,7 +258,7 @@ class SessionManager:
         with self._lock:
             session = self._owned(session_id, tenant)
             if chain:
-                self._store.lookup(chain, ttl_s=session.ttl_s)
+                self._store.touch(chain, ttl_s=session.ttl_s)  # activity, not a lookup
                 self._activity(session, chain)
             else:
                 self._slide(session)

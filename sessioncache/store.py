@@ -4,7 +4,9 @@ Data flow (``docs/architecture.md`` has the pictures):
 
 * ``lookup(hashes)`` walks the chain from its root and stops at the first block that is not
   held or has expired; it touches the matched prefix (sliding TTL, LRU order) and optionally
-  leases it, so that it cannot be evicted between the lookup and the load.
+  leases it, so that it cannot be evicted between the lookup and the load. Counted in the
+  ``lookups`` and ``hit_blocks`` counters: it is what engines ask. ``touch(hashes)`` touches
+  the same prefix without counting (a session noting activity on blocks already looked up).
 * ``put(hashes, payloads, parent=...)`` stores a chain segment into the first tier (or the
   one named). A full tier makes room by evicting victims chosen by the ``EvictionPolicy``;
   a victim is demoted to the next tier (write-back) unless it has expired or the tier is the
@@ -207,6 +209,21 @@ class TieredStore:
             return self._finish_lookup(
                 hashes, self._index.held_prefix(hashes, now), now, lease_s, ttl_s
             )
+
+    def touch(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> int:
+        """Touch the held, unexpired prefix of ``hashes`` as a lookup does (sliding TTL, raised
+        to at least ``ttl_s``; LRU order; observers told), but count no lookup nor hit, lease
+        nothing and never ask the shared tier: for noting activity on blocks an engine has
+        already looked up (a session's chain). Returns how many blocks were touched."""
+        if ttl_s is not None:
+            _check_ttl(ttl_s)
+        with self._lock:
+            now = self._clock.now()
+            self._index.reap_leases(now)  # as a lookup does: leases over unpin on time
+            matched = self._index.held_prefix(hashes, now)
+            self._index.touch_chain(matched, now, ttl_s, hit=False)
+            self._notify_touched(matched)
+            return len(matched)
 
     def _finish_lookup(
         self,
