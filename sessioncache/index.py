@@ -17,12 +17,12 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Callable, Sequence, ValuesView
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
 from sessioncache.policy import EvictionPolicy
-from tiers.base import RecoveredBlock
+from tiers.base import LocatedBlock, RecoveredBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,13 @@ class BlockIndex:
                 kids.discard(meta.block_hash)
                 if not kids:
                     del self._kids[meta.parent]
+
+    def snapshot(self, block_hash: BlockHash) -> BlockMeta | None:
+        """A copy of the record of ``block_hash``, or None."""
+        meta = self._blocks.get(block_hash)
+        if meta is None:
+            return None
+        return replace(meta, tiers=set(meta.tiers), child_count=list(meta.child_count))
 
     def held(self, block_hash: BlockHash, now: float) -> BlockMeta | None:
         """The record of ``block_hash`` if a tier holds it unexpired."""
@@ -239,7 +246,28 @@ class BlockIndex:
             for tier in parent.tiers:
                 self._policy.track(parent, tier)
 
-    # -- start-up -----------------------------------------------------------------------
+    # -- adoption: blocks a tier holds that this index did not make --------------------
+
+    def adopt_located(
+        self, block_hash: BlockHash, remote: LocatedBlock, now: float, default_ttl: float
+    ) -> BlockMeta:
+        """The record of a block the fleet's shared tier holds unexpired (``remote``), made
+        or with its expiry raised to the shared one; the caller adds the copy."""
+        assert remote.expires_at is not None
+        meta = self._blocks.get(block_hash)
+        if meta is None:
+            return self.new_record(
+                block_hash,
+                parent=remote.parent,
+                namespace_root=remote.namespace_root,
+                nbytes=remote.nbytes,
+                ttl_s=max(default_ttl, remote.expires_at - now),
+                created=now,
+                last_access=now,
+                expires_at=remote.expires_at,
+            )
+        meta.expires_at = max(meta.expires_at, remote.expires_at)
+        return meta
 
     def adopt_recovered(
         self, found: RecoveredBlock, tier: int, now: float, default_ttl: float

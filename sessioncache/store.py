@@ -260,24 +260,9 @@ class TieredStore:
             for block_hash, remote in zip(hashes[start:], found, strict=False):
                 if remote is None or (start + adopted and remote.parent != parent):
                     break
-                expires_at = remote.expires_at if remote.expires_at is not None else now
-                if expires_at <= now:
+                if remote.expires_at is None or remote.expires_at <= now:
                     break
-                meta = self._index.get(block_hash)
-                if meta is None:
-                    meta = self._index.new_record(
-                        block_hash,
-                        parent=remote.parent,
-                        namespace_root=remote.namespace_root,
-                        nbytes=remote.nbytes,
-                        ttl_s=max(self._default_ttl, expires_at - now),
-                        created=now,
-                        last_access=now,
-                        expires_at=expires_at,
-                    )
-                elif meta.expires_at <= now and not meta.tiers:
-                    meta.expires_at = expires_at
-                meta.expires_at = max(meta.expires_at, expires_at)
+                meta = self._index.adopt_located(block_hash, remote, now, self._default_ttl)
                 self._payload_sizes.setdefault(remote.namespace_root, remote.nbytes)
                 self._add_to_tier(meta, index)
                 parent = block_hash
@@ -335,10 +320,7 @@ class TieredStore:
     def meta(self, block_hash: BlockHash) -> BlockMeta | None:
         """A snapshot of the block's record (for the catalog and tests)."""
         with self._lock:
-            meta = self._index.get(block_hash)
-            if meta is None:
-                return None
-            return replace(meta, tiers=set(meta.tiers), child_count=list(meta.child_count))
+            return self._index.snapshot(block_hash)
 
     def get(self, block_hash: BlockHash, *, promote: bool | None = None) -> torch.Tensor:
         """The block's payload as a 1-D uint8 tensor; raises ``BlockNotFound``.
