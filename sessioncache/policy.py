@@ -1,6 +1,6 @@
-"""Victim selection: which block leaves a full tier first.
+"""Who leaves a full tier, and who may enter it at that price.
 
-Order, per tier:
+Victim order, per tier:
 1. Pinned blocks (``ref_cnt > 0``: leases, live sessions, in-flight moves) are never victims.
 2. A block whose child is held in the same tier is not a victim before that child: chains are
    evicted tail first, since a child is useless without its parent. In the last tier, where
@@ -15,7 +15,17 @@ Order, per tier:
    operation that touched them (earlier first) and, within one operation (a lookup walking a
    chain), deepest first, so a chain is eaten from its tail.
 
-Both orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
+Admission (``admits``): a block entering a tier takes the place of that tier's next victim
+unless the victim is unexpired and either
+* hotter than the incoming block, which is new or promoted (held in no faster tier), while
+  the victim's copy there is not spare: the incoming block belongs lower down, so a chain
+  longer than the fast tier keeps its head fast and its tail lower instead of shredding
+  what is there. A demoted block is not judged again: it was the coldest above, and refusing
+  it would drop it (orphaning any tail of it held below); or
+* the only copy, in the last tier, of the incoming block's own parent: admitting the child
+  would orphan it.
+
+The victim orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
 whole chain) costs no heap operation: a touch only moves a block's keys later. A popped entry
 whose block was touched since is pushed back with its current key; one whose block is no longer
 an evictable tail there (pinned, moved, gained a child) is dropped. Whenever a block may have
@@ -26,6 +36,7 @@ become an evictable tail (stored, unpinned, lost its last child in the tier) the
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable
 
 from sessioncache.blocks import BlockMeta
@@ -57,41 +68,37 @@ class EvictionPolicy:
     def next_victim(
         self, tier: int, now: float, lookup: Callable[[BlockHash], BlockMeta | None]
     ) -> BlockMeta | None:
-        """Pop the next victim of ``tier``; None when every block there is pinned or a parent."""
-        expiry = self._expiry[tier]
-        while expiry and expiry[0][0] <= now:
-            entry = heapq.heappop(expiry)
-            meta = self._candidate(entry, tier, lookup)
-            if meta is None:
-                continue
-            current = (meta.expires_at, meta.touch_op, -meta.touch_seq, meta.block_hash)
-            if current != entry:
-                heapq.heappush(expiry, current)  # touched since: its expiry moved later
-            else:
-                return meta
-        spare = self._spare[tier]
-        while spare:
-            entry = heapq.heappop(spare)
-            meta = lookup(entry[3])
-            if meta is None or not spare_copy(meta, tier):
-                continue
-            current = (meta.last_access, meta.touch_op, -meta.touch_seq, meta.block_hash)
-            if current != entry:
-                heapq.heappush(spare, current)
-            else:
-                return meta
-        lru = self._lru[tier]
-        while lru:
-            entry = heapq.heappop(lru)
-            meta = self._candidate(entry, tier, lookup)
-            if meta is None:
-                continue
-            current = (meta.last_access, meta.touch_op, -meta.touch_seq, meta.block_hash)
-            if current != entry:
-                heapq.heappush(lru, current)
-            else:
-                return meta
+        """Pop the next victim of ``tier``; None when every block there is pinned or a parent.
+
+        The orders in turn (module docstring): expired tails, spare copies, tails by LRU."""
+        last = tier == self._last
+        expiry, spare = self._expiry[tier], self._spare[tier]
+        for heap in (expiry, spare, self._lru[tier]):
+            by_expiry, by_spare = heap is expiry, heap is spare
+            until = now if by_expiry else math.inf  # only the expired leave by expiry
+            while heap and heap[0][0] <= until:
+                entry = heapq.heappop(heap)
+                meta = lookup(entry[3])
+                if meta is None or not (
+                    spare_copy(meta, tier) if by_spare else meta.evictable_from(tier, last=last)
+                ):
+                    continue  # no longer a candidate there: a stale entry
+                time = meta.expires_at if by_expiry else meta.last_access
+                current = (time, meta.touch_op, -meta.touch_seq, meta.block_hash)
+                if current == entry:
+                    return meta
+                heapq.heappush(heap, current)  # touched since: back in line, later
         return None
+
+    def admits(self, victim: BlockMeta, incoming: BlockMeta, tier: int, now: float) -> bool:
+        """Whether ``incoming`` may enter ``tier`` at the cost of ``victim``, the block
+        ``next_victim`` chose there (see the module docstring)."""
+        if victim.expired(now):
+            return True
+        if tier == self._last and len(victim.tiers) == 1 and victim.block_hash == incoming.parent:
+            return False  # the only copy of its own parent
+        entering = not any(t < tier for t in incoming.tiers)  # new or promoted
+        return not (entering and not spare_copy(victim, tier) and _colder(incoming, victim))
 
     def queued(self, tier: int) -> int:
         """Heap entries held for ``tier``, stale ones included."""
@@ -105,16 +112,13 @@ class EvictionPolicy:
         for meta in metas:
             self.track(meta, tier)
 
-    def _candidate(
-        self, entry: _Entry, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]
-    ) -> BlockMeta | None:
-        meta = lookup(entry[3])
-        if meta is None or not meta.evictable_from(tier, last=tier == self._last):
-            return None
-        return meta
-
 
 def spare_copy(meta: BlockMeta, tier: int) -> bool:
     """``meta``'s copy in ``tier`` is spare: a faster tier holds the block too, and nothing
     but session pins holds it (a lease or a move in flight may be reading that copy)."""
     return meta.ref_cnt == meta.pins and tier in meta.tiers and min(meta.tiers) < tier
+
+
+def _colder(a: BlockMeta, b: BlockMeta) -> bool:
+    """Whether LRU order would evict ``a`` before ``b``."""
+    return a.lru_key() < b.lru_key()

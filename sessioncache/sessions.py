@@ -17,7 +17,15 @@ pins fall back to ordinary eviction priority, so pins can never make the cache r
 ``sweep`` (run by a background thread in the service, or ``sessioncache gc`` by hand) expires
 sessions and blocks.
 
-Thread-safe; the lock order is sessions, then store.
+Thread-safe. The manager's lock guards the sessions and their pins, and is never held across
+a store call that may wait on I/O: a lookup that misses locally asks the fleet's shared tier
+(a network round trip), a put writes payloads. Such a call runs between two short holds of the
+lock (``_begin``, ``_end``): the first checks the session and copies its TTL, the second
+records the activity only if the same session is still open, so a session closed, swept or
+replaced meanwhile gains no pins (nothing would ever release them) and is not written back.
+The request then counts as having happened just before the close. Pins and unpins (``pin``,
+``unpin``: index bookkeeping, no I/O) stay under the lock, so ``_pins`` is always exactly what
+the store holds for each session. The lock order is sessions, then store.
 """
 
 from __future__ import annotations
@@ -213,14 +221,10 @@ class SessionManager:
         lease_s: float | None = None,
     ) -> Match:
         """``store.lookup`` on behalf of a session: TTLs at least the session's, chain pinned."""
-        with self._lock:
-            session = self._owned(session_id, tenant)
-            match = self._store.lookup(hashes, lease_s=lease_s, ttl_s=session.ttl_s)
-            if match.hashes:
-                self._activity(session, match.hashes)
-            else:
-                self._slide(session)
-            return match
+        session, ttl = self._begin(session_id, tenant)
+        match = self._store.lookup(hashes, lease_s=lease_s, ttl_s=ttl)
+        self._end(session, match.hashes)
+        return match
 
     def put(
         self,
@@ -235,19 +239,16 @@ class SessionManager:
     ) -> PutResult:
         """``store.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
         the session's chain becomes ``prefix + hashes``."""
-        with self._lock:
-            session = self._owned(session_id, tenant)
+        session, ttl = self._begin(session_id, tenant)
         result = self._store.put(
             hashes,
             payloads,
             namespace_root=namespace_root,
             parent=prefix[-1] if prefix else None,
-            ttl_s=session.ttl_s,
+            ttl_s=ttl,
             durable=durable,
         )
-        with self._lock:
-            session = self._owned(session_id, tenant)
-            self._activity(session, [*prefix, *hashes])
+        self._end(session, [*prefix, *hashes])
         return result
 
     def record(
@@ -255,13 +256,11 @@ class SessionManager:
     ) -> Session:
         """Note that the session's chain is now ``chain`` (blocks stored some other way, for
         instance PUT one by one over HTTP): slide its TTL, raise its blocks' TTLs, pin them."""
+        session, ttl = self._begin(session_id, tenant)
+        if chain:
+            self._store.touch(chain, ttl_s=ttl)  # activity, not a lookup
         with self._lock:
-            session = self._owned(session_id, tenant)
-            if chain:
-                self._store.lookup(chain, ttl_s=session.ttl_s)
-                self._activity(session, chain)
-            else:
-                self._slide(session)
+            self._end(session, chain)
             return replace(session)
 
     def adopt(self, session_id: str, hashes: Sequence[BlockHash]) -> None:
@@ -321,6 +320,25 @@ class SessionManager:
         """Ids of sessions whose chains are pinned, least recently active first."""
         with self._lock:
             return list(self._pins)
+
+    # -- a store call between two holds of the lock (see the module docstring) -----------
+
+    def _begin(self, session_id: str, tenant: str | None) -> tuple[Session, float]:
+        """The open session (``SessionNotFound`` otherwise) and its TTL, for the store call."""
+        with self._lock:
+            session = self._owned(session_id, tenant)
+            return session, session.ttl_s
+
+    def _end(self, session: Session, chain: Sequence[BlockHash]) -> None:
+        """After the store call: ``chain`` is the session's activity (empty: none held), if
+        the session is still the open one of its id."""
+        with self._lock:
+            if self._sessions.get(session.id) is not session:
+                return  # closed, swept or replaced meanwhile: this came just before that
+            if chain:
+                self._activity(session, chain)
+            else:
+                self._slide(session)
 
     # -- internals (lock held) ----------------------------------------------------------
 

@@ -4,7 +4,9 @@ Data flow (``docs/architecture.md`` has the pictures):
 
 * ``lookup(hashes)`` walks the chain from its root and stops at the first block that is not
   held or has expired; it touches the matched prefix (sliding TTL, LRU order) and optionally
-  leases it, so that it cannot be evicted between the lookup and the load.
+  leases it, so that it cannot be evicted between the lookup and the load. Counted in the
+  ``lookups`` and ``hit_blocks`` counters: it is what engines ask. ``touch(hashes)`` touches
+  the same prefix without counting (a session noting activity on blocks already looked up).
 * ``put(hashes, payloads, parent=...)`` stores a chain segment into the first tier (or the
   one named). A full tier makes room by evicting victims chosen by the ``EvictionPolicy``;
   a victim is demoted to the next tier (write-back) unless it has expired or the tier is the
@@ -12,6 +14,11 @@ Data flow (``docs/architecture.md`` has the pictures):
   before returning.
 * ``get(hash)`` reads from the fastest tier holding the block and, when configured, copies a
   hit from a lower tier up into the first tier (promotion).
+
+The store orchestrates: tiers, moves between them, observers, counters. What it knows of the
+blocks (records, chain links, per-tier counts, pins, leases) is the ``BlockIndex``
+(``sessioncache/index.py``); who leaves a full tier and who may enter it, the
+``EvictionPolicy`` (``sessioncache/policy.py``).
 
 Threading model: one re-entrant lock guards the index (block records, leases, policy heaps,
 counters). Payload copies and file I/O run outside it, so that a put demoting a block to disk
@@ -23,9 +30,7 @@ is always store, then tier.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import secrets
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -46,7 +51,8 @@ from sessioncache.errors import (
 )
 from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.policy import EvictionPolicy, spare_copy
+from sessioncache.index import BlockIndex, Lease
+from sessioncache.policy import EvictionPolicy
 from tiers.base import CheckedTier, RecoverableTier, SharedTier, Tier
 from tiers.payload import Payload, as_memoryview, payload_nbytes
 
@@ -56,15 +62,6 @@ DEFAULT_TTL_S = 3 * 24 * 3600.0
 """Blocks stored without a TTL live three days past their last access (the agent default)."""
 
 _PLACE_ATTEMPTS = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """A pin on a matched prefix, released by ``TieredStore.release`` or at ``expires_at``."""
-
-    id: str
-    hashes: tuple[BlockHash, ...]
-    expires_at: float
 
 
 class Match(NamedTuple):
@@ -155,14 +152,10 @@ class TieredStore:
         self._promote = promote_on_get
         self._max_lease_s = max_lease_s
         self._lock = threading.RLock()
-        self._blocks: dict[BlockHash, BlockMeta] = {}
-        self._kids: dict[BlockHash, set[BlockHash]] = {}
-        self._tier_blocks = [0] * len(self._tiers)
+        self._index = BlockIndex(len(self._tiers), self._policy)
         self._payload_sizes: dict[bytes, int] = {}
-        self._leases: dict[str, Lease] = {}
         self._promoting: set[BlockHash] = set()
         self._observers = list(observers)
-        self._pinned_bytes = [0] * len(self._tiers)
         # The fleet's shared tier (at most one): looked up on local misses, and never
         # trimmed by this node's expiry sweep (its keys expire in the shared server itself).
         shared = [(i, t) for i, t in enumerate(self._tiers) if isinstance(t, SharedTier)]
@@ -170,8 +163,6 @@ class TieredStore:
             raise InvalidInput("a store takes at most one shared tier")
         self._shared: tuple[int, SharedTier] | None = shared[0] if shared else None
         self._write_through = sorted({self._tier_by_name(name) for name in write_through})
-        self._seq = itertools.count(1)  # one per block touch: orders a chain's blocks
-        self._ops = itertools.count(1)  # one per operation: orders same-instant touches
         self._counters = Counters()
         self._adopt_recovered()
 
@@ -205,8 +196,8 @@ class TieredStore:
             _check_ttl(ttl_s)
         with self._lock:
             now = self._clock.now()
-            self._reap_leases(now)
-            matched = self._held_prefix(hashes, 0, now)
+            self._index.reap_leases(now)
+            matched = self._index.held_prefix(hashes, now)
             short = len(matched) < len(hashes) and self._shared is not None
             if not short:
                 return self._finish_lookup(hashes, matched, now, lease_s, ttl_s)
@@ -216,8 +207,23 @@ class TieredStore:
         with self._lock:
             now = self._clock.now()
             return self._finish_lookup(
-                hashes, self._held_prefix(hashes, 0, now), now, lease_s, ttl_s
+                hashes, self._index.held_prefix(hashes, now), now, lease_s, ttl_s
             )
+
+    def touch(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> int:
+        """Touch the held, unexpired prefix of ``hashes`` as a lookup does (sliding TTL, raised
+        to at least ``ttl_s``; LRU order; observers told), but count no lookup nor hit, lease
+        nothing and never ask the shared tier: for noting activity on blocks an engine has
+        already looked up (a session's chain). Returns how many blocks were touched."""
+        if ttl_s is not None:
+            _check_ttl(ttl_s)
+        with self._lock:
+            now = self._clock.now()
+            self._index.reap_leases(now)  # as a lookup does: leases over unpin on time
+            matched = self._index.held_prefix(hashes, now)
+            self._index.touch_chain(matched, now, ttl_s, hit=False)
+            self._notify_touched(matched)
+            return len(matched)
 
     def _finish_lookup(
         self,
@@ -231,32 +237,16 @@ class TieredStore:
         self._counters.lookups += 1
         self._counters.hit_blocks += len(matched)
         self._counters.miss_blocks += len(hashes) - len(matched)
-        self._touch_chain(matched, now, ttl_s)
+        self._index.touch_chain(matched, now, ttl_s)
         self._notify_touched(matched)
         lease = None
         if lease_s is not None and matched:
-            lease = Lease(
-                secrets.token_hex(16), tuple(m.block_hash for m in matched), now + lease_s
-            )
-            for meta in matched:
-                self._ref(meta)
-            self._leases[lease.id] = lease
+            lease = self._index.lease(matched, now + lease_s)
         return Match(
             [m.block_hash for m in matched],
             [self._tiers[min(m.tiers)].name for m in matched],
             lease,
         )
-
-    def _held_prefix(self, hashes: Sequence[BlockHash], start: int, now: float) -> list[BlockMeta]:
-        """The records of the held, unexpired run of ``hashes`` from ``start`` (lock held)."""
-        run: list[BlockMeta] = []
-        blocks = self._blocks
-        for block_hash in hashes[start:] if start else hashes:
-            meta = blocks.get(block_hash)
-            if meta is None or not meta.tiers or meta.expires_at <= now:
-                break
-            run.append(meta)
-        return run
 
     def _adopt_shared(self, hashes: Sequence[BlockHash], start: int, now: float) -> int:
         """Index the blocks of ``hashes[start:]`` that the shared tier holds, as far as they
@@ -270,30 +260,9 @@ class TieredStore:
             for block_hash, remote in zip(hashes[start:], found, strict=False):
                 if remote is None or (start + adopted and remote.parent != parent):
                     break
-                expires_at = remote.expires_at if remote.expires_at is not None else now
-                if expires_at <= now:
+                if remote.expires_at is None or remote.expires_at <= now:
                     break
-                meta = self._blocks.get(block_hash)
-                if meta is None:
-                    meta = BlockMeta(
-                        block_hash=block_hash,
-                        parent=remote.parent,
-                        namespace_root=remote.namespace_root,
-                        nbytes=remote.nbytes,
-                        ttl_s=max(self._default_ttl, expires_at - now),
-                        created=now,
-                        last_access=now,
-                        expires_at=expires_at,
-                        child_count=[0] * len(self._tiers),
-                        held_kids=self._held_kids_of(block_hash),
-                        touch_seq=next(self._seq),
-                    )
-                    self._blocks[block_hash] = meta
-                    if remote.parent is not None:
-                        self._kids.setdefault(remote.parent, set()).add(block_hash)
-                elif meta.expires_at <= now and not meta.tiers:
-                    meta.expires_at = expires_at
-                meta.expires_at = max(meta.expires_at, expires_at)
+                meta = self._index.adopt_located(block_hash, remote, now, self._default_ttl)
                 self._payload_sizes.setdefault(remote.namespace_root, remote.nbytes)
                 self._add_to_tier(meta, index)
                 parent = block_hash
@@ -303,48 +272,25 @@ class TieredStore:
     def release(self, lease_id: str) -> None:
         """Unpin a lease's blocks; raises ``LeaseNotFound`` if it is unknown or already over."""
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            if not self._index.release(lease_id):
                 raise LeaseNotFound(f"no live lease {lease_id!r}")
-            self._unref_all(lease.hashes)
 
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Pin the longest held prefix of ``hashes`` (a live session's chain: blocks past a
         hole are useless); returns the pinned ids, exactly what ``unpin`` must be given."""
         with self._lock:
-            pinned: list[BlockHash] = []
-            for block_hash in hashes:
-                meta = self._blocks.get(block_hash)
-                if meta is None or not meta.tiers:
-                    break
-                meta.pins += 1
-                self._ref(meta)
-                pinned.append(block_hash)
-            return pinned
+            return self._index.pin(hashes)
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
         """Undo ``pin`` for the same ids."""
         with self._lock:
-            for block_hash in hashes:
-                meta = self._blocks.get(block_hash)
-                if meta is not None and meta.pins:
-                    meta.pins -= 1
-            self._unref_all(hashes)
+            self._index.unpin(hashes)
 
     def chain_to(self, head: BlockHash) -> list[BlockHash]:
         """The held chain ending at ``head``, root first, following parents while they are
         held (empty when ``head`` is not)."""
         with self._lock:
-            chain: list[BlockHash] = []
-            cursor: BlockHash | None = head
-            while cursor is not None:
-                meta = self._blocks.get(cursor)
-                if meta is None or not meta.tiers:
-                    break
-                chain.append(cursor)
-                cursor = meta.parent
-            chain.reverse()
-            return chain
+            return self._index.chain_to(head)
 
     def holdings(self) -> list[tuple[BlockHash, str, float]]:
         """``(id, tier name, expires_at)`` of every held copy (the fleet index republishes
@@ -352,7 +298,7 @@ class TieredStore:
         with self._lock:
             return [
                 (meta.block_hash, self._tiers[tier].name, meta.expires_at)
-                for meta in self._blocks.values()
+                for meta in self._index.records()
                 for tier in meta.tiers
             ]
 
@@ -363,25 +309,18 @@ class TieredStore:
         """For each id, whether a tier holds it unexpired (one pass under the lock)."""
         with self._lock:
             now = self._clock.now()
-            out = []
-            for block_hash in hashes:
-                meta = self._blocks.get(block_hash)
-                out.append(meta is not None and bool(meta.tiers) and meta.expires_at > now)
-            return out
+            return [self._index.held(block_hash, now) is not None for block_hash in hashes]
 
     def where(self, block_hash: BlockHash) -> list[str]:
         """Names of the tiers holding the block, fastest first."""
         with self._lock:
-            meta = self._blocks.get(block_hash)
+            meta = self._index.get(block_hash)
             return [] if meta is None else [self._tiers[t].name for t in sorted(meta.tiers)]
 
     def meta(self, block_hash: BlockHash) -> BlockMeta | None:
         """A snapshot of the block's record (for the catalog and tests)."""
         with self._lock:
-            meta = self._blocks.get(block_hash)
-            if meta is None:
-                return None
-            return replace(meta, tiers=set(meta.tiers), child_count=list(meta.child_count))
+            return self._index.snapshot(block_hash)
 
     def get(self, block_hash: BlockHash, *, promote: bool | None = None) -> torch.Tensor:
         """The block's payload as a 1-D uint8 tensor; raises ``BlockNotFound``.
@@ -461,7 +400,8 @@ class TieredStore:
             raise InvalidInput("durable=True but no durable tier at or below the target tier")
         result = PutResult([], [], [])
         prev = parent
-        op = next(self._ops)
+        with self._lock:
+            op = self._index.next_op()
         for i, (block_hash, payload, nbytes) in enumerate(
             zip(hashes, payloads, sizes, strict=True)
         ):
@@ -478,7 +418,9 @@ class TieredStore:
                 # By default no faster than its parent: a fast tier holds the heads of chains,
                 # which then leave it tail first, as they leave the store.
                 with self._lock:
-                    target = start if tier is not None else max(start, self._parent_tier(meta))
+                    target = (
+                        start if tier is not None else max(start, self._index.parent_tier(meta))
+                    )
                 placed = self._place(meta, payload, target)
                 if placed is not None:
                     also = [t for t in self._write_through if t != placed]
@@ -488,9 +430,9 @@ class TieredStore:
                         self._place(meta, payload, extra, stop=extra + 1)
             finally:
                 with self._lock:
-                    self._unref(meta)
+                    self._index.unref(meta)
                     if not meta.tiers:
-                        self._forget(meta)
+                        self._index.forget(meta)
             if placed is None:
                 result.dropped.append(block_hash)
             else:
@@ -506,7 +448,7 @@ class TieredStore:
         dropped = 0
         with self._lock:
             for block_hash in hashes:
-                meta = self._blocks.get(block_hash)
+                meta = self._index.get(block_hash)
                 if meta is None or meta.ref_cnt:
                     continue
                 for tier in sorted(meta.tiers):
@@ -518,8 +460,8 @@ class TieredStore:
         """Drop every unpinned expired block from every tier; returns how many (the sweep)."""
         with self._lock:
             now = self._clock.now()
-            self._reap_leases(now)
-            victims = [m for m in self._blocks.values() if m.expires_at <= now and not m.ref_cnt]
+            self._index.reap_leases(now)
+            victims = self._index.expired_unpinned(now)
             shared = self._shared[0] if self._shared is not None else -1
             for meta in victims:
                 for tier in sorted(meta.tiers):
@@ -534,18 +476,18 @@ class TieredStore:
             return [
                 TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable, pinned)
                 for t, n, pinned in zip(
-                    self._tiers, self._tier_blocks, self._pinned_bytes, strict=True
+                    self._tiers, self._index.tier_blocks, self._index.pinned_bytes, strict=True
                 )
             ]
 
     def stats(self) -> StoreStats:
         with self._lock:
-            self._reap_leases(self._clock.now())
+            self._index.reap_leases(self._clock.now())
             return StoreStats(
                 tiers=self.stats_tiers(),
-                blocks=sum(1 for m in self._blocks.values() if m.tiers),
-                pinned_blocks=sum(1 for m in self._blocks.values() if m.ref_cnt),
-                leases=len(self._leases),
+                blocks=self._index.held_count(),
+                pinned_blocks=self._index.pinned_count(),
+                leases=self._index.lease_count(),
                 counters=replace(self._counters),
             )
 
@@ -588,25 +530,15 @@ class TieredStore:
     def _evict_one(self, tier: int, incoming: BlockMeta) -> bool:
         """Move one victim out of ``tier`` to admit ``incoming``: demote it, or drop it if
         expired, at the bottom or a spare copy. Refuses (False) when nothing is evictable or
-        when the best victim is hotter than a new or promoted ``incoming``: then ``incoming``
-        belongs lower down, and a long new chain fills the fast tier with its head instead of
-        shredding it. A demoted ``incoming`` is not judged again: it was the coldest above,
-        and refusing it here would drop it (orphaning any tail of it held below)."""
+        when the policy does not admit ``incoming`` at the cost of the victim (see
+        ``EvictionPolicy.admits``): then ``incoming`` belongs lower down, or nowhere."""
         with self._lock:
             now = self._clock.now()
-            victim = self._policy.next_victim(tier, now, self._blocks.get)
+            victim = self._policy.next_victim(tier, now, self._index.get)
             if victim is None:
                 return False
-            lost = tier + 1 == len(self._tiers) and len(victim.tiers) == 1
-            spare = spare_copy(victim, tier)  # dropping it loses nothing
-            entering = not any(t < tier for t in incoming.tiers)  # new or promoted
-            if not victim.expired(now) and (
-                (entering and not spare and _colder(incoming, victim))
-                or (lost and victim.block_hash == incoming.parent)
-            ):
-                # Admitting ``incoming`` would cost a hotter block, or the only copy of its
-                # own parent (orphaning it): ``incoming`` belongs lower down, or nowhere.
-                self._policy.track(victim, tier)
+            if not self._policy.admits(victim, incoming, tier, now):
+                self._policy.track(victim, tier)  # not evicted: back in line
                 return False
             self._counters.evictions += 1
             below = tier + 1 < len(self._tiers) and not victim.expired(now)
@@ -616,7 +548,7 @@ class TieredStore:
                     self._counters.expirations += 1
                 self._drop_from_tier(victim, tier)
                 return True
-            self._ref(victim)  # in flight: no other thread may pick or drop it
+            self._index.ref(victim)  # in flight: no other thread may pick or drop it
         try:
             data = self._tiers[tier].get(victim.block_hash)
             if data is not None and self._place(victim, data, tier + 1) is not None:
@@ -628,12 +560,12 @@ class TieredStore:
                 # was in flight may be reading it), even when it found room below.
                 if victim.ref_cnt == 1:
                     self._drop_from_tier(victim, tier)
-                self._unref(victim)
+                self._index.unref(victim)
                 if not victim.tiers:
-                    self._forget(victim)
+                    self._index.forget(victim)
         return True
 
-    # -- index bookkeeping (lock held) --------------------------------------------------
+    # -- index changes that tiers and observers hear of (lock held) ----------------------
 
     def _claim(
         self,
@@ -648,14 +580,14 @@ class TieredStore:
         it is already held (its TTL is extended) or another caller is storing it."""
         with self._lock:
             now = self._clock.now()
-            meta = self._blocks.get(block_hash)
+            meta = self._index.get(block_hash)
             if meta is not None:
                 if meta.tiers:
-                    self._touch(meta, now, ttl, op)
+                    self._index.touch(meta, now, ttl, op)
                     self._notify_touched([meta])
                 return None
-            meta = BlockMeta(
-                block_hash=block_hash,
+            return self._index.new_record(
+                block_hash,
                 parent=parent,
                 namespace_root=namespace_root,
                 nbytes=nbytes,
@@ -663,170 +595,48 @@ class TieredStore:
                 created=now,
                 last_access=now,
                 expires_at=now + ttl,
-                child_count=[0] * len(self._tiers),
-                held_kids=self._held_kids_of(block_hash),
                 ref_cnt=1,
                 touch_op=op,
-                touch_seq=next(self._seq),
             )
-            self._blocks[block_hash] = meta
-            if parent is not None:
-                self._kids.setdefault(parent, set()).add(block_hash)
-            return meta
-
-    def _touch_chain(self, metas: Sequence[BlockMeta], now: float, ttl: float | None) -> None:
-        """A lookup hit on ``metas`` (root first): ``_touch`` of each, inlined for speed."""
-        op = next(self._ops)
-        seq = self._seq
-        for meta in metas:
-            meta.hit_count += 1
-            if ttl is not None and ttl > meta.ttl_s:
-                meta.ttl_s = ttl
-            meta.last_access = now
-            meta.touch_op = op
-            expires = now + meta.ttl_s
-            if expires > meta.expires_at:
-                meta.expires_at = expires
-            meta.touch_seq = next(seq)
-
-    def _touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
-        if ttl is not None and ttl > meta.ttl_s:
-            meta.ttl_s = ttl
-        meta.last_access = now
-        meta.touch_op = op
-        meta.expires_at = max(meta.expires_at, now + meta.ttl_s)
-        meta.touch_seq = next(self._seq)
 
     def _add_to_tier(self, meta: BlockMeta, tier: int) -> None:
-        if tier in meta.tiers:
-            return
-        if not meta.tiers:
-            self._held_kid_changed(meta, +1)
-        meta.tiers.add(tier)
-        self._tier_blocks[tier] += 1
-        if meta.ref_cnt:
-            self._pinned_bytes[tier] += meta.nbytes
-        for observer in self._observers:
-            observer.block_added(meta, self._tiers[tier].name, self._tiers[tier].durable)
-        meta.child_count[tier] = sum(
-            1 for kid in self._kids.get(meta.block_hash, ()) if tier in self._blocks[kid].tiers
-        )
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        if parent is not None and tier in parent.tiers:
-            parent.child_count[tier] += 1
-        for held in meta.tiers:
-            self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
-        self._maybe_compact(tier)
+        if self._index.add_copy(meta, tier):
+            for observer in self._observers:
+                observer.block_added(meta, self._tiers[tier].name, self._tiers[tier].durable)
 
     def _drop_from_tier(self, meta: BlockMeta, tier: int, *, delete: bool = True) -> None:
         if tier not in meta.tiers:
             return
         if delete:
             self._tiers[tier].delete(meta.block_hash)
-        meta.tiers.discard(tier)
-        self._tier_blocks[tier] -= 1
-        if meta.ref_cnt:
-            self._pinned_bytes[tier] -= meta.nbytes
+        self._index.remove_copy(meta, tier)
         for observer in self._observers:
             observer.block_removed(
                 meta.block_hash, self._tiers[tier].name, self._tiers[tier].durable
             )
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        if parent is not None and tier in parent.tiers:
-            parent.child_count[tier] -= 1
-            self._policy.track(parent, tier)
-        if not meta.tiers:
-            self._held_kid_changed(meta, -1)
-            if not meta.ref_cnt:
-                self._forget(meta)
-
-    def _parent_tier(self, meta: BlockMeta) -> int:
-        """The fastest tier holding ``meta``'s parent (0 for a root, or a parent not held)."""
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        return min(parent.tiers) if parent is not None and parent.tiers else 0
-
-    def _held_kids_of(self, block_hash: BlockHash) -> int:
-        """Children of ``block_hash`` held somewhere: a record made anew (its old one was
-        forgotten while they were held) must count them, or ``held_kids`` goes negative."""
-        return sum(1 for kid in self._kids.get(block_hash, ()) if self._blocks[kid].tiers)
-
-    def _held_kid_changed(self, meta: BlockMeta, delta: int) -> None:
-        """``meta`` gained its first or lost its last copy: its parent's ``held_kids``."""
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        if parent is None:
-            return
-        parent.held_kids += delta
-        if parent.held_kids == 0:
-            for tier in parent.tiers:
-                self._policy.track(parent, tier)
-
-    def _forget(self, meta: BlockMeta) -> None:
-        if self._blocks.get(meta.block_hash) is not meta:
-            return
-        del self._blocks[meta.block_hash]
-        if meta.parent is not None:
-            kids = self._kids.get(meta.parent)
-            if kids is not None:
-                kids.discard(meta.block_hash)
-                if not kids:
-                    del self._kids[meta.parent]
-
-    def _ref(self, meta: BlockMeta) -> None:
-        if meta.ref_cnt == 0:
-            for tier in meta.tiers:
-                self._pinned_bytes[tier] += meta.nbytes
-        meta.ref_cnt += 1
-
-    def _unref(self, meta: BlockMeta) -> None:
-        if meta.ref_cnt <= 0:
-            return
-        meta.ref_cnt -= 1
-        if meta.ref_cnt == 0:
-            for tier in meta.tiers:
-                self._pinned_bytes[tier] -= meta.nbytes
-                self._policy.track(meta, tier)
-        elif meta.ref_cnt == meta.pins and len(meta.tiers) > 1:
-            for tier in meta.tiers:
-                self._policy.track(meta, tier)  # only session pins left: copies are spare
 
     def _notify_touched(self, metas: Sequence[BlockMeta]) -> None:
         if metas:
             for observer in self._observers:
                 observer.blocks_touched(metas)
 
-    def _unref_all(self, hashes: Sequence[BlockHash]) -> None:
-        for block_hash in hashes:
-            meta = self._blocks.get(block_hash)
-            if meta is not None:
-                self._unref(meta)
-
-    def _reap_leases(self, now: float) -> None:
-        if not self._leases:
-            return
-        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
-            self._unref_all(self._leases.pop(lease_id).hashes)
-
-    def _maybe_compact(self, tier: int) -> None:
-        if self._policy.queued(tier) > 8 * self._tier_blocks[tier] + 4096:
-            self._policy.rebuild(tier, (m for m in self._blocks.values() if tier in m.tiers))
-
     @contextmanager
     def _pinned_for_read(self, block_hash: BlockHash) -> Iterator[BlockMeta]:
         with self._lock:
-            meta = self._blocks.get(block_hash)
             now = self._clock.now()
-            if meta is None or not meta.tiers or meta.expires_at <= now:
+            meta = self._index.held(block_hash, now)
+            if meta is None:
                 raise BlockNotFound(f"block {block_hash.hex()} is not held")
-            self._touch(meta, now, None, next(self._ops))
+            self._index.touch(meta, now, None, self._index.next_op())
             self._notify_touched([meta])
-            self._ref(meta)
+            self._index.ref(meta)
         try:
             yield meta
         finally:
             with self._lock:
-                self._unref(meta)
+                self._index.unref(meta)
                 if not meta.tiers:
-                    self._forget(meta)
+                    self._index.forget(meta)
 
     # -- validation and start-up --------------------------------------------------------
 
@@ -878,48 +688,12 @@ class TieredStore:
                 continue
             adopted = 0
             for found in tier.recovered():
-                meta = self._blocks.get(found.block_hash)
-                if meta is None:
-                    last_access = min(found.mtime, now)
-                    ttl = found.ttl_s if found.ttl_s is not None else self._default_ttl
-                    meta = BlockMeta(
-                        block_hash=found.block_hash,
-                        parent=found.parent,
-                        namespace_root=found.namespace_root,
-                        nbytes=found.nbytes,
-                        ttl_s=ttl,
-                        created=found.mtime,
-                        last_access=last_access,
-                        expires_at=(
-                            found.expires_at if found.expires_at is not None else last_access + ttl
-                        ),
-                        child_count=[0] * len(self._tiers),
-                        touch_seq=next(self._seq),
-                    )
-                    self._blocks[found.block_hash] = meta
-                    if found.parent is not None:
-                        self._kids.setdefault(found.parent, set()).add(found.block_hash)
+                self._index.adopt_recovered(found, index, now, self._default_ttl)
                 self._payload_sizes.setdefault(found.namespace_root, found.nbytes)
-                meta.tiers.add(index)
-                self._tier_blocks[index] += 1
                 adopted += 1
             if adopted:
                 log.info("adopted %d blocks found in tier %s", adopted, tier.name)
-        # Chain links need every record in place first.
-        for meta in self._blocks.values():
-            for kid_hash in self._kids.get(meta.block_hash, ()):
-                kid = self._blocks[kid_hash]
-                if kid.tiers:
-                    meta.held_kids += 1
-                for index in kid.tiers & meta.tiers:
-                    meta.child_count[index] += 1
-        for index in range(len(self._tiers)):
-            self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
-
-
-def _colder(a: BlockMeta, b: BlockMeta) -> bool:
-    """Whether LRU order would evict ``a`` before ``b``."""
-    return a.lru_key() < b.lru_key()
+        self._index.relink()  # chain links need every record in place first
 
 
 def _check_ttl(ttl_s: float) -> float:

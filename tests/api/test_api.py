@@ -199,6 +199,37 @@ def test_sessions_lifecycle(client: httpx.Client):
     assert client.get(f"/v1/sessions/{sid}").status_code == 404
 
 
+def test_a_store_naming_a_session_counts_one_lookup(client: httpx.Client):
+    """``POST /v1/store`` looks up which blocks are missing: one lookup the engine asked for.
+    Noting the session's chain touches those blocks again, but is no lookup."""
+    sid = f"s-{uuid.uuid4().hex}"
+    assert client.post("/v1/sessions", json={"session_id": sid}).status_code == 201
+    ns = unique_ns()
+    toks = tokens(13, 64)
+    store_all(client, ns, toks, session_id=sid)
+
+    def counters() -> dict[str, int]:
+        out: dict[str, int] = client.get("/v1/stats").json()["counters"]
+        return out
+
+    def exported_lookups() -> float:
+        lines = client.get("/metrics").text.splitlines()
+        return next(
+            float(x.split()[1]) for x in lines if x.startswith("sessioncache_lookups_total ")
+        )
+
+    before, exported = counters(), exported_lookups()
+    plan = client.post(
+        "/v1/store", json={"namespace": ns, "tokens": toks + tokens(14, 32), "session_id": sid}
+    ).json()
+    after = counters()
+    assert len(plan["missing"]) == 2
+    assert after["lookups"] - before["lookups"] == 1
+    assert after["hit_blocks"] - before["hit_blocks"] == 4
+    assert exported_lookups() - exported == 1
+    assert client.get(f"/v1/sessions/{sid}").json()["pinned"] is True
+
+
 def test_operations_endpoints(client: httpx.Client):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -229,3 +232,45 @@ def test_worked_example_of_docs_sessions_md():
     assert report.expired_sessions == 1
     assert store.meta(longer[0]).expires_at == wednesday + 7 * DAY_S  # type: ignore[union-attr]
     assert store.lookup(longer).num_blocks == 10  # the shared system prompt only
+
+
+class SlowSharedTier(CpuTier):
+    """A shared tier whose ``locate_many`` (a network round trip) waits until released."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes, name="shared")
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def locate_many(self, hashes: Sequence[BlockHash]) -> list[None]:
+        self.entered.set()
+        self.release.wait(10)
+        return [None] * len(hashes)
+
+    def set_expiry_many(self, items: Sequence[tuple[BlockHash, float]]) -> None:
+        pass
+
+
+def test_a_lookup_waiting_on_the_shared_tier_holds_no_session_lock(clock: ManualClock):
+    shared = SlowSharedTier(64 * SIZE)
+    store = TieredStore([CpuTier(64 * SIZE), shared], clock=clock, default_ttl_s=HOUR)
+    sm = SessionManager(store)
+    sm.open("a")
+    chain = block_hashes(NS, tokens(1, 4))
+    store.put(chain[:3], [data(h) for h in chain[:3]], namespace_root=ROOT)
+    found: list[int] = []
+    lookup = threading.Thread(target=lambda: found.append(sm.lookup("a", chain).num_blocks))
+    lookup.start()
+    try:
+        assert shared.entered.wait(10)  # a local miss: the lookup asks the shared tier
+        other = threading.Thread(target=lambda: (sm.open("b"), sm.close("a")))
+        other.start()
+        other.join(5)
+        assert not other.is_alive()  # neither waited for the round trip
+    finally:
+        shared.release.set()
+        lookup.join(10)
+    # The lookup counts as before the close: its match stands, and it pins nothing for a
+    # session that is gone (nothing would ever unpin it).
+    assert found == [3]
+    assert sm.pinned_sessions() == [] and store.stats().pinned_blocks == 0

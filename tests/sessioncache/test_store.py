@@ -146,6 +146,20 @@ def test_lookup_ttl_raises_block_ttl_to_at_least_that(clock: ManualClock):
     assert store.lookup(hashes).num_blocks == 2
 
 
+def test_touch_slides_the_held_prefix_without_counting_a_lookup(clock: ManualClock):
+    store = one_tier(8, clock)
+    hashes = chain(1, 4)
+    put(store, hashes[:3], ttl_s=DAY)
+    clock.advance(0.9 * DAY)
+    before = store.counters()
+    assert store.touch(hashes, ttl_s=2 * DAY) == 3
+    assert store.counters() == before
+    meta = store.meta(hashes[0])
+    assert meta is not None and meta.hit_count == 0 and meta.last_access == clock.now()
+    clock.advance(1.5 * DAY)  # past the TTL they were stored with, within the touched one
+    assert store.lookup(hashes).num_blocks == 3
+
+
 def test_lease_pins_until_released_and_pinned_blocks_are_never_evicted(clock: ManualClock):
     store = one_tier(3, clock)
     hashes = chain(1, 3)

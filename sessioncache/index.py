@@ -1,0 +1,379 @@
+"""The block index: what the store knows of every block, apart from where the bytes are copied.
+
+* Block records (``BlockMeta``, one per block, made by ``new_record`` only) and chain links
+  (each parent's children), from which each record's ``child_count`` (children held in the
+  same tier) and ``held_kids`` (children held in any tier) are kept.
+* Per tier: how many blocks it holds and how many of its bytes are pinned.
+* Pins (``ref``/``unref``: leases, sessions, moves in flight) and leases, reaped by time.
+* The eviction order: every change that may make a block a victim is offered to the
+  ``EvictionPolicy`` (``track``); the policy's heaps live under the same lock.
+
+Not locked and never doing I/O: its one owner, the ``TieredStore``, calls it with the store's
+lock held, and does every tier call and observer notification itself (see ``store.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Callable, Sequence, ValuesView
+from dataclasses import dataclass, replace
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.hashing import BlockHash
+from sessioncache.policy import EvictionPolicy
+from tiers.base import LocatedBlock, RecoveredBlock
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A pin on a matched prefix, released by ``TieredStore.release`` or at ``expires_at``."""
+
+    id: str
+    hashes: tuple[BlockHash, ...]
+    expires_at: float
+
+
+class BlockIndex:
+    """Block records, chain links, per-tier counts, pins and leases (see the module doc)."""
+
+    def __init__(self, num_tiers: int, policy: EvictionPolicy) -> None:
+        self._num_tiers = num_tiers
+        self._policy = policy
+        self._blocks: dict[BlockHash, BlockMeta] = {}
+        self._kids: dict[BlockHash, set[BlockHash]] = {}
+        self._leases: dict[str, Lease] = {}
+        self.tier_blocks = [0] * num_tiers
+        """Blocks held per tier."""
+        self.pinned_bytes = [0] * num_tiers
+        """Bytes of pinned blocks per tier."""
+        self._seq = itertools.count(1)  # one per block touch: orders a chain's blocks
+        self._ops = itertools.count(1)  # one per operation: orders same-instant touches
+        # The record of an id, or None: the dict's own bound method (the policy calls it for
+        # every heap entry it pops).
+        self.get: Callable[[BlockHash], BlockMeta | None] = self._blocks.get
+
+    # -- records ------------------------------------------------------------------------
+
+    def records(self) -> ValuesView[BlockMeta]:
+        return self._blocks.values()
+
+    def new_record(
+        self,
+        block_hash: BlockHash,
+        *,
+        parent: BlockHash | None,
+        namespace_root: bytes,
+        nbytes: int,
+        ttl_s: float,
+        created: float,
+        last_access: float,
+        expires_at: float,
+        ref_cnt: int = 0,
+        touch_op: int = 0,
+    ) -> BlockMeta:
+        """Make and index the record of a block not in the index (held in no tier yet)."""
+        meta = BlockMeta(
+            block_hash=block_hash,
+            parent=parent,
+            namespace_root=namespace_root,
+            nbytes=nbytes,
+            ttl_s=ttl_s,
+            created=created,
+            last_access=last_access,
+            expires_at=expires_at,
+            child_count=[0] * self._num_tiers,
+            # Children still held: a record made anew (its old one was forgotten while they
+            # were held) must count them, or ``held_kids`` goes negative.
+            held_kids=sum(1 for kid in self._kids.get(block_hash, ()) if self._blocks[kid].tiers),
+            ref_cnt=ref_cnt,
+            touch_op=touch_op,
+            touch_seq=next(self._seq),
+        )
+        self._blocks[block_hash] = meta
+        if parent is not None:
+            self._kids.setdefault(parent, set()).add(block_hash)
+        return meta
+
+    def forget(self, meta: BlockMeta) -> None:
+        """Drop ``meta``'s record (held nowhere, unpinned) and its link to its parent."""
+        if self._blocks.get(meta.block_hash) is not meta:
+            return
+        del self._blocks[meta.block_hash]
+        if meta.parent is not None:
+            kids = self._kids.get(meta.parent)
+            if kids is not None:
+                kids.discard(meta.block_hash)
+                if not kids:
+                    del self._kids[meta.parent]
+
+    def snapshot(self, block_hash: BlockHash) -> BlockMeta | None:
+        """A copy of the record of ``block_hash``, or None."""
+        meta = self._blocks.get(block_hash)
+        if meta is None:
+            return None
+        return replace(meta, tiers=set(meta.tiers), child_count=list(meta.child_count))
+
+    def held(self, block_hash: BlockHash, now: float) -> BlockMeta | None:
+        """The record of ``block_hash`` if a tier holds it unexpired."""
+        meta = self._blocks.get(block_hash)
+        if meta is None or not meta.tiers or meta.expires_at <= now:
+            return None
+        return meta
+
+    def held_prefix(self, hashes: Sequence[BlockHash], now: float) -> list[BlockMeta]:
+        """The records of the held, unexpired run of ``hashes`` from its start."""
+        run: list[BlockMeta] = []
+        blocks = self._blocks
+        for block_hash in hashes:
+            meta = blocks.get(block_hash)
+            if meta is None or not meta.tiers or meta.expires_at <= now:
+                break
+            run.append(meta)
+        return run
+
+    def chain_to(self, head: BlockHash) -> list[BlockHash]:
+        """The held chain ending at ``head``, root first (empty when ``head`` is not held)."""
+        chain: list[BlockHash] = []
+        cursor: BlockHash | None = head
+        while cursor is not None:
+            meta = self._blocks.get(cursor)
+            if meta is None or not meta.tiers:
+                break
+            chain.append(cursor)
+            cursor = meta.parent
+        chain.reverse()
+        return chain
+
+    def parent_tier(self, meta: BlockMeta) -> int:
+        """The fastest tier holding ``meta``'s parent (0 for a root, or a parent not held)."""
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        return min(parent.tiers) if parent is not None and parent.tiers else 0
+
+    def held_count(self) -> int:
+        return sum(1 for m in self._blocks.values() if m.tiers)
+
+    def pinned_count(self) -> int:
+        return sum(1 for m in self._blocks.values() if m.ref_cnt)
+
+    def expired_unpinned(self, now: float) -> list[BlockMeta]:
+        return [m for m in self._blocks.values() if m.expires_at <= now and not m.ref_cnt]
+
+    # -- touches ------------------------------------------------------------------------
+
+    def next_op(self) -> int:
+        """A new operation number (blocks touched by one operation share it)."""
+        return next(self._ops)
+
+    def touch_chain(
+        self, metas: Sequence[BlockMeta], now: float, ttl: float | None, *, hit: bool = True
+    ) -> None:
+        """``touch`` of each of ``metas`` (root first) in one operation, inlined for speed;
+        ``hit``: a lookup's match, counted in each block's ``hit_count``."""
+        op = next(self._ops)
+        seq = self._seq
+        hits = 1 if hit else 0
+        for meta in metas:
+            meta.hit_count += hits
+            if ttl is not None and ttl > meta.ttl_s:
+                meta.ttl_s = ttl
+            meta.last_access = now
+            meta.touch_op = op
+            expires = now + meta.ttl_s
+            if expires > meta.expires_at:
+                meta.expires_at = expires
+            meta.touch_seq = next(seq)
+
+    def touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
+        """Slide ``meta``'s expiry (its TTL raised to at least ``ttl``) and LRU position."""
+        if ttl is not None and ttl > meta.ttl_s:
+            meta.ttl_s = ttl
+        meta.last_access = now
+        meta.touch_op = op
+        meta.expires_at = max(meta.expires_at, now + meta.ttl_s)
+        meta.touch_seq = next(self._seq)
+
+    # -- copies -------------------------------------------------------------------------
+
+    def add_copy(self, meta: BlockMeta, tier: int) -> bool:
+        """``tier`` now holds ``meta``'s payload; False when it already did."""
+        if tier in meta.tiers:
+            return False
+        if not meta.tiers:
+            self._held_kid_changed(meta, +1)
+        meta.tiers.add(tier)
+        self.tier_blocks[tier] += 1
+        if meta.ref_cnt:
+            self.pinned_bytes[tier] += meta.nbytes
+        meta.child_count[tier] = sum(
+            1 for kid in self._kids.get(meta.block_hash, ()) if tier in self._blocks[kid].tiers
+        )
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        if parent is not None and tier in parent.tiers:
+            parent.child_count[tier] += 1
+        for held in meta.tiers:
+            self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
+        if self._policy.queued(tier) > 8 * self.tier_blocks[tier] + 4096:
+            self._policy.rebuild(tier, (m for m in self._blocks.values() if tier in m.tiers))
+        return True
+
+    def remove_copy(self, meta: BlockMeta, tier: int) -> bool:
+        """``tier`` no longer holds ``meta``'s payload (the record goes with its last copy
+        unless pinned); False when it did not hold it."""
+        if tier not in meta.tiers:
+            return False
+        meta.tiers.discard(tier)
+        self.tier_blocks[tier] -= 1
+        if meta.ref_cnt:
+            self.pinned_bytes[tier] -= meta.nbytes
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        if parent is not None and tier in parent.tiers:
+            parent.child_count[tier] -= 1
+            self._policy.track(parent, tier)
+        if not meta.tiers:
+            self._held_kid_changed(meta, -1)
+            if not meta.ref_cnt:
+                self.forget(meta)
+        return True
+
+    def _held_kid_changed(self, meta: BlockMeta, delta: int) -> None:
+        """``meta`` gained its first or lost its last copy: its parent's ``held_kids``."""
+        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        if parent is None:
+            return
+        parent.held_kids += delta
+        if parent.held_kids == 0:
+            for tier in parent.tiers:
+                self._policy.track(parent, tier)
+
+    # -- adoption: blocks a tier holds that this index did not make --------------------
+
+    def adopt_located(
+        self, block_hash: BlockHash, remote: LocatedBlock, now: float, default_ttl: float
+    ) -> BlockMeta:
+        """The record of a block the fleet's shared tier holds unexpired (``remote``), made
+        or with its expiry raised to the shared one; the caller adds the copy."""
+        assert remote.expires_at is not None
+        meta = self._blocks.get(block_hash)
+        if meta is None:
+            return self.new_record(
+                block_hash,
+                parent=remote.parent,
+                namespace_root=remote.namespace_root,
+                nbytes=remote.nbytes,
+                ttl_s=max(default_ttl, remote.expires_at - now),
+                created=now,
+                last_access=now,
+                expires_at=remote.expires_at,
+            )
+        meta.expires_at = max(meta.expires_at, remote.expires_at)
+        return meta
+
+    def adopt_recovered(
+        self, found: RecoveredBlock, tier: int, now: float, default_ttl: float
+    ) -> None:
+        """Index a block a durable tier found on start; ``relink`` once all are in."""
+        meta = self._blocks.get(found.block_hash)
+        if meta is None:
+            last_access = min(found.mtime, now)
+            ttl = found.ttl_s if found.ttl_s is not None else default_ttl
+            meta = self.new_record(
+                found.block_hash,
+                parent=found.parent,
+                namespace_root=found.namespace_root,
+                nbytes=found.nbytes,
+                ttl_s=ttl,
+                created=found.mtime,
+                last_access=last_access,
+                expires_at=(
+                    found.expires_at if found.expires_at is not None else last_access + ttl
+                ),
+            )
+        meta.tiers.add(tier)
+        self.tier_blocks[tier] += 1
+
+    def relink(self) -> None:
+        """After ``adopt_recovered``: count each record's held children, per tier and in
+        all, and build the eviction order of every tier."""
+        for meta in self._blocks.values():
+            meta.held_kids = 0
+            for kid_hash in self._kids.get(meta.block_hash, ()):
+                kid = self._blocks[kid_hash]
+                if kid.tiers:
+                    meta.held_kids += 1
+                for index in kid.tiers & meta.tiers:
+                    meta.child_count[index] += 1
+        for index in range(self._num_tiers):
+            self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
+
+    # -- pins and leases ----------------------------------------------------------------
+
+    def ref(self, meta: BlockMeta) -> None:
+        if meta.ref_cnt == 0:
+            for tier in meta.tiers:
+                self.pinned_bytes[tier] += meta.nbytes
+        meta.ref_cnt += 1
+
+    def unref(self, meta: BlockMeta) -> None:
+        if meta.ref_cnt <= 0:
+            return
+        meta.ref_cnt -= 1
+        if meta.ref_cnt == 0:
+            for tier in meta.tiers:
+                self.pinned_bytes[tier] -= meta.nbytes
+                self._policy.track(meta, tier)
+        elif meta.ref_cnt == meta.pins and len(meta.tiers) > 1:
+            for tier in meta.tiers:
+                self._policy.track(meta, tier)  # only session pins left: copies are spare
+
+    def unref_all(self, hashes: Sequence[BlockHash]) -> None:
+        for block_hash in hashes:
+            meta = self._blocks.get(block_hash)
+            if meta is not None:
+                self.unref(meta)
+
+    def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """A session pin on the longest held prefix of ``hashes``; returns the pinned ids."""
+        pinned: list[BlockHash] = []
+        for block_hash in hashes:
+            meta = self._blocks.get(block_hash)
+            if meta is None or not meta.tiers:
+                break
+            meta.pins += 1
+            self.ref(meta)
+            pinned.append(block_hash)
+        return pinned
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        """Undo ``pin`` for the same ids."""
+        for block_hash in hashes:
+            meta = self._blocks.get(block_hash)
+            if meta is not None and meta.pins:
+                meta.pins -= 1
+        self.unref_all(hashes)
+
+    def lease(self, metas: Sequence[BlockMeta], expires_at: float) -> Lease:
+        """Pin ``metas`` until ``release`` or ``expires_at``."""
+        lease = Lease(secrets.token_hex(16), tuple(m.block_hash for m in metas), expires_at)
+        for meta in metas:
+            self.ref(meta)
+        self._leases[lease.id] = lease
+        return lease
+
+    def release(self, lease_id: str) -> bool:
+        """Unpin a lease's blocks; False when it is unknown or already over."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self.unref_all(lease.hashes)
+        return True
+
+    def reap_leases(self, now: float) -> None:
+        """Release the leases over at ``now``."""
+        if not self._leases:
+            return
+        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
+            self.unref_all(self._leases.pop(lease_id).hashes)
+
+    def lease_count(self) -> int:
+        return len(self._leases)
