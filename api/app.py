@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from api import errors, metrics
 from api.routes import blocks, lookup, sessions, store, system
 from sessioncache import __version__
-from sessioncache.service import CacheNode
+from sessioncache.node import CacheNode
 
 
 def create_app(node: CacheNode) -> FastAPI:

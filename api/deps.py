@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.errors import AuthRequired
-from sessioncache.service import CacheNode
+from sessioncache.node import CacheNode
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 

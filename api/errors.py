@@ -15,7 +15,7 @@ from sessioncache.errors import (
     SessionCacheError,
     UnknownTier,
 )
-from sessioncache.service import UploadRefused
+from sessioncache.node import UploadRefused
 from sessioncache.sessions import SessionNotFound
 
 STATUS: list[tuple[type[SessionCacheError], int]] = [

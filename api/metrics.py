@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sessioncache.service import CacheNode
+from sessioncache.node import CacheNode
 from tiers.base import CheckedTier
 
 

@@ -12,8 +12,8 @@ class BlockMeta:
     """What the store knows of one block, wherever its payload lives.
 
     ``tiers`` holds the indices of the tiers that have the payload (a promoted block is in
-    several); ``child_count[t]`` counts this block's children held in tier ``t``, which keeps
-    a parent from being evicted before its tail. ``held_kids`` counts its children held in any
+    several); ``children_in[t]`` counts this block's children held in tier ``t``, which keeps
+    a parent from being evicted before its tail. ``children_held`` counts its children held in any
     tier: the last copy of a parent is not dropped while a child of it is held anywhere.
     ``ref_cnt`` counts pins: leases, live sessions and in-flight moves; a block with
     ``ref_cnt > 0`` is never a victim. ``pins`` counts the live sessions' among them: those
@@ -28,18 +28,18 @@ class BlockMeta:
     created: float
     last_access: float
     expires_at: float
-    child_count: list[int]
+    children_in: list[int]
     tiers: set[int] = field(default_factory=set)
     ref_cnt: int = 0
     pins: int = 0
-    held_kids: int = 0
+    children_held: int = 0
     hit_count: int = 0
-    touch_op: int = 0
-    touch_seq: int = 0
+    touched_by_op: int = 0
+    touch_order: int = 0
 
     def lru_key(self) -> tuple[float, int, int]:
         """Sort key of LRU order: older first; of one operation's blocks, the deepest first."""
-        return (self.last_access, self.touch_op, -self.touch_seq)
+        return (self.last_access, self.touched_by_op, -self.touch_order)
 
     def expired(self, now: float) -> bool:
         return self.expires_at <= now
@@ -48,6 +48,6 @@ class BlockMeta:
         """Unpinned, held in ``tier``, and the tail of its chain there; from the ``last``
         tier (where a victim is dropped, not demoted) also not the last copy of a parent
         whose child is held elsewhere."""
-        if self.ref_cnt or tier not in self.tiers or self.child_count[tier]:
+        if self.ref_cnt or tier not in self.tiers or self.children_in[tier]:
             return False
-        return not last or not self.held_kids or len(self.tiers) > 1
+        return not last or not self.children_held or len(self.tiers) > 1

@@ -6,16 +6,16 @@ import logging
 from collections.abc import Callable, Sequence
 
 from sessioncache.catalog.reconcile import CatalogRecoveredTier, reconcile
-from sessioncache.catalog.writer import Catalog
+from sessioncache.catalog.repository import Catalog
 from sessioncache.clock import Clock
 from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
 from sessioncache.events import StoreObserver
 from sessioncache.fleet import FleetIndex, FleetObserver
+from sessioncache.node import CacheNode
 from sessioncache.redis_link import client_factory
-from sessioncache.service import CacheNode
 from sessioncache.sessions import SessionManager
-from sessioncache.shared import SharedExpiryRefresher
+from sessioncache.shared_expiry import SharedExpiryRefresher
 from sessioncache.store import TieredStore
 from sessioncache.sweeper import sweeper
 from sessioncache.tenancy import NamespaceOwners

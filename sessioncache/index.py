@@ -1,8 +1,8 @@
 """The block index: what the store knows of every block, apart from where the bytes are copied.
 
 * Block records (``BlockMeta``, one per block, made by ``new_record`` only) and chain links
-  (each parent's children), from which each record's ``child_count`` (children held in the
-  same tier) and ``held_kids`` (children held in any tier) are kept.
+  (each parent's children), from which each record's ``children_in`` (children held in the
+  same tier) and ``children_held`` (children held in any tier) are kept.
 * Per tier: how many blocks it holds and how many of its bytes are pinned.
 * Pins (``ref``/``unref``: leases, sessions, moves in flight) and leases, reaped by time.
 * The eviction order: every change that may make a block a victim is offered to the
@@ -70,7 +70,7 @@ class BlockIndex:
         last_access: float,
         expires_at: float,
         ref_cnt: int = 0,
-        touch_op: int = 0,
+        touched_by_op: int = 0,
     ) -> BlockMeta:
         """Make and index the record of a block not in the index (held in no tier yet)."""
         meta = BlockMeta(
@@ -82,13 +82,15 @@ class BlockIndex:
             created=created,
             last_access=last_access,
             expires_at=expires_at,
-            child_count=[0] * self._num_tiers,
+            children_in=[0] * self._num_tiers,
             # Children still held: a record made anew (its old one was forgotten while they
-            # were held) must count them, or ``held_kids`` goes negative.
-            held_kids=sum(1 for kid in self._kids.get(block_hash, ()) if self._blocks[kid].tiers),
+            # were held) must count them, or ``children_held`` goes negative.
+            children_held=sum(
+                1 for kid in self._kids.get(block_hash, ()) if self._blocks[kid].tiers
+            ),
             ref_cnt=ref_cnt,
-            touch_op=touch_op,
-            touch_seq=next(self._seq),
+            touched_by_op=touched_by_op,
+            touch_order=next(self._seq),
         )
         self._blocks[block_hash] = meta
         if parent is not None:
@@ -112,7 +114,7 @@ class BlockIndex:
         meta = self._blocks.get(block_hash)
         if meta is None:
             return None
-        return replace(meta, tiers=set(meta.tiers), child_count=list(meta.child_count))
+        return replace(meta, tiers=set(meta.tiers), children_in=list(meta.children_in))
 
     def held(self, block_hash: BlockHash, now: float) -> BlockMeta | None:
         """The record of ``block_hash`` if a tier holds it unexpired."""
@@ -178,20 +180,20 @@ class BlockIndex:
             if ttl is not None and ttl > meta.ttl_s:
                 meta.ttl_s = ttl
             meta.last_access = now
-            meta.touch_op = op
+            meta.touched_by_op = op
             expires = now + meta.ttl_s
             if expires > meta.expires_at:
                 meta.expires_at = expires
-            meta.touch_seq = next(seq)
+            meta.touch_order = next(seq)
 
     def touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
         """Slide ``meta``'s expiry (its TTL raised to at least ``ttl``) and LRU position."""
         if ttl is not None and ttl > meta.ttl_s:
             meta.ttl_s = ttl
         meta.last_access = now
-        meta.touch_op = op
+        meta.touched_by_op = op
         meta.expires_at = max(meta.expires_at, now + meta.ttl_s)
-        meta.touch_seq = next(self._seq)
+        meta.touch_order = next(self._seq)
 
     # -- copies -------------------------------------------------------------------------
 
@@ -200,17 +202,17 @@ class BlockIndex:
         if tier in meta.tiers:
             return False
         if not meta.tiers:
-            self._held_kid_changed(meta, +1)
+            self._children_held_changed(meta, +1)
         meta.tiers.add(tier)
         self.tier_blocks[tier] += 1
         if meta.ref_cnt:
             self.pinned_bytes[tier] += meta.nbytes
-        meta.child_count[tier] = sum(
+        meta.children_in[tier] = sum(
             1 for kid in self._kids.get(meta.block_hash, ()) if tier in self._blocks[kid].tiers
         )
         parent = self._blocks.get(meta.parent) if meta.parent is not None else None
         if parent is not None and tier in parent.tiers:
-            parent.child_count[tier] += 1
+            parent.children_in[tier] += 1
         for held in meta.tiers:
             self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
         if self._policy.queued(tier) > 8 * self.tier_blocks[tier] + 4096:
@@ -228,21 +230,21 @@ class BlockIndex:
             self.pinned_bytes[tier] -= meta.nbytes
         parent = self._blocks.get(meta.parent) if meta.parent is not None else None
         if parent is not None and tier in parent.tiers:
-            parent.child_count[tier] -= 1
+            parent.children_in[tier] -= 1
             self._policy.track(parent, tier)
         if not meta.tiers:
-            self._held_kid_changed(meta, -1)
+            self._children_held_changed(meta, -1)
             if not meta.ref_cnt:
                 self.forget(meta)
         return True
 
-    def _held_kid_changed(self, meta: BlockMeta, delta: int) -> None:
-        """``meta`` gained its first or lost its last copy: its parent's ``held_kids``."""
+    def _children_held_changed(self, meta: BlockMeta, delta: int) -> None:
+        """``meta`` gained its first or lost its last copy: its parent's ``children_held``."""
         parent = self._blocks.get(meta.parent) if meta.parent is not None else None
         if parent is None:
             return
-        parent.held_kids += delta
-        if parent.held_kids == 0:
+        parent.children_held += delta
+        if parent.children_held == 0:
             for tier in parent.tiers:
                 self._policy.track(parent, tier)
 
@@ -296,13 +298,13 @@ class BlockIndex:
         """After ``adopt_recovered``: count each record's held children, per tier and in
         all, and build the eviction order of every tier."""
         for meta in self._blocks.values():
-            meta.held_kids = 0
+            meta.children_held = 0
             for kid_hash in self._kids.get(meta.block_hash, ()):
                 kid = self._blocks[kid_hash]
                 if kid.tiers:
-                    meta.held_kids += 1
+                    meta.children_held += 1
                 for index in kid.tiers & meta.tiers:
-                    meta.child_count[index] += 1
+                    meta.children_in[index] += 1
         for index in range(self._num_tiers):
             self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
 

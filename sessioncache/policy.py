@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
 
-_Entry = tuple[float, int, int, BlockHash]  # (time, touch_op, -touch_seq, id)
+_Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
 
 
 class EvictionPolicy:
@@ -57,7 +57,7 @@ class EvictionPolicy:
     def track(self, meta: BlockMeta, tier: int) -> None:
         """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail or a spare
         copy there."""
-        op, neg_seq = meta.touch_op, -meta.touch_seq
+        op, neg_seq = meta.touched_by_op, -meta.touch_order
         if spare_copy(meta, tier):
             heapq.heappush(self._spare[tier], (meta.last_access, op, neg_seq, meta.block_hash))
         if not meta.evictable_from(tier, last=tier == self._last):
@@ -84,7 +84,7 @@ class EvictionPolicy:
                 ):
                     continue  # no longer a candidate there: a stale entry
                 time = meta.expires_at if by_expiry else meta.last_access
-                current = (time, meta.touch_op, -meta.touch_seq, meta.block_hash)
+                current = (time, meta.touched_by_op, -meta.touch_order, meta.block_hash)
                 if current == entry:
                     return meta
                 heapq.heappush(heap, current)  # touched since: back in line, later

@@ -596,7 +596,7 @@ class TieredStore:
                 last_access=now,
                 expires_at=now + ttl,
                 ref_cnt=1,
-                touch_op=op,
+                touched_by_op=op,
             )
 
     def _add_to_tier(self, meta: BlockMeta, tier: int) -> None:

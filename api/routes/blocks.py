@@ -16,7 +16,7 @@ from api.errors import BodyTooLarge
 from api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
 from sessioncache.errors import BlockNotFound, InvalidInput
 from sessioncache.hashing import BlockHash, from_hex
-from sessioncache.service import CacheNode
+from sessioncache.node import CacheNode
 from sessioncache.wire import BATCH_MEDIA_TYPE, batch_head, batch_record
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])

@@ -3,13 +3,13 @@
 * ``models``     SQLAlchemy 2.x tables (the schema is owned by the Alembic ``migrations``)
 * ``db``         engines: SQLite in WAL mode under the data directory, or PostgreSQL
 * ``migrate``    Alembic driven from code (``sessioncache db upgrade``)
-* ``writer``     ``Catalog``: store observer and session repository, written behind
+* ``repository`` ``Catalog``: store observer and session repository, written behind
 * ``reconcile``  start-up reconciliation of the catalog with the durable tiers
 """
 
 from sessioncache.catalog.db import default_url, make_engine, resolve_url
 from sessioncache.catalog.reconcile import CatalogRecoveredTier, ReconcileReport, reconcile
-from sessioncache.catalog.writer import (
+from sessioncache.catalog.repository import (
     BlockRecord,
     Catalog,
     CatalogError,

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import xxhash
 
-from sessioncache.catalog.writer import BlockRecord, Catalog
+from sessioncache.catalog.repository import BlockRecord, Catalog
 from sessioncache.hashing import BlockHash
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
 from tiers.base import RecoverableTier, RecoveredBlock, Tier

@@ -27,7 +27,7 @@ def meta(
         created=0.0,
         last_access=last_access,
         expires_at=expires_at,
-        child_count=[0] * TIERS,
+        children_in=[0] * TIERS,
         tiers=tiers,
         ref_cnt=ref_cnt,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 from sessioncache.config import Settings
 from sessioncache.factory import build_store, open_node
 from sessioncache.hashing import BlockHash
-from sessioncache.service import CacheNode
+from sessioncache.node import CacheNode
 from tests.support.cli import run_cli_json
 
 NS = b"gc-test-namespac"

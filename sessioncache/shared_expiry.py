@@ -17,7 +17,7 @@ from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
 from tiers.base import SharedTier
 
-log = logging.getLogger("sessioncache.shared")
+log = logging.getLogger("sessioncache.shared_expiry")
 
 
 class SharedExpiryRefresher:

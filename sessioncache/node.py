@@ -31,7 +31,7 @@ from sessioncache.uploads import UploadSlots
 from tiers.base import CheckedTier
 from tiers.payload import Payload, as_memoryview
 
-log = logging.getLogger("sessioncache.service")
+log = logging.getLogger("sessioncache.node")
 
 OPEN_TENANT = "default"
 

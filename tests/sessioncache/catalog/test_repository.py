@@ -301,7 +301,7 @@ def meta(i: int) -> BlockMeta:
         created=1.0,
         last_access=1.0,
         expires_at=61.0,
-        child_count=[0],
+        children_in=[0],
         tiers={0},
     )
 
