@@ -7,9 +7,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors, metrics
-from api.routes import blocks, lookup, sessions, store, system
 from sessioncache import __version__
+from sessioncache.api import errors, metrics
+from sessioncache.api.routes import blocks, lookup, sessions, store, system
 from sessioncache.node import CacheNode
 
 

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.errors import AuthRequired
+from sessioncache.api.errors import AuthRequired
 from sessioncache.node import CacheNode
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore

@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessioncache.node import CacheNode
-from tiers.base import CheckedTier
+from sessioncache.tiers.base import CheckedTier
 
 
 class StoreCollector(Collector):

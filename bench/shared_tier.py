@@ -32,7 +32,7 @@ import numpy as np
 
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import make_client
-from tiers.redis import PutItem, RedisTier
+from sessioncache.tiers.redis import PutItem, RedisTier
 
 MiB = 1 << 20
 NS = b"\x01" * 16

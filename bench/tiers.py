@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from sessioncache.hashing import BlockHash
-from tiers.base import Tier
-from tiers.cpu import CpuTier
-from tiers.disk import DiskTier
-from tiers.gpu import GpuTier
+from sessioncache.tiers.base import Tier
+from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.disk import DiskTier
+from sessioncache.tiers.gpu import GpuTier
 
 MiB = 1 << 20
 NS = b"\x00" * 16

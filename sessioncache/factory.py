@@ -19,11 +19,11 @@ from sessioncache.shared_expiry import SharedExpiryRefresher
 from sessioncache.store import TieredStore
 from sessioncache.sweeper import sweeper
 from sessioncache.tenancy import NamespaceOwners
-from tiers.base import RecoverableTier, Tier
-from tiers.cpu import CpuTier
-from tiers.disk import DiskTier
-from tiers.gpu import GpuTier
-from tiers.redis import RedisTier
+from sessioncache.tiers.base import RecoverableTier, Tier
+from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.disk import DiskTier
+from sessioncache.tiers.gpu import GpuTier
+from sessioncache.tiers.redis import RedisTier
 
 log = logging.getLogger("sessioncache.factory")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
 from sessioncache.policy import EvictionPolicy
-from tiers.base import LocatedBlock, RecoveredBlock
+from sessioncache.tiers.base import LocatedBlock, RecoveredBlock
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,9 +27,9 @@ from sessioncache.hashing import (
 from sessioncache.sessions import SessionManager
 from sessioncache.store import Match, TieredStore
 from sessioncache.tenancy import NamespaceOwners
+from sessioncache.tiers.base import CheckedTier
+from sessioncache.tiers.payload import Payload, as_memoryview
 from sessioncache.uploads import UploadSlots
-from tiers.base import CheckedTier
-from tiers.payload import Payload, as_memoryview
 
 log = logging.getLogger("sessioncache.node")
 

@@ -40,7 +40,7 @@ from typing import Protocol
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import BlockHash
 from sessioncache.store import Match, PutResult, TieredStore
-from tiers.payload import Payload
+from sessioncache.tiers.payload import Payload
 
 DAY_S = 86400.0
 DEFAULT_KIND_TTLS: Mapping[str, float] = {"agent": 3 * DAY_S, "chat": 7 * DAY_S}

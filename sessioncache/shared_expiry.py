@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
-from tiers.base import SharedTier
+from sessioncache.tiers.base import SharedTier
 
 log = logging.getLogger("sessioncache.shared_expiry")
 

@@ -53,8 +53,8 @@ from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index import BlockIndex, Lease
 from sessioncache.policy import EvictionPolicy
-from tiers.base import CheckedTier, RecoverableTier, SharedTier, Tier
-from tiers.payload import Payload, as_memoryview, payload_nbytes
+from sessioncache.tiers.base import CheckedTier, RecoverableTier, SharedTier, Tier
+from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
 
 log = logging.getLogger("sessioncache.store")
 

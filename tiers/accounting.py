@@ -21,7 +21,7 @@ import torch
 
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from tiers.payload import Payload, payload_nbytes
+from sessioncache.tiers.payload import Payload, payload_nbytes
 
 _ZERO = torch.zeros(1, dtype=torch.uint8)
 _VIEWS: dict[int, torch.Tensor] = {}

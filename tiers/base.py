@@ -39,7 +39,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from sessioncache.hashing import BlockHash
-from tiers.payload import Payload
+from sessioncache.tiers.payload import Payload
 
 
 @runtime_checkable

@@ -56,9 +56,16 @@ import xxhash
 
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from tiers.base import RecoveredBlock
-from tiers.header import HEADER, HEADER_SIZE, VERSION, HeaderCodec, InvalidBlock, check_id
-from tiers.payload import Payload, as_memoryview, payload_nbytes
+from sessioncache.tiers.base import RecoveredBlock
+from sessioncache.tiers.header import (
+    HEADER,
+    HEADER_SIZE,
+    VERSION,
+    HeaderCodec,
+    InvalidBlock,
+    check_id,
+)
+from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier
+from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier
 
 
 def default_device() -> torch.device:

@@ -70,7 +70,7 @@ from sessioncache.redis_link import (
     describe_error,
     sends_parts,
 )
-from tiers.header import (
+from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
     VERSION,
@@ -78,7 +78,7 @@ from tiers.header import (
     InvalidBlock,
     check_id,
 )
-from tiers.payload import Payload, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
 
 __all__ = [
     "HEADER",

@@ -24,7 +24,7 @@ import torch
 
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from tiers.payload import Payload, as_byte_tensor, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_byte_tensor, as_memoryview, payload_nbytes
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 

@@ -10,10 +10,10 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from api.buffers import BufferPool
-from api.deps import NodeDep, TenantDep
-from api.errors import BodyTooLarge
-from api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
+from sessioncache.api.buffers import BufferPool
+from sessioncache.api.deps import NodeDep, TenantDep
+from sessioncache.api.errors import BodyTooLarge
+from sessioncache.api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
 from sessioncache.errors import BlockNotFound, InvalidInput
 from sessioncache.hashing import BlockHash, from_hex
 from sessioncache.node import CacheNode

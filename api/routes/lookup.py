@@ -6,8 +6,8 @@ import json
 
 from fastapi import APIRouter, Response
 
-from api.deps import NodeDep, TenantDep
-from api.schemas import ErrorOut, LookupRequest, LookupResponse
+from sessioncache.api.deps import NodeDep, TenantDep
+from sessioncache.api.schemas import ErrorOut, LookupRequest, LookupResponse
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 

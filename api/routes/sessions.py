@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import SessionsDep, TenantDep
-from api.schemas import ErrorOut, SessionCreate, SessionExtend, SessionList, SessionOut
+from sessioncache.api.deps import SessionsDep, TenantDep
+from sessioncache.api.schemas import ErrorOut, SessionCreate, SessionExtend, SessionList, SessionOut
 from sessioncache.sessions import Session
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import NodeDep, TenantDep
-from api.schemas import ErrorOut, StoreRequest, StoreResponse
+from sessioncache.api.deps import NodeDep, TenantDep
+from sessioncache.api.schemas import ErrorOut, StoreRequest, StoreResponse
 
 router = APIRouter(prefix="/v1", tags=["store"])
 

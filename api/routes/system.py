@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import NodeDep, SessionsDep, StoreDep, TenantDep
-from api.schemas import GcOut, StatsOut, TierStatsOut, WhoAmI
+from sessioncache.api.deps import NodeDep, SessionsDep, StoreDep, TenantDep
+from sessioncache.api.schemas import GcOut, StatsOut, TierStatsOut, WhoAmI
 
 router = APIRouter(tags=["system"])
 

@@ -24,7 +24,7 @@ VERSION_TABLE = "alembic_version"
 
 def script_location() -> Path:
     """The folder of the Alembic environment (the ``migrations`` package)."""
-    import migrations
+    from sessioncache import migrations
 
     return Path(migrations.__file__).resolve().parent
 

@@ -33,8 +33,8 @@ import xxhash
 from sessioncache.catalog.repository import BlockRecord, Catalog
 from sessioncache.hashing import BlockHash
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
-from tiers.base import RecoverableTier, RecoveredBlock, Tier
-from tiers.payload import Payload, as_memoryview
+from sessioncache.tiers.base import RecoverableTier, RecoveredBlock, Tier
+from sessioncache.tiers.payload import Payload, as_memoryview
 
 log = logging.getLogger("sessioncache.catalog.reconcile")
 

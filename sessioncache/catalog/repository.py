@@ -56,7 +56,7 @@ from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import SessionCacheError
 from sessioncache.hashing import BlockHash
 from sessioncache.sessions import Session
-from tiers.base import Tier
+from sessioncache.tiers.base import Tier
 
 if TYPE_CHECKING:
     from sessioncache.events import StoreObserver

@@ -44,7 +44,7 @@ def widen_body_window(limit: int = BODY_READ_WINDOW) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from api.app import create_app
+    from sessioncache.api.app import create_app
     from sessioncache.config import Settings
     from sessioncache.factory import open_node
 

@@ -44,7 +44,7 @@ from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.trace import Request, Trace
 from sessioncache.sessions import SessionManager, SessionNotFound
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
-from tiers.accounting import AccountingTier, zero_payload
+from sessioncache.tiers.accounting import AccountingTier, zero_payload
 
 NAMESPACE_ROOT = b"sessioncache-rpl"
 """The one namespace root of a replay: trace ids are already distinct per session file."""

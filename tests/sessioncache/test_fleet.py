@@ -21,7 +21,7 @@ from sessioncache.fleet import FleetIndex, FleetObserver
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import client_factory, make_client
 from sessioncache.store import TieredStore
-from tiers.cpu import CpuTier
+from sessioncache.tiers.cpu import CpuTier
 
 URL = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NS = b"\x07" * 16

@@ -13,7 +13,7 @@ from sessioncache.errors import InvalidInput
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.sessions import DAY_S, SessionManager, SessionNotFound
 from sessioncache.store import TieredStore
-from tiers.cpu import CpuTier
+from sessioncache.tiers.cpu import CpuTier
 
 NS = Namespace("test-model", 4, "float16", "test-layout")
 ROOT = NS.root()

@@ -19,8 +19,8 @@ from sessioncache.errors import (
 )
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
-from tiers.cpu import CpuTier
-from tiers.gpu import GpuTier
+from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.gpu import GpuTier
 
 NS = Namespace("test-model", 4, "float16", "test-layout")
 ROOT = NS.root()

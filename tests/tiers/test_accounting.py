@@ -13,9 +13,9 @@ from sessioncache.clock import ManualClock
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.store import TieredStore
-from tiers.accounting import AccountingTier, zero_payload
-from tiers.base import Tier
-from tiers.payload import payload_nbytes
+from sessioncache.tiers.accounting import AccountingTier, zero_payload
+from sessioncache.tiers.base import Tier
+from sessioncache.tiers.payload import payload_nbytes
 
 NS = b"\x07" * 16
 

@@ -13,16 +13,16 @@ import torch
 
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from tiers.base import Tier
-from tiers.cpu import CpuTier
-from tiers.gpu import GpuTier
+from sessioncache.tiers.base import Tier
+from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.gpu import GpuTier
 
 NS = b"\x07" * 16
 TierFactory = Callable[[int], Tier]
 
 
 def _disk(tmp_path: Path) -> TierFactory:
-    from tiers.disk import DiskTier
+    from sessioncache.tiers.disk import DiskTier
 
     counter = iter(range(1_000_000))
     return lambda capacity: DiskTier.open(tmp_path / f"disk{next(counter)}", capacity)
@@ -35,7 +35,7 @@ def _redis(_: Path) -> TierFactory:
     import uuid
 
     from sessioncache.redis_link import make_client
-    from tiers.redis import RedisTier
+    from sessioncache.tiers.redis import RedisTier
 
     url = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     return lambda capacity: RedisTier(

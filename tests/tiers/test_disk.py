@@ -18,11 +18,11 @@ import pytest
 import torch
 import xxhash
 
-import tiers.disk as disk_mod
+import sessioncache.tiers.disk as disk_mod
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from tiers.base import RecoverableTier, RecoveredBlock, Tier
-from tiers.disk import HEADER_SIZE, DiskTier, decode_header
+from sessioncache.tiers.base import RecoverableTier, RecoveredBlock, Tier
+from sessioncache.tiers.disk import HEADER_SIZE, DiskTier, decode_header
 
 NS = b"N" * 16
 NS2 = b"M" * 16
@@ -462,7 +462,7 @@ _WRITER = textwrap.dedent(
     import sys
     import numpy as np
     import xxhash
-    from tiers.disk import DiskTier
+    from sessioncache.tiers.disk import DiskTier
 
     tier = DiskTier.open(sys.argv[1], 1 << 40)
     i = 0

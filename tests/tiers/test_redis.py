@@ -27,8 +27,8 @@ from sessioncache.redis_link import (
     make_client,
 )
 from sessioncache.redis_link import sends_parts as _sends_parts
-from tiers.base import CheckedTier, Tier
-from tiers.redis import HEADER_SIZE, PutItem, RedisTier, encode_header
+from sessioncache.tiers.base import CheckedTier, Tier
+from sessioncache.tiers.redis import HEADER_SIZE, PutItem, RedisTier, encode_header
 
 URL = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NS = b"\x07" * 16

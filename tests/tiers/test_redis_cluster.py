@@ -22,8 +22,8 @@ from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import make_client
 from sessioncache.redis_link import sends_parts as _sends_parts
-from tiers.base import Tier
-from tiers.redis import HEADER_SIZE, PutItem, RedisTier
+from sessioncache.tiers.base import Tier
+from sessioncache.tiers.redis import HEADER_SIZE, PutItem, RedisTier
 
 NS = b"\x07" * 16
 TESTS = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from sessioncache.hashing import BlockHash
-from tiers.cpu import CpuTier
-from tiers.gpu import GpuTier, default_device
+from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.gpu import GpuTier, default_device
 
 NS = b"\x01" * 16
 

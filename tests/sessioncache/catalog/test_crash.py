@@ -19,7 +19,7 @@ from sessioncache.catalog.reconcile import CatalogRecoveredTier, reconcile
 from sessioncache.hashing import BlockHash, Namespace
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
-from tiers.disk import DiskTier
+from sessioncache.tiers.disk import DiskTier
 
 NS = Namespace("test-model", 4, "float16", "test-layout")
 ROOT = NS.root()
@@ -34,7 +34,7 @@ from sessioncache.catalog import Catalog
 from sessioncache.hashing import Namespace, block_hashes
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
-from tiers.disk import DiskTier
+from sessioncache.tiers.disk import DiskTier
 
 cfg = json.loads(sys.argv[1])
 ns = Namespace("test-model", 4, "float16", "test-layout")

@@ -13,9 +13,9 @@ from sessioncache.catalog.reconcile import CatalogRecoveredTier, checksum_of, re
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.store import TieredStore
-from tiers.base import RecoverableTier, Tier
-from tiers.cpu import CpuTier
-from tiers.disk import DiskTier
+from sessioncache.tiers.base import RecoverableTier, Tier
+from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.disk import DiskTier
 
 NS = Namespace("test-model", 4, "float16", "test-layout")
 ROOT = NS.root()

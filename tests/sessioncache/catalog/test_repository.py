@@ -13,8 +13,8 @@ from sessioncache.catalog import BlockRecord
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.store import TieredStore
-from tiers.cpu import CpuTier
-from tiers.disk import DiskTier
+from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.disk import DiskTier
 
 NS = Namespace("test-model", 4, "float16", "test-layout")
 ROOT = NS.root()

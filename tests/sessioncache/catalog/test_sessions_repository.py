@@ -12,7 +12,7 @@ from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.sessions import Session, SessionManager
 from sessioncache.store import TieredStore
-from tiers.disk import DiskTier
+from sessioncache.tiers.disk import DiskTier
 
 NS = Namespace("test-model", 4, "float16", "test-layout")
 HEAD = BlockHash(bytes(range(16)))
