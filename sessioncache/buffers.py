@@ -1,4 +1,4 @@
-"""Reusable receive buffers for block uploads.
+"""Reusable receive buffers for block uploads (REST PUTs and data-plane STOREs).
 
 A fresh buffer per upload costs a page fault per 4 KiB on first touch, which on virtual
 machines is slower than the copy itself (bench/tiers.py vs bench/transfer.py). Uploads of one
