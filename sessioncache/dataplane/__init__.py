@@ -1,0 +1,6 @@
+"""The data plane: block payloads between engines and a node over a persistent binary
+stream, beside the REST control plane (``docs/dataplane.md``).
+
+``frames`` is the wire format (no I/O), ``transport`` the seam a carrier implements (TCP and
+Unix-domain sockets here).
+"""
