@@ -2,5 +2,6 @@
 stream, beside the REST control plane (``docs/dataplane.md``).
 
 ``frames`` is the wire format (no I/O), ``transport`` the seam a carrier implements (TCP and
-Unix-domain sockets here).
+Unix-domain sockets here), ``ops`` the operations over a ``CacheNode``, ``server`` the node's
+threaded server.
 """
