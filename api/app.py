@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, metrics
-from api.routes import blocks, lookup, sessions, store, system
+from api.routes import blocks, lookup, namespaces, sessions, store, system
 from sessioncache import __version__
 from sessioncache.service import CacheNode
 
@@ -32,6 +32,6 @@ def create_app(node: CacheNode) -> FastAPI:
     app.state.node = node
     app.state.registry = metrics.install(app, node)
     errors.install(app)
-    for module in (lookup, store, blocks, sessions, system):
+    for module in (namespaces, lookup, store, blocks, sessions, system):
         app.include_router(module.router)
     return app

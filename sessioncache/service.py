@@ -133,15 +133,82 @@ class CacheNode:
         lease_s: float | None = None,
     ) -> LookupResult:
         hashes = self.hashes(tenant, namespace, token_bytes)
+        match = self._match(tenant, hashes, session_id=session_id, lease_s=lease_s)
+        self._count_tokens(match.num_blocks * namespace.block_tokens, len(token_bytes) // 4)
+        return LookupResult(namespace.block_tokens, hashes, match)
+
+    def lookup_ids(
+        self,
+        tenant: str,
+        namespace: Namespace,
+        hashes: Sequence[BlockHash],
+        *,
+        session_id: str | None = None,
+        lease_s: float | None = None,
+    ) -> LookupResult:
+        """``lookup`` by block ids the caller computed itself from ``namespace_root`` (no
+        re-hashing). The match covers only blocks of the chain rooted at the caller's root
+        for ``namespace``: an id of another tenant or namespace, or one that does not follow
+        its predecessor, is a miss, and the match stops there (``chain_prefix``)."""
+        if len(hashes) * namespace.block_tokens > self.settings.max_tokens:
+            raise InvalidInput(
+                f"{len(hashes)} blocks of {namespace.block_tokens} tokens exceed the limit of "
+                f"{self.settings.max_tokens} tokens"
+            )
+        root = self.namespace_root(tenant, namespace)
+        own = self.chain_prefix(root, hashes)
+        match = self._match(tenant, hashes[:own], session_id=session_id, lease_s=lease_s)
+        block_tokens = namespace.block_tokens
+        self._count_tokens(match.num_blocks * block_tokens, len(hashes) * block_tokens)
+        return LookupResult(block_tokens, list(hashes), match)
+
+    def chain_prefix(self, root: bytes, hashes: Sequence[BlockHash]) -> int:
+        """How many of ``hashes``, from the first, may match for a caller whose chain starts
+        at ``root``: block 0 is a held chain root under ``root`` and each next id is the held
+        child of the one before it. A block's root and parent never change (its id is their
+        digest), so linkage to the caller's block 0 proves the whole run is the caller's.
+
+        Cheap for the lookups clients make (a held run followed by blocks not held): one
+        record read, a binary search for the end of the held run (a lock round each), and one
+        ``chain_to`` walk under the store lock compared with the ids. Only a run with a hole
+        or a foreign id reads the records one by one."""
+        store = self.store
+        if not hashes:
+            return 0
+        first = store.meta(hashes[0])
+        if first is None or first.parent is not None or first.namespace_root != root:
+            return 0
+        lo, hi = 1, len(hashes)
+        while lo < hi:  # the last held block, assuming the held blocks are a prefix
+            mid = (lo + hi + 1) // 2
+            if store.contains(hashes[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        if store.chain_to(hashes[lo - 1]) == list(hashes[:lo]):
+            return lo
+        for i in range(1, lo):  # a hole in the held run, or ids that are no chain
+            meta = store.meta(hashes[i])
+            if meta is None or meta.parent != hashes[i - 1]:
+                return i
+        return lo
+
+    def _match(
+        self,
+        tenant: str,
+        hashes: Sequence[BlockHash],
+        *,
+        session_id: str | None,
+        lease_s: float | None,
+    ) -> Match:
         if session_id is not None:
-            match = self.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
-        else:
-            match = self.store.lookup(hashes, lease_s=lease_s)
-        hit = match.num_blocks * namespace.block_tokens
+            return self.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
+        return self.store.lookup(hashes, lease_s=lease_s)
+
+    def _count_tokens(self, hit: int, asked: int) -> None:
         with self._lock:
             self.metrics_tokens["hit"] += hit
-            self.metrics_tokens["miss"] += len(token_bytes) // 4 - hit
-        return LookupResult(namespace.block_tokens, hashes, match)
+            self.metrics_tokens["miss"] += asked - hit
 
     def plan_store(
         self,
