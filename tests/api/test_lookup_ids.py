@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.routes.lookup import tier_runs
+from api.routes.lookup import blocks_json, tier_runs
 from api.schemas import (
     BLOCK_IDS_B64_PATTERN,
     MAX_LOOKUP_IDS,
@@ -173,14 +174,22 @@ def test_answers_have_the_declared_shapes(client: httpx.Client):
         assert client.delete(f"/v1/leases/{out['lease']['id']}").status_code == 204  # type: ignore[index]
 
 
-def test_tier_runs():
-    assert tier_runs(["gpu", "cpu", "cpu", "disk", "disk", "disk", "cpu"]) == [
-        ("gpu", 1),
-        ("cpu", 2),
-        ("disk", 3),
-        ("cpu", 1),
-    ]
+def test_tier_runs_and_the_hand_made_blocks_json():
+    """Mixed tiers need evictions to happen over HTTP; the encoders are checked directly,
+    byte for byte against json.dumps."""
+    ids = [bytes([i]) * 16 for i in range(7)]
+    tiers = ["gpu", "cpu", "cpu", "disk", "disk", "disk", "cpu"]
+    runs = tier_runs(tiers)
+    assert runs == [("gpu", 1), ("cpu", 2), ("disk", 3), ("cpu", 1)]
     assert tier_runs([]) == [] and tier_runs(["cpu"] * 5) == [("cpu", 5)]
+    expected = [{"hash": h.hex(), "tier": t} for h, t in zip(ids, tiers, strict=True)]
+    assert blocks_json(ids, runs) == json.dumps(expected, separators=(",", ":"))  # type: ignore[arg-type]
+    assert blocks_json([], []) == "[]"
+    odd = ['we"ird', "tier\\name"]
+    assert json.loads(blocks_json(ids[:2], tier_runs(odd))) == [  # type: ignore[arg-type]
+        {"hash": ids[0].hex(), "tier": odd[0]},
+        {"hash": ids[1].hex(), "tier": odd[1]},
+    ]
 
 
 def test_id_lookup_with_a_session_and_a_lease(client: httpx.Client):
