@@ -1,4 +1,8 @@
-"""Dependencies shared by the routers, as ``Annotated`` aliases."""
+"""Dependencies shared by the routers, as ``Annotated`` aliases.
+
+Both are ``async def`` on purpose: they only read the request and a dict, and FastAPI runs a
+plain ``def`` dependency in its thread pool, a thread hop each that cost every ``/v1``
+request about 0.25 ms of CPU (measured in-process; about a third of an empty request)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from api.errors import AuthRequired
 from sessioncache.service import CacheNode
 
 
-def get_node(request: Request) -> CacheNode:
+async def get_node(request: Request) -> CacheNode:
     node: CacheNode = request.app.state.node
     return node
 
@@ -18,7 +22,7 @@ def get_node(request: Request) -> CacheNode:
 NodeDep = Annotated[CacheNode, Depends(get_node)]
 
 
-def get_tenant(request: Request, node: NodeDep) -> str:
+async def get_tenant(request: Request, node: NodeDep) -> str:
     """The caller's tenant from ``Authorization: Bearer <key>`` (the open tenant when auth is
     off)."""
     header = request.headers.get("authorization")

@@ -27,7 +27,7 @@ from sessioncache.sessions import SessionManager
 from sessioncache.store import Match, TieredStore
 from sessioncache.tenancy import NamespaceOwners
 from sessioncache.uploads import UploadSlots
-from tiers.base import CheckedTier
+from tiers.base import CheckedTier, SharedTier
 from tiers.payload import Payload, as_memoryview
 
 log = logging.getLogger("sessioncache.service")
@@ -76,6 +76,7 @@ class CacheNode:
         self._on_close = list(on_close)
         self.fleet = fleet
         self.metrics_tokens = {"hit": 0, "miss": 0}
+        self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
 
     @property
     def durable_uploads(self) -> bool:
@@ -110,6 +111,18 @@ class CacheNode:
                 self._roots.clear()
             self._roots[key] = root
         return root
+
+    def lookup_waits_on_io(
+        self, tenant: str, namespace: Namespace, *, session_id: str | None
+    ) -> bool:
+        """Whether a lookup may wait on I/O, not only compute under locks: a tenant's first
+        use of a namespace (its root is recorded in the catalog), a session's (sessions are
+        saved to the catalog), any with a shared tier (a short match asks Redis). The API
+        runs the others on its event loop instead of a worker thread."""
+        if session_id is not None or self._shared_tier:
+            return True
+        with self._lock:
+            return (tenant, namespace) not in self._roots
 
     def hashes(self, tenant: str, namespace: Namespace, token_bytes: bytes) -> list[BlockHash]:
         if len(token_bytes) // 4 > self.settings.max_tokens:
