@@ -30,7 +30,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "bench.lookup": (
         ["--requests", "2", "--tokens", "64", "--clients", "1", "2"],
-        r"(?m)^ +64 +binary +2 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$",
+        r"(?m)^ +64 +binary +2( +[\d.]+){6}\n +64 +ids +2( +[\d.]+){6}$",
     ),
     "bench.shared_tier": (
         [
