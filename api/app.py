@@ -10,7 +10,15 @@ from fastapi import FastAPI
 
 from sessioncache import __version__
 from sessioncache.api import errors, metrics
-from sessioncache.api.routes import blocks, dataplane, lookup, sessions, store, system
+from sessioncache.api.routes import (
+    blocks,
+    dataplane,
+    lookup,
+    namespaces,
+    sessions,
+    store,
+    system,
+)
 from sessioncache.dataplane.server import StreamServer
 from sessioncache.node import CacheNode
 
@@ -44,6 +52,6 @@ def create_app(node: CacheNode, *, stream: StreamServer | None = None) -> FastAP
     app.state.dataplane = stream
     app.state.registry = metrics.install(app, node)
     errors.install(app)
-    for module in (lookup, store, blocks, sessions, system, dataplane):
+    for module in (namespaces, lookup, store, blocks, sessions, system, dataplane):
         app.include_router(module.router)
     return app

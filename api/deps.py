@@ -2,7 +2,12 @@
 
 A route depends on what it calls: ``NodeDep`` for the tenant-aware data path (lookup, store,
 upload, block reads: ``CacheNode`` methods), ``SessionsDep`` and ``StoreDep`` for the
-components themselves, never ``node.sessions``/``node.store`` reached through the node."""
+components themselves, never ``node.sessions``/``node.store`` reached through the node.
+
+The node and tenant dependencies are ``async def`` on purpose: they only read the request and
+a dict, and FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop each that
+cost every ``/v1`` request about 0.25 ms of CPU (measured in-process; about a third of an
+empty request)."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 
 
-def get_node(request: Request) -> CacheNode:
+async def get_node(request: Request) -> CacheNode:
     node: CacheNode = request.app.state.node
     return node
 
@@ -24,11 +29,11 @@ def get_node(request: Request) -> CacheNode:
 NodeDep = Annotated[CacheNode, Depends(get_node)]
 
 
-def get_sessions(node: NodeDep) -> SessionManager:
+async def get_sessions(node: NodeDep) -> SessionManager:
     return node.sessions
 
 
-def get_store(node: NodeDep) -> TieredStore:
+async def get_store(node: NodeDep) -> TieredStore:
     return node.store
 
 
@@ -36,7 +41,7 @@ SessionsDep = Annotated[SessionManager, Depends(get_sessions)]
 StoreDep = Annotated[TieredStore, Depends(get_store)]
 
 
-def get_tenant(request: Request, node: NodeDep) -> str:
+async def get_tenant(request: Request, node: NodeDep) -> str:
     """The caller's tenant from ``Authorization: Bearer <key>`` (the open tenant when auth is
     off)."""
     header = request.headers.get("authorization")

@@ -1,15 +1,19 @@
 """Lookup latency over loopback: p50/p99 for 8K / 32K / 128K-token prompts, 1 / 8 / 32
-concurrent clients, JSON tokens vs binary (``tokens_b64``) tokens.
+concurrent clients, by JSON tokens, by binary (``tokens_b64``) tokens, and by block id
+(``block_ids_b64``, the compact answer), each beside ``GET /healthz`` with the ratios.
 
 A real ``sessioncache serve`` process is started on a free port (CPU tier only) and every
-prompt's chain is stored first, so each lookup matches the whole prompt. Request bodies are
-encoded once up front and each client is its own process: the figures are the server's and
-the loopback's, not the client's JSON encoder; clients and server share this machine's two
-cores. The reference printed beside them is the same number of empty ``GET /healthz`` round
-trips at the same concurrency (the HTTP floor of this machine).
+prompt's chain is stored first, so each lookup matches the whole prompt. The id lookup's ids
+are computed the way the connector does: ``POST /v1/namespaces/resolve`` once, then
+``block_hashes_from_bytes`` from its root. Request bodies are encoded once up front and each
+client is its own process: the figures are the server's and the loopback's, not the client's
+JSON encoder; clients and server share this machine's two cores. The reference printed beside
+them is the same number of empty ``GET /healthz`` round trips at the same concurrency (the
+HTTP floor of this machine), measured in the same rounds: with ``--rounds R`` every round runs
+the floor and then each form, so that load from elsewhere hits all of them alike.
 
-Run: ``python -m bench.lookup [--requests 200] [--block-tokens 16] [--tokens 8192 32768 131072]
-[--clients 1 8 32]``.
+Run: ``python -m bench.lookup [--requests 200] [--rounds 1] [--block-tokens 16]
+[--tokens 8192 32768 131072] [--clients 1 8 32] [--forms json binary ids]``.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from sessioncache.hashing import block_hashes_from_bytes
+
 PROMPTS = [8192, 32768, 131072]
 CONCURRENCY = [1, 8, 32]
+FORMS = ["json", "binary", "ids"]
 
 
 def free_port() -> int:
@@ -104,12 +111,16 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=200, help="per configuration")
+    parser.add_argument("--requests", type=int, default=200, help="per configuration and round")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternate the floor and the forms this often"
+    )
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--tokens", type=int, nargs="+", default=PROMPTS, help="prompt lengths")
     parser.add_argument(
         "--clients", type=int, nargs="+", default=CONCURRENCY, help="concurrent clients"
     )
+    parser.add_argument("--forms", nargs="+", choices=FORMS, default=FORMS, help="lookup forms")
     args = parser.parse_args()
     ns = {
         "model": "bench",
@@ -123,41 +134,58 @@ def main() -> None:
             rng = np.random.default_rng(0)
             bodies: dict[tuple[int, str], bytes] = {}
             with httpx.Client(base_url=url, timeout=120) as c:
+                resolved = {"root": "00" * 16, "hash_seed": 0}  # the token forms need none
+                if "ids" in args.forms:
+                    resolved = c.post("/v1/namespaces/resolve", json={"namespace": ns}).json()
+                root = bytes.fromhex(resolved["root"])
                 for n in args.tokens:
                     toks = rng.integers(0, 128_000, n, dtype=np.uint32)
+                    token_bytes = toks.astype("<u4").tobytes()
                     plan = c.post("/v1/store", json={"namespace": ns, "tokens": toks.tolist()})
                     for h in plan.json()["missing"]:
                         c.put(f"/v1/blocks/{h}", content=b"\0" * 64)
+                    ids = block_hashes_from_bytes(
+                        root, token_bytes, args.block_tokens, resolved["hash_seed"]
+                    )
                     bodies[(n, "json")] = json.dumps(
                         {"namespace": ns, "tokens": toks.tolist()}
                     ).encode()
                     bodies[(n, "binary")] = json.dumps(
-                        {
-                            "namespace": ns,
-                            "tokens_b64": base64.b64encode(toks.astype("<u4").tobytes()).decode(),
-                        }
+                        {"namespace": ns, "tokens_b64": base64.b64encode(token_bytes).decode()}
                     ).encode()
-                    check = c.post(
-                        "/v1/lookup",
-                        content=bodies[(n, "binary")],
-                        headers={"content-type": "application/json"},
-                    ).json()
-                    assert check["matched_tokens"] == n // args.block_tokens * args.block_tokens
+                    bodies[(n, "ids")] = json.dumps(
+                        {"namespace": ns, "block_ids_b64": base64.b64encode(b"".join(ids)).decode()}
+                    ).encode()
+                    for form in args.forms:
+                        check = c.post(
+                            "/v1/lookup",
+                            content=bodies[(n, form)],
+                            headers={"content-type": "application/json"},
+                        ).json()
+                        assert check["matched_tokens"] == len(ids) * args.block_tokens, check
             print(
                 f"{'tokens':>7} {'form':>6} {'clients':>7} {'p50 ms':>8} {'p99 ms':>8} "
-                f"{'healthz p50':>11} {'p99':>7}"
+                f"{'healthz p50':>11} {'p99':>7} {'p50/hz':>7} {'p99/hz':>7}"
             )
             for clients in args.clients:
                 per_client = max(1, args.requests // clients)
-                floor = run(url, "/healthz", None, clients, per_client)
-                for n in args.tokens:
-                    for form in ("json", "binary"):
-                        lat = run(url, "/v1/lookup", bodies[(n, form)], clients, per_client)
-                        print(
-                            f"{n:>7} {form:>6} {clients:>7} {pct(lat, 50):8.2f} "
-                            f"{pct(lat, 99):8.2f} {pct(floor, 50):11.2f} {pct(floor, 99):7.2f}",
-                            flush=True,
-                        )
+                floor: list[float] = []
+                lat: dict[tuple[int, str], list[float]] = {}
+                for _ in range(args.rounds):
+                    floor += run(url, "/healthz", None, clients, per_client)
+                    for n in args.tokens:
+                        for form in args.forms:
+                            lat.setdefault((n, form), []).extend(
+                                run(url, "/v1/lookup", bodies[(n, form)], clients, per_client)
+                            )
+                f50, f99 = pct(floor, 50), pct(floor, 99)
+                for (n, form), values in lat.items():
+                    p50, p99 = pct(values, 50), pct(values, 99)
+                    print(
+                        f"{n:>7} {form:>6} {clients:>7} {p50:8.2f} {p99:8.2f} "
+                        f"{f50:11.2f} {f99:7.2f} {p50 / f50:7.2f} {p99 / f99:7.2f}",
+                        flush=True,
+                    )
         finally:
             proc.terminate()
             proc.wait(10)

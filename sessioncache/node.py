@@ -28,7 +28,7 @@ from sessioncache.hashing import (
 from sessioncache.sessions import SessionManager
 from sessioncache.store import Match, TieredStore
 from sessioncache.tenancy import NamespaceOwners
-from sessioncache.tiers.base import CheckedTier
+from sessioncache.tiers.base import CheckedTier, SharedTier
 from sessioncache.tiers.payload import Payload, as_memoryview
 from sessioncache.uploads import UploadSlots
 
@@ -86,6 +86,7 @@ class CacheNode:
         self.fleet = fleet
         self._tokens = TokenCounts()
         self._usage = usage
+        self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far: found in the cache (hit) or not (miss)."""
@@ -126,6 +127,18 @@ class CacheNode:
             self._roots[key] = root
         return root
 
+    def lookup_waits_on_io(
+        self, tenant: str, namespace: Namespace, *, session_id: str | None
+    ) -> bool:
+        """Whether a lookup may wait on I/O, not only compute under locks: a tenant's first
+        use of a namespace (its root is recorded in the catalog), a session's (sessions are
+        saved to the catalog), any with a shared tier (a short match asks Redis). The API
+        runs the others on its event loop instead of a worker thread."""
+        if session_id is not None or self._shared_tier:
+            return True
+        with self._lock:
+            return (tenant, namespace) not in self._roots
+
     def hashes(self, tenant: str, namespace: Namespace, token_bytes: bytes) -> list[BlockHash]:
         if len(token_bytes) // 4 > self.settings.max_tokens:
             raise InvalidInput(
@@ -148,19 +161,93 @@ class CacheNode:
         lease_s: float | None = None,
     ) -> LookupResult:
         hashes = self.hashes(tenant, namespace, token_bytes)
+        match = self._match(tenant, hashes, session_id=session_id, lease_s=lease_s)
+        self._count_tokens(match.num_blocks * namespace.block_tokens, len(token_bytes) // 4)
+        return LookupResult(namespace.block_tokens, hashes, match)
+
+    def lookup_ids(
+        self,
+        tenant: str,
+        namespace: Namespace,
+        hashes: Sequence[BlockHash],
+        *,
+        session_id: str | None = None,
+        lease_s: float | None = None,
+    ) -> LookupResult:
+        """``lookup`` by block ids the caller computed itself from ``namespace_root`` (no
+        re-hashing). The match covers only blocks of the chain rooted at the caller's root
+        for ``namespace``: an id of another tenant or namespace, or one that does not follow
+        its predecessor, is a miss, and the match stops there (``chain_prefix``)."""
+        if len(hashes) * namespace.block_tokens > self.settings.max_tokens:
+            raise InvalidInput(
+                f"{len(hashes)} blocks of {namespace.block_tokens} tokens exceed the limit of "
+                f"{self.settings.max_tokens} tokens"
+            )
+        root = self.namespace_root(tenant, namespace)
+        own = self.chain_prefix(root, hashes)
+        match = self._match(tenant, hashes[:own], session_id=session_id, lease_s=lease_s)
+        block_tokens = namespace.block_tokens
+        self._count_tokens(match.num_blocks * block_tokens, len(hashes) * block_tokens)
+        return LookupResult(block_tokens, list(hashes), match)
+
+    def chain_prefix(self, root: bytes, hashes: Sequence[BlockHash]) -> int:
+        """How many of ``hashes``, from the first, may match for a caller whose chain starts
+        at ``root``: block 0 is a held chain root under ``root`` and each next id is the held
+        child of the one before it. A block's root and parent never change (its id is their
+        digest), so linkage to the caller's block 0 proves the whole run is the caller's.
+
+        Cheap for the lookups clients make (a held run followed by blocks not held): two
+        record reads, a binary search for the end of the held run (a lock round each), and one
+        ``chain_to`` walk under the store lock compared with the ids. Only a run with a hole
+        or a foreign id reads the records one by one, up to the first that does not fit."""
+        store = self.store
+        if not hashes:
+            return 0
+        first = store.meta(hashes[0])
+        if first is None or first.parent is not None or first.namespace_root != root:
+            return 0
+        lo, hi = 1, len(hashes)
+        while lo < hi:  # the last held block, assuming the held blocks are a prefix
+            mid = (lo + hi + 1) // 2
+            if store.contains(hashes[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        # chain_to walks the whole held ancestry of the block: only for one of the caller's
+        # own chains (not a deep foreign one named after block 0), and then compared
+        last = store.meta(hashes[lo - 1]) if lo > 1 else first
+        if (
+            last is not None
+            and last.namespace_root == root
+            and store.chain_to(hashes[lo - 1]) == list(hashes[:lo])
+        ):
+            return lo
+        for i in range(1, lo):  # a hole in the held run, or ids that are no chain
+            meta = store.meta(hashes[i])
+            # the match ends at the first block not held: no need to look further
+            if meta is None or meta.parent != hashes[i - 1] or not meta.tiers:
+                return i
+        return lo
+
+    def _match(
+        self,
+        tenant: str,
+        hashes: Sequence[BlockHash],
+        *,
+        session_id: str | None,
+        lease_s: float | None,
+    ) -> Match:
         if session_id is not None:
-            match = self.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
-        else:
-            match = self.store.lookup(hashes, lease_s=lease_s)
-        hit = match.num_blocks * namespace.block_tokens
-        miss = len(token_bytes) // 4 - hit
+            return self.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
+        return self.store.lookup(hashes, lease_s=lease_s)
+
+    def _count_tokens(self, hit: int, asked: int) -> None:
         with self._lock:
             self._tokens.hit += hit
-            self._tokens.miss += miss
+            self._tokens.miss += asked - hit
         if self._usage is not None:  # durable history, bucketed (write-behind, never blocks)
             self._usage.record_usage("hit_tokens", hit)
-            self._usage.record_usage("miss_tokens", miss)
-        return LookupResult(namespace.block_tokens, hashes, match)
+            self._usage.record_usage("miss_tokens", asked - hit)
 
     def plan_store(
         self,

@@ -10,6 +10,12 @@ engine reuse KV that is not its own. With an API key, the server salts every nam
 the caller's tenant; the client learns its tenant once from ``GET /v1/whoami`` (lazily, on the
 first call that needs ids) and derives the same salt.
 
+``lookup_by_id`` sends the ids instead of the tokens: the client asks the server once per
+namespace for the root it hashes under (``resolve``, ``POST /v1/namespaces/resolve``, tenant
+salt applied), computes the chain itself and gets the compact answer. The server then neither
+re-hashes the prompt nor lists every matched block; the matched ids are the first
+``matched_blocks`` of the client's own.
+
 One client holds one pooled HTTP connection set (``httpx``), safe to share between threads
 (sync) or tasks (async). Transient failures are retried by ``retry`` (see ``retry.py``).
 """
@@ -29,6 +35,7 @@ from sessioncache.connector.protocol import (
     PayloadSource,
     Reply,
     Request,
+    Resolved,
     Session,
     StoreResult,
     Upload,
@@ -79,6 +86,7 @@ class _ClientBase:
         self._api_key = api_key
         # Without a key there is no tenant salt (a server with auth on answers 401 anyway).
         self._effective: Namespace | None = namespace if api_key is None else None
+        self._resolved: dict[Namespace, Resolved] = {}
         all_headers = {"user-agent": "sessioncache-connector/1", **(headers or {})}
         if api_key is not None:
             all_headers["authorization"] = f"Bearer {api_key}"
@@ -100,6 +108,10 @@ class _ClientBase:
 
     def _prompt(self, effective: Namespace, tokens: Tokens) -> protocol.Prompt:
         return protocol.prompt(effective, tokens, self.seed)
+
+    def _remember(self, resolved: Resolved) -> Resolved:
+        self._resolved[resolved.namespace] = resolved
+        return resolved
 
 
 def _transport_error(request: Request, exc: Exception) -> TransportError:
@@ -187,6 +199,17 @@ class SessionCacheClient(_ClientBase):
         """The ids the service gives the full blocks of ``tokens`` for this client."""
         return self._prompt(self._effective_namespace(), tokens).hashes
 
+    def resolve(self, namespace: Namespace | None = None) -> Resolved:
+        """The root the server hashes ``namespace`` (default: the client's) under for this
+        client, asked once per namespace and then remembered. ``IdMismatch`` when the server's
+        hash seed is not the client's."""
+        namespace = self.namespace if namespace is None else namespace
+        known = self._resolved.get(namespace)
+        if known is not None:
+            return known
+        reply = self._send(protocol.resolve_request(namespace))
+        return self._remember(protocol.parse_resolve(reply, namespace, self.seed))
+
     # -- data path -------------------------------------------------------------------------
 
     def lookup(
@@ -199,6 +222,17 @@ class SessionCacheClient(_ClientBase):
             self.namespace, p, session_id=session_id, lease_ms=lease_ms
         )
         return protocol.parse_lookup(self._send(request), p)
+
+    def lookup_by_id(
+        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+    ) -> LookupResult:
+        """``lookup``, sending the ids computed here from the resolved root instead of the
+        tokens, with the compact answer: the same result for less work on the server."""
+        p = protocol.id_prompt(self.resolve(), tokens)
+        request = protocol.lookup_ids_request(
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+        )
+        return protocol.parse_compact_lookup(self._send(request), p)
 
     def load(self, hashes: Sequence[bytes]) -> list[bytes | None]:
         """The payloads of ``hashes`` in order (None for a block not held), in batches."""
@@ -347,6 +381,17 @@ class AsyncSessionCacheClient(_ClientBase):
         """The ids the service gives the full blocks of ``tokens`` for this client."""
         return self._prompt(await self._effective_namespace(), tokens).hashes
 
+    async def resolve(self, namespace: Namespace | None = None) -> Resolved:
+        """The root the server hashes ``namespace`` (default: the client's) under for this
+        client, asked once per namespace and then remembered. ``IdMismatch`` when the server's
+        hash seed is not the client's."""
+        namespace = self.namespace if namespace is None else namespace
+        known = self._resolved.get(namespace)
+        if known is not None:
+            return known
+        reply = await self._send(protocol.resolve_request(namespace))
+        return self._remember(protocol.parse_resolve(reply, namespace, self.seed))
+
     # -- data path -------------------------------------------------------------------------
 
     async def lookup(
@@ -359,6 +404,17 @@ class AsyncSessionCacheClient(_ClientBase):
             self.namespace, p, session_id=session_id, lease_ms=lease_ms
         )
         return protocol.parse_lookup(await self._send(request), p)
+
+    async def lookup_by_id(
+        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+    ) -> LookupResult:
+        """``lookup``, sending the ids computed here from the resolved root instead of the
+        tokens, with the compact answer: the same result for less work on the server."""
+        p = protocol.id_prompt(await self.resolve(), tokens)
+        request = protocol.lookup_ids_request(
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+        )
+        return protocol.parse_compact_lookup(await self._send(request), p)
 
     async def load(self, hashes: Sequence[bytes]) -> list[bytes | None]:
         """The payloads of ``hashes`` in order (None for a block not held), in batches."""

@@ -18,6 +18,7 @@ from sessioncache.errors import InvalidInput
 from sessioncache.hashing import (
     BlockHash,
     Namespace,
+    NamespaceRoot,
     Tokens,
     block_hashes_from_bytes,
     namespace_root,
@@ -72,6 +73,18 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Resolved:
+    """A namespace as the server hashes it for this client (``POST /v1/namespaces/resolve``):
+    block ``i``'s id is ``XXH3-128(id_{i-1} || tokens_i, hash_seed)`` from ``id_{-1} = root``."""
+
+    namespace: Namespace
+    """The namespace as the client names it (the server applies the tenant salt)."""
+    root: NamespaceRoot
+    block_tokens: int
+    hash_seed: int
+
+
+@dataclass(frozen=True, slots=True)
 class StoreResult:
     block_tokens: int
     hashes: list[BlockHash]
@@ -122,6 +135,15 @@ class Prompt:
     hashes: list[BlockHash]
 
 
+@dataclass(frozen=True, slots=True)
+class IdPrompt:
+    """A prompt as a lookup by id sends it: its ids, computed from a resolved root."""
+
+    block_ids_b64: str
+    hashes: list[BlockHash]
+    block_tokens: int
+
+
 # -- identity and ids ----------------------------------------------------------------------
 
 
@@ -138,6 +160,19 @@ def prompt(effective: Namespace, tokens: Tokens, seed: int) -> Prompt:
         tokens_b64=base64.b64encode(token_bytes).decode("ascii"),
         num_tokens=len(token_bytes) // 4,
         hashes=block_hashes_from_bytes(root, token_bytes, effective.block_tokens, seed),
+    )
+
+
+def id_prompt(resolved: Resolved, tokens: Tokens) -> IdPrompt:
+    """The ids of ``tokens``' full blocks from the server's root for the namespace: exactly
+    what the server would compute from the tokens (``sessioncache.hashing``, the same code)."""
+    hashes = block_hashes_from_bytes(
+        resolved.root, tokens_to_le_bytes(tokens), resolved.block_tokens, resolved.hash_seed
+    )
+    return IdPrompt(
+        block_ids_b64=base64.b64encode(b"".join(hashes)).decode("ascii"),
+        hashes=hashes,
+        block_tokens=resolved.block_tokens,
     )
 
 
@@ -261,20 +296,94 @@ def parse_lookup(reply: Reply, p: Prompt) -> LookupResult:
     if _field(body, "matched_blocks", int) != len(hashes):
         raise ProtocolError("lookup: matched_blocks does not match the blocks listed")
     _check_ids(hashes, p.hashes, "lookup")
-    lease_body = body.get("lease")
-    lease = None
-    if lease_body is not None:
-        if not isinstance(lease_body, dict):
-            raise ProtocolError("lease: expected an object")
-        lease = Lease(
-            id=_field(lease_body, "id", str),
-            expires_at=float(_field(lease_body, "expires_at", (int, float))),
-        )
     return LookupResult(
         block_tokens=_field(body, "block_tokens", int),
         hashes=hashes,
         tiers=tiers,
-        lease=lease,
+        lease=_lease(body),
+        prompt_hashes=p.hashes,
+    )
+
+
+def _lease(body: Mapping[str, Any]) -> Lease | None:
+    lease_body = body.get("lease")
+    if lease_body is None:
+        return None
+    if not isinstance(lease_body, dict):
+        raise ProtocolError("lease: expected an object")
+    return Lease(
+        id=_field(lease_body, "id", str),
+        expires_at=float(_field(lease_body, "expires_at", (int, float))),
+    )
+
+
+def resolve_request(namespace: Namespace) -> Request:
+    return Request("POST", "/v1/namespaces/resolve", json={"namespace": _namespace_json(namespace)})
+
+
+def parse_resolve(reply: Reply, namespace: Namespace, seed: int) -> Resolved:
+    """The server's root for ``namespace``; ``IdMismatch`` when the server hashes with
+    another seed than the client's (its ids would never be the client's)."""
+    body = _json(reply)
+    root = _hex_list([body.get("root")], "resolve: root")[0]
+    block_tokens = _field(body, "block_tokens", int)
+    if block_tokens != namespace.block_tokens:
+        raise ProtocolError(
+            f"resolve: the server answered block_tokens={block_tokens} for a namespace of "
+            f"{namespace.block_tokens}"
+        )
+    hash_seed = _field(body, "hash_seed", int)
+    if hash_seed != seed:
+        raise IdMismatch(
+            f"the server hashes with seed {hash_seed}, this client with seed {seed}: set the "
+            "client's seed to the service's SESSIONCACHE_HASH_SEED"
+        )
+    return Resolved(namespace, NamespaceRoot(root), block_tokens, hash_seed)
+
+
+def lookup_ids_request(
+    namespace: Namespace, p: IdPrompt, *, session_id: str | None, lease_ms: int | None
+) -> Request:
+    """A lookup by id with the compact answer (the client has the ids already)."""
+    body: dict[str, Any] = {
+        "namespace": _namespace_json(namespace),
+        "block_ids_b64": p.block_ids_b64,
+        "compact": True,
+    }
+    if session_id is not None:
+        body["session_id"] = session_id
+    if lease_ms is not None:
+        body["lease_ms"] = lease_ms
+    return Request("POST", "/v1/lookup", json=body)
+
+
+def parse_compact_lookup(reply: Reply, p: IdPrompt) -> LookupResult:
+    """A compact lookup answer: the matched blocks are the first ``matched_blocks`` of the
+    ids sent; their tiers come run-length encoded."""
+    body = _json(reply)
+    matched = _field(body, "matched_blocks", int)
+    if not 0 <= matched <= len(p.hashes):
+        raise ProtocolError(f"lookup: {matched} blocks matched of the {len(p.hashes)} ids sent")
+    block_tokens = _field(body, "block_tokens", int)
+    if block_tokens != p.block_tokens:
+        raise ProtocolError(f"lookup: block_tokens={block_tokens}, expected {p.block_tokens}")
+    tiers: list[str] = []
+    for run in _field(body, "tiers", list):
+        if not isinstance(run, dict):
+            raise ProtocolError("lookup: tiers: expected objects")
+        count = _field(run, "blocks", int)
+        if not 0 < count <= matched - len(tiers):
+            raise ProtocolError(f"lookup: tiers: a run of {count} blocks")
+        tiers += [_field(run, "tier", str)] * count
+    if len(tiers) != matched:
+        raise ProtocolError(
+            f"lookup: the tier runs cover {len(tiers)} blocks, matched_blocks is {matched}"
+        )
+    return LookupResult(
+        block_tokens=block_tokens,
+        hashes=p.hashes[:matched],
+        tiers=tiers,
+        lease=_lease(body),
         prompt_hashes=p.hashes,
     )
 

@@ -38,7 +38,11 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "bench.lookup": (
         ["--requests", "2", "--tokens", "64", "--clients", "1", "2"],
-        r"(?m)^ +64 +binary +2 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$",
+        r"(?m)^ +64 +binary +2( +[\d.]+){6}\n +64 +ids +2( +[\d.]+){6}$",
+    ),
+    "bench.lookup_cpu": (
+        ["--tokens", "64", "--repeat", "2"],
+        r"(?m)^POST /v1/lookup block_ids_b64 \(compact\) +[\d.]+ +[\d.]+$",
     ),
     "bench.shared_tier": (
         [

@@ -188,7 +188,9 @@ def test_whoami_is_fetched_once(auth_server: Server) -> None:
 PUBLIC = [
     "whoami",
     "block_hashes",
+    "resolve",
     "lookup",
+    "lookup_by_id",
     "load",
     "store",
     "release",

@@ -1,0 +1,212 @@
+"""Server cost of one lookup, in-process: where a lookup's time goes, without the loopback.
+
+A node is opened as ``sessioncache serve`` opens it (CPU tier, SQLite catalog in a temporary
+folder), a prompt's chain is stored, and then each stage is timed alone, one call after
+another on this thread: hashing the prompt, ``CacheNode.lookup`` (tokens) and
+``CacheNode.lookup_ids`` with their parts, and whole requests through the ASGI app (routing,
+validation, dependencies, thread pool, answer; no sockets and no HTTP parsing) for
+``GET /healthz``, a token lookup (``tokens_b64``, full answer) and a lookup by id
+(``block_ids_b64``, compact answer). Best and median of ``--repeat`` runs, in ms: on a shared
+machine the best is the cost, the median shows the noise. ``--profile`` adds cProfile's top
+functions for the two lookups, with the thread pool run inline so that the profile sees the
+work.
+
+Run: ``python -m bench.lookup_cpu [--tokens 32768] [--block-tokens 16] [--repeat 300]
+[--profile]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import cProfile
+import json
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sessioncache.api.app import create_app
+from sessioncache.config import Settings
+from sessioncache.factory import open_node
+from sessioncache.hashing import Namespace, block_hashes_from_bytes
+
+
+async def asgi_call(app: Any, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+    """One request through the ASGI app, no server."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    sent = False
+    status = 0
+    out: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            out.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(out)
+
+
+def report(label: str, seconds: list[float]) -> None:
+    ms = sorted(s * 1e3 for s in seconds)
+    print(f"{label:44s} {ms[0]:8.3f} {statistics.median(ms):8.3f}", flush=True)
+
+
+def timed(fn: Callable[[], object], repeat: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+async def atimed(fn: Callable[[], Awaitable[object]], repeat: int) -> list[float]:
+    await fn()
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--block-tokens", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="cProfile the two lookups")
+    args = parser.parse_args()
+    ns_json: dict[str, Any] = {
+        "model": "bench",
+        "block_tokens": args.block_tokens,
+        "kv_dtype": "bf16",
+        "kv_layout": "bench",
+    }
+    ns = Namespace(**ns_json)
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(
+            data_dir=Path(tmp) / "data", cpu_bytes=1 << 30, disk_bytes=0, durable_uploads=False
+        )
+        node = open_node(settings, start=False)
+        app = create_app(node)
+        tb = np.random.default_rng(0).integers(0, 128_000, args.tokens).astype("<u4").tobytes()
+        plan = node.plan_store("default", ns, tb)
+        for h in plan.missing:
+            node.upload("default", h, b"\0" * 64)
+        root = node.namespace_root("default", ns)
+        seed = settings.hash_seed
+        ids = block_hashes_from_bytes(root, tb, args.block_tokens, seed)
+        tokens_body = json.dumps(
+            {"namespace": ns_json, "tokens_b64": base64.b64encode(tb).decode()}
+        )
+        ids_body = json.dumps(
+            {"namespace": ns_json, "block_ids_b64": base64.b64encode(b"".join(ids)).decode()}
+        )
+        requests = {
+            "GET /healthz": ("GET", "/healthz", b""),
+            "POST /v1/lookup tokens_b64 (full answer)": (
+                "POST",
+                "/v1/lookup",
+                tokens_body.encode(),
+            ),
+            "POST /v1/lookup block_ids_b64 (compact)": ("POST", "/v1/lookup", ids_body.encode()),
+        }
+        n = args.repeat
+        print(f"{len(ids)} blocks of {args.block_tokens} tokens; ms per call, {n} calls")
+        print(f"{'stage':44s} {'best':>8} {'median':>8}")
+        bt = args.block_tokens
+        report("hash the prompt", timed(lambda: block_hashes_from_bytes(root, tb, bt, seed), n))
+        report("CacheNode.lookup (tokens)", timed(lambda: node.lookup("default", ns, tb), n))
+        if hasattr(node, "lookup_ids"):  # absent before lookups by id (to measure "before")
+            report("CacheNode.lookup_ids", timed(lambda: node.lookup_ids("default", ns, ids), n))
+            report("  of which chain_prefix", timed(lambda: node.chain_prefix(root, ids), n))
+        report("TieredStore.lookup", timed(lambda: node.store.lookup(ids), n))
+
+        async def over_asgi() -> None:
+            async with app.router.lifespan_context(app):
+                for label, (method, path, body) in requests.items():
+                    status, answer = await asgi_call(app, method, path, body)
+                    if status == 422 and b"block_ids_b64" in body:
+                        print(f"{label:44s} (not served)")
+                        continue
+                    assert status == 200, answer[:300]
+
+                    def call(m: str = method, p: str = path, b: bytes = body) -> Awaitable[object]:
+                        return asgi_call(app, m, p, b)
+
+                    report(label, await atimed(call, n))
+                if args.profile:
+                    await profile(app, requests)
+
+        asyncio.run(over_asgi())
+
+
+async def profile(app: Any, requests: dict[str, tuple[str, str, bytes]]) -> None:
+    """cProfile of each lookup request, with FastAPI's thread pool run inline."""
+    import fastapi.dependencies.utils
+    import fastapi.routing
+
+    import sessioncache.api.routes.lookup
+
+    async def inline(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    modules = (fastapi.routing, fastapi.dependencies.utils, sessioncache.api.routes.lookup)
+    saved = [getattr(m, "run_in_threadpool", None) for m in modules]
+    for m in modules:
+        if hasattr(m, "run_in_threadpool"):
+            m.run_in_threadpool = inline  # type: ignore[attr-defined]
+    try:
+        for label, (method, path, body) in list(requests.items())[1:]:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(100):
+                await asgi_call(app, method, path, body)
+            prof.disable()
+            print(f"\n== cProfile, 100 x {label}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    finally:
+        for m, fn in zip(modules, saved, strict=True):
+            if fn is not None:
+                m.run_in_threadpool = fn  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()
