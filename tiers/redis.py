@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, Final, NamedTuple, TypeVar, cast
 
 import numpy as np
 import redis.exceptions as rex
@@ -176,17 +176,17 @@ class RedisTier:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be positive, got {default_ttl_s}")
-        self._link = (
+        self.link: Final = (
             client
             if isinstance(client, RedisLink)
             else RedisLink(client, name=name, probe_interval_s=probe_interval_s)
         )
-        self._name = name
-        self._capacity = capacity_bytes
-        self._prefix = prefix
+        self.name: Final = name
+        self.capacity_bytes: Final = capacity_bytes
+        self.prefix: Final = prefix
+        self.durable: Final = durable
         self._block_prefix = f"{prefix}b:"
         self._default_ttl = default_ttl_s
-        self._durable = durable
         self._owns_keys = owns_keys
         self._skip_existing = skip_existing
         self._max_batch_bytes = max(1, max_batch_bytes)
@@ -202,14 +202,6 @@ class RedisTier:
     # -- properties ------------------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
     def used_bytes(self) -> int:
         """Payload bytes this node wrote that are neither deleted nor expired (approximate:
         see the module docstring)."""
@@ -217,27 +209,15 @@ class RedisTier:
             self._reap(time.time())
             return self._used
 
-    @property
-    def durable(self) -> bool:
-        return self._durable
-
-    @property
-    def prefix(self) -> str:
-        return self._prefix
-
-    @property
-    def link(self) -> RedisLink:
-        return self._link
-
     def key(self, block_hash: bytes) -> str:
         """The Redis key of a block."""
         return f"{self._block_prefix}{block_hash.hex()}"
 
     def problem(self) -> str | None:
-        return self._link.problem()
+        return self.link.problem()
 
     def status(self) -> LinkStatus:
-        return self._link.status()
+        return self.link.status()
 
     def counters(self) -> RedisCounters:
         with self._lock:
@@ -246,7 +226,7 @@ class RedisTier:
     def fits(self, nbytes: int) -> bool:
         with self._lock:
             self._reap(time.time())
-            return nbytes > 0 and self._used + self._reserved + nbytes <= self._capacity
+            return nbytes > 0 and self._used + self._reserved + nbytes <= self.capacity_bytes
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -270,7 +250,7 @@ class RedisTier:
             return []
         keys = [self.key(h) for h in hashes]
         try:
-            raws = self._link.pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
+            raws = self.link.pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
@@ -287,7 +267,7 @@ class RedisTier:
             except InvalidBlock as exc:
                 logger.warning(
                     "%s tier: block %s is corrupt (%s); deleting it",
-                    self._name,
+                    self.name,
                     block_hash.hex(),
                     exc,
                 )
@@ -332,7 +312,7 @@ class RedisTier:
                 p.pexpiretime(k)
 
         try:
-            replies = self._link.pipeline(queue, raise_errors=False)
+            replies = self.link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
@@ -436,11 +416,11 @@ class RedisTier:
             parent = check_id(item.parent, "parent") if item.parent is not None else None
             nbytes = payload_nbytes(item.payload)
             if nbytes == 0:
-                raise PayloadSizeError(f"{self._name}: empty payload")
-            if nbytes > self._capacity:
+                raise PayloadSizeError(f"{self.name}: empty payload")
+            if nbytes > self.capacity_bytes:
                 raise PayloadSizeError(
-                    f"{self._name}: payload of {nbytes} bytes exceeds the tier's capacity of "
-                    f"{self._capacity}"
+                    f"{self.name}: payload of {nbytes} bytes exceeds the tier's capacity of "
+                    f"{self.capacity_bytes}"
                 )
             if block_hash in seen:
                 continue
@@ -454,10 +434,10 @@ class RedisTier:
         with self._lock:
             self._reap(now)
             need = sum(p[4] for p in prepared if p[0] not in self._own)
-            if self._used + self._reserved + need > self._capacity:
+            if self._used + self._reserved + need > self.capacity_bytes:
                 raise TierFull(
-                    f"{self._name} tier: {need} bytes do not fit "
-                    f"({self._used + self._reserved} of {self._capacity} in use by this node)"
+                    f"{self.name} tier: {need} bytes do not fit "
+                    f"({self._used + self._reserved} of {self.capacity_bytes} in use by this node)"
                 )
             self._reserved += need
         try:
@@ -469,8 +449,8 @@ class RedisTier:
             if isinstance(exc, TierUnavailable):
                 raise
             if _is_oom(exc):
-                raise TierFull(f"{self._name} tier: Redis is out of memory: {exc}") from exc
-            raise TierUnavailable(f"{self._name}: {describe_error(exc)}") from exc
+                raise TierFull(f"{self.name} tier: Redis is out of memory: {exc}") from exc
+            raise TierUnavailable(f"{self.name}: {describe_error(exc)}") from exc
         finally:
             with self._lock:
                 self._reserved -= need
@@ -501,7 +481,7 @@ class RedisTier:
     ) -> list[tuple[BlockHash, bool]]:
         keys = [self.key(entry[0]) for entry in batch]
         if self._skip_existing:
-            present = [bool(x) for x in self._link.pipeline(lambda p: [p.exists(k) for k in keys])]
+            present = [bool(x) for x in self.link.pipeline(lambda p: [p.exists(k) for k in keys])]
         else:
             present = [False] * len(batch)
         # Groups of about ``_GROUP_BYTES``: while one group is on the wire (a worker thread;
@@ -576,7 +556,7 @@ class RedisTier:
         header and the caller's payload buffer, sent without being copied."""
         commands: list[tuple[str, int, memoryview | Parts | None]] = []
         held_buffers: list[bytearray] = []
-        client = self._link.client
+        client = self.link.client
         zero_copy = client is not None and sends_parts(client)
         for i in group:
             block_hash, view, namespace_root, parent, nbytes, expires = batch[i]
@@ -607,13 +587,13 @@ class RedisTier:
                 # A held block, or a racing writer got there first: keep the longest expiry.
                 p.pexpireat(key, ms, gt=True)
 
-        return self._link.pipeline(queue)
+        return self.link.pipeline(queue)
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
-                    max_workers=_SEND_WORKERS, thread_name_prefix=f"{self._name}-send"
+                    max_workers=_SEND_WORKERS, thread_name_prefix=f"{self.name}-send"
                 )
             return self._pool
 
@@ -627,7 +607,7 @@ class RedisTier:
             return
         pairs = [(self.key(h), int(max(t, time.time() + _MIN_TTL_S) * 1000)) for h, t in items]
         try:
-            self._link.pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
+            self.link.pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(items))
             return
@@ -655,7 +635,7 @@ class RedisTier:
                 p.delete(k)
 
         try:
-            replies = self._link.pipeline(queue, raise_errors=False)
+            replies = self.link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [0] * len(hashes)
@@ -674,7 +654,7 @@ class RedisTier:
             try:
                 self.clear_prefix()
             except (TierUnavailable, rex.RedisError) as exc:
-                logger.warning("%s tier: could not delete its keys: %s", self._name, exc)
+                logger.warning("%s tier: could not delete its keys: %s", self.name, exc)
         with self._lock:
             self._own.clear()
             self._expiry_heap.clear()
@@ -682,11 +662,11 @@ class RedisTier:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        self._link.close()
+        self.link.close()
 
     def clear_prefix(self) -> int:
         """Delete every key under ``prefix`` (blocks and anything else there); returns how many."""
-        pattern = _glob_escape(self._prefix) + "*"
+        pattern = _glob_escape(self.prefix) + "*"
 
         def wipe(c: Client) -> int:
             found = list(c.scan_iter(match=pattern, count=1000))
@@ -702,7 +682,7 @@ class RedisTier:
     # -- helpers ---------------------------------------------------------------------------
 
     def _run(self, op: Callable[[Client], _T]) -> _T:
-        return self._link.run(op)
+        return self.link.run(op)
 
     def _scan(self, c: Client) -> Iterable[bytes | str]:
         return cast(
@@ -739,7 +719,7 @@ class RedisTier:
 
     def _note_unavailable(self, exc: BaseException, calls: int) -> None:
         if not isinstance(exc, TierUnavailable):
-            logger.warning("%s tier: Redis error: %s", self._name, describe_error(exc))
+            logger.warning("%s tier: Redis error: %s", self.name, describe_error(exc))
         with self._lock:
             self._counters.unavailable += calls
 
