@@ -20,9 +20,9 @@ from typing import Final
 
 import torch
 
-from sessioncache.errors import PayloadSizeError, TierFull
+from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.payload import Payload, payload_nbytes
+from sessioncache.tiers.payload import Payload, checked_nbytes
 
 _ZERO = torch.zeros(1, dtype=torch.uint8)
 _VIEWS: dict[int, torch.Tensor] = {}
@@ -79,12 +79,7 @@ class AccountingTier:
         parent: BlockHash | None = None,
         expires_at: float | None = None,
     ) -> None:
-        nbytes = payload_nbytes(payload)
-        if nbytes == 0 or nbytes > self.capacity_bytes:
-            raise PayloadSizeError(
-                f"{self.name}: payload of {nbytes} bytes does not fit a tier of "
-                f"{self.capacity_bytes} bytes"
-            )
+        nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         with self._lock:
             if block_hash in self._sizes:
                 return

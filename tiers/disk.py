@@ -66,7 +66,7 @@ from sessioncache.tiers.header import (
     InvalidBlock,
     check_id,
 )
-from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_memoryview, checked_nbytes
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
 
@@ -375,14 +375,7 @@ class DiskTier:
         check_id(namespace_root, "namespace root")
         if parent is not None:
             check_id(parent, "parent id")
-        nbytes = payload_nbytes(payload)
-        if nbytes == 0:
-            raise PayloadSizeError("empty payload")
-        if nbytes > self.capacity_bytes:
-            raise PayloadSizeError(
-                f"payload of {nbytes} bytes exceeds the {self.name} tier's capacity "
-                f"of {self.capacity_bytes}"
-            )
+        nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         while True:
             with self._lock:
                 if block_hash in self._index:

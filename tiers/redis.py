@@ -59,7 +59,7 @@ import xxhash
 from redis.cluster import RedisCluster
 
 from sessioncache.buffers import BufferPool
-from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
+from sessioncache.errors import InvalidInput, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
     Client,
@@ -78,7 +78,7 @@ from sessioncache.tiers.header import (
     InvalidBlock,
     check_id,
 )
-from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_memoryview, checked_nbytes
 
 __all__ = [
     "HEADER",
@@ -414,14 +414,7 @@ class RedisTier:
             block_hash = check_id(item.block_hash, "block id")
             namespace_root = check_id(item.namespace_root, "namespace root")
             parent = check_id(item.parent, "parent") if item.parent is not None else None
-            nbytes = payload_nbytes(item.payload)
-            if nbytes == 0:
-                raise PayloadSizeError(f"{self.name}: empty payload")
-            if nbytes > self.capacity_bytes:
-                raise PayloadSizeError(
-                    f"{self.name}: payload of {nbytes} bytes exceeds the tier's capacity of "
-                    f"{self.capacity_bytes}"
-                )
+            nbytes = checked_nbytes(item.payload, self.name, self.capacity_bytes)
             if block_hash in seen:
                 continue
             seen.add(block_hash)

@@ -23,9 +23,9 @@ from typing import Final
 import numpy as np
 import torch
 
-from sessioncache.errors import PayloadSizeError, TierFull
+from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.payload import Payload, as_byte_tensor, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_byte_tensor, as_memoryview, checked_nbytes
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -123,12 +123,7 @@ class SlabTier:
         parent: BlockHash | None = None,
         expires_at: float | None = None,
     ) -> None:
-        nbytes = payload_nbytes(payload)
-        if nbytes == 0 or nbytes > self.capacity_bytes:
-            raise PayloadSizeError(
-                f"{self.name}: payload of {nbytes} bytes does not fit a tier of "
-                f"{self.capacity_bytes} bytes"
-            )
+        nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         with self._lock:
             if block_hash in self._index or block_hash in self._pending:
                 return
