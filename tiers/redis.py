@@ -70,6 +70,7 @@ from sessioncache.redis_link import (
     describe_error,
     sends_parts,
 )
+from sessioncache.tiers.base import LocatedBlock
 from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
@@ -88,7 +89,6 @@ __all__ = [
     "PutItem",
     "RedisCounters",
     "RedisTier",
-    "RemoteBlock",
 ]
 
 logger = logging.getLogger("sessioncache.tiers.redis")
@@ -117,18 +117,6 @@ class PutItem(NamedTuple):
     parent: BlockHash | None = None
     expires_at: float | None = None
     """Wall-clock expiry; None: ``default_ttl_s`` from now."""
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteBlock:
-    """A block the shared tier holds, as ``locate_many`` reports it (no payload moved)."""
-
-    block_hash: BlockHash
-    namespace_root: bytes
-    parent: BlockHash | None
-    nbytes: int
-    expires_at: float | None
-    """Wall-clock expiry of the key; None if Redis reports none."""
 
 
 @dataclass(slots=True)
@@ -296,7 +284,7 @@ class RedisTier:
             raise InvalidBlock("payload checksum mismatch")
         return torch.frombuffer(raw, dtype=torch.uint8, count=header.nbytes, offset=HEADER_SIZE)
 
-    def locate_many(self, hashes: Sequence[BlockHash]) -> list[RemoteBlock | None]:
+    def locate_many(self, hashes: Sequence[BlockHash]) -> list[LocatedBlock | None]:
         """For each id, what Redis holds of it (from the header alone), or None.
 
         One pipelined round trip of ``GETRANGE key 0 87`` + ``PEXPIRETIME key`` per block:
@@ -316,7 +304,7 @@ class RedisTier:
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
-        out: list[RemoteBlock | None] = []
+        out: list[LocatedBlock | None] = []
         for i, block_hash in enumerate(hashes):
             raw, pexp = replies[2 * i], replies[2 * i + 1]
             if not isinstance(raw, bytes) or not raw:
@@ -334,7 +322,7 @@ class RedisTier:
                 continue
             expires = pexp / 1000.0 if isinstance(pexp, int) and pexp > 0 else None
             out.append(
-                RemoteBlock(
+                LocatedBlock(
                     block_hash,
                     header.namespace_root,
                     BlockHash(header.parent) if header.parent is not None else None,
