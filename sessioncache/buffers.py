@@ -4,7 +4,7 @@ A fresh buffer costs a page fault per 4 KiB on first touch, which on virtual mac
 than the copy into it (docs/benchmarks.md). The blocks of one deployment all
 have the same payload size, so a handful of buffers per size, reused as they are, keep copies
 in memory the process has already faulted in. Used for block uploads (``api/buffers.py``) and
-for the values the Redis tier assembles (``tiers/redis.py``).
+for the values the Redis tier assembles (``tiers/redis_writer.py``).
 """
 
 from __future__ import annotations

@@ -33,12 +33,10 @@ degraded, calls fail at once without touching the network until a probe answers.
 Expiry times are wall-clock seconds since the epoch (``time.time()``), like the store's
 ``SystemClock``.
 
-Speed: a client from ``make_client`` sends header and payload as two pieces of one bulk
-string (its connection class packs ``Parts`` arguments), so no value is ever assembled by
-copying; other clients get pooled copies. ``put_many`` checksums one 8 MiB group while the
-previous one is on the wire (a few worker threads, started on first use, stopped by
-``close``). ``get`` returns a zero-copy view of the reply. Figures beside raw redis-py
-``SET``/``GET``: docs/benchmarks.md, "Shared tier".
+Speed: the write path on the wire (batches, pipelined groups that overlap checksums with the
+transfer, zero-copy values) is ``BlockWriter`` (``tiers/redis_writer.py``). ``get`` returns a
+zero-copy view of the reply. Figures beside raw redis-py ``SET``/``GET``: docs/benchmarks.md,
+"Shared tier".
 """
 
 from __future__ import annotations
@@ -48,27 +46,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
-import numpy as np
 import redis.exceptions as rex
 import torch
 import xxhash
 from redis.cluster import RedisCluster
 
-from sessioncache.buffers import BufferPool
 from sessioncache.errors import InvalidInput, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
     Client,
     LinkStatus,
-    Parts,
     RedisLink,
     TierUnavailable,
     describe_error,
-    sends_parts,
 )
 from sessioncache.tiers.base import LocatedBlock
 from sessioncache.tiers.header import (
@@ -80,6 +73,7 @@ from sessioncache.tiers.header import (
     check_id,
 )
 from sessioncache.tiers.payload import Payload, as_memoryview, checked_nbytes
+from sessioncache.tiers.redis_writer import BlockWriter, Outgoing
 
 __all__ = [
     "HEADER",
@@ -138,8 +132,6 @@ class _Own:
 
 
 _MIN_TTL_S = 1.0
-_GROUP_BYTES = 8 << 20
-_SEND_WORKERS = 4
 
 
 class RedisTier:
@@ -176,10 +168,15 @@ class RedisTier:
         self._block_prefix = f"{prefix}b:"
         self._default_ttl = default_ttl_s
         self._owns_keys = owns_keys
-        self._skip_existing = skip_existing
-        self._max_batch_bytes = max(1, max_batch_bytes)
-        self._buffers = BufferPool(buffer_pool_bytes)
-        self._pool: ThreadPoolExecutor | None = None
+        self._writer = BlockWriter(
+            self.link,
+            _CODEC,
+            self.key,
+            name=name,
+            skip_existing=skip_existing,
+            max_batch_bytes=max_batch_bytes,
+            buffer_pool_bytes=buffer_pool_bytes,
+        )
         self._lock = threading.Lock()
         self._own: dict[BlockHash, _Own] = {}
         self._expiry_heap: list[tuple[float, BlockHash]] = []
@@ -396,7 +393,7 @@ class RedisTier:
         engine recomputes only what every tier missed, so it is off by default).
         """
         now = time.time()
-        prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
+        prepared: list[Outgoing] = []
         seen: set[BlockHash] = set()
         for item in items:
             block_hash = check_id(item.block_hash, "block id")
@@ -408,13 +405,13 @@ class RedisTier:
             seen.add(block_hash)
             expires = self._expiry(item.expires_at, now)
             view = as_memoryview(item.payload)
-            prepared.append((block_hash, view, namespace_root, parent, nbytes, expires))
-        result = dict.fromkeys((p[0] for p in prepared), False)
+            prepared.append(Outgoing(block_hash, view, namespace_root, parent, nbytes, expires))
+        result = dict.fromkeys((p.block_hash for p in prepared), False)
         if not prepared:
             return [False] * len(items)
         with self._lock:
             self._reap(now)
-            need = sum(p[4] for p in prepared if p[0] not in self._own)
+            need = sum(p.nbytes for p in prepared if p.block_hash not in self._own)
             if self._used + self._reserved + need > self.capacity_bytes:
                 raise TierFull(
                     f"{self.name} tier: {need} bytes do not fit "
@@ -422,7 +419,7 @@ class RedisTier:
                 )
             self._reserved += need
         try:
-            for batch in self._batches(prepared):
+            for batch in self._writer.batches(prepared):
                 for block_hash, stored in self._put_batch(batch):
                     result[block_hash] = stored
         except (TierUnavailable, rex.RedisError) as exc:
@@ -443,140 +440,25 @@ class RedisTier:
             out.append(first and result.get(item.block_hash, False))
         return out
 
-    def _batches(
-        self, prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]
-    ) -> Iterable[list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]]:
-        batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
-        size = 0
-        for entry in prepared:
-            if batch and size + entry[4] > self._max_batch_bytes:
-                yield batch
-                batch, size = [], 0
-            batch.append(entry)
-            size += entry[4]
-        if batch:
-            yield batch
-
-    def _put_batch(
-        self, batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]
-    ) -> list[tuple[BlockHash, bool]]:
-        keys = [self.key(entry[0]) for entry in batch]
-        if self._skip_existing:
-            present = [bool(x) for x in self.link.pipeline(lambda p: [p.exists(k) for k in keys])]
-        else:
-            present = [False] * len(batch)
-        # Groups of about ``_GROUP_BYTES``: while one group is on the wire (a worker thread;
-        # socket writes release the GIL) the next is checksummed and copied (xxh3 and numpy
-        # copies release it too), so the CPU work hides behind the transfer.
-        groups: list[list[int]] = [[]]
-        size = 0
-        for i, entry in enumerate(batch):
-            if groups[-1] and size + entry[4] > _GROUP_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append(i)
-            size += entry[4]
-        sends: list[Future[list[Any]]] = []
-        buffers: list[list[bytearray]] = []
-        replies: list[Any] = []
-        try:
-            for group in groups:
-                commands, held_buffers = self._prepare_group(group, keys, batch, present)
-                buffers.append(held_buffers)
-                if len(groups) == 1:
-                    replies = self._send_group(commands)
-                else:
-                    sends.append(self._executor().submit(self._send_group, commands))
-            if sends:
-                failure: BaseException | None = None
-                for send in sends:
-                    try:
-                        replies += send.result()
-                    except BaseException as exc:  # wait for every send before re-raising
-                        failure = failure or exc
-                if failure is not None:
-                    raise failure
-        finally:
-            for held_buffers in buffers:
-                self._buffers.give(held_buffers)
+    def _put_batch(self, batch: list[Outgoing]) -> list[tuple[BlockHash, bool]]:
+        """Write one batch and account it: a block this call stored becomes this node's (in
+        ``used_bytes``); for one Redis already held, the expiry this node tracks is raised."""
         out: list[tuple[BlockHash, bool]] = []
-        stored_now: list[tuple[BlockHash, int, float]] = []
-        index = 0
-        for entry, held in zip(batch, present, strict=True):
-            block_hash, _view, _ns, _parent, nbytes, expires = entry
-            if held:
-                index += 1
-                out.append((block_hash, False))
-                self._extend_own(block_hash, expires)
-                continue
-            stored = bool(replies[index])
-            index += 2
-            out.append((block_hash, stored))
+        stored_now: list[Outgoing] = []
+        for block, stored in zip(batch, self._writer.write(batch), strict=True):
+            out.append((block.block_hash, stored))
             if stored:
-                stored_now.append((block_hash, nbytes, expires))
+                stored_now.append(block)
             else:
-                self._extend_own(block_hash, expires)
+                self._extend_own(block.block_hash, block.expires_at)
         with self._lock:
-            for block_hash, nbytes, expires in stored_now:
-                if block_hash not in self._own:
-                    self._used += nbytes
-                    self._own[block_hash] = _Own(nbytes, expires)
-                    heapq.heappush(self._expiry_heap, (expires, block_hash))
+            for block in stored_now:
+                if block.block_hash not in self._own:
+                    self._used += block.nbytes
+                    self._own[block.block_hash] = _Own(block.nbytes, block.expires_at)
+                    heapq.heappush(self._expiry_heap, (block.expires_at, block.block_hash))
             self._counters.stored += len(stored_now)
         return out
-
-    def _prepare_group(
-        self,
-        group: list[int],
-        keys: list[str],
-        batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]],
-        present: list[bool],
-    ) -> tuple[list[tuple[str, int, memoryview | Parts | None]], list[bytearray]]:
-        """``(key, expiry ms, value or None for an expiry-only claim)`` per block, with the
-        pooled buffers the values live in. With a client from ``make_client`` a value is the
-        header and the caller's payload buffer, sent without being copied."""
-        commands: list[tuple[str, int, memoryview | Parts | None]] = []
-        held_buffers: list[bytearray] = []
-        client = self.link.client
-        zero_copy = client is not None and sends_parts(client)
-        for i in group:
-            block_hash, view, namespace_root, parent, nbytes, expires = batch[i]
-            ms = int(expires * 1000)
-            if present[i]:
-                commands.append((keys[i], ms, None))
-                continue
-            header = encode_header(block_hash, namespace_root, parent, nbytes, _xxh3(view))
-            if zero_copy:
-                commands.append((keys[i], ms, Parts(memoryview(header), view)))
-                continue
-            buf = self._buffers.take(HEADER_SIZE + nbytes)
-            held_buffers.append(buf)
-            value = memoryview(buf)
-            value[:HEADER_SIZE] = header
-            np.copyto(
-                np.frombuffer(buf, dtype=np.uint8, offset=HEADER_SIZE),
-                np.frombuffer(view, dtype=np.uint8),
-            )
-            commands.append((keys[i], ms, value))
-        return commands, held_buffers
-
-    def _send_group(self, commands: list[tuple[str, int, memoryview | Parts | None]]) -> list[Any]:
-        def queue(p: Any) -> None:
-            for key, ms, value in commands:
-                if value is not None:
-                    p.set(key, value, pxat=ms, nx=True)
-                # A held block, or a racing writer got there first: keep the longest expiry.
-                p.pexpireat(key, ms, gt=True)
-
-        return self.link.pipeline(queue)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=_SEND_WORKERS, thread_name_prefix=f"{self.name}-send"
-                )
-            return self._pool
 
     def set_expiry(self, block_hash: BlockHash, expires_at: float) -> None:
         """Raise the block's expiry to ``expires_at`` (``PEXPIREAT ... GT``: never lowers it,
@@ -640,9 +522,7 @@ class RedisTier:
             self._own.clear()
             self._expiry_heap.clear()
             self._used = 0
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._writer.close()
         self.link.close()
 
     def clear_prefix(self) -> int:
