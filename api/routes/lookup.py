@@ -7,16 +7,12 @@ import json
 from fastapi import APIRouter, Response
 
 from sessioncache.api.deps import NodeDep, TenantDep
-from sessioncache.api.schemas import ErrorOut, LookupRequest, LookupResponse
+from sessioncache.api.schemas import ERRORS, ErrorOut, LookupRequest, LookupResponse
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 
 
-@router.post(
-    "/lookup",
-    response_model=LookupResponse,
-    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}},
-)
+@router.post("/lookup", response_model=LookupResponse, responses=ERRORS)
 def lookup(body: LookupRequest, node: NodeDep, tenant: TenantDep) -> Response:
     result = node.lookup(
         tenant,
