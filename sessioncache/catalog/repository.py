@@ -35,11 +35,9 @@ from sqlalchemy import (
     Connection,
     Engine,
     Executable,
-    bindparam,
     delete,
     func,
     select,
-    update,
 )
 from sqlalchemy.engine import URL
 
@@ -52,6 +50,7 @@ from sessioncache.catalog.models import (
     sessions_table,
     usage_table,
 )
+from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import SessionCacheError
 from sessioncache.hashing import BlockHash
@@ -198,7 +197,7 @@ class Catalog:
         self._rows_written = 0
         self._errors = 0
         self._last_error: str | None = None
-        self._stmts = _Statements(engine.dialect.name)
+        self._stmts = Statements(engine.dialect.name)
 
     @classmethod
     def open(
@@ -585,68 +584,6 @@ class Catalog:
                 ],
             )
         return written
-
-
-class _Statements:
-    """The write statements, built once for the dialect (upserts differ)."""
-
-    def __init__(self, dialect: str) -> None:
-        if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
-
-        b, s, n, u = blocks_table, sessions_table, namespaces_table, usage_table
-        block_insert = insert(b)
-        mutable = [c.name for c in b.columns if c.name not in ("block_id", "tier", "checksum")]
-        self.upsert_block: Executable = block_insert.on_conflict_do_update(
-            index_elements=[b.c.block_id, b.c.tier],
-            set_={
-                **{name: block_insert.excluded[name] for name in mutable},
-                "checksum": func.coalesce(block_insert.excluded.checksum, b.c.checksum),
-            },
-        )
-        self.delete_block: Executable = delete(b).where(
-            b.c.block_id == bindparam("b_id"), b.c.tier == bindparam("b_tier")
-        )
-        self.touch_block: Executable = (
-            update(b)
-            .where(b.c.block_id == bindparam("b_id"))
-            .values(
-                last_access=bindparam("b_last_access"),
-                expires_at=bindparam("b_expires_at"),
-                hit_count=bindparam("b_hit_count"),
-                pin_count=bindparam("b_pin_count"),
-                ttl_s=bindparam("b_ttl_s"),
-            )
-        )
-        self.insert_namespace: Executable = insert(n).on_conflict_do_nothing(
-            index_elements=[n.c.root]
-        )
-        ns_insert = insert(n)
-        self.upsert_namespace_description: Executable = ns_insert.on_conflict_do_update(
-            index_elements=[n.c.root], set_={"description": ns_insert.excluded.description}
-        )
-        session_insert = insert(s)
-        self.upsert_session: Executable = session_insert.on_conflict_do_update(
-            index_elements=[s.c.id],
-            set_={c.name: session_insert.excluded[c.name] for c in s.columns if c.name != "id"},
-        )
-        self.save_session: Executable = (
-            update(s)
-            .where(s.c.id == bindparam("s_id"))
-            .values(
-                ttl_s=bindparam("s_ttl_s"),
-                last_seen=bindparam("s_last_seen"),
-                expires_at=bindparam("s_expires_at"),
-                head=bindparam("s_head"),
-            )
-        )
-        usage_insert = insert(u)
-        self.add_usage: Executable = usage_insert.on_conflict_do_update(
-            index_elements=[u.c.name, u.c.bucket],
-            set_={"value": u.c.value + usage_insert.excluded.value},
-        )
 
 
 def _execute(conn: Connection, stmt: Executable, params: list[dict[str, Any]]) -> int:
