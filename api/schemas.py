@@ -304,6 +304,15 @@ class ErrorOut(BaseModel):
     detail: str
 
 
+ERRORS: dict[int | str, dict[str, object]] = {
+    401: {"model": ErrorOut},
+    404: {"model": ErrorOut},
+    422: {"model": ErrorOut},
+}
+"""The error replies of the tenant routes (lookup, store, sessions), for the OpenAPI
+description: bad or missing API key, unknown id, invalid body."""
+
+
 class GcOut(BaseModel):
     expired_sessions: int
     idle_unpinned: int

@@ -5,7 +5,7 @@ than the copy into it (docs/benchmarks.md). The blocks of one deployment all
 have the same payload size, so a handful of buffers per size, reused as they are, keep copies
 in memory the process has already faulted in. Used for block uploads (REST PUTs in
 ``api/routes/blocks.py``, data-plane STOREs) and
-for the values the Redis tier assembles (``tiers/redis.py``).
+for the values the Redis tier assembles (``tiers/redis_writer.py``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import redis.exceptions as rex
 
@@ -100,12 +100,12 @@ class FleetIndex:
             raise InvalidInput(f"node id must be 1-200 characters without '#' or '|': {node_id!r}")
         if ttl_s <= 0:
             raise InvalidInput(f"ttl_s must be positive, got {ttl_s}")
-        self._link = (
+        self.link: Final = (
             client
             if isinstance(client, RedisLink)
             else RedisLink(client, name="fleet index", probe_interval_s=probe_interval_s)
         )
-        self._node_id = node_id
+        self.node_id: Final = node_id
         self._prefix = prefix
         self._ttl = ttl_s
         self._info = dict(info or {})
@@ -132,18 +132,14 @@ class FleetIndex:
         self._live_at = float("-inf")
         self._loop = BackgroundLoop("fleet-index", self.tick, flush_interval_s)
         self._next_heartbeat = 0.0
-        self._link.on_recover(self._recovered)
+        self.link.on_recover(self._recovered)
 
     # -- identity and state ----------------------------------------------------------------
 
     @property
-    def node_id(self) -> str:
-        return self._node_id
-
-    @property
     def member(self) -> str:
         """``{node_id}#{incarnation}``: this process's name in the index."""
-        return f"{self._node_id}#{self._incarnation}"
+        return f"{self.node_id}#{self._incarnation}"
 
     @property
     def registered(self) -> bool:
@@ -160,19 +156,15 @@ class FleetIndex:
         """Operations dropped because the queue was full while Redis was away."""
         return self._dropped
 
-    @property
-    def link(self) -> RedisLink:
-        return self._link
-
     def problem(self) -> str | None:
         """None when the index is reachable and this node is registered; else why not."""
-        problem = self._link.problem()
+        problem = self.link.problem()
         if problem is None and not self._registered:
             return "fleet index: node not registered yet"
         return problem
 
     def status(self) -> LinkStatus:
-        return self._link.status()
+        return self.link.status()
 
     # -- registration ----------------------------------------------------------------------
 
@@ -184,7 +176,7 @@ class FleetIndex:
         deadline_ms = int((now + self._ttl) * 1000)
         member = self.member
         info = json.dumps(
-            {**self._info, "node_id": self._node_id, "started_at": self._started_at}
+            {**self._info, "node_id": self.node_id, "started_at": self._started_at}
         ).encode()
         nodes_key, node_key = self._nodes_key(), self._node_key(member)
 
@@ -197,7 +189,7 @@ class FleetIndex:
             return cast(list[Any], pipe.execute())
 
         try:
-            added = self._link.run(op)[0]
+            added = self.link.run(op)[0]
         except (TierUnavailable, rex.RedisError) as exc:
             logger.debug("fleet index: register failed: %s", exc)
             return False
@@ -223,7 +215,7 @@ class FleetIndex:
             pipe.execute()
 
         try:
-            self._link.run(op)
+            self.link.run(op)
         except (TierUnavailable, rex.RedisError) as exc:
             logger.debug("fleet index: deregister failed: %s", exc)
         self._registered = False
@@ -243,7 +235,7 @@ class FleetIndex:
             return members, cast(list[Any], pipe.execute(raise_on_error=False))
 
         try:
-            members, infos = self._link.run(op)
+            members, infos = self.link.run(op)
         except (TierUnavailable, rex.RedisError):
             return {}
         out: dict[str, NodeInfo] = {}
@@ -362,7 +354,7 @@ class FleetIndex:
                 pipe.pexpireat(key, gc_ms, gt=True)
             pipe.execute()
 
-        self._link.run(op)
+        self.link.run(op)
 
     def _send_cleanup(self, cleanup: set[tuple[str, str]]) -> None:
         def op(c: Client) -> None:
@@ -371,7 +363,7 @@ class FleetIndex:
                 pipe.hdel(key, field)
             pipe.execute(raise_on_error=False)
 
-        self._link.run(op)
+        self.link.run(op)
 
     def _requeue(
         self, entries: list[tuple[str, BlockHash, str | None, float | None]], cleanup: set[Any]
@@ -412,7 +404,7 @@ class FleetIndex:
             return cast(list[Any], pipe.execute(raise_on_error=False))
 
         try:
-            replies = self._link.run(op)
+            replies = self.link.run(op)
             live = self._live_members(refresh=False)
             unknown = any(
                 (f.decode() if isinstance(f, bytes) else f).partition("|")[0] not in live
@@ -456,7 +448,7 @@ class FleetIndex:
         with self._lock:
             if not refresh and now_mono - self._live_at < self._live_cache_s:
                 return self._live
-        raw = self._link.run(
+        raw = self.link.run(
             lambda c: cast(
                 list[tuple[bytes, float]],
                 c.zrange(self._nodes_key(), 0, -1, withscores=True),
@@ -490,12 +482,12 @@ class FleetIndex:
     def close(self) -> None:
         """``stop()`` and close the client if this index made it."""
         self.stop()
-        self._link.close()
+        self.link.close()
 
     def tick(self) -> None:
         """One round of the background work (heartbeat when due, resync, flush); the thread
         calls it every ``flush_interval_s``. Never raises for a Redis outage."""
-        if not self._link.healthy and self._link.problem() is not None:
+        if not self.link.healthy and self.link.problem() is not None:
             return
         due = not self._registered or time.monotonic() >= self._next_heartbeat
         if due and not self.register():
@@ -526,7 +518,7 @@ class FleetIndex:
                     self._needs_resync = self._void = True
                 return
             with contextlib.suppress(TierUnavailable, rex.RedisError):
-                self._link.run(lambda c: c.zrem(self._nodes_key(), old))
+                self.link.run(lambda c: c.zrem(self._nodes_key(), old))
         batch: list[tuple[str, BlockHash, str | None, float | None]] = []
         count = 0
         try:

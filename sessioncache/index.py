@@ -67,12 +67,18 @@ class BlockIndex:
         nbytes: int,
         ttl_s: float,
         created: float,
-        last_access: float,
-        expires_at: float,
+        last_access: float | None = None,
+        expires_at: float | None = None,
         ref_cnt: int = 0,
         touched_by_op: int = 0,
     ) -> BlockMeta:
-        """Make and index the record of a block not in the index (held in no tier yet)."""
+        """Make and index the record of a block not in the index (held in no tier yet). Unless
+        told otherwise it was last accessed when ``created`` and expires ``ttl_s`` after that
+        last access."""
+        if last_access is None:
+            last_access = created
+        if expires_at is None:
+            expires_at = last_access + ttl_s
         meta = BlockMeta(
             block_hash=block_hash,
             parent=parent,
@@ -265,7 +271,6 @@ class BlockIndex:
                 nbytes=remote.nbytes,
                 ttl_s=max(default_ttl, remote.expires_at - now),
                 created=now,
-                last_access=now,
                 expires_at=remote.expires_at,
             )
         meta.expires_at = max(meta.expires_at, remote.expires_at)
@@ -277,19 +282,15 @@ class BlockIndex:
         """Index a block a durable tier found on start; ``relink`` once all are in."""
         meta = self._blocks.get(found.block_hash)
         if meta is None:
-            last_access = min(found.mtime, now)
-            ttl = found.ttl_s if found.ttl_s is not None else default_ttl
             meta = self.new_record(
                 found.block_hash,
                 parent=found.parent,
                 namespace_root=found.namespace_root,
                 nbytes=found.nbytes,
-                ttl_s=ttl,
+                ttl_s=found.ttl_s if found.ttl_s is not None else default_ttl,
                 created=found.mtime,
-                last_access=last_access,
-                expires_at=(
-                    found.expires_at if found.expires_at is not None else last_access + ttl
-                ),
+                last_access=min(found.mtime, now),
+                expires_at=found.expires_at,
             )
         meta.tiers.add(tier)
         self.tier_blocks[tier] += 1

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar, cast
+from typing import Any, Final, TypeAlias, TypeVar, cast
 
 import redis
 import redis.connection
@@ -162,7 +162,7 @@ class RedisLink:
         name: str = "redis",
         probe_interval_s: float = 1.0,
     ) -> None:
-        self._name = name
+        self.name: Final = name
         self._probe_interval = probe_interval_s
         self._factory: Callable[[], Client] | None
         self._client: Client | None
@@ -181,10 +181,6 @@ class RedisLink:
         self._failures = 0
         self._recoveries = 0
         self._listeners: list[Callable[[], None]] = []
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def healthy(self) -> bool:
@@ -212,9 +208,9 @@ class RedisLink:
         try:
             self.run(lambda c: c.ping())
         except TierUnavailable:
-            return f"{self._name}: {self._reason}"
+            return f"{self.name}: {self._reason}"
         except rex.RedisError as exc:  # answering, if oddly (e.g. NOAUTH): report it
-            return f"{self._name}: {describe_error(exc)}"
+            return f"{self.name}: {describe_error(exc)}"
         return None
 
     def run(self, op: Callable[[Client], _T]) -> _T:
@@ -223,7 +219,7 @@ class RedisLink:
             result = op(client)
         except UNAVAILABLE_ERRORS as exc:
             self.mark_failed(exc)
-            raise TierUnavailable(f"{self._name}: {describe_error(exc)}") from exc
+            raise TierUnavailable(f"{self.name}: {describe_error(exc)}") from exc
         self._last_ok = time.monotonic()
         return result
 
@@ -242,7 +238,7 @@ class RedisLink:
         for reply in replies:
             if isinstance(reply, UNAVAILABLE_ERRORS):
                 self.mark_failed(reply)
-                raise TierUnavailable(f"{self._name}: {describe_error(reply)}") from reply
+                raise TierUnavailable(f"{self.name}: {describe_error(reply)}") from reply
         if raise_errors:
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -258,7 +254,7 @@ class RedisLink:
                 self._healthy = False
                 self._since = time.time()
                 self._failures += 1
-                logger.warning("%s unreachable, degraded: %s", self._name, reason)
+                logger.warning("%s unreachable, degraded: %s", self.name, reason)
 
     def close(self) -> None:
         """Close the client if this link made it (a client handed in belongs to the caller)."""
@@ -275,7 +271,7 @@ class RedisLink:
         if self._next_probe == 0.0:
             self._probe_lock.acquire()
         elif time.monotonic() < self._next_probe or not self._probe_lock.acquire(blocking=False):
-            raise TierUnavailable(f"{self._name}: {self._reason}")
+            raise TierUnavailable(f"{self.name}: {self._reason}")
         try:
             if self._healthy and self._client is not None:  # another thread got there first
                 return self._client
@@ -286,7 +282,7 @@ class RedisLink:
                 self._client.ping()
             except _PROBE_ERRORS as exc:
                 self.mark_failed(exc)
-                raise TierUnavailable(f"{self._name}: {describe_error(exc)}") from exc
+                raise TierUnavailable(f"{self.name}: {describe_error(exc)}") from exc
             with self._lock:
                 self._healthy = True
                 self._reason = None
@@ -295,12 +291,12 @@ class RedisLink:
             client = self._client
         finally:
             self._probe_lock.release()
-        logger.warning("%s reachable again, resuming", self._name)
+        logger.warning("%s reachable again, resuming", self.name)
         for listener in list(self._listeners):
             try:
                 listener()
             except Exception:
-                logger.exception("%s: recovery listener failed", self._name)
+                logger.exception("%s: recovery listener failed", self.name)
         return client
 
 

@@ -593,8 +593,6 @@ class TieredStore:
                 nbytes=nbytes,
                 ttl_s=ttl,
                 created=now,
-                last_access=now,
-                expires_at=now + ttl,
                 ref_cnt=1,
                 touched_by_op=op,
             )

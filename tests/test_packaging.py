@@ -3,6 +3,7 @@ inside it), so that ``pip install sessioncache`` cannot collide with another ``a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import venv
@@ -18,13 +19,15 @@ def site_packages(env: Path) -> Path:
 def test_the_wheel_installs_only_sessioncache_at_the_top_level(tmp_path: Path):
     dist = tmp_path / "dist"
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*build, "-w", str(dist), str(ROOT)], check=True, timeout=300)
+    # The fresh venv must not see the source tree (an egg-info there reads as installed).
+    env_vars = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([*build, "-w", str(dist), str(ROOT)], check=True, timeout=300, env=env_vars)
     (wheel,) = dist.glob("sessioncache-*.whl")
     env = tmp_path / "venv"
     venv.create(env, with_pip=True)
     before = {p.name for p in site_packages(env).iterdir()}
     pip = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
-    subprocess.run([*pip, str(wheel)], check=True, timeout=300)
+    subprocess.run([*pip, str(wheel)], check=True, timeout=300, env=env_vars, cwd=tmp_path)
     added = {p.name for p in site_packages(env).iterdir()} - before
     assert {name for name in added if not name.endswith(".dist-info")} == {"sessioncache"}
     package = site_packages(env) / "sessioncache"

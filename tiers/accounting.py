@@ -16,12 +16,13 @@ under a real engine.
 from __future__ import annotations
 
 import threading
+from typing import Final
 
 import torch
 
-from sessioncache.errors import PayloadSizeError, TierFull
+from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.payload import Payload, payload_nbytes
+from sessioncache.tiers.payload import Payload, checked_nbytes
 
 _ZERO = torch.zeros(1, dtype=torch.uint8)
 _VIEWS: dict[int, torch.Tensor] = {}
@@ -45,34 +46,22 @@ class AccountingTier:
     def __init__(self, name: str, capacity_bytes: int, *, durable: bool = False) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self._name = name
-        self._capacity = capacity_bytes
-        self._durable = durable
+        self.name: Final = name
+        self.capacity_bytes: Final = capacity_bytes
+        self.durable: Final = durable
         self._lock = threading.Lock()
         self._sizes: dict[BlockHash, int] = {}
         self._used = 0
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
     def used_bytes(self) -> int:
         return self._used
-
-    @property
-    def durable(self) -> bool:
-        return self._durable
 
     def __len__(self) -> int:
         return len(self._sizes)
 
     def fits(self, nbytes: int) -> bool:
-        return self._used + nbytes <= self._capacity
+        return self._used + nbytes <= self.capacity_bytes
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._sizes
@@ -90,17 +79,12 @@ class AccountingTier:
         parent: BlockHash | None = None,
         expires_at: float | None = None,
     ) -> None:
-        nbytes = payload_nbytes(payload)
-        if nbytes == 0 or nbytes > self._capacity:
-            raise PayloadSizeError(
-                f"{self._name}: payload of {nbytes} bytes does not fit a tier of "
-                f"{self._capacity} bytes"
-            )
+        nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         with self._lock:
             if block_hash in self._sizes:
                 return
-            if self._used + nbytes > self._capacity:
-                raise TierFull(f"{self._name}: no room for {nbytes} bytes")
+            if self._used + nbytes > self.capacity_bytes:
+                raise TierFull(f"{self.name}: no room for {nbytes} bytes")
             self._sizes[block_hash] = nbytes
             self._used += nbytes
 

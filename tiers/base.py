@@ -110,23 +110,17 @@ class CheckedTier(Protocol):
     def problem(self) -> str | None: ...
 
 
-class LocatedBlock(Protocol):
-    """What a shared tier knows of a block it holds (no payload)."""
+@dataclass(frozen=True, slots=True)
+class LocatedBlock:
+    """What a shared tier knows of a block it holds, as ``locate_many`` reports it (no payload
+    moved)."""
 
-    @property
-    def block_hash(self) -> BlockHash: ...
-
-    @property
-    def namespace_root(self) -> bytes: ...
-
-    @property
-    def parent(self) -> BlockHash | None: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def expires_at(self) -> float | None: ...
+    block_hash: BlockHash
+    namespace_root: bytes
+    parent: BlockHash | None
+    nbytes: int
+    expires_at: float | None
+    """Wall-clock expiry of the shared copy; None if the tier reports none."""
 
 
 @runtime_checkable

@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ from sessioncache.tiers.header import (
     InvalidBlock,
     check_id,
 )
-from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_memoryview, checked_nbytes
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
 
@@ -181,6 +182,8 @@ class DiskTier:
     the folders are made on the first put.
     """
 
+    durable: Final = True
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -198,8 +201,8 @@ class DiskTier:
         self._root = os.fspath(root)
         self._blocks_dir = os.path.join(self._root, "blocks")
         self._quarantine_dir = os.path.join(self._root, "quarantine")
-        self._capacity = capacity_bytes
-        self._name = name
+        self.capacity_bytes: Final = capacity_bytes
+        self.name: Final = name
         self._fsync = fsync
         self._lock = threading.Lock()
         self._index: dict[BlockHash, _Entry] = {}
@@ -254,21 +257,21 @@ class DiskTier:
             self._recovered = found
         logger.info(
             "disk tier %r at %s: recovered %d blocks (%d bytes of %d), quarantined %d, %.3fs",
-            self._name,
+            self.name,
             self._root,
             len(found),
             self._used,
-            self._capacity,
+            self.capacity_bytes,
             quarantined,
             time.perf_counter() - start,
         )
-        if self._used > self._capacity:
+        if self._used > self.capacity_bytes:
             logger.warning(
                 "disk tier %r holds %d bytes, over its capacity of %d; nothing new fits "
                 "until blocks are evicted",
-                self._name,
+                self.name,
                 self._used,
-                self._capacity,
+                self.capacity_bytes,
             )
 
     def _scan_shard(self, shard: str, found: list[RecoveredBlock]) -> int:
@@ -289,7 +292,7 @@ class DiskTier:
                 except ValueError:
                     block_hash = BlockHash(b"")
                 if len(stem) != _HEX_LEN or block_hash.hex() != stem or stem[:4] != prefix:
-                    logger.warning("disk tier %r: unexpected file %s, ignored", self._name, fname)
+                    logger.warning("disk tier %r: unexpected file %s, ignored", self.name, fname)
                     continue
                 try:
                     found.append(self._read_header_of(entry.path, block_hash))
@@ -301,7 +304,7 @@ class DiskTier:
                 except OSError as exc:
                     if exc.errno != errno.EIO:
                         logger.error(
-                            "disk tier %r: cannot read %s, skipped: %s", self._name, fname, exc
+                            "disk tier %r: cannot read %s, skipped: %s", self.name, fname, exc
                         )
                         continue
                     self._quarantine_file(entry.path, block_hash, f"read error: {exc}")
@@ -329,21 +332,9 @@ class DiskTier:
     # ------------------------------------------------------------------------------ properties
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
     def used_bytes(self) -> int:
         """Payload bytes of the blocks held (headers and puts in progress not counted)."""
         return self._used
-
-    @property
-    def durable(self) -> bool:
-        return True
 
     @property
     def root(self) -> Path:
@@ -351,7 +342,7 @@ class DiskTier:
 
     def fits(self, nbytes: int) -> bool:
         with self._lock:
-            return nbytes > 0 and self._used + self._reserved + nbytes <= self._capacity
+            return nbytes > 0 and self._used + self._reserved + nbytes <= self.capacity_bytes
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index
@@ -384,24 +375,17 @@ class DiskTier:
         check_id(namespace_root, "namespace root")
         if parent is not None:
             check_id(parent, "parent id")
-        nbytes = payload_nbytes(payload)
-        if nbytes == 0:
-            raise PayloadSizeError("empty payload")
-        if nbytes > self._capacity:
-            raise PayloadSizeError(
-                f"payload of {nbytes} bytes exceeds the {self._name} tier's capacity "
-                f"of {self._capacity}"
-            )
+        nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         while True:
             with self._lock:
                 if block_hash in self._index:
                     return
                 waiting = self._inflight.get(block_hash)
                 if waiting is None:
-                    if self._used + self._reserved + nbytes > self._capacity:
+                    if self._used + self._reserved + nbytes > self.capacity_bytes:
                         raise TierFull(
-                            f"{self._name} tier: {nbytes} bytes do not fit "
-                            f"({self._used + self._reserved} of {self._capacity} in use)"
+                            f"{self.name} tier: {nbytes} bytes do not fit "
+                            f"({self._used + self._reserved} of {self.capacity_bytes} in use)"
                         )
                     self._reserved += nbytes
                     done = threading.Event()
@@ -460,7 +444,7 @@ class DiskTier:
         except OSError as exc:
             self._unlink_quiet(tmp)
             if exc.errno in _NO_SPACE:
-                raise TierFull(f"{self._name} tier: filesystem full: {exc}") from exc
+                raise TierFull(f"{self.name} tier: filesystem full: {exc}") from exc
             raise
         if self._fsync:
             _fsync_dir(shard)
@@ -502,7 +486,7 @@ class DiskTier:
             finally:
                 os.close(fd)
         except FileNotFoundError:
-            logger.warning("disk tier %r: block %s vanished", self._name, block_hash.hex())
+            logger.warning("disk tier %r: block %s vanished", self.name, block_hash.hex())
             self._drop(block_hash, entry, None, "")
             return None
         except OSError as exc:
@@ -582,7 +566,7 @@ class DiskTier:
         except OSError as exc:
             logger.error(
                 "disk tier %r: cannot quarantine %s (%s): %s; deleting it",
-                self._name,
+                self.name,
                 path,
                 why,
                 exc,
@@ -591,7 +575,7 @@ class DiskTier:
             return
         logger.warning(
             "disk tier %r: block %s is corrupt (%s); moved to %s",
-            self._name,
+            self.name,
             block_hash.hex(),
             why,
             dest,
@@ -603,4 +587,4 @@ class DiskTier:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            logger.error("disk tier %r: cannot remove %s: %s", self._name, path, exc)
+            logger.error("disk tier %r: cannot remove %s: %s", self.name, path, exc)

@@ -7,6 +7,8 @@ import warnings
 import numpy as np
 import torch
 
+from sessioncache.errors import PayloadSizeError
+
 Payload = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 """What a tier accepts: any C-contiguous buffer or tensor; its bytes are the payload."""
 
@@ -22,6 +24,19 @@ def payload_nbytes(payload: Payload) -> int:
     if isinstance(payload, np.ndarray):
         return int(payload.nbytes)
     return memoryview(payload).nbytes
+
+
+def checked_nbytes(payload: Payload, tier: str, capacity_bytes: int) -> int:
+    """The payload's length in bytes, checked for a ``put`` into the tier named ``tier``:
+    ``PayloadSizeError`` when it is empty or larger than the whole tier."""
+    nbytes = payload_nbytes(payload)
+    if nbytes == 0:
+        raise PayloadSizeError(f"{tier}: empty payload")
+    if nbytes > capacity_bytes:
+        raise PayloadSizeError(
+            f"{tier}: payload of {nbytes} bytes exceeds the tier's capacity of {capacity_bytes}"
+        )
+    return nbytes
 
 
 def as_byte_tensor(payload: Payload) -> torch.Tensor:

@@ -33,12 +33,10 @@ degraded, calls fail at once without touching the network until a probe answers.
 Expiry times are wall-clock seconds since the epoch (``time.time()``), like the store's
 ``SystemClock``.
 
-Speed: a client from ``make_client`` sends header and payload as two pieces of one bulk
-string (its connection class packs ``Parts`` arguments), so no value is ever assembled by
-copying; other clients get pooled copies. ``put_many`` checksums one 8 MiB group while the
-previous one is on the wire (a few worker threads, started on first use, stopped by
-``close``). ``get`` returns a zero-copy view of the reply. Figures beside raw redis-py
-``SET``/``GET``: docs/benchmarks.md, "Shared tier".
+Speed: the write path on the wire (batches, pipelined groups that overlap checksums with the
+transfer, zero-copy values) is ``BlockWriter`` (``tiers/redis_writer.py``). ``get`` returns a
+zero-copy view of the reply. Figures beside raw redis-py ``SET``/``GET``: docs/benchmarks.md,
+"Shared tier".
 """
 
 from __future__ import annotations
@@ -48,28 +46,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, Final, NamedTuple, TypeVar, cast
 
-import numpy as np
 import redis.exceptions as rex
 import torch
 import xxhash
 from redis.cluster import RedisCluster
 
-from sessioncache.buffers import BufferPool
-from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
+from sessioncache.errors import InvalidInput, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
     Client,
     LinkStatus,
-    Parts,
     RedisLink,
     TierUnavailable,
     describe_error,
-    sends_parts,
 )
+from sessioncache.tiers.base import LocatedBlock
 from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
@@ -78,7 +72,8 @@ from sessioncache.tiers.header import (
     InvalidBlock,
     check_id,
 )
-from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_memoryview, checked_nbytes
+from sessioncache.tiers.redis_writer import BlockWriter, Outgoing
 
 __all__ = [
     "HEADER",
@@ -88,7 +83,6 @@ __all__ = [
     "PutItem",
     "RedisCounters",
     "RedisTier",
-    "RemoteBlock",
 ]
 
 logger = logging.getLogger("sessioncache.tiers.redis")
@@ -119,18 +113,6 @@ class PutItem(NamedTuple):
     """Wall-clock expiry; None: ``default_ttl_s`` from now."""
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteBlock:
-    """A block the shared tier holds, as ``locate_many`` reports it (no payload moved)."""
-
-    block_hash: BlockHash
-    namespace_root: bytes
-    parent: BlockHash | None
-    nbytes: int
-    expires_at: float | None
-    """Wall-clock expiry of the key; None if Redis reports none."""
-
-
 @dataclass(slots=True)
 class RedisCounters:
     """What this node's tier did, for ``/metrics``."""
@@ -150,8 +132,6 @@ class _Own:
 
 
 _MIN_TTL_S = 1.0
-_GROUP_BYTES = 8 << 20
-_SEND_WORKERS = 4
 
 
 class RedisTier:
@@ -176,22 +156,27 @@ class RedisTier:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be positive, got {default_ttl_s}")
-        self._link = (
+        self.link: Final = (
             client
             if isinstance(client, RedisLink)
             else RedisLink(client, name=name, probe_interval_s=probe_interval_s)
         )
-        self._name = name
-        self._capacity = capacity_bytes
-        self._prefix = prefix
+        self.name: Final = name
+        self.capacity_bytes: Final = capacity_bytes
+        self.prefix: Final = prefix
+        self.durable: Final = durable
         self._block_prefix = f"{prefix}b:"
         self._default_ttl = default_ttl_s
-        self._durable = durable
         self._owns_keys = owns_keys
-        self._skip_existing = skip_existing
-        self._max_batch_bytes = max(1, max_batch_bytes)
-        self._buffers = BufferPool(buffer_pool_bytes)
-        self._pool: ThreadPoolExecutor | None = None
+        self._writer = BlockWriter(
+            self.link,
+            _CODEC,
+            self.key,
+            name=name,
+            skip_existing=skip_existing,
+            max_batch_bytes=max_batch_bytes,
+            buffer_pool_bytes=buffer_pool_bytes,
+        )
         self._lock = threading.Lock()
         self._own: dict[BlockHash, _Own] = {}
         self._expiry_heap: list[tuple[float, BlockHash]] = []
@@ -202,14 +187,6 @@ class RedisTier:
     # -- properties ------------------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
     def used_bytes(self) -> int:
         """Payload bytes this node wrote that are neither deleted nor expired (approximate:
         see the module docstring)."""
@@ -217,27 +194,15 @@ class RedisTier:
             self._reap(time.time())
             return self._used
 
-    @property
-    def durable(self) -> bool:
-        return self._durable
-
-    @property
-    def prefix(self) -> str:
-        return self._prefix
-
-    @property
-    def link(self) -> RedisLink:
-        return self._link
-
     def key(self, block_hash: bytes) -> str:
         """The Redis key of a block."""
         return f"{self._block_prefix}{block_hash.hex()}"
 
     def problem(self) -> str | None:
-        return self._link.problem()
+        return self.link.problem()
 
     def status(self) -> LinkStatus:
-        return self._link.status()
+        return self.link.status()
 
     def counters(self) -> RedisCounters:
         with self._lock:
@@ -246,7 +211,7 @@ class RedisTier:
     def fits(self, nbytes: int) -> bool:
         with self._lock:
             self._reap(time.time())
-            return nbytes > 0 and self._used + self._reserved + nbytes <= self._capacity
+            return nbytes > 0 and self._used + self._reserved + nbytes <= self.capacity_bytes
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -270,7 +235,7 @@ class RedisTier:
             return []
         keys = [self.key(h) for h in hashes]
         try:
-            raws = self._link.pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
+            raws = self.link.pipeline(lambda p: [p.get(k) for k in keys], raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
@@ -287,7 +252,7 @@ class RedisTier:
             except InvalidBlock as exc:
                 logger.warning(
                     "%s tier: block %s is corrupt (%s); deleting it",
-                    self._name,
+                    self.name,
                     block_hash.hex(),
                     exc,
                 )
@@ -316,7 +281,7 @@ class RedisTier:
             raise InvalidBlock("payload checksum mismatch")
         return torch.frombuffer(raw, dtype=torch.uint8, count=header.nbytes, offset=HEADER_SIZE)
 
-    def locate_many(self, hashes: Sequence[BlockHash]) -> list[RemoteBlock | None]:
+    def locate_many(self, hashes: Sequence[BlockHash]) -> list[LocatedBlock | None]:
         """For each id, what Redis holds of it (from the header alone), or None.
 
         One pipelined round trip of ``GETRANGE key 0 87`` + ``PEXPIRETIME key`` per block:
@@ -332,11 +297,11 @@ class RedisTier:
                 p.pexpiretime(k)
 
         try:
-            replies = self._link.pipeline(queue, raise_errors=False)
+            replies = self.link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
-        out: list[RemoteBlock | None] = []
+        out: list[LocatedBlock | None] = []
         for i, block_hash in enumerate(hashes):
             raw, pexp = replies[2 * i], replies[2 * i + 1]
             if not isinstance(raw, bytes) or not raw:
@@ -354,7 +319,7 @@ class RedisTier:
                 continue
             expires = pexp / 1000.0 if isinstance(pexp, int) and pexp > 0 else None
             out.append(
-                RemoteBlock(
+                LocatedBlock(
                     block_hash,
                     header.namespace_root,
                     BlockHash(header.parent) if header.parent is not None else None,
@@ -428,40 +393,33 @@ class RedisTier:
         engine recomputes only what every tier missed, so it is off by default).
         """
         now = time.time()
-        prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
+        prepared: list[Outgoing] = []
         seen: set[BlockHash] = set()
         for item in items:
             block_hash = check_id(item.block_hash, "block id")
             namespace_root = check_id(item.namespace_root, "namespace root")
             parent = check_id(item.parent, "parent") if item.parent is not None else None
-            nbytes = payload_nbytes(item.payload)
-            if nbytes == 0:
-                raise PayloadSizeError(f"{self._name}: empty payload")
-            if nbytes > self._capacity:
-                raise PayloadSizeError(
-                    f"{self._name}: payload of {nbytes} bytes exceeds the tier's capacity of "
-                    f"{self._capacity}"
-                )
+            nbytes = checked_nbytes(item.payload, self.name, self.capacity_bytes)
             if block_hash in seen:
                 continue
             seen.add(block_hash)
             expires = self._expiry(item.expires_at, now)
             view = as_memoryview(item.payload)
-            prepared.append((block_hash, view, namespace_root, parent, nbytes, expires))
-        result = dict.fromkeys((p[0] for p in prepared), False)
+            prepared.append(Outgoing(block_hash, view, namespace_root, parent, nbytes, expires))
+        result = dict.fromkeys((p.block_hash for p in prepared), False)
         if not prepared:
             return [False] * len(items)
         with self._lock:
             self._reap(now)
-            need = sum(p[4] for p in prepared if p[0] not in self._own)
-            if self._used + self._reserved + need > self._capacity:
+            need = sum(p.nbytes for p in prepared if p.block_hash not in self._own)
+            if self._used + self._reserved + need > self.capacity_bytes:
                 raise TierFull(
-                    f"{self._name} tier: {need} bytes do not fit "
-                    f"({self._used + self._reserved} of {self._capacity} in use by this node)"
+                    f"{self.name} tier: {need} bytes do not fit "
+                    f"({self._used + self._reserved} of {self.capacity_bytes} in use by this node)"
                 )
             self._reserved += need
         try:
-            for batch in self._batches(prepared):
+            for batch in self._writer.batches(prepared):
                 for block_hash, stored in self._put_batch(batch):
                     result[block_hash] = stored
         except (TierUnavailable, rex.RedisError) as exc:
@@ -469,8 +427,8 @@ class RedisTier:
             if isinstance(exc, TierUnavailable):
                 raise
             if _is_oom(exc):
-                raise TierFull(f"{self._name} tier: Redis is out of memory: {exc}") from exc
-            raise TierUnavailable(f"{self._name}: {describe_error(exc)}") from exc
+                raise TierFull(f"{self.name} tier: Redis is out of memory: {exc}") from exc
+            raise TierUnavailable(f"{self.name}: {describe_error(exc)}") from exc
         finally:
             with self._lock:
                 self._reserved -= need
@@ -482,140 +440,25 @@ class RedisTier:
             out.append(first and result.get(item.block_hash, False))
         return out
 
-    def _batches(
-        self, prepared: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]
-    ) -> Iterable[list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]]:
-        batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]] = []
-        size = 0
-        for entry in prepared:
-            if batch and size + entry[4] > self._max_batch_bytes:
-                yield batch
-                batch, size = [], 0
-            batch.append(entry)
-            size += entry[4]
-        if batch:
-            yield batch
-
-    def _put_batch(
-        self, batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]]
-    ) -> list[tuple[BlockHash, bool]]:
-        keys = [self.key(entry[0]) for entry in batch]
-        if self._skip_existing:
-            present = [bool(x) for x in self._link.pipeline(lambda p: [p.exists(k) for k in keys])]
-        else:
-            present = [False] * len(batch)
-        # Groups of about ``_GROUP_BYTES``: while one group is on the wire (a worker thread;
-        # socket writes release the GIL) the next is checksummed and copied (xxh3 and numpy
-        # copies release it too), so the CPU work hides behind the transfer.
-        groups: list[list[int]] = [[]]
-        size = 0
-        for i, entry in enumerate(batch):
-            if groups[-1] and size + entry[4] > _GROUP_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append(i)
-            size += entry[4]
-        sends: list[Future[list[Any]]] = []
-        buffers: list[list[bytearray]] = []
-        replies: list[Any] = []
-        try:
-            for group in groups:
-                commands, held_buffers = self._prepare_group(group, keys, batch, present)
-                buffers.append(held_buffers)
-                if len(groups) == 1:
-                    replies = self._send_group(commands)
-                else:
-                    sends.append(self._executor().submit(self._send_group, commands))
-            if sends:
-                failure: BaseException | None = None
-                for send in sends:
-                    try:
-                        replies += send.result()
-                    except BaseException as exc:  # wait for every send before re-raising
-                        failure = failure or exc
-                if failure is not None:
-                    raise failure
-        finally:
-            for held_buffers in buffers:
-                self._buffers.give(held_buffers)
+    def _put_batch(self, batch: list[Outgoing]) -> list[tuple[BlockHash, bool]]:
+        """Write one batch and account it: a block this call stored becomes this node's (in
+        ``used_bytes``); for one Redis already held, the expiry this node tracks is raised."""
         out: list[tuple[BlockHash, bool]] = []
-        stored_now: list[tuple[BlockHash, int, float]] = []
-        index = 0
-        for entry, held in zip(batch, present, strict=True):
-            block_hash, _view, _ns, _parent, nbytes, expires = entry
-            if held:
-                index += 1
-                out.append((block_hash, False))
-                self._extend_own(block_hash, expires)
-                continue
-            stored = bool(replies[index])
-            index += 2
-            out.append((block_hash, stored))
+        stored_now: list[Outgoing] = []
+        for block, stored in zip(batch, self._writer.write(batch), strict=True):
+            out.append((block.block_hash, stored))
             if stored:
-                stored_now.append((block_hash, nbytes, expires))
+                stored_now.append(block)
             else:
-                self._extend_own(block_hash, expires)
+                self._extend_own(block.block_hash, block.expires_at)
         with self._lock:
-            for block_hash, nbytes, expires in stored_now:
-                if block_hash not in self._own:
-                    self._used += nbytes
-                    self._own[block_hash] = _Own(nbytes, expires)
-                    heapq.heappush(self._expiry_heap, (expires, block_hash))
+            for block in stored_now:
+                if block.block_hash not in self._own:
+                    self._used += block.nbytes
+                    self._own[block.block_hash] = _Own(block.nbytes, block.expires_at)
+                    heapq.heappush(self._expiry_heap, (block.expires_at, block.block_hash))
             self._counters.stored += len(stored_now)
         return out
-
-    def _prepare_group(
-        self,
-        group: list[int],
-        keys: list[str],
-        batch: list[tuple[BlockHash, memoryview, bytes, BlockHash | None, int, float]],
-        present: list[bool],
-    ) -> tuple[list[tuple[str, int, memoryview | Parts | None]], list[bytearray]]:
-        """``(key, expiry ms, value or None for an expiry-only claim)`` per block, with the
-        pooled buffers the values live in. With a client from ``make_client`` a value is the
-        header and the caller's payload buffer, sent without being copied."""
-        commands: list[tuple[str, int, memoryview | Parts | None]] = []
-        held_buffers: list[bytearray] = []
-        client = self._link.client
-        zero_copy = client is not None and sends_parts(client)
-        for i in group:
-            block_hash, view, namespace_root, parent, nbytes, expires = batch[i]
-            ms = int(expires * 1000)
-            if present[i]:
-                commands.append((keys[i], ms, None))
-                continue
-            header = encode_header(block_hash, namespace_root, parent, nbytes, _xxh3(view))
-            if zero_copy:
-                commands.append((keys[i], ms, Parts(memoryview(header), view)))
-                continue
-            buf = self._buffers.take(HEADER_SIZE + nbytes)
-            held_buffers.append(buf)
-            value = memoryview(buf)
-            value[:HEADER_SIZE] = header
-            np.copyto(
-                np.frombuffer(buf, dtype=np.uint8, offset=HEADER_SIZE),
-                np.frombuffer(view, dtype=np.uint8),
-            )
-            commands.append((keys[i], ms, value))
-        return commands, held_buffers
-
-    def _send_group(self, commands: list[tuple[str, int, memoryview | Parts | None]]) -> list[Any]:
-        def queue(p: Any) -> None:
-            for key, ms, value in commands:
-                if value is not None:
-                    p.set(key, value, pxat=ms, nx=True)
-                # A held block, or a racing writer got there first: keep the longest expiry.
-                p.pexpireat(key, ms, gt=True)
-
-        return self._link.pipeline(queue)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=_SEND_WORKERS, thread_name_prefix=f"{self._name}-send"
-                )
-            return self._pool
 
     def set_expiry(self, block_hash: BlockHash, expires_at: float) -> None:
         """Raise the block's expiry to ``expires_at`` (``PEXPIREAT ... GT``: never lowers it,
@@ -627,7 +470,7 @@ class RedisTier:
             return
         pairs = [(self.key(h), int(max(t, time.time() + _MIN_TTL_S) * 1000)) for h, t in items]
         try:
-            self._link.pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
+            self.link.pipeline(lambda p: [p.pexpireat(k, ms, gt=True) for k, ms in pairs])
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(items))
             return
@@ -655,7 +498,7 @@ class RedisTier:
                 p.delete(k)
 
         try:
-            replies = self._link.pipeline(queue, raise_errors=False)
+            replies = self.link.pipeline(queue, raise_errors=False)
         except (TierUnavailable, rex.RedisError) as exc:
             self._note_unavailable(exc, len(hashes))
             return [0] * len(hashes)
@@ -674,19 +517,17 @@ class RedisTier:
             try:
                 self.clear_prefix()
             except (TierUnavailable, rex.RedisError) as exc:
-                logger.warning("%s tier: could not delete its keys: %s", self._name, exc)
+                logger.warning("%s tier: could not delete its keys: %s", self.name, exc)
         with self._lock:
             self._own.clear()
             self._expiry_heap.clear()
             self._used = 0
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        self._link.close()
+        self._writer.close()
+        self.link.close()
 
     def clear_prefix(self) -> int:
         """Delete every key under ``prefix`` (blocks and anything else there); returns how many."""
-        pattern = _glob_escape(self._prefix) + "*"
+        pattern = _glob_escape(self.prefix) + "*"
 
         def wipe(c: Client) -> int:
             found = list(c.scan_iter(match=pattern, count=1000))
@@ -702,7 +543,7 @@ class RedisTier:
     # -- helpers ---------------------------------------------------------------------------
 
     def _run(self, op: Callable[[Client], _T]) -> _T:
-        return self._link.run(op)
+        return self.link.run(op)
 
     def _scan(self, c: Client) -> Iterable[bytes | str]:
         return cast(
@@ -739,7 +580,7 @@ class RedisTier:
 
     def _note_unavailable(self, exc: BaseException, calls: int) -> None:
         if not isinstance(exc, TierUnavailable):
-            logger.warning("%s tier: Redis error: %s", self._name, describe_error(exc))
+            logger.warning("%s tier: Redis error: %s", self.name, describe_error(exc))
         with self._lock:
             self._counters.unavailable += calls
 

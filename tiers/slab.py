@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 import torch
 
-from sessioncache.errors import PayloadSizeError, TierFull
+from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.payload import Payload, as_byte_tensor, as_memoryview, payload_nbytes
+from sessioncache.tiers.payload import Payload, as_byte_tensor, as_memoryview, checked_nbytes
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -54,7 +55,7 @@ class _Slot:
 class SlabTier:
     """A tier of fixed-size slots in torch tensors on one device (see module docstring)."""
 
-    durable = False
+    durable: Final = False
 
     def __init__(
         self,
@@ -69,9 +70,9 @@ class SlabTier:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-        self._name = name
-        self._capacity = capacity_bytes
-        self._device = device
+        self.name: Final = name
+        self.capacity_bytes: Final = capacity_bytes
+        self.device: Final = device
         self._pin = pin_memory and device.type == "cpu"
         self._chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
@@ -80,18 +81,6 @@ class SlabTier:
         self._pending: set[BlockHash] = set()
         self._used = 0
         self._allocated = 0
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
 
     @property
     def used_bytes(self) -> int:
@@ -134,12 +123,7 @@ class SlabTier:
         parent: BlockHash | None = None,
         expires_at: float | None = None,
     ) -> None:
-        nbytes = payload_nbytes(payload)
-        if nbytes == 0 or nbytes > self._capacity:
-            raise PayloadSizeError(
-                f"{self._name}: payload of {nbytes} bytes does not fit a tier of "
-                f"{self._capacity} bytes"
-            )
+        nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         with self._lock:
             if block_hash in self._index or block_hash in self._pending:
                 return
@@ -188,7 +172,7 @@ class SlabTier:
         slab = self._slabs.get(nbytes)
         if slab is not None and slab.free:
             return True
-        return self._capacity - self._allocated + self._reclaimable(nbytes) >= nbytes
+        return self.capacity_bytes - self._allocated + self._reclaimable(nbytes) >= nbytes
 
     def _reclaimable(self, keep_size: int) -> int:
         """Bytes held by entirely free chunks of other payload sizes."""
@@ -203,14 +187,14 @@ class SlabTier:
         if slab is None:
             slab = self._slabs[nbytes] = _Slab(nbytes)
         if not slab.free:
-            if self._capacity - self._allocated < nbytes:
+            if self.capacity_bytes - self._allocated < nbytes:
                 self._reclaim(keep_size=nbytes, need=nbytes)
-            room = self._capacity - self._allocated
+            room = self.capacity_bytes - self._allocated
             if room < nbytes:
-                raise TierFull(f"{self._name}: no free slot of {nbytes} bytes")
+                raise TierFull(f"{self.name}: no free slot of {nbytes} bytes")
             slots = max(1, min(self._chunk_bytes, room) // nbytes)
             tensor = torch.empty(
-                (slots, nbytes), dtype=torch.uint8, device=self._device, pin_memory=self._pin
+                (slots, nbytes), dtype=torch.uint8, device=self.device, pin_memory=self._pin
             )
             index = self._reuse_chunk_index(slab)
             slab.chunks[index] = _Chunk(tensor)
@@ -251,5 +235,5 @@ class SlabTier:
                 slab.chunks[i] = None
                 slab.free = [(c, s) for c, s in slab.free if c != i]
                 self._allocated -= chunk.tensor.numel()
-                if self._capacity - self._allocated >= need:
+                if self.capacity_bytes - self._allocated >= need:
                     return

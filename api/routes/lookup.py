@@ -10,7 +10,13 @@ from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
 
 from sessioncache.api.deps import NodeDep, TenantDep
-from sessioncache.api.schemas import CompactLookupResponse, ErrorOut, LookupRequest, LookupResponse
+from sessioncache.api.schemas import (
+    ERRORS,
+    CompactLookupResponse,
+    ErrorOut,
+    LookupRequest,
+    LookupResponse,
+)
 from sessioncache.hashing import HASH_BYTES, BlockHash, Namespace
 from sessioncache.node import CacheNode
 
@@ -27,7 +33,7 @@ thread, so that the loop keeps answering in between."""
 @router.post(
     "/lookup",
     response_model=LookupResponse | CompactLookupResponse,
-    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+    responses=ERRORS,
 )
 async def lookup(body: LookupRequest, node: NodeDep, tenant: TenantDep) -> Response:
     """By tokens (the server computes the ids) or by ``block_ids_b64`` (ids the client

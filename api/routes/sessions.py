@@ -5,15 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from sessioncache.api.deps import SessionsDep, TenantDep
-from sessioncache.api.schemas import ErrorOut, SessionCreate, SessionExtend, SessionList, SessionOut
+from sessioncache.api.schemas import ERRORS, SessionCreate, SessionExtend, SessionList, SessionOut
 from sessioncache.sessions import Session
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
-ERRORS: dict[int | str, dict[str, object]] = {
-    401: {"model": ErrorOut},
-    404: {"model": ErrorOut},
-    422: {"model": ErrorOut},
-}
 
 
 def session_out(session: Session) -> SessionOut:

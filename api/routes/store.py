@@ -5,16 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from sessioncache.api.deps import NodeDep, TenantDep
-from sessioncache.api.schemas import ErrorOut, StoreRequest, StoreResponse
+from sessioncache.api.schemas import ERRORS, StoreRequest, StoreResponse
 
 router = APIRouter(prefix="/v1", tags=["store"])
 
 
-@router.post(
-    "/store",
-    response_model=StoreResponse,
-    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}},
-)
+@router.post("/store", response_model=StoreResponse, responses=ERRORS)
 def plan_store(body: StoreRequest, node: NodeDep, tenant: TenantDep) -> StoreResponse:
     """Every full block's id, and those still missing: upload each of the missing with
     ``PUT /v1/blocks/{hash}`` (only ids handed out here to this caller are accepted)."""

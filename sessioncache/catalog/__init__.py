@@ -4,6 +4,7 @@
 * ``db``         engines: SQLite in WAL mode under the data directory, or PostgreSQL
 * ``migrate``    Alembic driven from code (``sessioncache db upgrade``)
 * ``repository`` ``Catalog``: store observer and session repository, written behind
+* ``statements`` the write statements of ``Catalog``, built per dialect
 * ``reconcile``  start-up reconciliation of the catalog with the durable tiers
 """
 

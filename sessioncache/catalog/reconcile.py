@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import islice
-from typing import Any
+from typing import Any, Final
 
 import torch
 import xxhash
@@ -177,6 +177,10 @@ class CatalogRecoveredTier:
             raise TypeError(f"tier {tier.name!r} cannot say what it recovered")
         self._tier = tier
         self._catalog = catalog
+        # The tier's fixed facts, as the Tier protocol reads them.
+        self.name: Final = tier.name
+        self.capacity_bytes: Final = tier.capacity_bytes
+        self.durable: Final = tier.durable
 
     @property
     def inner(self) -> Tier:
@@ -204,20 +208,8 @@ class CatalogRecoveredTier:
     # -- the Tier protocol, delegated -----------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._tier.name
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._tier.capacity_bytes
-
-    @property
     def used_bytes(self) -> int:
         return self._tier.used_bytes
-
-    @property
-    def durable(self) -> bool:
-        return self._tier.durable
 
     def fits(self, nbytes: int) -> bool:
         return self._tier.fits(nbytes)

@@ -29,17 +29,15 @@ import math
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import (
     Connection,
     Engine,
     Executable,
-    bindparam,
     delete,
     func,
     select,
-    update,
 )
 from sqlalchemy.engine import URL
 
@@ -52,6 +50,7 @@ from sessioncache.catalog.models import (
     sessions_table,
     usage_table,
 )
+from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import SessionCacheError
 from sessioncache.hashing import BlockHash
@@ -175,9 +174,9 @@ class Catalog:
             raise CatalogError("usage_bucket_s must be positive")
         if engine.dialect.name not in ("sqlite", "postgresql"):
             raise CatalogError(f"unsupported database {engine.dialect.name!r}")
-        self._engine = engine
+        self.engine: Final = engine
+        self.flush_interval_s: Final = float(flush_interval_s)
         self._owns_engine = owns_engine
-        self._interval = float(flush_interval_s)
         self._max_pending = max(1, max_pending)
         self._bucket_s = float(usage_bucket_s)
         self._clock: Clock = clock or SystemClock()
@@ -198,7 +197,7 @@ class Catalog:
         self._rows_written = 0
         self._errors = 0
         self._last_error: str | None = None
-        self._stmts = _Statements(engine.dialect.name)
+        self._stmts = Statements(engine.dialect.name)
 
     @classmethod
     def open(
@@ -228,14 +227,6 @@ class Catalog:
         except BaseException:
             engine.dispose()
             raise
-
-    @property
-    def engine(self) -> Engine:
-        return self._engine
-
-    @property
-    def flush_interval_s(self) -> float:
-        return self._interval
 
     def bind_tiers(self, tiers: Sequence[Tier]) -> None:
         """Tell the catalog the store's tiers (fastest first), so that touches of blocks held
@@ -326,7 +317,7 @@ class Catalog:
             query = query.where(t.c.bucket < until)
         if names is not None:
             query = query.where(t.c.name.in_(list(names)))
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             rows = conn.execute(query.order_by(t.c.bucket, t.c.name)).all()
         return [UsageSample(r.name, float(r.bucket), int(r.value)) for r in rows]
 
@@ -337,7 +328,7 @@ class Catalog:
         with self._qlock:
             self._pending.sessions.pop(session.id, None)
         params = _session_params(session)
-        with self._write_lock, self._engine.begin() as conn:
+        with self._write_lock, self.engine.begin() as conn:
             conn.execute(self._stmts.upsert_session, [params])
 
     def save_session(self, session: Session) -> None:
@@ -352,21 +343,21 @@ class Catalog:
         """Delete the session's row; durable when this returns."""
         with self._qlock:
             self._pending.sessions.pop(session_id, None)
-        with self._write_lock, self._engine.begin() as conn:
+        with self._write_lock, self.engine.begin() as conn:
             conn.execute(delete(sessions_table).where(sessions_table.c.id == session_id))
 
     def load_sessions(self) -> list[Session]:
         """Every stored session (pending saves are flushed first)."""
         self.flush()
         t = sessions_table
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             rows = conn.execute(select(t).order_by(t.c.created, t.c.id)).all()
         return [_session_of(r) for r in rows]
 
     def load_session(self, session_id: str) -> Session | None:
         """One stored session, e.g. opened through another node sharing this catalog."""
         t = sessions_table
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             row = conn.execute(select(t).where(t.c.id == session_id)).first()
         return _session_of(row) if row is not None else None
 
@@ -378,14 +369,14 @@ class Catalog:
         query = select(t)
         if tier is not None:
             query = query.where(t.c.tier == tier)
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             rows = conn.execute(query.order_by(t.c.tier, t.c.block_id)).all()
         return [_record_of(r) for r in rows]
 
     def iter_block_ids(self, tier: str) -> Iterator[BlockHash]:
         """The ids of a tier's rows, streamed (no flush)."""
         t = blocks_table
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             result = conn.execution_options(yield_per=_CHUNK).execute(
                 select(t.c.block_id).where(t.c.tier == tier)
             )
@@ -398,7 +389,7 @@ class Catalog:
         """The rows of ``block_ids`` in ``tier`` that exist (no flush)."""
         t = blocks_table
         found: dict[BlockHash, BlockRecord] = {}
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             for start in range(0, len(block_ids), _CHUNK):
                 chunk = [bytes(b) for b in block_ids[start : start + _CHUNK]]
                 query = select(t).where(t.c.tier == tier, t.c.block_id.in_(chunk))
@@ -411,7 +402,7 @@ class Catalog:
         query = select(func.count()).select_from(blocks_table)
         if tier is not None:
             query = query.where(blocks_table.c.tier == tier)
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             return int(conn.execute(query).scalar_one())
 
     def upsert_blocks(self, records: Iterable[BlockRecord]) -> int:
@@ -419,7 +410,7 @@ class Catalog:
         batch = _Batch(blocks={(r.block_id, r.tier): r for r in records})
         if not batch.blocks:
             return 0
-        with self._write_lock, self._engine.begin() as conn:
+        with self._write_lock, self.engine.begin() as conn:
             return self._write(conn, batch)
 
     def delete_blocks(self, tier: str, block_ids: Iterable[BlockHash]) -> int:
@@ -427,18 +418,18 @@ class Catalog:
         batch = _Batch(blocks={(bytes(b), tier): None for b in block_ids})
         if not batch.blocks:
             return 0
-        with self._write_lock, self._engine.begin() as conn:
+        with self._write_lock, self.engine.begin() as conn:
             return self._write(conn, batch)
 
     def register_namespace(self, root: bytes, description: dict[str, Any] | None = None) -> None:
         """Record a namespace (its root digest and, say, the ``Namespace`` fields) now."""
         params = {"root": bytes(root), "description": description, "created": self._clock.now()}
-        with self._write_lock, self._engine.begin() as conn:
+        with self._write_lock, self.engine.begin() as conn:
             conn.execute(self._stmts.upsert_namespace_description, [params])
 
     def namespaces(self) -> dict[bytes, dict[str, Any] | None]:
         t = namespaces_table
-        with self._engine.connect() as conn:
+        with self.engine.connect() as conn:
             rows = conn.execute(select(t.c.root, t.c.description)).all()
         return {bytes(r.root): r.description for r in rows}
 
@@ -465,7 +456,7 @@ class Catalog:
             if not len(batch):
                 return 0
             try:
-                with self._engine.begin() as conn:
+                with self.engine.begin() as conn:
                     written = self._write(conn, batch)
             except BaseException as exc:
                 self._requeue(batch)
@@ -494,7 +485,7 @@ class Catalog:
             self.flush()
         finally:
             if self._owns_engine:
-                self._engine.dispose()
+                self.engine.dispose()
 
     def __enter__(self) -> Catalog:
         return self
@@ -585,68 +576,6 @@ class Catalog:
                 ],
             )
         return written
-
-
-class _Statements:
-    """The write statements, built once for the dialect (upserts differ)."""
-
-    def __init__(self, dialect: str) -> None:
-        if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
-
-        b, s, n, u = blocks_table, sessions_table, namespaces_table, usage_table
-        block_insert = insert(b)
-        mutable = [c.name for c in b.columns if c.name not in ("block_id", "tier", "checksum")]
-        self.upsert_block: Executable = block_insert.on_conflict_do_update(
-            index_elements=[b.c.block_id, b.c.tier],
-            set_={
-                **{name: block_insert.excluded[name] for name in mutable},
-                "checksum": func.coalesce(block_insert.excluded.checksum, b.c.checksum),
-            },
-        )
-        self.delete_block: Executable = delete(b).where(
-            b.c.block_id == bindparam("b_id"), b.c.tier == bindparam("b_tier")
-        )
-        self.touch_block: Executable = (
-            update(b)
-            .where(b.c.block_id == bindparam("b_id"))
-            .values(
-                last_access=bindparam("b_last_access"),
-                expires_at=bindparam("b_expires_at"),
-                hit_count=bindparam("b_hit_count"),
-                pin_count=bindparam("b_pin_count"),
-                ttl_s=bindparam("b_ttl_s"),
-            )
-        )
-        self.insert_namespace: Executable = insert(n).on_conflict_do_nothing(
-            index_elements=[n.c.root]
-        )
-        ns_insert = insert(n)
-        self.upsert_namespace_description: Executable = ns_insert.on_conflict_do_update(
-            index_elements=[n.c.root], set_={"description": ns_insert.excluded.description}
-        )
-        session_insert = insert(s)
-        self.upsert_session: Executable = session_insert.on_conflict_do_update(
-            index_elements=[s.c.id],
-            set_={c.name: session_insert.excluded[c.name] for c in s.columns if c.name != "id"},
-        )
-        self.save_session: Executable = (
-            update(s)
-            .where(s.c.id == bindparam("s_id"))
-            .values(
-                ttl_s=bindparam("s_ttl_s"),
-                last_seen=bindparam("s_last_seen"),
-                expires_at=bindparam("s_expires_at"),
-                head=bindparam("s_head"),
-            )
-        )
-        usage_insert = insert(u)
-        self.add_usage: Executable = usage_insert.on_conflict_do_update(
-            index_elements=[u.c.name, u.c.bucket],
-            set_={"value": u.c.value + usage_insert.excluded.value},
-        )
 
 
 def _execute(conn: Connection, stmt: Executable, params: list[dict[str, Any]]) -> int:

@@ -22,9 +22,9 @@ One client holds one pooled HTTP connection set (``httpx``), safe to share betwe
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Generic, Self, TypeVar
 
 import httpx
 
@@ -58,20 +58,28 @@ def default_retry() -> Retry:
     return Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), attempts=3)
 
 
-class _ClientBase:
-    """State and checks common to both clients (no I/O)."""
+_Http = TypeVar("_Http", httpx.Client, httpx.AsyncClient)
+_Transport = TypeVar("_Transport", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+
+class _ClientBase(Generic[_Http, _Transport]):
+    """The constructor, state and checks common to both clients (no I/O); each client names
+    its ``httpx`` client class in ``_http_class``."""
+
+    _http_class: Callable[..., _Http]
 
     def __init__(
         self,
         base_url: str,
         *,
         namespace: Namespace,
-        api_key: str | None,
-        timeout: float | httpx.Timeout,
-        retry: Retry | None,
-        seed: int,
-        max_connections: int,
-        headers: Mapping[str, str] | None,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
+        retry: Retry | None = None,
+        seed: int = 0,
+        max_connections: int = 16,
+        headers: Mapping[str, str] | None = None,
+        transport: _Transport | None = None,
     ) -> None:
         if not isinstance(namespace, Namespace):
             raise InvalidInput("namespace must be a sessioncache.Namespace")
@@ -90,14 +98,15 @@ class _ClientBase:
         all_headers = {"user-agent": "sessioncache-connector/1", **(headers or {})}
         if api_key is not None:
             all_headers["authorization"] = f"Bearer {api_key}"
-        self._http_kwargs: dict[str, Any] = {
-            "base_url": self.base_url,
-            "timeout": timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout),
-            "limits": httpx.Limits(
+        self._http: _Http = self._http_class(
+            base_url=self.base_url,
+            timeout=timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout),
+            limits=httpx.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
-            "headers": all_headers,
-        }
+            headers=all_headers,
+            transport=transport,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r}, model={self.namespace.model!r})"
@@ -118,37 +127,14 @@ def _transport_error(request: Request, exc: Exception) -> TransportError:
     return TransportError(f"{request.method} {request.path}: {type(exc).__name__}: {exc}")
 
 
-class SessionCacheClient(_ClientBase):
+class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
     """A blocking client of one sessioncache service (see the module docstring).
 
     ``namespace`` is the engine's KV namespace (model, block size, KV dtype and layout, and
     optionally a salt and a LoRA); ``seed`` must equal the service's ``SESSIONCACHE_HASH_SEED``.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        namespace: Namespace,
-        api_key: str | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
-        retry: Retry | None = None,
-        seed: int = 0,
-        max_connections: int = 16,
-        headers: Mapping[str, str] | None = None,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        super().__init__(
-            base_url,
-            namespace=namespace,
-            api_key=api_key,
-            timeout=timeout,
-            retry=retry,
-            seed=seed,
-            max_connections=max_connections,
-            headers=headers,
-        )
-        self._http = httpx.Client(**self._http_kwargs, transport=transport)
+    _http_class = httpx.Client
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -304,33 +290,10 @@ class SessionCacheClient(_ClientBase):
         return protocol.parse_sessions(self._send(protocol.list_sessions_request()))
 
 
-class AsyncSessionCacheClient(_ClientBase):
+class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTransport]):
     """The ``asyncio`` mirror of ``SessionCacheClient``: the same methods, awaited."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        namespace: Namespace,
-        api_key: str | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
-        retry: Retry | None = None,
-        seed: int = 0,
-        max_connections: int = 16,
-        headers: Mapping[str, str] | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(
-            base_url,
-            namespace=namespace,
-            api_key=api_key,
-            timeout=timeout,
-            retry=retry,
-            seed=seed,
-            max_connections=max_connections,
-            headers=headers,
-        )
-        self._http = httpx.AsyncClient(**self._http_kwargs, transport=transport)
+    _http_class = httpx.AsyncClient
 
     # -- plumbing --------------------------------------------------------------------------
 

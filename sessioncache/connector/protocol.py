@@ -275,14 +275,18 @@ def parse_whoami(reply: Reply) -> WhoAmI:
     return WhoAmI(tenant=_field(body, "tenant", str), auth=_field(body, "auth", bool))
 
 
+def _prompt_body(namespace: Namespace, p: Prompt, **optional: object) -> dict[str, Any]:
+    """The JSON body of a request about a prompt (lookup, store), with the optional fields
+    that are not None."""
+    body: dict[str, Any] = {"namespace": _namespace_json(namespace), "tokens_b64": p.tokens_b64}
+    body.update((name, value) for name, value in optional.items() if value is not None)
+    return body
+
+
 def lookup_request(
     namespace: Namespace, p: Prompt, *, session_id: str | None, lease_ms: int | None
 ) -> Request:
-    body: dict[str, Any] = {"namespace": _namespace_json(namespace), "tokens_b64": p.tokens_b64}
-    if session_id is not None:
-        body["session_id"] = session_id
-    if lease_ms is not None:
-        body["lease_ms"] = lease_ms
+    body = _prompt_body(namespace, p, session_id=session_id, lease_ms=lease_ms)
     return Request("POST", "/v1/lookup", json=body)
 
 
@@ -395,11 +399,7 @@ def release_request(lease_id: str) -> Request:
 def store_request(
     namespace: Namespace, p: Prompt, *, session_id: str | None, ttl_s: float | None
 ) -> Request:
-    body: dict[str, Any] = {"namespace": _namespace_json(namespace), "tokens_b64": p.tokens_b64}
-    if session_id is not None:
-        body["session_id"] = session_id
-    if ttl_s is not None:
-        body["ttl_s"] = ttl_s
+    body = _prompt_body(namespace, p, session_id=session_id, ttl_s=ttl_s)
     return Request("POST", "/v1/store", json=body)
 
 

@@ -35,7 +35,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from sessioncache.clock import ManualClock
 from sessioncache.errors import SessionCacheError
@@ -79,12 +79,8 @@ class OracleSim:
     """An infinite cache: the best any policy can do."""
 
     def __init__(self, name: str = "oracle") -> None:
-        self._name = name
+        self.name: Final = name
         self._seen: set[int] = set()
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def tier_names(self) -> list[str]:
@@ -120,7 +116,7 @@ class LruSim:
     ) -> None:
         if not tiers:
             raise ValueError("an LRU needs at least one tier")
-        self._name = name
+        self.name: Final = name
         self._tier_names = [t for t, _ in tiers]
         self._caps = [c for _, c in tiers]
         self._ttl = ttl_s
@@ -129,10 +125,6 @@ class LruSim:
         self._tiers: list[OrderedDict[int, float]] = [OrderedDict() for _ in tiers]
         self._evictions = 0
         self._expired_hits = 0
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def tier_names(self) -> list[str]:
@@ -201,7 +193,7 @@ class BeladySim:
     _NEVER = 1 << 62
 
     def __init__(self, trace: Trace, capacity_blocks: int, name: str = "belady") -> None:
-        self._name = name
+        self.name: Final = name
         self._capacity = capacity_blocks
         # For request i and each of its blocks, the index of the next request using the block.
         never = self._NEVER
@@ -215,10 +207,6 @@ class BeladySim:
         self._served = 0
         self._held: dict[int, tuple[int, int]] = {}  # block -> (next use, depth)
         self._heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block), lazy
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def tier_names(self) -> list[str]:
@@ -277,7 +265,7 @@ class StoreSim:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if not sweep_s > 0:
             raise ValueError(f"sweep_s must be positive, got {sweep_s}")
-        self._name = name
+        self.name: Final = name
         self._tier_names = [t for t, _ in tiers]
         self._tier_index = {t: i for i, t in enumerate(self._tier_names)}
         self.clock = ManualClock(CLOCK_START)
@@ -297,10 +285,6 @@ class StoreSim:
         self._dropped = 0
         self._session_reopens = 0
         self._opened: set[str] = set()
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def tier_names(self) -> list[str]:
