@@ -46,6 +46,7 @@ def start(data_dir: Path, cpu_bytes: int = 1 << 30) -> tuple[subprocess.Popen[by
         "SESSIONCACHE_CPU_BYTES": str(cpu_bytes),
         "SESSIONCACHE_DISK_BYTES": "0",
         "SESSIONCACHE_DURABLE_UPLOADS": "false",
+        "SESSIONCACHE_STREAM_PORT": "0",
     }
     proc = subprocess.Popen(
         [

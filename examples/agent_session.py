@@ -47,6 +47,7 @@ def local_server() -> Iterator[str]:
             **os.environ,
             "SESSIONCACHE_CPU_BYTES": str(2 << 30),
             "SESSIONCACHE_DISK_BYTES": str(4 << 30),
+            "SESSIONCACHE_STREAM_PORT": "0",  # a free port: the demo does not use the stream
         }
         with log_path.open("wb") as log:
             process = subprocess.Popen(

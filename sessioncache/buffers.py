@@ -3,8 +3,8 @@
 A fresh buffer costs a page fault per 4 KiB on first touch, which on virtual machines is slower
 than the copy into it (docs/benchmarks.md). The blocks of one deployment all
 have the same payload size, so a handful of buffers per size, reused as they are, keep copies
-in memory the process has already faulted in. Used for block uploads (``api/buffers.py``) and
-for the values the Redis tier assembles (``tiers/redis.py``).
+in memory the process has already faulted in. Used for block uploads (REST PUTs and data-plane
+STOREs) and for the values the Redis tier assembles (``tiers/redis.py``).
 """
 
 from __future__ import annotations

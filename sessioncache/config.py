@@ -137,6 +137,32 @@ class Settings(BaseSettings):
         600.0, gt=0, description="how long the upload slots of a store stay open"
     )
 
+    # -- data plane (docs/dataplane.md)
+    stream_enabled: bool = Field(
+        True, description="serve the binary block stream beside the REST API"
+    )
+    stream_host: str = Field("127.0.0.1", description="address the block stream binds")
+    stream_port: int = Field(
+        8081, ge=0, lt=65536, description="port of the block stream; 0 picks a free one"
+    )
+    stream_advertise: str | None = Field(
+        None,
+        description="`host:port` that `GET /v1/dataplane` tells clients to connect to",
+        json_schema_extra={"doc_default": "the bound address"},
+    )
+    stream_max_connections: int = Field(
+        64, gt=0, description="most block-stream connections served at once"
+    )
+    stream_max_ids: int = Field(16384, gt=0, description="most blocks in one block-stream request")
+    stream_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest wait for the rest of a frame, or for a peer to take a block",
+    )
+    stream_idle_timeout_s: float = Field(
+        0.0, ge=0, description="close a block-stream connection idle this long; 0: never"
+    )
+
     def kind_ttls(self) -> dict[str, float]:
         return {"agent": self.agent_ttl_s, "chat": self.chat_ttl_s, **self.session_kinds}
 

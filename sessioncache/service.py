@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from sessioncache.blocks import BlockMeta
 from sessioncache.config import Settings
 from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
 from sessioncache.events import UsageRecorder
@@ -239,11 +240,18 @@ class CacheNode:
         return True
 
     def owns(self, tenant: str, block_hash: BlockHash) -> bool:
+        return self.owned_meta(tenant, block_hash) is not None
+
+    def owned_meta(self, tenant: str, block_hash: BlockHash) -> BlockMeta | None:
+        """A snapshot of the block's record when ``tenant`` may read the block, else None
+        (not held, or under another tenant's namespace root)."""
         meta = self.store.meta(block_hash)
         if meta is None:
-            return False
+            return None
         owner = self._owners.owner(meta.namespace_root)
-        return owner == tenant or (owner is None and not self.auth_enabled)
+        if owner == tenant or (owner is None and not self.auth_enabled):
+            return meta
+        return None
 
     def read_bytes(self, tenant: str, block_hash: BlockHash) -> bytes:
         """A copy of a block's payload, for the tenant owning its namespace only."""

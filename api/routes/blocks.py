@@ -10,10 +10,10 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from api.buffers import BufferPool
 from api.deps import NodeDep, TenantDep
 from api.errors import BodyTooLarge
 from api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
+from sessioncache.buffers import BufferPool
 from sessioncache.errors import BlockNotFound, InvalidInput
 from sessioncache.hashing import BlockHash, from_hex
 from sessioncache.service import CacheNode
@@ -23,7 +23,7 @@ router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
 
 async def read_body(request: Request, limit: int, into: BufferPool) -> AsyncIterator[bytearray]:
-    """The request body, in a pooled buffer when its length is declared (see api/buffers)."""
+    """The request body, in a pooled buffer when its length is declared (see BufferPool)."""
     declared = request.headers.get("content-length")
     size: int | None = None
     if declared is not None:

@@ -1,4 +1,4 @@
-"""``sessioncache serve``: run the REST API on uvicorn."""
+"""``sessioncache serve``: run the REST API on uvicorn, and the block stream beside it."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     from api.app import create_app
     from sessioncache.config import Settings
+    from sessioncache.dataplane.server import open_stream_server
     from sessioncache.factory import open_node
 
     overrides: dict[str, Any] = {}
@@ -60,13 +61,15 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if not settings.api_keys:
-        if not is_loopback(settings.host):
-            print(
-                f"refusing to serve on {settings.host} without API keys: set "
-                'SESSIONCACHE_API_KEYS=\'{"<key>": "<tenant>"}\' or bind 127.0.0.1',
-                file=sys.stderr,
-            )
-            return 2
+        hosts = [settings.host] + ([settings.stream_host] if settings.stream_enabled else [])
+        for host in hosts:
+            if not is_loopback(host):
+                print(
+                    f"refusing to serve on {host} without API keys: set "
+                    'SESSIONCACHE_API_KEYS=\'{"<key>": "<tenant>"}\' or bind 127.0.0.1',
+                    file=sys.stderr,
+                )
+                return 2
         log.warning(
             "no API keys configured: serving OPEN (every caller is tenant 'default') on %s only",
             settings.host,
@@ -78,12 +81,24 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(f"{t.name}={t.capacity_bytes}" for t in node.store.tiers),
         settings.data_dir.resolve(),
     )
-    uvicorn.run(create_app(node), host=settings.host, port=settings.port, log_level="info")
+    try:
+        # bound now, so that a taken port fails the start; started by the app's lifespan
+        stream = open_stream_server(node, settings)
+    except OSError as exc:
+        node.close()
+        print(
+            f"cannot serve the block stream on {settings.stream_host}:{settings.stream_port}: "
+            f"{exc} (set SESSIONCACHE_STREAM_PORT, or SESSIONCACHE_STREAM_ENABLED=false)",
+            file=sys.stderr,
+        )
+        return 2
+    app = create_app(node, stream=stream)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("serve", help="run the REST API (uvicorn)")
+    parser = sub.add_parser("serve", help="run the REST API (uvicorn) and the block stream")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 8080)")
     parser.add_argument("--data-dir", type=Path, default=None, help="disk tier and catalog")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
@@ -37,6 +37,9 @@ from sessioncache.connector.protocol import (
 from sessioncache.connector.retry import ExponentialWithJitterBackoff, Retry
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import BlockHash, Namespace, Tokens
+
+if TYPE_CHECKING:
+    from sessioncache.dataplane.client import StreamClient
 
 __all__ = ["AsyncSessionCacheClient", "SessionCacheClient"]
 
@@ -229,6 +232,17 @@ class SessionCacheClient(_ClientBase):
         """Release a lookup's lease before it expires."""
         self._send(protocol.release_request(lease_id))
 
+    def stream(self, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> StreamClient:
+        """A ``StreamClient`` connected to this node's block stream (docs/dataplane.md), found
+        with ``GET /v1/dataplane``, with this client's API key and seed: the fast path for
+        payloads (one connection; use one per thread)."""
+        from sessioncache.dataplane.client import StreamClient
+
+        address = protocol.parse_dataplane(self._send(protocol.dataplane_request()), self.base_url)
+        if address is None:
+            raise TransportError(f"{self.base_url} serves no block stream")
+        return StreamClient.connect(address, api_key=self._api_key, seed=self.seed, timeout=timeout)
+
     # -- sessions --------------------------------------------------------------------------
 
     def open_session(
@@ -377,6 +391,23 @@ class AsyncSessionCacheClient(_ClientBase):
     async def release(self, lease_id: str) -> None:
         """Release a lookup's lease before it expires."""
         await self._send(protocol.release_request(lease_id))
+
+    async def stream(self, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> StreamClient:
+        """A (blocking) ``StreamClient`` connected to this node's block stream, found with
+        ``GET /v1/dataplane``; it connects in a worker thread. Run its transfers in threads
+        too (``asyncio.to_thread``): they block."""
+        import asyncio
+
+        from sessioncache.dataplane.client import StreamClient
+
+        address = protocol.parse_dataplane(
+            await self._send(protocol.dataplane_request()), self.base_url
+        )
+        if address is None:
+            raise TransportError(f"{self.base_url} serves no block stream")
+        return await asyncio.to_thread(
+            StreamClient.connect, address, api_key=self._api_key, seed=self.seed, timeout=timeout
+        )
 
     # -- sessions --------------------------------------------------------------------------
 

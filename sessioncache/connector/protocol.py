@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
+from urllib.parse import urlsplit
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError, error_for
 from sessioncache.errors import InvalidInput
@@ -385,6 +386,28 @@ def parse_batch(reply: Reply, chunk: Sequence[BlockHash]) -> list[bytes | None]:
     if [r[0] for r in records] != list(chunk):
         raise ProtocolError("block batch: the records do not answer the ids asked, in order")
     return [payload for _, payload in records]
+
+
+def dataplane_request() -> Request:
+    return Request("GET", "/v1/dataplane")
+
+
+_WILDCARDS = {"0.0.0.0", "::", ""}
+
+
+def parse_dataplane(reply: Reply, base_url: str) -> str | None:
+    """The node's block-stream address (None when it serves none); a wildcard bind address
+    (``0.0.0.0``) stands for the host of ``base_url``."""
+    stream = _json(reply).get("stream")
+    if stream is None:
+        return None
+    if not isinstance(stream, str) or ":" not in stream:
+        raise ProtocolError(f"stream: not host:port: {stream!r:.80}")
+    host, _, port = stream.rpartition(":")
+    if host.strip("[]") in _WILDCARDS:
+        host = urlsplit(base_url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}"
 
 
 def _path_part(value: str) -> str:

@@ -2,8 +2,8 @@
 
 Marked ``slow`` (CI's default ``-m 'not slow'`` leaves it out): run with
 ``python -m pytest -m slow tests/bench``. Sizes are far too small for the figures to mean
-anything; this only checks that each script still starts, measures and reports. The transfer
-and shared-tier benchmarks need the real Redis ($SESSIONCACHE_TEST_REDIS_URL, default
+anything; this only checks that each script still starts, measures and reports. The transfer,
+data-plane and shared-tier benchmarks need the real Redis ($SESSIONCACHE_TEST_REDIS_URL, default
 127.0.0.1:6379), as the other tests do.
 """
 
@@ -24,6 +24,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # module -> (tiny arguments, a pattern every successful run prints)
 CASES: dict[str, tuple[list[str], str]] = {
+    "bench.dataplane": (
+        [
+            *("--blocks", "4", "--block-mib", "0.0625", "--repeats", "1"),
+            *("--redis", REDIS_URL, "--json"),
+        ],
+        r'(?m)^stream LOAD \(lease\) +[\d.]+ .*\n(?s:.*)^\{"memcpy": [\d.]+, "socket": [\d.]+, '
+        r'"stream_load": [\d.]+, "stream_store": [\d.]+, .*"same_host_store": null\}$',
+    ),
     "bench.hashing": (
         ["--repeat", "1"],
         r"(?m)^ *131072 +256 +512 .*\nms per prompt; ratio = ours",

@@ -48,6 +48,8 @@ def spawn_server(data_dir: Path, env: dict[str, str] | None = None, port: int = 
         "SESSIONCACHE_CPU_BYTES": str(64 << 20),
         "SESSIONCACHE_DISK_BYTES": str(256 << 20),
         "SESSIONCACHE_MAX_BODY_BYTES": str(8 << 20),
+        # a free port per server (GET /v1/dataplane says which), never the fixed default
+        "SESSIONCACHE_STREAM_PORT": "0",
         **(env or {}),
     }
     process = subprocess.Popen(

@@ -1,0 +1,533 @@
+"""``StreamClient``: the engine's end of the data plane (blocking, one connection).
+
+    client = StreamClient.connect("127.0.0.1:8081", api_key=key)   # or discover(rest_url)
+    root = client.resolve(namespace)
+    ids = client.block_hashes(root, tokens)
+    found = client.lookup(root, ids, lease_ms=5000)               # leased prefix
+    client.load_into(found, [kv[i] for i in range(found.matched)], release=True)
+    client.store(root, tokens_after, payloads, parent=found.hashes[-1])
+
+Payloads go from and to the caller's memory without Python copies: ``load_into`` receives
+each block with ``recv_into`` straight into the buffers it is given (numpy arrays, CPU torch
+tensors, bytearrays or writable memoryviews, each exactly one block long), and ``store`` hands
+the payloads' own buffers to the kernel. Ids are derived here with the node's code
+(``sessioncache.hashing``) and every id or root the node answers is checked against them:
+a mismatch (another hash seed, namespace or tenant salt) raises ``IdMismatch``.
+
+One client is one connection; its calls are serialized by a lock (use one client per thread
+for parallel transfers). Errors the node reports are raised as the classes of
+``sessioncache.dataplane.errors``; after a broken connection every call raises
+``StreamClosed`` (connect again).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, NamedTuple, Self
+
+import numpy as np
+
+from sessioncache.connector import protocol
+from sessioncache.connector.errors import IdMismatch, ProtocolError
+from sessioncache.dataplane import frames
+from sessioncache.dataplane.errors import FrameError, StreamClosed, error_for
+from sessioncache.dataplane.frames import (
+    HEADER_SIZE,
+    STATUS_NAMES,
+    Header,
+    Hello,
+    Limits,
+    LoadIds,
+    LoadLease,
+    Lookup,
+    Op,
+    StoreHead,
+)
+from sessioncache.dataplane.transport import Transport, connect, recv_exact
+from sessioncache.errors import InvalidInput, PayloadSizeError, SessionCacheError
+from sessioncache.hashing import (
+    Namespace,
+    Tokens,
+    block_hashes_from_bytes,
+    namespace_root,
+    tenant_namespace,
+    tokens_to_le_bytes,
+)
+
+__all__ = ["StoreAck", "StreamClient", "StreamLookup", "discover"]
+
+
+class StreamLookup(NamedTuple):
+    """The held prefix of a LOOKUP's ids that the caller may read."""
+
+    root: bytes
+    hashes: list[bytes]
+    """The matched ids, a prefix of those asked."""
+    nbytes: list[int]
+    """Each matched block's payload size."""
+    tiers: list[str]
+    """Each matched block's fastest tier."""
+    lease: bytes | None
+    """The lease pinning the match (None without ``lease_ms`` or without a match)."""
+
+    @property
+    def matched(self) -> int:
+        return len(self.hashes)
+
+
+class StoreAck(NamedTuple):
+    """What a STORE did with each block."""
+
+    hashes: list[bytes]
+    """Every block's id (checked against the client's own)."""
+    status: list[str]
+    """Per block: ``stored``, ``present`` (already held) or ``dropped`` (no room)."""
+    durable: bool
+    """Stored blocks were on a durable tier before the answer."""
+
+    def tally(self, status: str) -> int:
+        """How many blocks have ``status``."""
+        return sum(1 for s in self.status if s == status)
+
+    @property
+    def stored(self) -> int:
+        return self.tally("stored")
+
+
+def _torch_view(obj: Any, writable: bool) -> memoryview:
+    if obj.device.type != "cpu":
+        if writable:
+            raise InvalidInput("load_into takes CPU tensors: load, then copy to the device")
+        obj = obj.cpu()
+    flat = obj.detach()
+    if not flat.is_contiguous():
+        raise InvalidInput("a tensor buffer must be contiguous")
+    flat = flat.reshape(-1)
+    if flat.element_size() != 1 or flat.dtype.is_floating_point:
+        import torch
+
+        flat = flat.view(torch.uint8)
+    view: memoryview = flat.numpy().data
+    return view
+
+
+def as_buffer(obj: Any, *, writable: bool) -> memoryview:
+    """A flat byte view of a numpy array, a torch tensor, or anything with the buffer
+    protocol, without copying (a device tensor is copied to the host for reading only)."""
+    if type(obj).__module__.startswith("torch"):
+        view = _torch_view(obj, writable)
+    elif isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise InvalidInput("an array buffer must be C-contiguous")
+        view = obj.reshape(-1).view(np.uint8).data
+    else:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise InvalidInput(f"{type(obj).__name__} is not a buffer") from None
+    if writable and view.readonly:
+        raise InvalidInput(f"a read-only {type(obj).__name__} cannot be loaded into")
+    if not view.c_contiguous:
+        raise InvalidInput("a buffer must be contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def discover(rest_url: str, *, api_key: str | None = None, timeout: float = 10.0) -> str:
+    """The stream address of the node at ``rest_url`` (``GET /v1/dataplane``); a wildcard
+    bind address (``0.0.0.0``) is replaced by the REST URL's host."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{rest_url.rstrip('/')}/v1/dataplane", headers=headers, timeout=timeout)
+    reply = protocol.check(protocol.Reply(r.status_code, r.headers, r.content))
+    address = protocol.parse_dataplane(reply, rest_url)
+    if address is None:
+        raise StreamClosed(f"the node at {rest_url} serves no block stream")
+    return address
+
+
+def _store_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
+    return frames.encode_store_head(rid, head, tokens)
+
+
+class StreamClient:
+    """A connection to one node's data plane (see the module docstring)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        api_key: str | None = None,
+        seed: int = 0,
+        timeout: float | None = 30.0,
+        client_name: str = "sessioncache-stream/1",
+    ) -> None:
+        self._t = transport
+        self._t.set_timeout(timeout)
+        self.seed = seed
+        self._lock = threading.Lock()
+        self._rid = 0
+        self._broken: str | None = None
+        self._head = bytearray(HEADER_SIZE)
+        self._scratch: memoryview | None = None
+        self._namespaces: dict[bytes, Namespace] = {}
+        self.limits = Limits()
+        try:
+            ok = self._call(
+                Op.HELLO, lambda rid: frames.encode_hello(rid, Hello(api_key, client_name))
+            )
+        except BaseException:
+            self._t.close()
+            raise
+        hello = frames.decode_hello_ok(ok)
+        self.tenant = hello.tenant
+        self.auth = hello.auth
+        self.tiers = hello.tiers
+        self.limits = hello.limits
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        *,
+        api_key: str | None = None,
+        seed: int = 0,
+        timeout: float | None = 30.0,
+    ) -> StreamClient:
+        """Connect to ``host:port`` (or ``unix:<path>``) and say HELLO."""
+        return cls(connect(address, timeout=timeout), api_key=api_key, seed=seed, timeout=timeout)
+
+    @classmethod
+    def discover(
+        cls,
+        rest_url: str,
+        *,
+        api_key: str | None = None,
+        seed: int = 0,
+        timeout: float | None = 30.0,
+    ) -> StreamClient:
+        """Connect to the stream of the node whose REST API is at ``rest_url``."""
+        address = discover(rest_url, api_key=api_key)
+        return cls.connect(address, api_key=api_key, seed=seed, timeout=timeout)
+
+    def close(self) -> None:
+        self._broken = self._broken or "closed"
+        self._t.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StreamClient({self._t.peer!r}, tenant={getattr(self, 'tenant', None)!r})"
+
+    # -- ids -------------------------------------------------------------------------------
+
+    def resolve(self, namespace: Namespace) -> bytes:
+        """The caller's root of ``namespace`` (checked against the client's own derivation);
+        LOOKUPs and STOREs on this connection name it."""
+        for root, known in self._namespaces.items():
+            if known == namespace:
+                return root
+        body = self._call(Op.RESOLVE, lambda rid: frames.encode_resolve(rid, namespace))
+        root = frames.decode_resolve_ok(body)
+        effective = tenant_namespace(namespace, self.tenant if self.auth else None)
+        if root != namespace_root(effective, self.seed):
+            raise IdMismatch(
+                f"the node's root of {namespace.model!r} is {root.hex()}, not the client's; "
+                "they disagree on the hash seed, the namespace or the tenant salt"
+            )
+        self._namespaces[root] = namespace
+        return root
+
+    def block_hashes(
+        self, root: bytes, tokens: Tokens, *, parent: bytes | None = None
+    ) -> list[bytes]:
+        """The ids of the full blocks of ``tokens`` under ``root``, continuing the chain from
+        ``parent`` (default: from the root)."""
+        namespace = self._namespace(root)
+        start = parent if parent is not None else root
+        return list(
+            block_hashes_from_bytes(
+                start, tokens_to_le_bytes(tokens), namespace.block_tokens, self.seed
+            )
+        )
+
+    def _namespace(self, root: bytes) -> Namespace:
+        namespace = self._namespaces.get(root)
+        if namespace is None:
+            raise InvalidInput(f"root {root.hex()} was not resolved on this connection")
+        return namespace
+
+    # -- LOOKUP and RELEASE ----------------------------------------------------------------
+
+    def lookup(
+        self, root: bytes, ids: Sequence[bytes], *, lease_ms: int | None = None
+    ) -> StreamLookup:
+        """The longest held prefix of ``ids`` (a chain under ``root``) the caller may read;
+        with ``lease_ms`` it stays pinned that long (``release`` it, or load with
+        ``release=True``)."""
+        self._namespace(root)
+        if not ids:
+            return StreamLookup(root, [], [], [], None)
+        if len(ids) > self.limits.max_ids:
+            raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
+        request = Lookup(root, list(ids), lease_ms or 0)
+        body = self._call(Op.LOOKUP, lambda rid: frames.encode_lookup(rid, request))
+        ok = frames.decode_lookup_ok(body)
+        n = len(ok.nbytes)
+        if n > len(ids):
+            raise ProtocolError(f"LOOKUP_OK: {n} blocks matched of {len(ids)} asked")
+        tiers = [self.tiers[t] if t < len(self.tiers) else "?" for t in ok.tiers]
+        return StreamLookup(root, [bytes(h) for h in ids[:n]], ok.nbytes, tiers, ok.lease)
+
+    def release(self, lease: StreamLookup | bytes) -> None:
+        """Release a lookup's lease (``LeaseNotFound`` once released or expired)."""
+        key = lease.lease if isinstance(lease, StreamLookup) else lease
+        if key is None:
+            return
+        self._call(Op.RELEASE, lambda rid: frames.encode_release(rid, key))
+
+    # -- LOAD ------------------------------------------------------------------------------
+
+    def load_into(
+        self,
+        source: StreamLookup | bytes | Sequence[bytes],
+        out: Sequence[Any],
+        *,
+        start: int = 0,
+        release: bool = False,
+    ) -> list[bool]:
+        """Receive blocks straight into ``out`` (one exactly block-sized buffer each); returns
+        which were found. ``source`` is a lookup (its lease, from block ``start``; without a
+        lease, its ids), a lease id, or a list of ids (their held prefix is leased while it
+        is sent; past it, blocks are missing). ``release`` ends the lease after the load."""
+        views = [as_buffer(o, writable=True) for o in out]
+        if not views:
+            return []
+        return self._load(source, len(views), start, release, views)
+
+    def load(
+        self, source: StreamLookup | bytes | Sequence[bytes], *, blocks: int | None = None
+    ) -> list[bytes | None]:
+        """The payloads as new ``bytes`` (None when missing): for tests and small reads;
+        ``load_into`` is the fast path. ``blocks`` counts a lease id's blocks to read."""
+        if isinstance(source, StreamLookup):
+            n = source.matched
+        elif isinstance(source, bytes):
+            if blocks is None:
+                raise InvalidInput("loading by a lease id needs the number of blocks")
+            n = blocks
+        else:
+            n = len(source)
+        if n == 0:
+            return []
+        got: list[bytes | None] = []
+        self._load(source, n, 0, False, None, got)
+        return got
+
+    def _load(
+        self,
+        source: StreamLookup | bytes | Sequence[bytes],
+        n: int,
+        start: int,
+        release: bool,
+        views: list[memoryview] | None,
+        got: list[bytes | None] | None = None,
+    ) -> list[bool]:
+        if isinstance(source, StreamLookup) and source.lease is not None:
+            request: LoadLease | LoadIds = LoadLease(source.lease, start, n, release)
+        elif isinstance(source, bytes):
+            request = LoadLease(source, start, n, release)
+        else:
+            ids = source.hashes if isinstance(source, StreamLookup) else source
+            if len(ids) - start < n:
+                raise InvalidInput(f"{n} buffers for {len(ids) - start} ids")
+            request = LoadIds(list(ids[start : start + n]))
+        if n > self.limits.max_ids:
+            raise InvalidInput(f"{n} blocks; the node sends {self.limits.max_ids} at most")
+        with self._lock:
+            rid = self._send(frames.encode_load(self._next_rid(), request))
+            found: list[bool] = []
+            wrong: str | None = None
+            for i in range(n):
+                header = self._read_header(rid, Op.BLOCK)
+                if header.flags & frames.F_BLOCK_MISSING:
+                    if header.body_len:
+                        self._fail("BLOCK: a missing block with a body")
+                    found.append(False)
+                    if got is not None:
+                        got.append(None)
+                    continue
+                if views is None:
+                    buf = bytearray(header.body_len)
+                    self._recv(memoryview(buf))
+                    assert got is not None
+                    got.append(bytes(buf))
+                elif header.body_len == views[i].nbytes:
+                    self._recv(views[i])
+                else:
+                    # Keep the stream in step, and say so once every block is read.
+                    self._drain(header.body_len)
+                    wrong = wrong or (
+                        f"block {start + i} is {header.body_len} bytes but its buffer "
+                        f"{views[i].nbytes}"
+                    )
+                found.append(True)
+        if wrong is not None:
+            raise PayloadSizeError(wrong)
+        return found
+
+    # -- STORE -----------------------------------------------------------------------------
+
+    def store(
+        self,
+        root: bytes,
+        tokens: Tokens,
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        ttl_s: float | None = None,
+    ) -> StoreAck:
+        """Store a chain segment under ``root``: one payload per full block of ``tokens``
+        (exactly), continuing from ``parent`` (a held block of this root; default: the root
+        itself). The node derives the ids; each block is published only once its whole
+        payload arrived. More blocks than one request carries go in several."""
+        namespace = self._namespace(root)
+        token_bytes = tokens_to_le_bytes(tokens)
+        step = 4 * namespace.block_tokens
+        if len(token_bytes) != step * len(payloads):
+            raise InvalidInput(
+                f"{len(token_bytes) // 4} tokens for {len(payloads)} blocks of "
+                f"{namespace.block_tokens} tokens"
+            )
+        if not payloads:
+            return StoreAck([], [], False)
+        views = [as_buffer(p, writable=False) for p in payloads]
+        size = views[0].nbytes
+        if any(v.nbytes != size for v in views) or size == 0:
+            raise PayloadSizeError("the payloads of one store must all have the same non-zero size")
+        ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+        if ttl_s is not None and not 0 < ttl_s < (1 << 32) / 1000:
+            raise InvalidInput(f"ttl_s must be positive and below 49 days, got {ttl_s}")
+        acks: list[StoreAck] = []
+        per = self.limits.max_ids
+        for first in range(0, len(views), per):
+            part = views[first : first + per]
+            head = StoreHead(root, parent, namespace.block_tokens, len(part), size, ttl_ms)
+            segment = token_bytes[first * step : (first + len(part)) * step]
+            ours = block_hashes_from_bytes(
+                parent if parent is not None else root,
+                segment,
+                namespace.block_tokens,
+                self.seed,
+            )
+            body = self._call(
+                Op.STORE, functools.partial(_store_frame, head=head, tokens=segment), payloads=part
+            )
+            ok = frames.decode_store_ok(body)
+            if ok.ids != ours:
+                raise IdMismatch("STORE: the node derived other ids than the client")
+            acks.append(
+                StoreAck(ok.ids, [STATUS_NAMES[s] if s < 3 else "?" for s in ok.status], ok.durable)
+            )
+            parent = ok.ids[-1]
+        return StoreAck(
+            [h for a in acks for h in a.hashes],
+            [s for a in acks for s in a.status],
+            any(a.durable for a in acks),
+        )
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _next_rid(self) -> int:
+        self._rid = (self._rid + 1) & ((1 << 64) - 1)
+        return self._rid
+
+    def _call(
+        self,
+        op: Op,
+        encode: Callable[[int], bytes],
+        *,
+        payloads: Sequence[memoryview] = (),
+    ) -> bytes:
+        """Send one request and return the body of its single answer frame."""
+        with self._lock:
+            rid = self._next_rid()
+            self._send(encode(rid), payloads)
+            header = self._read_header(rid, frames.ANSWER[op])
+            buf = bytearray(header.body_len)
+            self._recv(memoryview(buf))
+            return bytes(buf)
+
+    def _send(self, frame: bytes, payloads: Sequence[memoryview] = ()) -> int:
+        if self._broken is not None:
+            raise StreamClosed(f"the connection is unusable: {self._broken}")
+        try:
+            self._t.send([frame, *payloads])
+        except StreamClosed as exc:
+            # The node may have refused the connection (BUSY, AUTH) and closed it before our
+            # request arrived: its ERROR frame is the better answer, if it is there to read.
+            try:
+                self._read_header(self._rid, Op.ERROR)
+            except (StreamClosed, FrameError):
+                pass
+            except SessionCacheError as refused:
+                self._broken = str(refused)
+                raise refused from exc
+            self._broken = str(exc)
+            raise
+        return self._rid
+
+    def _read_header(self, rid: int, expect: Op) -> Header:
+        self._recv(memoryview(self._head))
+        try:
+            header = frames.decode_header(self._head, requests=False)
+            frames.check_body(header, self.limits)
+        except FrameError as exc:
+            self._broken = str(exc)
+            raise
+        if header.opcode == Op.ERROR:
+            buf = bytearray(header.body_len)
+            self._recv(memoryview(buf))
+            error = frames.decode_error(bytes(buf), header.flags)
+            if error.closing:
+                self._broken = error.message
+                self._t.close()
+            raise error_for(error.code, error.message)
+        if header.opcode != expect or header.request_id != rid:
+            self._fail(f"expected {expect.name} for request {rid}, got {header.opcode.name}")
+        return header
+
+    def _recv(self, view: memoryview) -> None:
+        if self._broken is not None:
+            raise StreamClosed(f"the connection is unusable: {self._broken}")
+        try:
+            recv_exact(self._t, view)
+        except (StreamClosed, FrameError) as exc:
+            self._broken = str(exc)
+            self._t.close()
+            raise StreamClosed(str(exc)) from None
+
+    def _drain(self, n: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(1 << 20))
+        while n:
+            k = min(n, self._scratch.nbytes)
+            self._recv(self._scratch[:k])
+            n -= k
+
+    def _fail(self, message: str) -> None:
+        self._broken = message
+        self._t.close()
+        raise FrameError(message)

@@ -1,0 +1,582 @@
+"""The data plane's frames: encoding and decoding, no I/O (``docs/dataplane.md`` is the spec).
+
+Every frame is a fixed 24-byte little-endian header and a body of ``body_len`` bytes::
+
+    offset  size  field
+         0     4  magic        b"SCDP"
+         4     1  version      1
+         5     1  opcode       ``Op``
+         6     2  flags        per opcode (``F_*``)
+         8     8  request id   chosen by the client, echoed in every frame of the answer
+        16     8  body_len     bytes of body following the header
+
+The client sends requests (``HELLO`` first, then any of the others) and reads each one's
+answer before the next: one ``*_OK`` frame, or for ``LOAD`` one ``BLOCK`` frame per block
+asked, or an ``ERROR`` frame (which may cut a ``LOAD`` short). Bodies are described beside
+their encoders below; ids and roots are 16 raw bytes, tokens little-endian ``u32``.
+
+Everything here is pure: the node (``server.py``) and the client (``client.py``) do the
+socket work and call these to build and check bytes, so both ends share one definition. A
+decoder that meets bytes breaking the framing raises ``FrameError`` (the connection is then
+closed); values that are well framed but wrong raise ``InvalidInput``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+from sessioncache.dataplane.errors import FrameError
+from sessioncache.errors import InvalidInput
+from sessioncache.hashing import HASH_BYTES, Namespace
+
+MAGIC = b"SCDP"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQQ")
+HEADER_SIZE = HEADER.size  # 24
+
+MiB = 1 << 20
+MAX_MESSAGE = 4096
+"""Longest error message, in bytes."""
+
+
+class Op(IntEnum):
+    HELLO = 0x01
+    RESOLVE = 0x02
+    LOOKUP = 0x03
+    LOAD = 0x04
+    STORE = 0x05
+    RELEASE = 0x06
+    HELLO_OK = 0x81
+    RESOLVE_OK = 0x82
+    LOOKUP_OK = 0x83
+    BLOCK = 0x84
+    STORE_OK = 0x85
+    RELEASE_OK = 0x86
+    ERROR = 0xFF
+
+
+REQUESTS = frozenset({Op.HELLO, Op.RESOLVE, Op.LOOKUP, Op.LOAD, Op.STORE, Op.RELEASE})
+REPLIES = frozenset(set(Op) - REQUESTS)
+ANSWER: dict[Op, Op] = {
+    Op.HELLO: Op.HELLO_OK,
+    Op.RESOLVE: Op.RESOLVE_OK,
+    Op.LOOKUP: Op.LOOKUP_OK,
+    Op.LOAD: Op.BLOCK,
+    Op.STORE: Op.STORE_OK,
+    Op.RELEASE: Op.RELEASE_OK,
+}
+"""The frame that answers each request when it succeeds."""
+
+# flags
+F_LOAD_BY_LEASE = 0x1
+"""LOAD: the body names a lease of this connection (else: a list of ids)."""
+F_LOAD_RELEASE = 0x2
+"""LOAD by lease: release the lease once its blocks are sent."""
+F_STORE_PARENT = 0x1
+"""STORE: the chain continues from ``parent`` (else: from the namespace root)."""
+F_BLOCK_MISSING = 0x1
+"""BLOCK: the block is not held (or not the caller's); empty body."""
+F_ERROR_CLOSING = 0x1
+"""ERROR: the node closes the connection after this frame."""
+
+# block status in STORE_OK
+STORED, PRESENT, DROPPED = 0, 1, 2
+STATUS_NAMES = ("stored", "present", "dropped")
+
+
+class Limits(NamedTuple):
+    """What one request may carry; the node announces its own in ``HELLO_OK``."""
+
+    max_ids: int = 16384
+    """Most block ids (or blocks) in one request."""
+    max_block_bytes: int = 256 * MiB
+    """Largest block payload."""
+    max_tokens: int = 2_000_000
+    """Most tokens in one STORE."""
+    max_json: int = 64 << 10
+    """Largest JSON body (HELLO, RESOLVE and their answers)."""
+
+
+class Header(NamedTuple):
+    opcode: Op
+    flags: int
+    request_id: int
+    body_len: int
+
+
+def encode_header(opcode: Op, request_id: int, body_len: int, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, opcode, flags, request_id, body_len)
+
+
+def decode_header(data: bytes | bytearray | memoryview, *, requests: bool) -> Header:
+    """Parse and check a header: the magic, the version, and an opcode a node (``requests``)
+    or a client (replies) may receive. Limits on ``body_len`` are checked by ``check_body``."""
+    if len(data) != HEADER_SIZE:
+        raise FrameError(f"a header is {HEADER_SIZE} bytes, got {len(data)}")
+    magic, version, opcode, flags, request_id, body_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}: not a sessioncache data-plane frame")
+    if version != VERSION:
+        raise FrameError(f"frame version {version}; this end speaks version {VERSION}")
+    try:
+        op = Op(opcode)
+    except ValueError:
+        raise FrameError(f"unknown opcode 0x{opcode:02x}") from None
+    if (op in REQUESTS) != requests:
+        raise FrameError(f"opcode {op.name} is not {'a request' if requests else 'an answer'}")
+    return Header(op, flags, request_id, body_len)
+
+
+def max_body(header: Header, limits: Limits) -> int:
+    """The longest body a frame of this opcode may have under ``limits``."""
+    ids = HASH_BYTES * limits.max_ids
+    op = header.opcode
+    if op in (Op.HELLO, Op.RESOLVE, Op.HELLO_OK):
+        return limits.max_json
+    if op == Op.LOOKUP:
+        return _LOOKUP.size + ids
+    if op == Op.LOAD:
+        return _LOAD_LEASE.size if header.flags & F_LOAD_BY_LEASE else _COUNT.size + ids
+    if op == Op.STORE:
+        return _STORE.size + 4 * limits.max_tokens + limits.max_ids * limits.max_block_bytes
+    if op == Op.RELEASE:
+        return HASH_BYTES
+    if op == Op.RESOLVE_OK:
+        return HASH_BYTES
+    if op == Op.LOOKUP_OK:
+        return _LOOKUP_OK.size + 9 * limits.max_ids
+    if op == Op.BLOCK:
+        return limits.max_block_bytes
+    if op == Op.STORE_OK:
+        return _STORE_OK.size + (HASH_BYTES + 1) * limits.max_ids
+    if op == Op.RELEASE_OK:
+        return 0
+    return _ERROR.size + MAX_MESSAGE  # ERROR
+
+
+def check_body(header: Header, limits: Limits) -> None:
+    """Refuse a body longer than its opcode allows (before reading any of it)."""
+    limit = max_body(header, limits)
+    if header.body_len > limit:
+        raise FrameError(
+            f"{header.opcode.name} body of {header.body_len} bytes exceeds the limit of {limit}"
+        )
+
+
+# -- ids ---------------------------------------------------------------------------------------
+
+
+def join_ids(ids: Sequence[bytes]) -> bytes:
+    for block_id in ids:
+        if not isinstance(block_id, bytes | bytearray) or len(block_id) != HASH_BYTES:
+            raise InvalidInput(f"a block id is {HASH_BYTES} bytes, got {block_id!r:.60}")
+    return b"".join(ids)
+
+
+def split_ids(data: bytes, offset: int, count: int) -> list[bytes]:
+    end = offset + HASH_BYTES * count
+    if len(data) != end:
+        raise FrameError(f"expected {count} ids ({end} bytes of body), got {len(data)} bytes")
+    return [data[i : i + HASH_BYTES] for i in range(offset, end, HASH_BYTES)]
+
+
+def _check_count(count: int, limits: Limits, what: str) -> None:
+    if not 1 <= count <= limits.max_ids:
+        raise InvalidInput(f"{what}: {count} blocks; a request carries 1 to {limits.max_ids}")
+
+
+# -- JSON bodies (HELLO, RESOLVE, HELLO_OK) ------------------------------------------------
+
+
+def _json_body(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise FrameError(f"{what}: the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise FrameError(f"{what}: the body is not a JSON object")
+    return body
+
+
+def _json_frame(opcode: Op, request_id: int, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return encode_header(opcode, request_id, len(data)) + data
+
+
+class Hello(NamedTuple):
+    """HELLO (JSON ``{"api_key": str | null, "client": str}``): the first frame of a
+    connection. The node maps the key to a tenant exactly as the REST API does."""
+
+    api_key: str | None
+    client: str = ""
+
+
+def encode_hello(request_id: int, hello: Hello) -> bytes:
+    return _json_frame(Op.HELLO, request_id, {"api_key": hello.api_key, "client": hello.client})
+
+
+def decode_hello(data: bytes) -> Hello:
+    body = _json_body(data, "HELLO")
+    key = body.get("api_key")
+    client = body.get("client", "")
+    if key is not None and not isinstance(key, str):
+        raise FrameError("HELLO: api_key must be a string or null")
+    if not isinstance(client, str):
+        raise FrameError("HELLO: client must be a string")
+    return Hello(key, client)
+
+
+class HelloOk(NamedTuple):
+    """HELLO_OK (JSON ``{"version", "tenant", "auth", "tiers", "max_ids", "max_block_bytes",
+    "max_tokens", "max_json"}``): who the caller is and the node's limits. ``tiers`` names
+    the tier indexes of LOOKUP_OK."""
+
+    tenant: str
+    auth: bool
+    tiers: tuple[str, ...]
+    limits: Limits
+
+
+def encode_hello_ok(request_id: int, ok: HelloOk) -> bytes:
+    return _json_frame(
+        Op.HELLO_OK,
+        request_id,
+        {
+            "version": VERSION,
+            "tenant": ok.tenant,
+            "auth": ok.auth,
+            "tiers": list(ok.tiers),
+            **ok.limits._asdict(),
+        },
+    )
+
+
+def decode_hello_ok(data: bytes) -> HelloOk:
+    body = _json_body(data, "HELLO_OK")
+    try:
+        limits = Limits(**{name: int(body[name]) for name in Limits._fields})
+        tiers = tuple(str(t) for t in body["tiers"])
+        tenant, auth = body["tenant"], body["auth"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FrameError(f"HELLO_OK: missing or bad field: {exc}") from None
+    if not isinstance(tenant, str) or not isinstance(auth, bool):
+        raise FrameError("HELLO_OK: bad tenant or auth")
+    return HelloOk(tenant, auth, tiers, limits)
+
+
+def namespace_json(namespace: Namespace) -> dict[str, Any]:
+    return {
+        "model": namespace.model,
+        "block_tokens": namespace.block_tokens,
+        "kv_dtype": namespace.kv_dtype,
+        "kv_layout": namespace.kv_layout,
+        "salt": namespace.salt,
+        "lora": namespace.lora,
+    }
+
+
+def encode_resolve(request_id: int, namespace: Namespace) -> bytes:
+    """RESOLVE (JSON namespace, as in the REST API): the caller's root of that namespace."""
+    return _json_frame(Op.RESOLVE, request_id, namespace_json(namespace))
+
+
+def decode_resolve(data: bytes) -> Namespace:
+    body = _json_body(data, "RESOLVE")
+    fields = {"model", "block_tokens", "kv_dtype", "kv_layout", "salt", "lora"}
+    unknown = set(body) - fields
+    if unknown:
+        raise InvalidInput(f"RESOLVE: unknown namespace fields {sorted(unknown)}")
+    try:
+        return Namespace(**body)
+    except TypeError as exc:
+        raise InvalidInput(f"RESOLVE: not a namespace: {exc}") from None
+
+
+def encode_resolve_ok(request_id: int, root: bytes) -> bytes:
+    """RESOLVE_OK: the 16-byte root."""
+    return encode_header(Op.RESOLVE_OK, request_id, len(root)) + root
+
+
+def decode_resolve_ok(data: bytes) -> bytes:
+    if len(data) != HASH_BYTES:
+        raise FrameError(f"RESOLVE_OK: a root is {HASH_BYTES} bytes, got {len(data)}")
+    return bytes(data)
+
+
+# -- LOOKUP --------------------------------------------------------------------------------
+
+_LOOKUP = struct.Struct("<16sII")  # root, lease_ms, count; then count ids
+_LOOKUP_OK = struct.Struct("<16sII")  # lease (zeros: none), lease_ms, matched
+
+
+class Lookup(NamedTuple):
+    """LOOKUP (``root[16] lease_ms:u32 count:u32 ids[16 x count]``): the longest held prefix
+    of ``ids`` that belongs to the caller, leased for ``lease_ms`` (0: no lease). ``root``
+    must have been resolved on this connection."""
+
+    root: bytes
+    ids: list[bytes]
+    lease_ms: int = 0
+
+
+def encode_lookup(request_id: int, lookup: Lookup) -> bytes:
+    ids = join_ids(lookup.ids)
+    body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + ids
+    return encode_header(Op.LOOKUP, request_id, len(body)) + body
+
+
+def decode_lookup(data: bytes, limits: Limits) -> Lookup:
+    if len(data) < _LOOKUP.size:
+        raise FrameError("LOOKUP: body shorter than its fixed part")
+    root, lease_ms, count = _LOOKUP.unpack_from(data)
+    ids = split_ids(data, _LOOKUP.size, count)
+    _check_count(count, limits, "LOOKUP")
+    return Lookup(root, ids, lease_ms)
+
+
+class LookupOk(NamedTuple):
+    """LOOKUP_OK (``lease[16] lease_ms:u32 matched:u32 nbytes[u64 x matched]
+    tier[u8 x matched]``): the matched blocks' payload sizes and fastest tiers (indexes into
+    HELLO_OK's ``tiers``); ``lease`` is all zeros when nothing was leased."""
+
+    lease: bytes | None
+    lease_ms: int
+    nbytes: list[int]
+    tiers: list[int]
+
+
+_NO_LEASE = bytes(HASH_BYTES)
+
+
+def encode_lookup_ok(request_id: int, ok: LookupOk) -> bytes:
+    n = len(ok.nbytes)
+    body = b"".join(
+        [
+            _LOOKUP_OK.pack(ok.lease or _NO_LEASE, ok.lease_ms, n),
+            struct.pack(f"<{n}Q", *ok.nbytes),
+            bytes(ok.tiers),
+        ]
+    )
+    return encode_header(Op.LOOKUP_OK, request_id, len(body)) + body
+
+
+def decode_lookup_ok(data: bytes) -> LookupOk:
+    if len(data) < _LOOKUP_OK.size:
+        raise FrameError("LOOKUP_OK: body shorter than its fixed part")
+    lease, lease_ms, n = _LOOKUP_OK.unpack_from(data)
+    if len(data) != _LOOKUP_OK.size + 9 * n:
+        raise FrameError(f"LOOKUP_OK: {len(data)} bytes of body for {n} blocks")
+    nbytes = list(struct.unpack_from(f"<{n}Q", data, _LOOKUP_OK.size))
+    tiers = list(data[_LOOKUP_OK.size + 8 * n :])
+    return LookupOk(None if lease == _NO_LEASE else lease, lease_ms, nbytes, tiers)
+
+
+# -- LOAD ----------------------------------------------------------------------------------
+
+_LOAD_LEASE = struct.Struct("<16sII")  # lease, start, count
+_COUNT = struct.Struct("<I")
+
+
+class LoadLease(NamedTuple):
+    """LOAD with ``F_LOAD_BY_LEASE`` (``lease[16] start:u32 blocks:u32``): blocks
+    ``start .. start + blocks`` of a lease this connection's LOOKUP took; with
+    ``F_LOAD_RELEASE`` the lease is released after the last block."""
+
+    lease: bytes
+    start: int
+    blocks: int
+    release: bool = False
+
+
+class LoadIds(NamedTuple):
+    """LOAD without flags (``count:u32 ids[16 x count]``): the held prefix of ``ids`` that is
+    the caller's, leased only while it is sent; every block past it answers missing."""
+
+    ids: list[bytes]
+
+
+def encode_load(request_id: int, load: LoadLease | LoadIds) -> bytes:
+    if isinstance(load, LoadLease):
+        flags = F_LOAD_BY_LEASE | (F_LOAD_RELEASE if load.release else 0)
+        body = _LOAD_LEASE.pack(load.lease, load.start, load.blocks)
+    else:
+        flags = 0
+        body = _COUNT.pack(len(load.ids)) + join_ids(load.ids)
+    return encode_header(Op.LOAD, request_id, len(body), flags) + body
+
+
+def decode_load(data: bytes, flags: int, limits: Limits) -> LoadLease | LoadIds:
+    if flags & F_LOAD_BY_LEASE:
+        if len(data) != _LOAD_LEASE.size:
+            raise FrameError(f"LOAD by lease: the body is {_LOAD_LEASE.size} bytes")
+        lease, start, count = _LOAD_LEASE.unpack(data)
+        _check_count(count, limits, "LOAD")
+        return LoadLease(lease, start, count, bool(flags & F_LOAD_RELEASE))
+    if len(data) < _COUNT.size:
+        raise FrameError("LOAD: body shorter than its count")
+    (count,) = _COUNT.unpack_from(data)
+    ids = split_ids(data, _COUNT.size, count)
+    _check_count(count, limits, "LOAD")
+    return LoadIds(ids)
+
+
+def block_header(request_id: int, nbytes: int, *, missing: bool = False) -> bytes:
+    """BLOCK: the payload of one block (body = its bytes), in the order asked; with
+    ``F_BLOCK_MISSING`` and an empty body when the block is not held."""
+    return encode_header(Op.BLOCK, request_id, nbytes, F_BLOCK_MISSING if missing else 0)
+
+
+# -- STORE ---------------------------------------------------------------------------------
+
+_STORE = struct.Struct("<16s16sIIQII")  # root, parent, block_tokens, count, nbytes, ttl_ms, 0
+
+
+class StoreHead(NamedTuple):
+    """STORE (``root[16] parent[16] block_tokens:u32 blocks:u32 block_nbytes:u64 ttl_ms:u32
+    reserved:u32``, then ``blocks x block_tokens`` tokens as ``u32``, then ``blocks`` payloads
+    of ``block_nbytes`` each): a chain segment continuing from ``parent`` (with
+    ``F_STORE_PARENT``; else from ``root``, and ``parent`` is zeros). The node derives each
+    block's id from its parent and tokens; ``ttl_ms`` 0 is the node's default TTL."""
+
+    root: bytes
+    parent: bytes | None
+    block_tokens: int
+    blocks: int
+    block_nbytes: int
+    ttl_ms: int = 0
+
+    @property
+    def token_bytes(self) -> int:
+        return 4 * self.block_tokens * self.blocks
+
+    @property
+    def body_len(self) -> int:
+        return _STORE.size + self.token_bytes + self.blocks * self.block_nbytes
+
+
+STORE_FIXED = _STORE.size
+
+
+def encode_store_head(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
+    """Header, fixed part and tokens of a STORE; the payloads follow, ``count`` of them."""
+    if len(token_bytes) != head.token_bytes:
+        raise InvalidInput(
+            f"{len(token_bytes) // 4} tokens for {head.blocks} blocks of {head.block_tokens}"
+        )
+    flags = F_STORE_PARENT if head.parent is not None else 0
+    fixed = _STORE.pack(
+        head.root,
+        head.parent or _NO_LEASE,
+        head.block_tokens,
+        head.blocks,
+        head.block_nbytes,
+        head.ttl_ms,
+        0,
+    )
+    return encode_header(Op.STORE, request_id, head.body_len, flags) + fixed + token_bytes
+
+
+def decode_store_head(fixed: bytes, header: Header, limits: Limits) -> StoreHead:
+    """The fixed part of a STORE, checked against the header's ``body_len`` and ``limits``."""
+    root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
+    head = StoreHead(
+        root,
+        parent if header.flags & F_STORE_PARENT else None,
+        block_tokens,
+        count,
+        nbytes,
+        ttl_ms,
+    )
+    if head.body_len != header.body_len:
+        raise FrameError(
+            f"STORE: body_len {header.body_len} but its head describes {head.body_len} bytes"
+        )
+    _check_count(count, limits, "STORE")
+    if block_tokens < 1 or count * block_tokens > limits.max_tokens:
+        raise InvalidInput(
+            f"STORE: {count} blocks of {block_tokens} tokens; at most {limits.max_tokens} tokens"
+        )
+    if not 1 <= nbytes <= limits.max_block_bytes:
+        raise InvalidInput(
+            f"STORE: payloads of {nbytes} bytes; a block is 1 to {limits.max_block_bytes} bytes"
+        )
+    return head
+
+
+_STORE_OK = struct.Struct("<IBxxx")  # count, durable
+
+
+class StoreOk(NamedTuple):
+    """STORE_OK (``count:u32 durable:u8 pad[3] ids[16 x count] status[u8 x count]``): each
+    block's id as the node derived it, and ``STORED``, ``PRESENT`` (already held) or
+    ``DROPPED`` (no room; the rest of the segment then is too)."""
+
+    durable: bool
+    ids: list[bytes]
+    status: list[int]
+
+
+def encode_store_ok(request_id: int, ok: StoreOk) -> bytes:
+    body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + bytes(ok.status)
+    return encode_header(Op.STORE_OK, request_id, len(body)) + body
+
+
+def decode_store_ok(data: bytes) -> StoreOk:
+    if len(data) < _STORE_OK.size:
+        raise FrameError("STORE_OK: body shorter than its fixed part")
+    n, durable = _STORE_OK.unpack_from(data)
+    end = _STORE_OK.size + HASH_BYTES * n
+    if len(data) != end + n:
+        raise FrameError(f"STORE_OK: {len(data)} bytes of body for {n} blocks")
+    return StoreOk(bool(durable), split_ids(data[:end], _STORE_OK.size, n), list(data[end:]))
+
+
+# -- RELEASE and ERROR ---------------------------------------------------------------------
+
+
+def encode_release(request_id: int, lease: bytes) -> bytes:
+    """RELEASE (``lease[16]``); answered by an empty RELEASE_OK."""
+    if len(lease) != HASH_BYTES:
+        raise InvalidInput(f"a lease id is {HASH_BYTES} bytes")
+    return encode_header(Op.RELEASE, request_id, HASH_BYTES) + lease
+
+
+def decode_release(data: bytes) -> bytes:
+    if len(data) != HASH_BYTES:
+        raise FrameError(f"RELEASE: the body is a {HASH_BYTES}-byte lease id")
+    return bytes(data)
+
+
+def encode_release_ok(request_id: int) -> bytes:
+    return encode_header(Op.RELEASE_OK, request_id, 0)
+
+
+_ERROR = struct.Struct("<H")
+
+
+class ErrorFrame(NamedTuple):
+    """ERROR (``code:u16`` + a UTF-8 message): see ``errors.ErrorCode``; with
+    ``F_ERROR_CLOSING`` the node closes the connection after it."""
+
+    code: int
+    message: str
+    closing: bool = False
+
+
+def encode_error(request_id: int, error: ErrorFrame) -> bytes:
+    message = error.message.encode("utf-8", "replace")[:MAX_MESSAGE]
+    body = _ERROR.pack(error.code) + message
+    flags = F_ERROR_CLOSING if error.closing else 0
+    return encode_header(Op.ERROR, request_id, len(body), flags) + body
+
+
+def decode_error(data: bytes, flags: int) -> ErrorFrame:
+    if len(data) < _ERROR.size:
+        raise FrameError("ERROR: body shorter than its code")
+    (code,) = _ERROR.unpack_from(data)
+    message = bytes(data[_ERROR.size :]).decode("utf-8", "replace")
+    return ErrorFrame(code, message, bool(flags & F_ERROR_CLOSING))

@@ -1,0 +1,410 @@
+"""The node's end of the data plane: one thread per connection over blocking sockets.
+
+``StreamServer`` accepts connections from a ``Listener`` (TCP here; a Unix-domain listener
+works the same) and runs ``serve_connection`` for each in its own thread. A connection reads
+one request frame at a time, answers it completely, then reads the next: a peer that does not
+read its answers stalls in the kernel's socket buffers, and so does a node that does not read
+a peer's uploads (back-pressure, with no queue in between). Payloads move without Python
+copies: a STORE's payloads are received with ``recv_into`` straight into a pooled buffer that
+the store copies into its tier; a LOAD sends each block straight from the tier's memory (the
+view ``TieredStore.get`` gives, valid while the block is leased).
+
+Errors: an ``ERROR`` frame answers a request that failed; the connection stays usable (the
+rest of a refused body is read and dropped first). A frame that breaks the framing, a first
+frame that is not a good HELLO, or anything unexpected is answered with an ``ERROR`` frame
+flagged closing, and the connection is closed. Either way the leases the connection took are
+released when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+
+from sessioncache.buffers import BufferPool
+from sessioncache.config import Settings
+from sessioncache.dataplane import frames, ops
+from sessioncache.dataplane.errors import (
+    AuthRefused,
+    ErrorCode,
+    FrameError,
+    StreamClosed,
+    code_for,
+)
+from sessioncache.dataplane.frames import Header, Limits, Op
+from sessioncache.dataplane.transport import (
+    Listener,
+    TcpListener,
+    Transport,
+    discard,
+    recv_exact,
+)
+from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.service import CacheNode, UploadRefused
+
+log = logging.getLogger("sessioncache.dataplane")
+
+_SCRATCH = 1 << 20
+
+
+class _Refused(Exception):
+    """Ends a connection after its closing ERROR frame was sent."""
+
+
+class Connection:
+    """One peer: the HELLO, then requests answered one by one (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: CacheNode,
+        transport: Transport,
+        *,
+        limits: Limits,
+        timeout_s: float | None,
+        idle_timeout_s: float | None,
+        buffers: BufferPool,
+        load_lease_s: float,
+    ) -> None:
+        self.node = node
+        self.transport = transport
+        self.limits = limits
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.buffers = buffers
+        self.load_lease_s = load_lease_s
+        self.peer: ops.Peer | None = None
+        self._header = bytearray(frames.HEADER_SIZE)
+        self._left = 0  # body bytes of the current request not read yet
+        self._scratch: memoryview | None = None
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until the peer leaves or breaks the framing; never raises."""
+        try:
+            ops.admit(self.node, self.transport.local)
+            while True:
+                header = self._next_header()
+                if header is None:
+                    return
+                self._answer(header)
+        except AuthRefused as exc:
+            self._send_error(0, exc, closing=True)
+        except (_Refused, StreamClosed) as exc:
+            log.debug("data-plane connection %s ends: %s", self.transport.peer, exc)
+        except Exception:
+            log.exception("data-plane connection %s failed", self.transport.peer)
+            self._send_error(0, RuntimeError("internal error"), closing=True)
+        finally:
+            if self.peer is not None:
+                released = ops.drop_peer(self.node, self.peer)
+                if released:
+                    log.info(
+                        "data-plane connection %s gone: released its %d leases",
+                        self.transport.peer,
+                        released,
+                    )
+            self.transport.close()
+
+    def _next_header(self) -> Header | None:
+        """The next request's header, or None when the peer closed between requests."""
+        self.transport.set_timeout(self.idle_timeout_s)
+        view = memoryview(self._header)
+        first = self.transport.recv_into(view)
+        if first == 0:
+            return None
+        self.transport.set_timeout(self.timeout_s)
+        try:
+            recv_exact(self.transport, view[first:])
+            header = frames.decode_header(self._header, requests=True)
+            frames.check_body(header, self.limits)
+        except FrameError as exc:
+            self._send_error(0, exc, closing=True)
+            raise _Refused(str(exc)) from None
+        self._left = header.body_len
+        return header
+
+    def _answer(self, header: Header) -> None:
+        rid = header.request_id
+        try:
+            if self.peer is None and header.opcode != Op.HELLO:
+                raise AuthRefused("the first frame of a connection must be HELLO")
+            self._dispatch(header)
+            if self._left:
+                raise FrameError(f"{self._left} bytes of body left unread")
+        except StreamClosed:
+            raise
+        except (FrameError, AuthRefused) as exc:
+            self._send_error(rid, exc, closing=True)
+            raise _Refused(str(exc)) from None
+        except SessionCacheError as exc:
+            # A well-framed request the node refused: drop the rest of its body, answer,
+            # and carry on with the next request.
+            if self._left:
+                discard(self.transport, self._left, self._scratch_view())
+                self._left = 0
+            self._send_error(rid, exc)
+
+    def _dispatch(self, header: Header) -> None:
+        op = header.opcode
+        if op == Op.HELLO:
+            self._hello(header)
+        elif op == Op.RESOLVE:
+            self._resolve(header)
+        elif op == Op.LOOKUP:
+            self._lookup(header)
+        elif op == Op.LOAD:
+            self._load(header)
+        elif op == Op.STORE:
+            self._store(header)
+        else:
+            self._release(header)
+
+    # -- the ops ---------------------------------------------------------------------------
+
+    def _hello(self, header: Header) -> None:
+        if self.peer is not None:
+            raise InvalidInput("HELLO twice on one connection")
+        hello = frames.decode_hello(self._body())
+        self.peer = ops.authenticate(self.node, hello.api_key)
+        ok = ops.hello_ok(self.node, self.peer, self.limits)
+        self.transport.send([frames.encode_hello_ok(header.request_id, ok)])
+
+    def _resolve(self, header: Header) -> None:
+        assert self.peer is not None
+        namespace = frames.decode_resolve(self._body())
+        root = ops.resolve(self.node, self.peer, namespace)
+        self.transport.send([frames.encode_resolve_ok(header.request_id, root)])
+
+    def _lookup(self, header: Header) -> None:
+        assert self.peer is not None
+        request = frames.decode_lookup(self._body(), self.limits)
+        ok = ops.lookup(self.node, self.peer, request)
+        self.transport.send([frames.encode_lookup_ok(header.request_id, ok)])
+
+    def _release(self, header: Header) -> None:
+        assert self.peer is not None
+        ops.release(self.node, self.peer, frames.decode_release(self._body()))
+        self.transport.send([frames.encode_release_ok(header.request_id)])
+
+    def _load(self, header: Header) -> None:
+        assert self.peer is not None
+        request = frames.decode_load(self._body(), header.flags, self.limits)
+        plan = ops.plan_load(self.node, self.peer, request, lease_s=self.load_lease_s)
+        rid = header.request_id
+        send = self.transport.send
+        try:
+            for block_hash in plan.hashes:
+                view, left = ops.read_block(self.node, plan, block_hash)
+                if view is None:
+                    send([frames.block_header(rid, 0, missing=True)])
+                    continue
+                timeout = left if self.timeout_s is None else min(self.timeout_s, left)
+                self.transport.set_timeout(timeout)  # never send past the lease
+                send([frames.block_header(rid, view.nbytes), view])
+            if plan.missing:
+                send([frames.block_header(rid, 0, missing=True) * plan.missing])
+        finally:
+            self.transport.set_timeout(self.timeout_s)
+            ops.finish_load(self.node, self.peer, plan)
+
+    def _store(self, header: Header) -> None:
+        assert self.peer is not None
+        head = frames.decode_store_head(self._body(frames.STORE_FIXED), header, self.limits)
+        tokens = self._body(head.token_bytes)
+        plan = ops.plan_store(self.node, self.peer, head, tokens)
+        with self.buffers.borrow(head.block_nbytes) as buf:
+            view = memoryview(buf)
+            for index in range(head.blocks):
+                self._body_into(view)
+                try:
+                    ops.store_block(self.node, plan, index, buf)
+                except SessionCacheError as exc:
+                    exc.add_note(f"block {index} of {head.blocks}; the blocks before it stored")
+                    raise
+        ok = frames.StoreOk(plan.durable, list(plan.ids), plan.status)
+        self.transport.send([frames.encode_store_ok(header.request_id, ok)])
+
+    # -- body and error plumbing -----------------------------------------------------------
+
+    def _body(self, n: int | None = None) -> bytes:
+        """The next ``n`` bytes of the body (default: all of the rest)."""
+        n = self._left if n is None else n
+        if n > self._left:
+            raise FrameError(f"the body is {self._left} bytes short")
+        buf = bytearray(n)
+        recv_exact(self.transport, memoryview(buf))
+        self._left -= n
+        return bytes(buf)
+
+    def _body_into(self, view: memoryview) -> None:
+        if view.nbytes > self._left:
+            raise FrameError("the body is shorter than its payloads")
+        recv_exact(self.transport, view)
+        self._left -= view.nbytes
+
+    def _scratch_view(self) -> memoryview:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH))
+        return self._scratch
+
+    def _send_error(self, rid: int, exc: BaseException, *, closing: bool = False) -> None:
+        code = ErrorCode.REFUSED if isinstance(exc, UploadRefused) else code_for(exc)
+        message = str(exc) if isinstance(exc, SessionCacheError) else "internal error"
+        message = "; ".join([message, *getattr(exc, "__notes__", ())])
+        if code in (ErrorCode.MALFORMED, ErrorCode.AUTH):
+            log.info("data-plane connection %s refused: %s", self.transport.peer, message)
+        frame = frames.encode_error(rid, frames.ErrorFrame(code, message, closing))
+        with contextlib.suppress(StreamClosed):
+            self.transport.send([frame])
+
+
+class StreamServer:
+    """Serves the data plane of ``node`` on ``listener`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: CacheNode,
+        listener: Listener,
+        *,
+        limits: Limits | None = None,
+        timeout_s: float | None = 30.0,
+        idle_timeout_s: float | None = None,
+        max_connections: int = 64,
+        advertise: str | None = None,
+    ) -> None:
+        self.node = node
+        self.listener = listener
+        self.limits = limits or Limits()
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
+        self.advertise = advertise or listener.address
+        self.buffers = BufferPool()
+        # An ids LOAD leases its blocks only while it sends them.
+        self.load_lease_s = min(node.settings.max_lease_s, 600.0)
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[Transport, threading.Thread]] = {}
+        self._stopping = threading.Event()
+        self._acceptor: threading.Thread | None = None
+        self._ids = iter(range(1, 1 << 62))
+
+    @property
+    def address(self) -> str:
+        """Where the listener is bound."""
+        return self.listener.address
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def start(self) -> StreamServer:
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name="dataplane-accept", daemon=True
+        )
+        self._acceptor.start()
+        log.info("data plane: stream on %s (advertised as %s)", self.address, self.advertise)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, end every connection (their leases are released), and wait."""
+        self._stopping.set()
+        self.listener.close()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout_s)
+        with self._lock:
+            live = list(self._live.values())
+        for transport, _ in live:
+            transport.shutdown()
+        for _, thread in live:
+            thread.join(timeout_s)
+
+    def connection(self, transport: Transport) -> Connection:
+        return Connection(
+            self.node,
+            transport,
+            limits=self.limits,
+            timeout_s=self.timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
+            buffers=self.buffers,
+            load_lease_s=self.load_lease_s,
+        )
+
+    def serve(self, transport: Transport) -> None:
+        """Run one connection in the calling thread (until it ends)."""
+        self.connection(transport).run()
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                transport = self.listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                log.exception("data plane: accept failed")
+                self._stopping.wait(0.1)
+                continue
+            self._spawn(transport)
+
+    def _spawn(self, transport: Transport) -> None:
+        with self._lock:
+            if self._stopping.is_set() or len(self._live) >= self.max_connections:
+                busy = not self._stopping.is_set()
+                key = None
+            else:
+                busy = False
+                key = next(self._ids)
+        if key is None:
+            if busy:
+                frame = frames.encode_error(
+                    0,
+                    frames.ErrorFrame(
+                        ErrorCode.BUSY,
+                        f"the node serves {self.max_connections} data-plane connections already",
+                        True,
+                    ),
+                )
+                try:
+                    transport.set_timeout(1.0)
+                    transport.send([frame])
+                except StreamClosed:
+                    pass
+            transport.close()
+            return
+        thread = threading.Thread(
+            target=self._run, args=(key, transport), name=f"dataplane-{key}", daemon=True
+        )
+        with self._lock:
+            self._live[key] = (transport, thread)
+        thread.start()
+
+    def _run(self, key: int, transport: Transport) -> None:
+        try:
+            self.serve(transport)
+        finally:
+            with self._lock:
+                self._live.pop(key, None)
+
+
+def open_stream_server(
+    node: CacheNode, settings: Settings, *, listen: Callable[[str, int], Listener] = TcpListener
+) -> StreamServer | None:
+    """The stream server the settings describe, bound (not started); None when disabled."""
+    if not settings.stream_enabled:
+        return None
+    listener = listen(settings.stream_host, settings.stream_port)
+    return StreamServer(
+        node,
+        listener,
+        limits=Limits(
+            max_ids=settings.stream_max_ids,
+            max_block_bytes=settings.max_body_bytes,
+            max_tokens=settings.max_tokens,
+        ),
+        timeout_s=settings.stream_timeout_s,
+        idle_timeout_s=settings.stream_idle_timeout_s or None,
+        max_connections=settings.stream_max_connections,
+        advertise=settings.stream_advertise,
+    )

@@ -1,0 +1,82 @@
+"""The stream server in this process, on a Unix-domain socket (the carrier the same-host path
+will use): the listener is replaceable, ``stop`` ends every connection and releases its
+leases, the connection limit answers BUSY, and without API keys only local peers get in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sessioncache.config import Settings
+from sessioncache.dataplane import Busy, StreamClient, StreamClosed, ops
+from sessioncache.dataplane.errors import AuthRefused
+from sessioncache.dataplane.server import StreamServer, open_stream_server
+from sessioncache.dataplane.transport import UnixListener
+from sessioncache.factory import open_node
+from sessioncache.service import CacheNode
+from tests.sessioncache.dataplane.conftest import NS, pattern, tokens
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[CacheNode]:
+    settings = Settings(data_dir=tmp_path / "data", cpu_bytes=32 << 20, disk_bytes=0)
+    node = open_node(settings, start=False)
+    yield node
+    node.close()
+
+
+def test_a_unix_socket_server_and_its_stop(node: CacheNode, tmp_path: Path):
+    path = str(tmp_path / "stream.sock")
+    server = StreamServer(node, UnixListener(path), max_connections=2).start()
+    try:
+        client = StreamClient.connect(f"unix:{path}")
+        root = client.resolve(NS)
+        toks = tokens(60, 8)
+        ids = client.block_hashes(root, toks)
+        ack = client.store(root, toks, [pattern(h, 4096) for h in ids])
+        assert ack.stored == 8 and not ack.durable  # no durable tier here
+        found = client.lookup(root, ids, lease_ms=60_000)
+        out = np.zeros((8, 4096), np.uint8)
+        client.load_into(found, list(out))
+        assert all(np.array_equal(row, pattern(h, 4096)) for row, h in zip(out, ids, strict=True))
+        assert node.store.stats().leases == 1
+
+        second = StreamClient.connect(f"unix:{path}")
+        with pytest.raises(Busy):
+            StreamClient.connect(f"unix:{path}")
+        second.close()
+    finally:
+        server.stop()
+    # stopping ended the connection and released what it held
+    assert node.store.stats().leases == 0
+    assert server.connections() == 0
+    with pytest.raises(StreamClosed):
+        client.lookup(root, ids)
+    assert not Path(path).exists()
+
+
+def test_open_mode_admits_local_peers_only(node: CacheNode):
+    ops.admit(node, local=True)
+    with pytest.raises(AuthRefused, match="local peers only"):
+        ops.admit(node, local=False)
+
+
+def test_settings_build_the_server(node: CacheNode):
+    assert (
+        open_stream_server(node, node.settings.model_copy(update={"stream_enabled": False})) is None
+    )
+    settings = node.settings.model_copy(
+        update={"stream_port": 0, "stream_advertise": "cache.example:9000", "stream_max_ids": 7}
+    )
+    server = open_stream_server(node, settings)
+    assert server is not None
+    try:
+        assert server.advertise == "cache.example:9000"
+        assert server.address.startswith("127.0.0.1:") and not server.address.endswith(":0")
+        assert server.limits.max_ids == 7
+        assert server.limits.max_block_bytes == settings.max_body_bytes
+    finally:
+        server.stop()
