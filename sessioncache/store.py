@@ -132,10 +132,10 @@ STAGED, PRESENT, DROPPED = "staged", "present", "dropped"
 
 @dataclass(eq=False)
 class Staging:
-    """Slots handed out by ``TieredStore.stage`` for one chain segment, until ``commit`` or
-    ``abort``: ``status[i]`` is ``STAGED`` (``slots[i]`` is the slot to fill), ``PRESENT``
-    (already held or being stored by another caller: nothing to write) or ``DROPPED`` (no
-    room; so is every block after it)."""
+    """Slots handed out by ``TieredStore.stage`` for one chain segment, until committed (in
+    order, in one ``commit`` or several) or aborted: ``status[i]`` is ``STAGED`` (``slots[i]``
+    is the slot to fill), ``PRESENT`` (already held or being stored by another caller: nothing
+    to write) or ``DROPPED`` (no room; so is every block after it)."""
 
     id: str
     namespace_root: bytes
@@ -147,6 +147,10 @@ class Staging:
     slots: list[StagedSlot | None] = field(default_factory=list)
     metas: list[BlockMeta | None] = field(default_factory=list)
     open: bool = True
+    claimed: int = 0
+    """Blocks a ``commit`` took so far (done or under way): the next commit starts here."""
+    broken: bool = False
+    """A block was rejected: every later one is dropped."""
 
     @property
     def locations(self) -> list[SlotLocation | None]:
@@ -728,25 +732,32 @@ class TieredStore:
         checksums: Sequence[int],
         lengths: Sequence[int] | None = None,
     ) -> CommitResult:
-        """Publish the staged blocks whose slots hold what the writer says it wrote: for each
-        block, the length (when given) and the XXH3-64 (seed 0) of the slot's bytes. A block
-        that does not match is rejected, and the blocks after it are dropped (they would hang
-        off it). Published blocks are then written through as ``put`` does (``durable``:
-        to the first durable tier below, before this returns). ``checksums`` and ``lengths``
-        have one entry per id of the staging (those of present or dropped blocks are ignored).
-        """
+        """Publish the next ``len(checksums)`` blocks of a staging (all of them in one call, or
+        in order over several: a writer may commit the blocks it has filled while it fills the
+        next) whose slots hold what the writer says it wrote: per block, the length (when
+        given) and the XXH3-64 (seed 0) of the slot's bytes. A block that does not match is
+        rejected, and every later block of the staging is dropped (they would hang off it).
+        Published blocks are written through as ``put`` does (``durable``: to the first
+        durable tier below, before this returns). Entries of present or dropped blocks are
+        ignored."""
         shm_index, tier = self._require_shm()
-        n = len(staging.hashes)
-        if len(checksums) != n or (lengths is not None and len(lengths) != n):
-            raise InvalidInput(f"a commit gives one checksum (and length) per block: {n}")
+        n = len(checksums)
+        if lengths is not None and len(lengths) != n:
+            raise InvalidInput(f"{n} checksums but {len(lengths)} lengths")
         with self._lock:
             if not staging.open:
                 raise InvalidInput(f"staging {staging.id} is already committed or aborted")
-            staging.open = False
+            start = staging.claimed
+            if not 0 < n <= len(staging.hashes) - start:
+                raise InvalidInput(
+                    f"staging {staging.id}: {n} blocks to commit, "
+                    f"{len(staging.hashes) - start} left"
+                )
+            staging.claimed = start + n
         result = CommitResult([], [], [], [])
         durable_tier = self._first_durable(shm_index) if staging.durable else None
-        broken = False
-        for i, block_hash in enumerate(staging.hashes):
+        for k, i in enumerate(range(start, start + n)):
+            block_hash = staging.hashes[i]
             status, slot, meta = staging.status[i], staging.slots[i], staging.metas[i]
             if status == PRESENT:
                 result.present.append(block_hash)
@@ -755,23 +766,23 @@ class TieredStore:
                 result.dropped.append(block_hash)
                 continue
             try:
-                if broken:
+                if staging.broken:
                     tier.release_reserved(slot)
                     result.dropped.append(block_hash)
                     continue
-                good = (lengths is None or lengths[i] == slot.location.nbytes) and (
-                    xxhash.xxh3_64_intdigest(as_memoryview(slot.payload)) == checksums[i]
+                good = (lengths is None or lengths[k] == slot.location.nbytes) and (
+                    xxhash.xxh3_64_intdigest(as_memoryview(slot.payload)) == checksums[k]
                 )
                 if not good:
                     tier.release_reserved(slot)
                     result.rejected.append(block_hash)
-                    broken = True
+                    staging.broken = True
                     continue
                 if not tier.publish(block_hash, slot):
                     result.present.append(block_hash)
                     continue
                 with self._lock:
-                    meta.checksum = checksums[i]
+                    meta.checksum = checksums[k]
                     self._add_to_tier(meta, shm_index)
                 also = [t for t in self._write_through if t != shm_index]
                 if durable_tier is not None and durable_tier not in also:
@@ -782,21 +793,26 @@ class TieredStore:
             finally:
                 self._unclaim(meta)
         with self._lock:
+            if staging.claimed == len(staging.hashes):
+                staging.open = False
             self._counters.puts += 1
             self._counters.stored_blocks += len(result.stored)
             self._counters.dropped_blocks += len(result.dropped) + len(result.rejected)
         return result
 
     def abort(self, staging: Staging) -> int:
-        """Free a staging's slots and forget its unpublished records (nothing was visible);
-        returns how many slots were freed (0 when it was committed or aborted already)."""
+        """Free the slots of a staging's blocks not committed yet and forget their records
+        (nothing of them was visible); returns how many slots were freed (0 once the staging
+        is wholly committed or aborted)."""
         with self._lock:
             if not staging.open:
                 return 0
             staging.open = False
+            start = staging.claimed
+            staging.claimed = len(staging.hashes)
         tier = self._require_shm()[1]
         freed = 0
-        for slot, meta in zip(staging.slots, staging.metas, strict=True):
+        for slot, meta in zip(staging.slots[start:], staging.metas[start:], strict=True):
             if slot is not None:
                 tier.release_reserved(slot)
                 freed += 1

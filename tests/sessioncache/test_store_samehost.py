@@ -290,3 +290,44 @@ def test_staging_checks_ids_and_the_namespace_payload_size(clock: ManualClock):
     with pytest.raises(InvalidInput):
         store.stage([b"short"], namespace_root=ROOT, nbytes=SIZE)  # type: ignore[list-item]
     assert store.tiers[0].used_bytes == SIZE
+
+
+def test_a_staging_commits_in_order_over_several_calls(clock: ManualClock):
+    store = shm_store(clock)
+    tier = store.tiers[0]
+    hashes = chain(1, 6)
+    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    peer = Peer(store)
+    for h, where in zip(hashes, staging.locations, strict=True):
+        assert where is not None
+        peer.write(where, data(h))
+    sums = [xxhash.xxh3_64_intdigest(data(h)) for h in hashes]
+    assert store.commit(staging, sums[:2]).stored == hashes[:2]
+    assert store.lookup(hashes).hashes == hashes[:2]  # the rest not yet
+    bad = sums[2:4]
+    bad[1] ^= 1
+    result = store.commit(staging, bad)
+    assert result.stored == hashes[2:3] and result.rejected == hashes[3:4]
+    with pytest.raises(InvalidInput):
+        store.commit(staging, [*sums[4:], 0])  # more than is left
+    result = store.commit(staging, sums[4:])
+    assert result.dropped == hashes[4:] and not result.stored  # after a rejected block
+    assert not staging.open and store.abort(staging) == 0
+    assert tier.used_bytes == 3 * SIZE and store.lookup(hashes).hashes == hashes[:3]
+
+
+def test_abort_after_a_partial_commit_frees_only_the_rest(clock: ManualClock):
+    store = shm_store(clock)
+    tier = store.tiers[0]
+    hashes = chain(1, 4)
+    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    peer = Peer(store)
+    for h, where in zip(hashes, staging.locations, strict=True):
+        assert where is not None
+        peer.write(where, data(h))
+    store.commit(staging, [xxhash.xxh3_64_intdigest(data(h)) for h in hashes[:1]])
+    assert store.abort(staging) == 3
+    assert tier.used_bytes == SIZE and store.stats().blocks == 1
+    assert store.lookup(hashes).hashes == hashes[:1]
+    with pytest.raises(InvalidInput):
+        store.commit(staging, [0])
