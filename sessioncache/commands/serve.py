@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     from api.app import create_app
     from sessioncache.config import Settings
+    from sessioncache.dataplane.samehost_server import open_samehost_server
     from sessioncache.dataplane.server import open_stream_server
     from sessioncache.factory import open_node
 
@@ -92,7 +93,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    app = create_app(node, stream=stream)
+    try:
+        same_host = open_samehost_server(node, settings)
+    except OSError as exc:
+        node.close()
+        print(
+            f"cannot serve the same-host socket {settings.shm_socket_path()}: {exc} "
+            "(set SESSIONCACHE_SHM_SOCKET, or SESSIONCACHE_SHM=false)",
+            file=sys.stderr,
+        )
+        return 2
+    if same_host is not None:
+        log.info("same-host path: shared-memory CPU tier on %s", same_host.address)
+    app = create_app(node, stream=stream, same_host=same_host)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
 
