@@ -36,6 +36,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -121,9 +122,10 @@ def _copy_out(dst: Any, src: np.ndarray) -> memoryview | None:
     return view
 
 
-def _copy_in(dst: np.ndarray, payload: Any) -> int:
-    """Copy a payload into a slot; its XXH3-64 (of the source, before the copy: the bytes the
-    client means, which the node checks the slot against)."""
+def _copy_in(dst: np.ndarray, payload: Any) -> int | None:
+    """Copy a payload into a slot. A device tensor is copied by ``torch`` straight from the
+    device; its XXH3-64 is then taken of the slot (returned). A host payload's checksum is
+    taken of the source, ahead, by the hashing thread (None here)."""
     if _is_device_tensor(payload):
         import torch
 
@@ -132,10 +134,12 @@ def _copy_in(dst: np.ndarray, payload: Any) -> int:
             raise InvalidInput("a tensor payload must be contiguous")
         torch.from_numpy(dst).copy_(flat.view(torch.uint8))
         return int(xxhash.xxh3_64_intdigest(dst.data))
-    view = as_buffer(payload, writable=False)
-    checksum = int(xxhash.xxh3_64_intdigest(view))
-    np.copyto(dst, np.frombuffer(view, np.uint8))
-    return checksum
+    np.copyto(dst, np.frombuffer(as_buffer(payload, writable=False), np.uint8))
+    return None
+
+
+def _checksum(payload: Any) -> int:
+    return int(xxhash.xxh3_64_intdigest(as_buffer(payload, writable=False)))
 
 
 def _stage_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
@@ -164,6 +168,10 @@ class SameHostClient(StreamClient):
         )
         self._sock = transport.socket
         self._segments: dict[int, np.ndarray] = {}
+        self._hasher: ThreadPoolExecutor | None = None
+        self.hash_ahead = True
+        """Checksum host payloads in a thread of this client, ahead of the copies (else each
+        just before its copy, in the calling thread)."""
         self.batch_bytes = batch_bytes
         """Bytes copied into slots per COMMIT (a batch the node checks while the next is
         copied)."""
@@ -206,6 +214,8 @@ class SameHostClient(StreamClient):
 
     def close(self) -> None:
         self._segments.clear()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
         super().close()
 
     def __repr__(self) -> str:
@@ -465,11 +475,26 @@ class SameHostClient(StreamClient):
 
     def _fill_and_commit(self, staged: StageOk, payloads: Sequence[Any]) -> list[int]:
         """Copy each payload into its slot and commit the filled blocks batch by batch, one
-        COMMIT in flight while the next batch is copied; every block's final status."""
+        COMMIT in flight while the next batch is copied; every block's final status.
+
+        The checksums of host payloads are taken of the sources by a thread of this client,
+        ahead of the copies (xxhash and numpy both release the GIL), so that hashing, copying
+        and the node's verification of the previous batch overlap."""
         self._ensure_segments(s.segment for s in staged.slots if s is not None)
         n = len(staged.ids)
         size = next((s.nbytes for s in staged.slots if s is not None), 1)
         batch = max(1, self.batch_bytes // size)
+        if self._hasher is None and self.hash_ahead:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="samehost-xxh3")
+        hashes: list[Future[int] | None] = [
+            self._hasher.submit(_checksum, payloads[i])
+            if self._hasher is not None
+            and staged.slots[i] is not None
+            and staged.status[i] == STORED
+            and not _is_device_tensor(payloads[i])
+            else None
+            for i in range(n)
+        ]
         codes: list[int] = []
         failure: BaseException | None = None
         with self._lock:
@@ -485,7 +510,13 @@ class SameHostClient(StreamClient):
                             lengths.append(0)
                             sums.append(0)
                             continue
-                        sums.append(_copy_in(self._segment(slot), payloads[i]))
+                        ahead = hashes[i]
+                        if ahead is None and not _is_device_tensor(payloads[i]):
+                            sums.append(_checksum(payloads[i]))
+                            _copy_in(self._segment(slot), payloads[i])
+                        else:
+                            on_device = _copy_in(self._segment(slot), payloads[i])
+                            sums.append(ahead.result() if ahead is not None else on_device or 0)
                         lengths.append(slot.nbytes)
                     commit = Commit(staged.staging, first, lengths, sums)
                     inflight.append(self._send(frames.encode_commit(self._next_rid(), commit)))
@@ -493,6 +524,9 @@ class SameHostClient(StreamClient):
                         codes += self._commit_answer(inflight.pop(0))
             except BaseException as exc:
                 failure = exc
+                for pending in hashes:
+                    if pending is not None:
+                        pending.cancel()
             # Read the answers still due, so that the stream stays in step.
             while inflight and self._broken is None:
                 try:
