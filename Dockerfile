@@ -13,6 +13,10 @@ COPY migrations ./migrations
 RUN pip install .
 
 ENV SESSIONCACHE_DATA_DIR=/data SESSIONCACHE_HOST=0.0.0.0 SESSIONCACHE_PORT=8080
+# memcpy of 2 MiB blocks into the tiers with non-temporal stores (glibc's default threshold is
+# ~19 MiB): 1.6-1.8x faster on the reference machine (docs/benchmarks.md). `sessioncache serve`
+# sets it itself when GLIBC_TUNABLES is unset; set GLIBC_TUNABLES= (empty) to keep the default.
+ENV GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000
 VOLUME ["/data"]
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz')"

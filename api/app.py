@@ -23,22 +23,29 @@ from sessioncache.dataplane.server import StreamServer
 from sessioncache.node import CacheNode
 
 
-def create_app(node: CacheNode, *, stream: StreamServer | None = None) -> FastAPI:
+def create_app(
+    node: CacheNode,
+    *,
+    stream: StreamServer | None = None,
+    same_host: StreamServer | None = None,
+) -> FastAPI:
     """An app serving ``node``; the app closes the node when it shuts down. ``stream`` (the
-    data plane, bound but not started) runs from the app's start to its shutdown."""
+    data plane, bound but not started) and ``same_host`` (its Unix-socket server with the
+    shared-memory ops) run from the app's start to its shutdown."""
+    servers = [s for s in (stream, same_host) if s is not None]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            if stream is not None:
-                stream.start()  # threads of its own: nothing blocks the event loop
+            for server in servers:
+                server.start()  # threads of its own: nothing blocks the event loop
             yield
         finally:
             try:
-                if stream is not None:
-                    # ends every connection (releasing its leases) before the node closes;
-                    # joining threads blocks, so off the event loop
-                    await anyio.to_thread.run_sync(stream.stop)
+                for server in servers:
+                    # ends every connection (releasing its leases and staged slots) before
+                    # the node closes; joining threads blocks, so off the event loop
+                    await anyio.to_thread.run_sync(server.stop)
             finally:
                 node.close()
 
@@ -50,6 +57,7 @@ def create_app(node: CacheNode, *, stream: StreamServer | None = None) -> FastAP
     )
     app.state.node = node
     app.state.dataplane = stream
+    app.state.same_host = same_host
     app.state.registry = metrics.install(app, node)
     errors.install(app)
     for module in (namespaces, lookup, store, blocks, sessions, system, dataplane):

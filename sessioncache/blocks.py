@@ -36,6 +36,7 @@ class BlockMeta:
     hit_count: int = 0
     touched_by_op: int = 0
     touch_order: int = 0
+    checksum: int | None = None
 
     def lru_key(self) -> tuple[float, int, int]:
         """Sort key of LRU order: older first; of one operation's blocks, the deepest first."""

@@ -48,6 +48,23 @@ class Settings(BaseSettings):
         json_schema_extra={"doc_default": "current CUDA device, else `cpu`"},
     )
     cpu_bytes: int = Field(4 * GiB, ge=0, description="CPU tier capacity; 0 leaves it out")
+    shm: bool = Field(
+        default_factory=lambda: sys.platform == "linux",
+        description="the CPU tier in shared memory (memfd segments), which engines on this "
+        "host map through the same-host socket (`docs/dataplane.md`); off with CUDA, where "
+        "the CPU tier stays pinned",
+        json_schema_extra={"doc_default": "`true` on Linux"},
+    )
+    shm_socket: Path | None = Field(
+        None,
+        description="the same-host Unix socket (mode 0600)",
+        json_schema_extra={"doc_default": "`sessioncache.sock` in the data dir"},
+    )
+    shm_trusted_tenants: list[str] = Field(
+        default_factory=list,
+        description="JSON list of the tenants served on the same-host socket: they map the "
+        "whole CPU tier, every tenant's blocks (without API keys the one tenant is trusted)",
+    )
     disk_bytes: int = Field(64 * GiB, ge=0, description="disk tier capacity; 0 leaves it out")
     default_ttl_s: float = Field(
         3 * DAY_S, gt=0, description="TTL of blocks stored outside a session"
@@ -165,6 +182,9 @@ class Settings(BaseSettings):
 
     def kind_ttls(self) -> dict[str, float]:
         return {"agent": self.agent_ttl_s, "chat": self.chat_ttl_s, **self.session_kinds}
+
+    def shm_socket_path(self) -> Path:
+        return self.shm_socket or self.data_dir / "sessioncache.sock"
 
     def catalog_url(self) -> str:
         if self.database_url:

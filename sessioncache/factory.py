@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+import torch
+
 from sessioncache.catalog.reconcile import CatalogRecoveredTier, reconcile
 from sessioncache.catalog.repository import Catalog
 from sessioncache.clock import Clock
@@ -20,7 +22,7 @@ from sessioncache.store import TieredStore
 from sessioncache.sweeper import sweeper
 from sessioncache.tenancy import NamespaceOwners
 from sessioncache.tiers.base import RecoverableTier, Tier
-from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.cpu import CpuTier, SharedCpuTier, shared_memory_available
 from sessioncache.tiers.disk import DiskTier
 from sessioncache.tiers.gpu import GpuTier
 from sessioncache.tiers.redis import RedisTier
@@ -36,7 +38,11 @@ def build_tiers(settings: Settings) -> list[Tier]:
     if settings.gpu_bytes:
         tiers.append(GpuTier(settings.gpu_bytes, device=settings.gpu_device))
     if settings.cpu_bytes:
-        tiers.append(CpuTier(settings.cpu_bytes))
+        tiers.append(
+            SharedCpuTier(settings.cpu_bytes)
+            if shared_cpu_tier(settings)
+            else CpuTier(settings.cpu_bytes)
+        )
     if settings.disk_bytes:
         tiers.append(DiskTier.open(settings.data_dir / "blocks", settings.disk_bytes))
     if settings.redis_url:
@@ -51,6 +57,24 @@ def build_tiers(settings: Settings) -> list[Tier]:
     if not tiers:
         raise InvalidInput("every tier is disabled: give at least one a capacity")
     return tiers
+
+
+def shared_cpu_tier(settings: Settings) -> bool:
+    """Whether the CPU tier goes into shared memory (the same-host path): asked for
+    (``SESSIONCACHE_SHM``), possible here (Linux), and no CUDA, where the CPU tier stays
+    pinned (registering memfd pages with CUDA is not built)."""
+    if not settings.shm or not settings.cpu_bytes:
+        return False
+    if not shared_memory_available():
+        log.info("SESSIONCACHE_SHM: no memfd on this platform; the same-host path is off")
+        return False
+    if torch.cuda.is_available():
+        log.warning(
+            "SESSIONCACHE_SHM: CUDA is present, so the CPU tier stays pinned and the "
+            "same-host path is off (pinning shared memory is not built)"
+        )
+        return False
+    return True
 
 
 def build_store(

@@ -363,13 +363,15 @@ class BlockIndex:
         self._leases[lease.id] = lease
         return lease
 
-    def release(self, lease_id: str) -> bool:
-        """Unpin a lease's blocks; False when it is unknown or already over."""
+    def release(self, lease_id: str, now: float) -> bool:
+        """Unpin a lease's blocks; False when it is unknown or already over: released, reaped,
+        or past its expiry at ``now`` though not reaped yet (then it is released now). True
+        therefore means that its blocks stayed pinned from the lookup until now."""
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
         self.unref_all(lease.hashes)
-        return True
+        return lease.expires_at > now
 
     def reap_leases(self, now: float) -> None:
         """Release the leases over at ``now``."""

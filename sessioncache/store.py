@@ -14,6 +14,11 @@ Data flow (``docs/architecture.md`` has the pictures):
   before returning.
 * ``get(hash)`` reads from the fastest tier holding the block and, when configured, copies a
   hit from a lower tier up into the first tier (promotion).
+* The same-host data path (``docs/dataplane.md``, "Same host"), over the store's
+  shared-memory tier (``tiers.base.SharedMemoryTier``, the CPU tier in memfd segments):
+  ``locate(hashes)`` says where each block of a leased match lies in it, copying into it first
+  the blocks held only elsewhere; ``stage`` reserves slots that another process fills in
+  place, ``commit`` verifies and publishes them as blocks, ``abort`` frees them.
 
 The store orchestrates: tiers, moves between them, observers, counters. What it knows of the
 blocks (records, chain links, per-tier counts, pins, leases) is the ``BlockIndex``
@@ -31,6 +36,7 @@ is always store, then tier.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
+import xxhash
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.clock import Clock, SystemClock
@@ -53,7 +60,15 @@ from sessioncache.events import StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index import BlockIndex, Lease
 from sessioncache.policy import EvictionPolicy
-from sessioncache.tiers.base import CheckedTier, RecoverableTier, SharedTier, Tier
+from sessioncache.tiers.base import (
+    CheckedTier,
+    RecoverableTier,
+    SharedMemoryTier,
+    SharedTier,
+    SlotLocation,
+    StagedSlot,
+    Tier,
+)
 from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
 
 log = logging.getLogger("sessioncache.store")
@@ -87,6 +102,59 @@ class PutResult(NamedTuple):
     """Already held (their TTL was extended) or being stored by another caller."""
     dropped: list[BlockHash]
     """Not stored: no tier could make room (everything pinned) or the payload fits nowhere."""
+
+
+class CommitResult(NamedTuple):
+    """What a ``commit`` did with each block of a staging."""
+
+    stored: list[BlockHash]
+    """Published by this call."""
+    present: list[BlockHash]
+    """Already held, or being stored by another caller, when staged: no slot was given."""
+    dropped: list[BlockHash]
+    """Not stored: no room when staged, or after a rejected block (they would hang off it)."""
+    rejected: list[BlockHash]
+    """The slot's bytes did not match the length or checksum the writer gave: not published."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedSlot:
+    """Where a block of a leased match lies in the shared-memory tier."""
+
+    block_hash: BlockHash
+    location: SlotLocation
+    checksum: int
+    """XXH3-64 (seed 0) of the payload."""
+
+
+STAGED, PRESENT, DROPPED = "staged", "present", "dropped"
+
+
+@dataclass(eq=False)
+class Staging:
+    """Slots handed out by ``TieredStore.stage`` for one chain segment, until committed (in
+    order, in one ``commit`` or several) or aborted: ``status[i]`` is ``STAGED`` (``slots[i]``
+    is the slot to fill), ``PRESENT`` (already held or being stored by another caller: nothing
+    to write) or ``DROPPED`` (no room; so is every block after it)."""
+
+    id: str
+    namespace_root: bytes
+    parent: BlockHash | None
+    hashes: list[BlockHash]
+    nbytes: int
+    durable: bool
+    status: list[str] = field(default_factory=list)
+    slots: list[StagedSlot | None] = field(default_factory=list)
+    metas: list[BlockMeta | None] = field(default_factory=list)
+    open: bool = True
+    claimed: int = 0
+    """Blocks a ``commit`` took so far (done or under way): the next commit starts here."""
+    broken: bool = False
+    """A block was rejected: every later one is dropped."""
+
+    @property
+    def locations(self) -> list[SlotLocation | None]:
+        return [slot.location if slot is not None else None for slot in self.slots]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +222,8 @@ class TieredStore:
         self._lock = threading.RLock()
         self._index = BlockIndex(len(self._tiers), self._policy)
         self._payload_sizes: dict[bytes, int] = {}
-        self._promoting: set[BlockHash] = set()
+        # Blocks being copied up (promotion): a second reader waits for the first copy.
+        self._promoting: dict[BlockHash, threading.Event] = {}
         self._observers = list(observers)
         # The fleet's shared tier (at most one): looked up on local misses, and never
         # trimmed by this node's expiry sweep (its keys expire in the shared server itself).
@@ -162,6 +231,10 @@ class TieredStore:
         if len(shared) > 1:
             raise InvalidInput("a store takes at most one shared tier")
         self._shared: tuple[int, SharedTier] | None = shared[0] if shared else None
+        # The tier other processes on this host map (the same-host path); the first one.
+        self._shm: tuple[int, SharedMemoryTier] | None = next(
+            ((i, t) for i, t in enumerate(self._tiers) if isinstance(t, SharedMemoryTier)), None
+        )
         self._write_through = sorted({self._tier_by_name(name) for name in write_through})
         self._counters = Counters()
         self._adopt_recovered()
@@ -270,9 +343,12 @@ class TieredStore:
         return adopted
 
     def release(self, lease_id: str) -> None:
-        """Unpin a lease's blocks; raises ``LeaseNotFound`` if it is unknown or already over."""
+        """Unpin a lease's blocks; raises ``LeaseNotFound`` if it is unknown or already over
+        (past its expiry, even if not reaped yet: then it is released all the same). A release
+        that does not raise therefore means the blocks stayed pinned since the lookup: the
+        same-host path relies on it (a reader that copied under an expired lease discards)."""
         with self._lock:
-            if not self._index.release(lease_id):
+            if not self._index.release(lease_id, self._clock.now()):
                 raise LeaseNotFound(f"no live lease {lease_id!r}")
 
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
@@ -365,7 +441,8 @@ class TieredStore:
         if promote and tier > 0:
             with self._lock:
                 first = block_hash not in self._promoting
-                self._promoting.add(block_hash)
+                if first:
+                    event = self._promoting[block_hash] = threading.Event()
             if first:
                 try:
                     if self._place(meta, data, 0, stop=tier) is not None:
@@ -373,7 +450,8 @@ class TieredStore:
                             self._counters.promotions += 1
                 finally:
                     with self._lock:
-                        self._promoting.discard(block_hash)
+                        self._promoting.pop(block_hash, None)
+                    event.set()
         return data
 
     def put(
@@ -494,6 +572,253 @@ class TieredStore:
     def close(self) -> None:
         for tier in self._tiers:
             tier.close()
+
+    # -- the same-host data path (shared-memory tier) -----------------------------------
+
+    @property
+    def shared_memory_tier(self) -> SharedMemoryTier | None:
+        """The tier same-host peers map, if the store has one."""
+        return self._shm[1] if self._shm is not None else None
+
+    def _require_shm(self) -> tuple[int, SharedMemoryTier]:
+        if self._shm is None:
+            raise InvalidInput("this store has no shared-memory tier (the same-host path is off)")
+        return self._shm
+
+    def locate(self, hashes: Sequence[BlockHash]) -> list[LocatedSlot]:
+        """Where each block of ``hashes`` lies in the shared-memory tier, with its checksum,
+        as far as the run goes: the caller holds a lease on them (``lookup(..., lease_s=)``),
+        which keeps each slot from reuse until it is released or expires.
+
+        A block held only in other tiers is copied into the shared-memory tier first (making
+        room there as a put does); the answer stops at the first block that is not pinned,
+        that no tier can read, or that cannot be given room there (everything pinned).
+        """
+        shm_index, tier = self._require_shm()
+        located: list[LocatedSlot] = []
+        for block_hash in hashes:
+            with self._lock:
+                meta = self._index.get(block_hash)
+                if meta is None or not meta.tiers or not meta.ref_cnt:
+                    break
+            location = tier.locate(block_hash)
+            if location is None:
+                if not self._copy_into(meta, shm_index):
+                    break
+                location = tier.locate(block_hash)
+                if location is None:
+                    break
+            with self._lock:
+                checksum = meta.checksum
+            if checksum is None:
+                view = self._tiers[shm_index].get(block_hash)
+                if view is None:
+                    break
+                checksum = xxhash.xxh3_64_intdigest(as_memoryview(view))
+                with self._lock:
+                    meta.checksum = checksum
+            located.append(LocatedSlot(block_hash, location, checksum))
+        return located
+
+    def _copy_into(self, meta: BlockMeta, target: int) -> bool:
+        """Copy a (pinned) block held in other tiers into tier ``target``, once however many
+        callers ask at the same time (the others wait for the first); True when it is there."""
+        block_hash = meta.block_hash
+        while True:
+            with self._lock:
+                event = self._promoting.get(block_hash)
+                if event is None:
+                    if target in meta.tiers:
+                        return True
+                    sources = sorted(t for t in meta.tiers if t != target)
+                    if not sources:
+                        return False
+                    event = self._promoting[block_hash] = threading.Event()
+                    break
+            event.wait()
+        try:
+            data = self._tiers[sources[0]].get(block_hash)
+            if data is None:
+                return False  # that tier lost it (or is down): a later read forgets the copy
+            placed = self._place(meta, data, target, stop=target + 1)
+            if placed is not None:
+                with self._lock:
+                    self._counters.promotions += 1
+            return placed is not None
+        finally:
+            with self._lock:
+                self._promoting.pop(block_hash, None)
+            event.set()
+
+    def stage(
+        self,
+        hashes: Sequence[BlockHash],
+        *,
+        namespace_root: bytes,
+        nbytes: int,
+        parent: BlockHash | None = None,
+        ttl_s: float | None = None,
+        durable: bool = False,
+    ) -> Staging:
+        """Reserve a slot of ``nbytes`` in the shared-memory tier for each block of a chain
+        segment that is not held yet (making room by eviction, as ``put`` does), for another
+        process to fill in place; ``commit`` publishes them, ``abort`` frees them. A staged
+        block is invisible to lookups until committed; its record is pinned meanwhile, so a
+        ``put`` of the same id answers present. Staged slots never expire: their owner (a
+        connection) aborts them when it ends, since a writer may still be filling them."""
+        shm_index, _ = self._require_shm()
+        ttl = self._default_ttl if ttl_s is None else _check_ttl(ttl_s)
+        self._check_ids(hashes, namespace_root, parent)
+        self._check_sizes(hashes, [nbytes] * len(hashes), namespace_root)
+        durable_tier = self._first_durable(shm_index) if durable else None
+        if durable and durable_tier is None:
+            raise InvalidInput("durable=True but no durable tier below the shared-memory tier")
+        staging = Staging(
+            secrets.token_hex(16), namespace_root, parent, list(hashes), nbytes, durable
+        )
+        with self._lock:
+            op = self._index.next_op()
+        prev = parent
+        try:
+            for block_hash in hashes:
+                meta = None
+                if not staging.status or staging.status[-1] != DROPPED:
+                    meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)
+                    if meta is None:
+                        staging.status.append(PRESENT)
+                        staging.slots.append(None)
+                        staging.metas.append(None)
+                        prev = block_hash
+                        continue
+                slot = self._reserve(meta, shm_index) if meta is not None else None
+                if slot is None:
+                    if meta is not None:
+                        self._unclaim(meta)
+                    staging.status.append(DROPPED)
+                    staging.slots.append(None)
+                    staging.metas.append(None)
+                else:
+                    staging.status.append(STAGED)
+                    staging.slots.append(slot)
+                    staging.metas.append(meta)
+                prev = block_hash
+        except BaseException:
+            self.abort(staging)
+            raise
+        return staging
+
+    def _reserve(self, meta: BlockMeta, index: int) -> StagedSlot | None:
+        assert self._shm is not None
+        tier = self._shm[1]
+        for _ in range(_PLACE_ATTEMPTS):
+            if self._tiers[index].fits(meta.nbytes):
+                try:
+                    return tier.reserve(meta.nbytes)
+                except TierFull:
+                    continue  # another thread took the room: evict again
+            if not self._evict_one(index, meta):
+                break
+        return None
+
+    def _unclaim(self, meta: BlockMeta) -> None:
+        with self._lock:
+            self._index.unref(meta)
+            if not meta.tiers:
+                self._index.forget(meta)
+
+    def commit(
+        self,
+        staging: Staging,
+        checksums: Sequence[int],
+        lengths: Sequence[int] | None = None,
+    ) -> CommitResult:
+        """Publish the next ``len(checksums)`` blocks of a staging (all of them in one call, or
+        in order over several: a writer may commit the blocks it has filled while it fills the
+        next) whose slots hold what the writer says it wrote: per block, the length (when
+        given) and the XXH3-64 (seed 0) of the slot's bytes. A block that does not match is
+        rejected, and every later block of the staging is dropped (they would hang off it).
+        Published blocks are written through as ``put`` does (``durable``: to the first
+        durable tier below, before this returns). Entries of present or dropped blocks are
+        ignored."""
+        shm_index, tier = self._require_shm()
+        n = len(checksums)
+        if lengths is not None and len(lengths) != n:
+            raise InvalidInput(f"{n} checksums but {len(lengths)} lengths")
+        with self._lock:
+            if not staging.open:
+                raise InvalidInput(f"staging {staging.id} is already committed or aborted")
+            start = staging.claimed
+            if not 0 < n <= len(staging.hashes) - start:
+                raise InvalidInput(
+                    f"staging {staging.id}: {n} blocks to commit, "
+                    f"{len(staging.hashes) - start} left"
+                )
+            staging.claimed = start + n
+        result = CommitResult([], [], [], [])
+        durable_tier = self._first_durable(shm_index) if staging.durable else None
+        for k, i in enumerate(range(start, start + n)):
+            block_hash = staging.hashes[i]
+            status, slot, meta = staging.status[i], staging.slots[i], staging.metas[i]
+            if status == PRESENT:
+                result.present.append(block_hash)
+                continue
+            if slot is None or meta is None:
+                result.dropped.append(block_hash)
+                continue
+            try:
+                if staging.broken:
+                    tier.release_reserved(slot)
+                    result.dropped.append(block_hash)
+                    continue
+                good = (lengths is None or lengths[k] == slot.location.nbytes) and (
+                    xxhash.xxh3_64_intdigest(as_memoryview(slot.payload)) == checksums[k]
+                )
+                if not good:
+                    tier.release_reserved(slot)
+                    result.rejected.append(block_hash)
+                    staging.broken = True
+                    continue
+                if not tier.publish(block_hash, slot):
+                    result.present.append(block_hash)
+                    continue
+                with self._lock:
+                    meta.checksum = checksums[k]
+                    self._add_to_tier(meta, shm_index)
+                also = [t for t in self._write_through if t != shm_index]
+                if durable_tier is not None and durable_tier not in also:
+                    also.append(durable_tier)
+                for extra in also:
+                    self._place(meta, slot.payload, extra, stop=extra + 1)
+                result.stored.append(block_hash)
+            finally:
+                self._unclaim(meta)
+        with self._lock:
+            if staging.claimed == len(staging.hashes):
+                staging.open = False
+            self._counters.puts += 1
+            self._counters.stored_blocks += len(result.stored)
+            self._counters.dropped_blocks += len(result.dropped) + len(result.rejected)
+        return result
+
+    def abort(self, staging: Staging) -> int:
+        """Free the slots of a staging's blocks not committed yet and forget their records
+        (nothing of them was visible); returns how many slots were freed (0 once the staging
+        is wholly committed or aborted)."""
+        with self._lock:
+            if not staging.open:
+                return 0
+            staging.open = False
+            start = staging.claimed
+            staging.claimed = len(staging.hashes)
+        tier = self._require_shm()[1]
+        freed = 0
+        for slot, meta in zip(staging.slots[start:], staging.metas[start:], strict=True):
+            if slot is not None:
+                tier.release_reserved(slot)
+                freed += 1
+            if meta is not None:
+                self._unclaim(meta)
+        return freed
 
     # -- placement and eviction ---------------------------------------------------------
 
@@ -658,10 +983,23 @@ class TieredStore:
     ) -> list[int]:
         if len(hashes) != len(payloads):
             raise InvalidInput(f"{len(hashes)} ids but {len(payloads)} payloads")
+        self._check_ids(hashes, namespace_root, parent)
+        sizes = [payload_nbytes(p) for p in payloads]
+        self._check_sizes(hashes, sizes, namespace_root)
+        return sizes
+
+    @staticmethod
+    def _check_ids(
+        hashes: Sequence[BlockHash], namespace_root: bytes, parent: BlockHash | None
+    ) -> None:
         for h in [*hashes, *([parent] if parent is not None else []), namespace_root]:
             if not isinstance(h, bytes) or len(h) != HASH_BYTES:
                 raise InvalidInput(f"ids and namespace roots are {HASH_BYTES} bytes, got {h!r:.60}")
-        sizes = [payload_nbytes(p) for p in payloads]
+
+    def _check_sizes(
+        self, hashes: Sequence[BlockHash], sizes: Sequence[int], namespace_root: bytes
+    ) -> None:
+        """Every payload of one namespace has the same size (remembered from the first)."""
         with self._lock:
             expected = self._payload_sizes.get(namespace_root)
             for block_hash, nbytes in zip(hashes, sizes, strict=True):
@@ -676,7 +1014,6 @@ class TieredStore:
                     )
             if expected is not None:
                 self._payload_sizes.setdefault(namespace_root, expected)
-        return sizes
 
     def _adopt_recovered(self) -> None:
         """Index what durable tiers found on start (their files outlive the process)."""

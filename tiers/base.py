@@ -28,6 +28,11 @@ Optional abilities, each its own small protocol:
     ``CheckedTier``      ``problem()`` says why the tier cannot serve now (None when it can)
     ``SharedTier``       ``locate_many(ids)`` tells which blocks the fleet's shared tier holds
                          (without moving payloads), ``set_expiry_many`` raises their expiry
+    ``SharedMemoryTier`` a host tier whose memory other processes on the host may map: where
+                         a block lies (``locate``), the segments' descriptors, and slots a
+                         writer fills in place before they are published as blocks
+                         (``reserve``, ``publish``, ``release_reserved``); see
+                         ``docs/dataplane.md``, "Same host"
 """
 
 from __future__ import annotations
@@ -131,3 +136,47 @@ class SharedTier(Protocol):
     def locate_many(self, hashes: Sequence[BlockHash]) -> Sequence[LocatedBlock | None]: ...
 
     def set_expiry_many(self, items: Sequence[tuple[BlockHash, float]]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLocation:
+    """Where a payload lies in a shared-memory tier: ``nbytes`` at ``offset`` of segment
+    ``segment`` (a small integer, never reused while the tier lives)."""
+
+    segment: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StagedSlot:
+    """A slot reserved for a writer: invisible to ``get``/``locate`` until published."""
+
+    location: SlotLocation
+    payload: torch.Tensor
+    """A writable 1-D ``torch.uint8`` view of the slot (the node reads it to verify)."""
+
+
+@runtime_checkable
+class SharedMemoryTier(Protocol):
+    """A host tier whose segments other processes map (the same-host data path).
+
+    ``segments()`` the live segment ids; ``segment_fd(segment)`` a new descriptor of one
+    (the caller closes it; ``KeyError`` when the segment is gone); ``locate(h)`` where a held
+    block lies, or None. ``reserve(nbytes)`` takes a free slot (``TierFull``,
+    ``PayloadSizeError`` as ``put``); ``publish(h, slot)`` makes the filled slot the block
+    ``h`` without copying (False, and the slot freed, when ``h`` is already held);
+    ``release_reserved(slot)`` frees an unpublished slot.
+    """
+
+    def segments(self) -> list[int]: ...
+
+    def segment_fd(self, segment: int) -> int: ...
+
+    def locate(self, block_hash: BlockHash) -> SlotLocation | None: ...
+
+    def reserve(self, nbytes: int) -> StagedSlot: ...
+
+    def publish(self, block_hash: BlockHash, slot: StagedSlot) -> bool: ...
+
+    def release_reserved(self, slot: StagedSlot) -> None: ...

@@ -3,13 +3,40 @@ device copies run at full PCIe speed; ``get`` hands out zero-copy views.
 
 Pinning needs CUDA (without it torch refuses ``pin_memory=True``), and the tests run without
 a GPU: they exercise unpinned slabs only, never a pinned allocation.
+
+``SharedCpuTier`` is the same tier over shared memory, for engines on the node's host (the
+same-host data path, ``docs/dataplane.md``): each chunk is one anonymous memory file
+(``memfd_create``) mapped into the node, a *segment* with a small integer id. A process the
+node hands a segment's descriptor to (over its Unix socket, ``SCM_RIGHTS``) maps the same
+pages and copies blocks straight out of them or into reserved slots. Nothing has a name in
+``/dev/shm``: the kernel frees a segment with its last descriptor and mapping, so a node killed
+with ``kill -9`` leaves nothing behind. A shared tier is never pinned: registering its pages
+with CUDA (``cudaHostRegister``) is not built, so on a CUDA host the factory keeps the pinned
+``CpuTier`` and the same-host path is off.
 """
 
 from __future__ import annotations
 
+import fcntl
+import itertools
+import mmap
+import os
+
 import torch
 
-from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier
+from sessioncache.errors import PayloadSizeError
+from sessioncache.hashing import BlockHash
+from sessioncache.tiers.base import SlotLocation, StagedSlot
+from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Slot
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""A segment's size is fixed once made: a peer holding its descriptor cannot truncate it
+under the node (which would kill the node with SIGBUS on its next access)."""
+
+
+def shared_memory_available() -> bool:
+    """Whether this platform has what ``SharedCpuTier`` needs (Linux: memfd, SCM_RIGHTS)."""
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 
 
 class CpuTier(SlabTier):
@@ -32,3 +59,118 @@ class CpuTier(SlabTier):
             pin_memory=pin_memory,
             chunk_bytes=chunk_bytes,
         )
+
+
+class SharedCpuTier(CpuTier):
+    """The CPU tier in memfd segments that same-host peers map (see the module docstring).
+
+    Implements ``tiers.base.SharedMemoryTier``. Segment ids count up from 1 and are never
+    reused while the tier lives, so a peer's mapping of a segment id always means the same
+    memory; a chunk that the slab reclaims (entirely free) retires its segment.
+    """
+
+    def __init__(
+        self, capacity_bytes: int, *, name: str = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> None:
+        if not shared_memory_available():
+            raise RuntimeError("a shared-memory CPU tier needs Linux (memfd_create)")
+        super().__init__(capacity_bytes, name=name, pin_memory=False, chunk_bytes=chunk_bytes)
+        self._segment_ids = itertools.count(1)
+        self._fds: dict[int, int] = {}
+        self._reserved: dict[SlotLocation, _Slot] = {}
+
+    # -- segments -----------------------------------------------------------------------
+
+    def segments(self) -> list[int]:
+        with self._lock:
+            return sorted(self._fds)
+
+    def segment_fd(self, segment: int) -> int:
+        """A new descriptor of the segment (a duplicate: the caller closes it)."""
+        with self._lock:
+            return os.dup(self._fds[segment])
+
+    def _new_chunk(self, slots: int, payload_size: int) -> _Chunk:
+        segment = next(self._segment_ids)
+        size = slots * payload_size
+        fd = os.memfd_create(
+            f"sessioncache-{self.name}-{segment}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        )
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            # Populated now (as a pinned allocation would be): no page faults on the data path.
+            memory = mmap.mmap(
+                fd,
+                size,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        tensor = torch.frombuffer(memory, dtype=torch.uint8).view(slots, payload_size)
+        self._fds[segment] = fd
+        return _Chunk(tensor, segment=segment)
+
+    def _retire_chunk(self, chunk: _Chunk) -> None:
+        # The mapping goes with the tensor's last reference; the pages with the last mapping
+        # or descriptor anywhere (a peer that mapped the segment keeps its copy alive).
+        fd = self._fds.pop(chunk.segment, None)
+        if fd is not None:
+            os.close(fd)
+
+    # -- where blocks lie ----------------------------------------------------------------
+
+    def _location(self, slot: _Slot) -> SlotLocation:
+        chunk = self._slabs[slot.payload_size].chunks[slot.chunk]
+        assert chunk is not None
+        return SlotLocation(chunk.segment, slot.slot * slot.payload_size, slot.payload_size)
+
+    def locate(self, block_hash: BlockHash) -> SlotLocation | None:
+        with self._lock:
+            slot = self._index.get(block_hash)
+            return None if slot is None else self._location(slot)
+
+    # -- slots filled in place -----------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> StagedSlot:
+        if nbytes <= 0 or nbytes > self.capacity_bytes:
+            raise PayloadSizeError(
+                f"{self.name}: payload of {nbytes} bytes does not fit a tier of "
+                f"{self.capacity_bytes} bytes"
+            )
+        with self._lock:
+            slot = self._allocate(nbytes)
+            location = self._location(slot)
+            self._reserved[location] = slot
+            chunk = self._slabs[nbytes].chunks[slot.chunk]
+            assert chunk is not None
+            return StagedSlot(location, chunk.tensor[slot.slot])
+
+    def publish(self, block_hash: BlockHash, slot: StagedSlot) -> bool:
+        with self._lock:
+            held = self._reserved.pop(slot.location, None)
+            if held is None:
+                raise KeyError(f"{self.name}: slot {slot.location} is not reserved")
+            if block_hash in self._index or block_hash in self._pending:
+                self._release(held)
+                return False
+            self._index[block_hash] = held
+            return True
+
+    def release_reserved(self, slot: StagedSlot) -> None:
+        with self._lock:
+            held = self._reserved.pop(slot.location, None)
+            if held is not None:
+                self._release(held)
+
+    def reserved_count(self) -> int:
+        """Slots reserved and not yet published nor released."""
+        with self._lock:
+            return len(self._reserved)
+
+    def close(self) -> None:
+        with self._lock:
+            self._reserved.clear()
+        super().close()

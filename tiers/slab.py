@@ -34,6 +34,7 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 class _Chunk:
     tensor: torch.Tensor  # shape (slots, payload_size), dtype uint8
     used: int = 0
+    segment: int = -1  # shared-memory tiers: the chunk's segment id (see ``tiers.cpu``)
 
 
 @dataclass(slots=True)
@@ -162,9 +163,25 @@ class SlabTier:
     def close(self) -> None:
         with self._lock:
             self._index.clear()
+            for slab in self._slabs.values():
+                for chunk in slab.chunks:
+                    if chunk is not None:
+                        self._retire_chunk(chunk)
             self._slabs.clear()
             self._used = 0
             self._allocated = 0
+
+    # -- chunk memory (a subclass may allocate it elsewhere; called with the lock held) ----
+
+    def _new_chunk(self, slots: int, payload_size: int) -> _Chunk:
+        """A chunk of ``slots`` slots of ``payload_size`` bytes."""
+        tensor = torch.empty(
+            (slots, payload_size), dtype=torch.uint8, device=self.device, pin_memory=self._pin
+        )
+        return _Chunk(tensor)
+
+    def _retire_chunk(self, chunk: _Chunk) -> None:
+        """``chunk`` leaves the tier (reclaimed or closed); its tensor is dropped after this."""
 
     # -- allocation (call with the lock held) -------------------------------------------
 
@@ -193,11 +210,8 @@ class SlabTier:
             if room < nbytes:
                 raise TierFull(f"{self.name}: no free slot of {nbytes} bytes")
             slots = max(1, min(self._chunk_bytes, room) // nbytes)
-            tensor = torch.empty(
-                (slots, nbytes), dtype=torch.uint8, device=self.device, pin_memory=self._pin
-            )
             index = self._reuse_chunk_index(slab)
-            slab.chunks[index] = _Chunk(tensor)
+            slab.chunks[index] = self._new_chunk(slots, nbytes)
             self._allocated += slots * nbytes
             # Pop from the end: hand out low slots first so that chunks fill in order.
             slab.free.extend((index, s) for s in range(slots - 1, -1, -1))
@@ -235,5 +249,6 @@ class SlabTier:
                 slab.chunks[i] = None
                 slab.free = [(c, s) for c, s in slab.free if c != i]
                 self._allocated -= chunk.tensor.numel()
+                self._retire_chunk(chunk)
                 if self.capacity_bytes - self._allocated >= need:
                     return

@@ -17,11 +17,21 @@ class DataplaneOut(BaseModel):
         "wildcard host (`0.0.0.0`) means: the host of this REST URL"
     )
     connections: int = Field(description="block-stream connections open now")
+    same_host: str | None = Field(
+        None,
+        description="path of the same-host Unix socket (shared memory, trusted tenants "
+        "only); null when the node serves none",
+    )
+    same_host_connections: int = Field(0, description="same-host connections open now")
 
 
 @router.get("/v1/dataplane", response_model=DataplaneOut)
 def dataplane(request: Request, tenant: TenantDep) -> DataplaneOut:
     server: StreamServer | None = request.app.state.dataplane
-    if server is None:
-        return DataplaneOut(stream=None, connections=0)
-    return DataplaneOut(stream=server.advertise, connections=server.connections())
+    same_host: StreamServer | None = getattr(request.app.state, "same_host", None)
+    return DataplaneOut(
+        stream=server.advertise if server is not None else None,
+        connections=server.connections() if server is not None else 0,
+        same_host=same_host.address if same_host is not None else None,
+        same_host_connections=same_host.connections() if same_host is not None else 0,
+    )

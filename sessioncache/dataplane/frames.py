@@ -50,16 +50,29 @@ class Op(IntEnum):
     LOAD = 0x04
     STORE = 0x05
     RELEASE = 0x06
+    # the same-host path (a Unix socket; payloads in shared memory, see SAME_HOST)
+    SEGMENTS = 0x10
+    LOCATE = 0x11
+    STAGE = 0x12
+    COMMIT = 0x13
+    ABORT = 0x14
     HELLO_OK = 0x81
     RESOLVE_OK = 0x82
     LOOKUP_OK = 0x83
     BLOCK = 0x84
     STORE_OK = 0x85
     RELEASE_OK = 0x86
+    SEGMENTS_OK = 0x90
+    LOCATE_OK = 0x91
+    STAGE_OK = 0x92
+    COMMIT_OK = 0x93
+    ABORT_OK = 0x94
     ERROR = 0xFF
 
 
-REQUESTS = frozenset({Op.HELLO, Op.RESOLVE, Op.LOOKUP, Op.LOAD, Op.STORE, Op.RELEASE})
+SAME_HOST = frozenset({Op.SEGMENTS, Op.LOCATE, Op.STAGE, Op.COMMIT, Op.ABORT})
+"""Requests served on the node's same-host Unix socket only (``samehost_server.py``)."""
+REQUESTS = frozenset({Op.HELLO, Op.RESOLVE, Op.LOOKUP, Op.LOAD, Op.STORE, Op.RELEASE, *SAME_HOST})
 REPLIES = frozenset(set(Op) - REQUESTS)
 ANSWER: dict[Op, Op] = {
     Op.HELLO: Op.HELLO_OK,
@@ -68,6 +81,11 @@ ANSWER: dict[Op, Op] = {
     Op.LOAD: Op.BLOCK,
     Op.STORE: Op.STORE_OK,
     Op.RELEASE: Op.RELEASE_OK,
+    Op.SEGMENTS: Op.SEGMENTS_OK,
+    Op.LOCATE: Op.LOCATE_OK,
+    Op.STAGE: Op.STAGE_OK,
+    Op.COMMIT: Op.COMMIT_OK,
+    Op.ABORT: Op.ABORT_OK,
 }
 """The frame that answers each request when it succeeds."""
 
@@ -82,10 +100,16 @@ F_BLOCK_MISSING = 0x1
 """BLOCK: the block is not held (or not the caller's); empty body."""
 F_ERROR_CLOSING = 0x1
 """ERROR: the node closes the connection after this frame."""
+F_RELEASE_CHECK = 0x1
+"""RELEASE: answer whether the lease was still live (``F_RELEASE_LIVE``) instead of an error
+for a lease that is over."""
+F_RELEASE_LIVE = 0x1
+"""RELEASE_OK to a checked RELEASE: the lease's blocks stayed pinned from the lookup until
+this release (a same-host reader whose answer lacks it discards what it copied)."""
 
-# block status in STORE_OK
-STORED, PRESENT, DROPPED = 0, 1, 2
-STATUS_NAMES = ("stored", "present", "dropped")
+# block status in STORE_OK and COMMIT_OK (STAGE_OK: STORED means "staged, fill the slot")
+STORED, PRESENT, DROPPED, REJECTED = 0, 1, 2, 3
+STATUS_NAMES = ("stored", "present", "dropped", "rejected")
 
 
 class Limits(NamedTuple):
@@ -153,8 +177,26 @@ def max_body(header: Header, limits: Limits) -> int:
         return limits.max_block_bytes
     if op == Op.STORE_OK:
         return _STORE_OK.size + (HASH_BYTES + 1) * limits.max_ids
-    if op == Op.RELEASE_OK:
+    if op in (Op.RELEASE_OK, Op.ABORT_OK):
         return 0
+    if op == Op.SEGMENTS:
+        return _COUNT.size + 4 * MAX_SEGMENTS
+    if op == Op.LOCATE:
+        return _LOOKUP.size + ids
+    if op == Op.STAGE:
+        return _STORE.size + 4 * limits.max_tokens
+    if op == Op.COMMIT:
+        return _COMMIT.size + _COMMIT_BLOCK.size * limits.max_ids
+    if op == Op.ABORT:
+        return HASH_BYTES
+    if op == Op.SEGMENTS_OK:
+        return _SEGMENTS_OK.size + 4 * (MAX_SEGMENTS + MAX_FDS)
+    if op == Op.LOCATE_OK:
+        return _LOCATE_OK.size + _SLOT.size * limits.max_ids
+    if op == Op.STAGE_OK:
+        return _STAGE_OK.size + (HASH_BYTES + _STAGED.size) * limits.max_ids
+    if op == Op.COMMIT_OK:
+        return _STORE_OK.size + (HASH_BYTES + 1) * limits.max_ids
     return _ERROR.size + MAX_MESSAGE  # ERROR
 
 
@@ -538,11 +580,14 @@ def decode_store_ok(data: bytes) -> StoreOk:
 # -- RELEASE and ERROR ---------------------------------------------------------------------
 
 
-def encode_release(request_id: int, lease: bytes) -> bytes:
-    """RELEASE (``lease[16]``); answered by an empty RELEASE_OK."""
+def encode_release(request_id: int, lease: bytes, *, check: bool = False) -> bytes:
+    """RELEASE (``lease[16]``); answered by an empty RELEASE_OK. With ``check``
+    (``F_RELEASE_CHECK``) the answer's ``F_RELEASE_LIVE`` says whether the lease was still
+    live, and a lease that is over is no error."""
     if len(lease) != HASH_BYTES:
         raise InvalidInput(f"a lease id is {HASH_BYTES} bytes")
-    return encode_header(Op.RELEASE, request_id, HASH_BYTES) + lease
+    flags = F_RELEASE_CHECK if check else 0
+    return encode_header(Op.RELEASE, request_id, HASH_BYTES, flags) + lease
 
 
 def decode_release(data: bytes) -> bytes:
@@ -551,8 +596,8 @@ def decode_release(data: bytes) -> bytes:
     return bytes(data)
 
 
-def encode_release_ok(request_id: int) -> bytes:
-    return encode_header(Op.RELEASE_OK, request_id, 0)
+def encode_release_ok(request_id: int, *, live: bool = False) -> bytes:
+    return encode_header(Op.RELEASE_OK, request_id, 0, F_RELEASE_LIVE if live else 0)
 
 
 _ERROR = struct.Struct("<H")
@@ -580,3 +625,273 @@ def decode_error(data: bytes, flags: int) -> ErrorFrame:
     (code,) = _ERROR.unpack_from(data)
     message = bytes(data[_ERROR.size :]).decode("utf-8", "replace")
     return ErrorFrame(code, message, bool(flags & F_ERROR_CLOSING))
+
+
+# -- the same-host path: SEGMENTS, LOCATE, STAGE, COMMIT, ABORT -------------------------------
+#
+# Served on the node's Unix socket only, to trusted tenants: payloads never cross the socket.
+# The node's CPU tier lives in memfd segments; SEGMENTS passes their descriptors (SCM_RIGHTS),
+# LOCATE says where leased blocks lie in them, STAGE hands out slots to fill, COMMIT publishes
+# them. ``docs/dataplane.md``, "Same host", is the spec.
+
+MAX_SEGMENTS = 1 << 16
+"""Most segment ids one SEGMENTS request or answer lists."""
+MAX_FDS = 200
+"""Most descriptors one SEGMENTS_OK carries (the kernel takes 253 per message)."""
+
+_SEGMENTS_OK = struct.Struct("<II")  # live, sent
+_LOCATE_OK = struct.Struct("<16sIII4x")  # lease, lease_ms, matched, located
+_SLOT = struct.Struct("<IIQQQ")  # segment, 0, offset, nbytes, checksum
+_STAGE_OK = struct.Struct("<16sIBxxx")  # staging, count, durable
+_STAGED = struct.Struct("<BxxxIQ")  # status, segment, offset
+_COMMIT = struct.Struct("<16sII")  # staging, start, count
+_COMMIT_BLOCK = struct.Struct("<QQ")  # nbytes, checksum
+
+
+def encode_segments(request_id: int, wanted: Sequence[int]) -> bytes:
+    """SEGMENTS (``count:u32 segment[u32 x count]``): descriptors of these segments (the ones
+    the client has not mapped yet); an empty list asks only which segments are live."""
+    if len(wanted) > MAX_SEGMENTS:
+        raise InvalidInput(f"{len(wanted)} segments asked; at most {MAX_SEGMENTS}")
+    body = _COUNT.pack(len(wanted)) + struct.pack(f"<{len(wanted)}I", *wanted)
+    return encode_header(Op.SEGMENTS, request_id, len(body)) + body
+
+
+def decode_segments(data: bytes) -> list[int]:
+    if len(data) < _COUNT.size:
+        raise FrameError("SEGMENTS: body shorter than its count")
+    (count,) = _COUNT.unpack_from(data)
+    if len(data) != _COUNT.size + 4 * count:
+        raise FrameError(f"SEGMENTS: {len(data)} bytes of body for {count} segments")
+    return list(struct.unpack_from(f"<{count}I", data, _COUNT.size))
+
+
+class SegmentsOk(NamedTuple):
+    """SEGMENTS_OK (``live:u32 sent:u32 live_ids[u32 x live] sent_ids[u32 x sent]``), with one
+    descriptor per sent id, in order, in the same message (``SCM_RIGHTS``). ``live`` lists
+    every segment of the tier now (a client may unmap the others: their ids never come back);
+    ``sent`` those asked that are live, at most ``MAX_FDS`` (ask again for the rest)."""
+
+    live: list[int]
+    sent: list[int]
+
+
+def encode_segments_ok(request_id: int, ok: SegmentsOk) -> bytes:
+    ids = [*ok.live, *ok.sent]
+    body = _SEGMENTS_OK.pack(len(ok.live), len(ok.sent)) + struct.pack(f"<{len(ids)}I", *ids)
+    return encode_header(Op.SEGMENTS_OK, request_id, len(body)) + body
+
+
+def decode_segments_ok(data: bytes) -> SegmentsOk:
+    if len(data) < _SEGMENTS_OK.size:
+        raise FrameError("SEGMENTS_OK: body shorter than its fixed part")
+    live, sent = _SEGMENTS_OK.unpack_from(data)
+    if len(data) != _SEGMENTS_OK.size + 4 * (live + sent):
+        raise FrameError(f"SEGMENTS_OK: {len(data)} bytes of body for {live} + {sent} ids")
+    ids = list(struct.unpack_from(f"<{live + sent}I", data, _SEGMENTS_OK.size))
+    return SegmentsOk(ids[:live], ids[live:])
+
+
+def encode_locate(request_id: int, lookup: Lookup) -> bytes:
+    """LOCATE: a LOOKUP's body (``lease_ms`` must be positive); answered by LOCATE_OK."""
+    ids = join_ids(lookup.ids)
+    body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + ids
+    return encode_header(Op.LOCATE, request_id, len(body)) + body
+
+
+def decode_locate(data: bytes, limits: Limits) -> Lookup:
+    lookup = decode_lookup(data, limits)
+    if lookup.lease_ms == 0:
+        raise InvalidInput("LOCATE: a lease is required (lease_ms > 0): it guards the slots")
+    return lookup
+
+
+class Slot(NamedTuple):
+    """Where a block's payload lies: ``nbytes`` at ``offset`` of segment ``segment``."""
+
+    segment: int
+    offset: int
+    nbytes: int
+    checksum: int = 0
+    """XXH3-64 (seed 0) of the payload (LOCATE_OK; 0 elsewhere)."""
+
+
+class LocateOk(NamedTuple):
+    """LOCATE_OK (``lease[16] lease_ms:u32 matched:u32 located:u32 pad[4]``, then per located
+    block ``segment:u32 pad[4] offset:u64 nbytes:u64 checksum:u64``): the held prefix the caller
+    may read (``matched`` blocks, all leased) and where its first ``located`` blocks lie in
+    shared memory; blocks held only in other tiers were copied there first, and the located
+    run stops where that was not possible."""
+
+    lease: bytes | None
+    lease_ms: int
+    matched: int
+    slots: list[Slot]
+
+
+def encode_locate_ok(request_id: int, ok: LocateOk) -> bytes:
+    parts = [_LOCATE_OK.pack(ok.lease or _NO_LEASE, ok.lease_ms, ok.matched, len(ok.slots))]
+    parts += [_SLOT.pack(s.segment, 0, s.offset, s.nbytes, s.checksum) for s in ok.slots]
+    body = b"".join(parts)
+    return encode_header(Op.LOCATE_OK, request_id, len(body)) + body
+
+
+def decode_locate_ok(data: bytes) -> LocateOk:
+    if len(data) < _LOCATE_OK.size:
+        raise FrameError("LOCATE_OK: body shorter than its fixed part")
+    lease, lease_ms, matched, n = _LOCATE_OK.unpack_from(data)
+    if len(data) != _LOCATE_OK.size + _SLOT.size * n or n > matched:
+        raise FrameError(f"LOCATE_OK: {len(data)} bytes of body for {n} of {matched} blocks")
+    slots = []
+    for i in range(n):
+        segment, _, offset, nbytes, checksum = _SLOT.unpack_from(
+            data, _LOCATE_OK.size + _SLOT.size * i
+        )
+        slots.append(Slot(segment, offset, nbytes, checksum))
+    return LocateOk(None if lease == _NO_LEASE else lease, lease_ms, matched, slots)
+
+
+def encode_stage(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
+    """STAGE: a STORE's fixed part and tokens, no payloads (``body_len`` = fixed + tokens;
+    flag ``F_STORE_PARENT`` as for STORE): slots for the blocks, to fill in shared memory."""
+    if len(token_bytes) != head.token_bytes:
+        raise InvalidInput(
+            f"{len(token_bytes) // 4} tokens for {head.blocks} blocks of {head.block_tokens}"
+        )
+    flags = F_STORE_PARENT if head.parent is not None else 0
+    fixed = _STORE.pack(
+        head.root,
+        head.parent or _NO_LEASE,
+        head.block_tokens,
+        head.blocks,
+        head.block_nbytes,
+        head.ttl_ms,
+        0,
+    )
+    body_len = _STORE.size + len(token_bytes)
+    return encode_header(Op.STAGE, request_id, body_len, flags) + fixed + token_bytes
+
+
+def decode_stage_head(fixed: bytes, header: Header, limits: Limits) -> StoreHead:
+    """The fixed part of a STAGE, checked as a STORE's (its body has no payloads)."""
+    root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
+    head = StoreHead(
+        root, parent if header.flags & F_STORE_PARENT else None, block_tokens, count, nbytes, ttl_ms
+    )
+    if _STORE.size + head.token_bytes != header.body_len:
+        raise FrameError(
+            f"STAGE: body_len {header.body_len} but its head describes "
+            f"{_STORE.size + head.token_bytes} bytes"
+        )
+    as_store = header._replace(body_len=head.body_len)
+    return decode_store_head(fixed, as_store, limits)
+
+
+class StageOk(NamedTuple):
+    """STAGE_OK (``staging[16] count:u32 durable:u8 pad[3] ids[16 x count]``, then per block
+    ``status:u8 pad[3] segment:u32 offset:u64``): each block's id as the node derived it and
+    its status: ``STORED`` (a slot of ``block_nbytes`` at ``segment``/``offset`` to fill),
+    ``PRESENT`` (held or being stored: nothing to write) or ``DROPPED`` (no room; so is the
+    rest). The slots stay reserved until COMMIT or ABORT of ``staging``, or the connection's
+    end."""
+
+    staging: bytes
+    durable: bool
+    ids: list[bytes]
+    status: list[int]
+    slots: list[Slot | None]
+
+
+def encode_stage_ok(request_id: int, ok: StageOk) -> bytes:
+    parts = [_STAGE_OK.pack(ok.staging, len(ok.ids), ok.durable), join_ids(ok.ids)]
+    for status, slot in zip(ok.status, ok.slots, strict=True):
+        parts.append(
+            _STAGED.pack(status, slot.segment, slot.offset)
+            if slot is not None
+            else _STAGED.pack(status, 0, 0)
+        )
+    body = b"".join(parts)
+    return encode_header(Op.STAGE_OK, request_id, len(body)) + body
+
+
+def decode_stage_ok(data: bytes, block_nbytes: int) -> StageOk:
+    if len(data) < _STAGE_OK.size:
+        raise FrameError("STAGE_OK: body shorter than its fixed part")
+    staging, n, durable = _STAGE_OK.unpack_from(data)
+    end = _STAGE_OK.size + HASH_BYTES * n
+    if len(data) != end + _STAGED.size * n:
+        raise FrameError(f"STAGE_OK: {len(data)} bytes of body for {n} blocks")
+    ids = split_ids(data[:end], _STAGE_OK.size, n)
+    status: list[int] = []
+    slots: list[Slot | None] = []
+    for i in range(n):
+        code, segment, offset = _STAGED.unpack_from(data, end + _STAGED.size * i)
+        status.append(code)
+        slots.append(Slot(segment, offset, block_nbytes) if code == STORED else None)
+    return StageOk(staging, bool(durable), ids, status, slots)
+
+
+class Commit(NamedTuple):
+    """COMMIT (``staging[16] start:u32 count:u32``, then per block ``nbytes:u64
+    checksum:u64``): what the client wrote into the slots of blocks ``start .. start + count``
+    of the staging (entries of blocks not staged are ignored). The node publishes each slot
+    whose bytes have that length and XXH3-64 (seed 0). A staging is committed in order, in
+    one COMMIT or several (``start`` is where the previous one ended)."""
+
+    staging: bytes
+    start: int
+    nbytes: list[int]
+    checksums: list[int]
+
+
+def encode_commit(request_id: int, commit: Commit) -> bytes:
+    n = len(commit.checksums)
+    if len(commit.nbytes) != n:
+        raise InvalidInput("COMMIT: one length per checksum")
+    parts = [_COMMIT.pack(commit.staging, commit.start, n)]
+    parts += [
+        _COMMIT_BLOCK.pack(k, c) for k, c in zip(commit.nbytes, commit.checksums, strict=True)
+    ]
+    body = b"".join(parts)
+    return encode_header(Op.COMMIT, request_id, len(body)) + body
+
+
+def decode_commit(data: bytes, limits: Limits) -> Commit:
+    if len(data) < _COMMIT.size:
+        raise FrameError("COMMIT: body shorter than its fixed part")
+    staging, start, n = _COMMIT.unpack_from(data)
+    if len(data) != _COMMIT.size + _COMMIT_BLOCK.size * n:
+        raise FrameError(f"COMMIT: {len(data)} bytes of body for {n} blocks")
+    _check_count(n, limits, "COMMIT")
+    pairs = [
+        _COMMIT_BLOCK.unpack_from(data, _COMMIT.size + _COMMIT_BLOCK.size * i) for i in range(n)
+    ]
+    return Commit(staging, start, [p[0] for p in pairs], [p[1] for p in pairs])
+
+
+def encode_commit_ok(request_id: int, ok: StoreOk) -> bytes:
+    """COMMIT_OK: a STORE_OK's body; status ``REJECTED`` for a slot whose bytes did not
+    match (the blocks after it are ``DROPPED``)."""
+    body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + bytes(ok.status)
+    return encode_header(Op.COMMIT_OK, request_id, len(body)) + body
+
+
+def decode_commit_ok(data: bytes) -> StoreOk:
+    return decode_store_ok(data)
+
+
+def encode_abort(request_id: int, staging: bytes) -> bytes:
+    """ABORT (``staging[16]``): free the staging's slots; answered by an empty ABORT_OK."""
+    if len(staging) != HASH_BYTES:
+        raise InvalidInput(f"a staging id is {HASH_BYTES} bytes")
+    return encode_header(Op.ABORT, request_id, HASH_BYTES) + staging
+
+
+def decode_abort(data: bytes) -> bytes:
+    if len(data) != HASH_BYTES:
+        raise FrameError(f"ABORT: the body is a {HASH_BYTES}-byte staging id")
+    return bytes(data)
+
+
+def encode_abort_ok(request_id: int) -> bytes:
+    return encode_header(Op.ABORT_OK, request_id, 0)

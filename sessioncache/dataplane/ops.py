@@ -161,8 +161,11 @@ def _reap(node: CacheNode, peer: Peer) -> None:
         del peer.leases[key]
 
 
-def lookup(node: CacheNode, peer: Peer, request: Lookup) -> LookupOk:
-    """The longest held prefix of ``request.ids`` the peer may read, leased on request."""
+def leased_lookup(
+    node: CacheNode, peer: Peer, request: Lookup
+) -> tuple[list[BlockMeta], bytes | None]:
+    """The records of the longest held prefix of ``request.ids`` the peer may read and, when
+    ``lease_ms`` asks for one, the key of the connection's lease on them (LOOKUP, LOCATE)."""
     _namespace_of(peer, request.root)
     lease_s = request.lease_ms / 1000 if request.lease_ms else None
     if lease_s is not None and len(peer.leases) >= MAX_LEASES:
@@ -175,9 +178,15 @@ def lookup(node: CacheNode, peer: Peer, request: Lookup) -> LookupOk:
     if lease is not None:
         key = secrets.token_bytes(16)
         peer.leases[key] = PeerLease(lease.id, list(lease.hashes), lease.expires_at)
+    return metas, key
+
+
+def lookup(node: CacheNode, peer: Peer, request: Lookup) -> LookupOk:
+    """The longest held prefix of ``request.ids`` the peer may read, leased on request."""
+    metas, key = leased_lookup(node, peer, request)
     return LookupOk(
         key,
-        request.lease_ms if lease is not None else 0,
+        request.lease_ms if key is not None else 0,
         [m.nbytes for m in metas],
         [min(m.tiers) if m.tiers else 255 for m in metas],  # the store's tier order
     )
@@ -188,6 +197,17 @@ def release(node: CacheNode, peer: Peer, key: bytes) -> None:
     if lease is None:
         raise LeaseNotFound(f"no lease {key.hex()} on this connection")
     node.release(lease.store_id)
+
+
+def release_checked(node: CacheNode, peer: Peer, key: bytes) -> bool:
+    """Release a lease of this connection; whether it was still live, that is whether its
+    blocks stayed pinned from the lookup until now (False for an unknown, released or expired
+    lease: never an error)."""
+    try:
+        release(node, peer, key)
+    except LeaseNotFound:
+        return False
+    return True
 
 
 def drop_peer(node: CacheNode, peer: Peer) -> int:

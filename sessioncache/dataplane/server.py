@@ -159,8 +159,16 @@ class Connection:
             self._load(header)
         elif op == Op.STORE:
             self._store(header)
-        else:
+        elif op == Op.RELEASE:
             self._release(header)
+        else:
+            self._dispatch_more(header)
+
+    def _dispatch_more(self, header: Header) -> None:
+        """Requests beyond the stream's own (the same-host server serves its ops here)."""
+        raise InvalidInput(
+            f"{header.opcode.name} is served on the node's same-host Unix socket only"
+        )
 
     # -- the ops ---------------------------------------------------------------------------
 
@@ -186,7 +194,12 @@ class Connection:
 
     def _release(self, header: Header) -> None:
         assert self.peer is not None
-        ops.release(self.node, self.peer, frames.decode_release(self._body()))
+        key = frames.decode_release(self._body())
+        if header.flags & frames.F_RELEASE_CHECK:
+            live = ops.release_checked(self.node, self.peer, key)
+            self.transport.send([frames.encode_release_ok(header.request_id, live=live)])
+            return
+        ops.release(self.node, self.peer, key)
         self.transport.send([frames.encode_release_ok(header.request_id)])
 
     def _load(self, header: Header) -> None:

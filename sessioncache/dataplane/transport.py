@@ -229,14 +229,20 @@ class TcpListener(_SocketListener):
 
 
 class UnixListener(_SocketListener):
-    """Listens on a Unix-domain socket at ``path`` (replacing a stale socket file)."""
+    """Listens on a Unix-domain socket at ``path`` (replacing a stale socket file); with
+    ``mode`` the socket file has that mode from its creation on (Linux applies a socket's
+    own mode at bind), so that only its owner can connect (0o600)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, mode: int | None = None) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            if mode is not None:
+                os.fchmod(sock.fileno(), mode)
             sock.bind(path)
+            if mode is not None:
+                os.chmod(path, mode)
         except BaseException:
             sock.close()
             raise

@@ -30,7 +30,8 @@ CASES: dict[str, tuple[list[str], str]] = {
             *("--redis", REDIS_URL, "--json"),
         ],
         r'(?m)^stream LOAD \(lease\) +[\d.]+ .*\n(?s:.*)^\{"memcpy": [\d.]+, "socket": [\d.]+, '
-        r'"stream_load": [\d.]+, "stream_store": [\d.]+, .*"same_host_store": null\}$',
+        r'"stream_load": [\d.]+, "stream_store": [\d.]+, .*"same_host_load": [\d.]+, '
+        r'"same_host_store": [\d.]+\}$',
     ),
     "bench.hashing": (
         ["--repeat", "1"],

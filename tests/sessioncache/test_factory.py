@@ -28,3 +28,15 @@ def test_lookups_record_hit_and_miss_tokens_in_the_catalog_usage(tmp_path: Path)
         for sample in catalog.usage(0.0, names=["hit_tokens", "miss_tokens"]):
             totals[sample.name] = totals.get(sample.name, 0) + sample.value
     assert totals == {"hit_tokens": 8, "miss_tokens": 5}
+
+
+def test_the_cpu_tier_is_in_shared_memory_unless_turned_off(tmp_path: Path):
+    from sessioncache.factory import build_tiers
+    from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
+
+    shared = build_tiers(Settings(data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=0))
+    assert [type(t) for t in shared] == [SharedCpuTier]  # Linux, no CUDA: the default
+    plain = build_tiers(Settings(data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=0, shm=False))
+    assert [type(t) for t in plain] == [CpuTier]
+    for tier in (*shared, *plain):
+        tier.close()

@@ -14,7 +14,7 @@ import torch
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import Tier
-from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 from sessioncache.tiers.gpu import GpuTier
 
 NS = b"\x07" * 16
@@ -46,6 +46,8 @@ def _redis(_: Path) -> TierFactory:
 FACTORIES: dict[str, Callable[[Path], TierFactory]] = {
     "gpu": lambda _: lambda capacity: GpuTier(capacity, device="cpu", chunk_bytes=4096),
     "cpu": lambda _: lambda capacity: CpuTier(capacity, chunk_bytes=4096),
+    # the CPU tier in memfd segments (the same-host path): the same contract
+    "cpu-shm": lambda _: lambda capacity: SharedCpuTier(capacity, chunk_bytes=4096),
     "disk": _disk,
     "redis": _redis,
 }

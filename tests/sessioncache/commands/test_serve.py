@@ -1,8 +1,11 @@
-"""``sessioncache serve`` binds a non-loopback address only when API keys are configured."""
+"""``sessioncache serve`` binds a non-loopback address only when API keys are configured, and
+runs with glibc's non-temporal copy threshold lowered unless told otherwise."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
 
 import httpx
@@ -51,3 +54,32 @@ def test_serve_binds_a_non_loopback_address_with_api_keys(tmp_path: Path):
     finally:
         server.stop()
     assert f"running on http://0.0.0.0:{server.port}" in server.log.read_text()
+
+
+def test_the_non_temporal_threshold_is_lowered_unless_the_operator_set_tunables():
+    from sessioncache.commands.serve import NON_TEMPORAL_TUNABLE, tuned_environment
+
+    env = tuned_environment({"PATH": "/bin"})
+    if platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc":
+        assert env == {"PATH": "/bin", "GLIBC_TUNABLES": NON_TEMPORAL_TUNABLE}
+    else:
+        assert env is None
+    assert tuned_environment({"GLIBC_TUNABLES": ""}) is None  # even empty: theirs
+    assert tuned_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
+
+
+def test_serve_runs_under_the_lowered_threshold(tmp_path: Path):
+    from sessioncache.commands.serve import tuned_environment
+
+    server = start_server(tmp_path / "data")
+    try:
+        environ = Path(f"/proc/{server.process.pid}/environ").read_bytes().split(b"\0")
+        tunables = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
+        expected = (tuned_environment(os.environ) or dict(os.environ)).get("GLIBC_TUNABLES")
+        if expected is None:
+            assert tunables == []
+        else:
+            assert tunables == [f"GLIBC_TUNABLES={expected}".encode()]
+        assert httpx.get(f"{server.url}/healthz").status_code == 200  # the same pid serves
+    finally:
+        server.stop()

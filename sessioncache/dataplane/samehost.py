@@ -1,0 +1,550 @@
+"""``SameHostClient``: an engine on the node's host copies blocks straight out of the node's
+CPU tier and writes new ones straight into it; no payload byte crosses a socket
+(``docs/dataplane.md``, "Same host").
+
+    client = SameHostClient.connect("/data/sessioncache.sock", api_key=key)  # or discover(url)
+    root = client.resolve(namespace)
+    ids = client.block_hashes(root, tokens)
+    found = client.locate(root, ids, lease_ms=5000)        # leased, where each block lies
+    client.load_into(found, kv_buffers[: found.located])    # copies, then releases
+    client.store(root, new_tokens, payloads, parent=ids[found.located - 1])
+
+It is a ``StreamClient`` on the node's Unix socket (RESOLVE, LOOKUP, the stream's LOAD and
+STORE all work) whose ``locate``/``load_into`` and ``store`` move payloads through shared
+memory: the node passes the descriptors of its memfd segments (``SCM_RIGHTS``), the client maps
+them once and copies with numpy (or ``torch.Tensor.copy_`` into a CUDA tensor).
+
+Torn blocks: a located slot is the block's only while the lease pins it. ``load_into`` copies,
+then releases the lease asking whether it was still live (``RELEASE`` with ``F_RELEASE_CHECK``);
+when it was not, the slot may have been reused during the copy and ``LeaseLost`` is raised: the
+caller discards what was copied and looks up again. Without ``release`` the client judges by
+its own clock (the lease's term from before the LOCATE was sent). ``verify=True`` also checks
+each copy against the block's XXH3-64.
+
+A store stages slots (STAGE), copies each payload in and checksums it, and commits the filled
+blocks batch by batch (COMMIT), one commit in flight while the next batch is copied; the node
+publishes a block only if its slot's bytes match. A client that dies mid-store leaves nothing
+half written: the node frees the slots of a connection that ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import mmap
+import os
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+
+from sessioncache.connector.errors import IdMismatch, ProtocolError
+from sessioncache.dataplane import frames
+from sessioncache.dataplane.client import StoreAck, StreamClient, StreamLookup, as_buffer
+from sessioncache.dataplane.errors import FrameError, StreamClosed, error_for
+from sessioncache.dataplane.frames import (
+    HEADER_SIZE,
+    MAX_FDS,
+    STATUS_NAMES,
+    STORED,
+    Commit,
+    Header,
+    Lookup,
+    Op,
+    SegmentsOk,
+    Slot,
+    StageOk,
+    StoreHead,
+)
+from sessioncache.dataplane.transport import SocketTransport, Transport, connect
+from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError, SessionCacheError
+from sessioncache.hashing import block_hashes_from_bytes, tokens_to_le_bytes
+
+__all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup"]
+
+MiB = 1 << 20
+DEFAULT_LEASE_MS = 30_000
+
+
+class LeaseLost(LeaseNotFound):
+    """The lease ran out before the copy ended: the slots may have been reused meanwhile, so
+    what was copied may be torn. Discard it and look up again."""
+
+
+class ChecksumMismatch(SessionCacheError):
+    """A copied block does not match the XXH3-64 the node gave for it."""
+
+
+class SameHostLookup(NamedTuple):
+    """A LOCATE's answer: the leased prefix, and where its first blocks lie."""
+
+    root: bytes
+    hashes: list[bytes]
+    """The located ids (a prefix of those asked): ``slots[i]`` holds ``hashes[i]``."""
+    matched: int
+    """Blocks held and leased (the located ones, then any the node could not place)."""
+    slots: list[Slot]
+    lease: bytes | None
+    deadline: float
+    """``time.monotonic()`` before which the lease is surely live (measured from before the
+    request was sent)."""
+
+    @property
+    def located(self) -> int:
+        return len(self.hashes)
+
+
+def _is_device_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and obj.device.type != "cpu"
+
+
+def _copy_out(dst: Any, src: np.ndarray) -> memoryview | None:
+    """Copy ``src`` into the caller's buffer; the host view written (None for a device
+    tensor: ``torch`` copies over the mapping straight to the device)."""
+    if _is_device_tensor(dst):
+        import torch
+
+        flat = dst.detach().reshape(-1)
+        if flat.element_size() * flat.numel() != src.nbytes or not dst.is_contiguous():
+            raise PayloadSizeError(
+                f"a block of {src.nbytes} bytes into a device tensor of another size"
+            )
+        flat.view(torch.uint8).copy_(torch.from_numpy(src))
+        return None
+    view = as_buffer(dst, writable=True)
+    if view.nbytes != src.nbytes:
+        raise PayloadSizeError(f"a block of {src.nbytes} bytes into a buffer of {view.nbytes}")
+    np.copyto(np.frombuffer(view, np.uint8), src)
+    return view
+
+
+def _copy_in(dst: np.ndarray, payload: Any) -> int | None:
+    """Copy a payload into a slot. A device tensor is copied by ``torch`` straight from the
+    device; its XXH3-64 is then taken of the slot (returned). A host payload's checksum is
+    taken of the source, ahead, by the hashing thread (None here)."""
+    if _is_device_tensor(payload):
+        import torch
+
+        flat = payload.detach().reshape(-1)
+        if not payload.is_contiguous():
+            raise InvalidInput("a tensor payload must be contiguous")
+        torch.from_numpy(dst).copy_(flat.view(torch.uint8))
+        return int(xxhash.xxh3_64_intdigest(dst.data))
+    np.copyto(dst, np.frombuffer(as_buffer(payload, writable=False), np.uint8))
+    return None
+
+
+def _checksum(payload: Any) -> int:
+    return int(xxhash.xxh3_64_intdigest(as_buffer(payload, writable=False)))
+
+
+def _stage_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
+    return frames.encode_stage(rid, head, tokens)
+
+
+class SameHostClient(StreamClient):
+    """A connection to a node's same-host socket (see the module docstring). One client is
+    one connection; its calls are serialized (use one client per thread)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        api_key: str | None = None,
+        seed: int = 0,
+        timeout: float | None = 30.0,
+        client_name: str = "sessioncache-samehost/1",
+        batch_bytes: int = 16 * MiB,
+    ) -> None:
+        if not isinstance(transport, SocketTransport) or transport.socket.family != socket.AF_UNIX:
+            transport.close()
+            raise InvalidInput("the same-host path runs over the node's Unix socket")
+        super().__init__(
+            transport, api_key=api_key, seed=seed, timeout=timeout, client_name=client_name
+        )
+        self._sock = transport.socket
+        self._segments: dict[int, np.ndarray] = {}
+        self._hasher: ThreadPoolExecutor | None = None
+        self.hash_ahead = True
+        """Checksum host payloads in a thread of this client, ahead of the copies (else each
+        just before its copy, in the calling thread)."""
+        self.batch_bytes = batch_bytes
+        """Bytes copied into slots per COMMIT (a batch the node checks while the next is
+        copied)."""
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        *,
+        api_key: str | None = None,
+        seed: int = 0,
+        timeout: float | None = 30.0,
+    ) -> SameHostClient:
+        """Connect to the node's same-host socket (a path, or ``unix:<path>``) and say HELLO."""
+        path = address.removeprefix("unix:")
+        return cls(
+            connect(f"unix:{path}", timeout=timeout), api_key=api_key, seed=seed, timeout=timeout
+        )
+
+    @classmethod
+    def discover(
+        cls,
+        rest_url: str,
+        *,
+        api_key: str | None = None,
+        seed: int = 0,
+        timeout: float | None = 30.0,
+    ) -> SameHostClient:
+        """Connect to the same-host socket of the node whose REST API is at ``rest_url`` (which
+        must run on this host)."""
+        import httpx
+
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        reply = httpx.get(f"{rest_url.rstrip('/')}/v1/dataplane", headers=headers, timeout=10)
+        reply.raise_for_status()
+        path = reply.json().get("same_host")
+        if not isinstance(path, str):
+            raise StreamClosed(f"the node at {rest_url} serves no same-host socket")
+        return cls.connect(path, api_key=api_key, seed=seed, timeout=timeout)
+
+    def close(self) -> None:
+        self._segments.clear()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"SameHostClient({self._t.peer!r}, tenant={getattr(self, 'tenant', None)!r})"
+
+    # -- segments ------------------------------------------------------------------------
+
+    @property
+    def mapped_segments(self) -> list[int]:
+        """The segments this client has mapped."""
+        return sorted(self._segments)
+
+    def _segment(self, slot: Slot) -> np.ndarray:
+        return self._segments[slot.segment][slot.offset : slot.offset + slot.nbytes]
+
+    def _ensure_segments(self, segments: Iterable[int]) -> None:
+        """Map every segment of ``segments`` not mapped yet (SEGMENTS, descriptors passed
+        with the answer); forget mappings of segments the node no longer has."""
+        missing = sorted({s for s in segments if s not in self._segments})
+        while missing:
+            ok, fds = self._call_segments(missing)
+            try:
+                if len(fds) != len(ok.sent):
+                    raise ProtocolError(
+                        f"SEGMENTS_OK: {len(fds)} descriptors for {len(ok.sent)} ids"
+                    )
+                for segment, fd in zip(ok.sent, fds, strict=True):
+                    self._segments[segment] = self._map(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            live = set(ok.live)
+            for segment in [s for s in self._segments if s not in live]:
+                del self._segments[segment]  # retired: its id never comes back
+            still = [s for s in missing if s not in self._segments]
+            if still and not ok.sent:
+                raise ProtocolError(f"segments {still} are not live on the node")
+            missing = still
+
+    @staticmethod
+    def _map(fd: int) -> np.ndarray:
+        size = os.fstat(fd).st_size
+        memory = mmap.mmap(
+            fd,
+            size,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        return np.frombuffer(memory, np.uint8)
+
+    def _call_segments(self, wanted: list[int]) -> tuple[SegmentsOk, list[int]]:
+        """SEGMENTS; its answer's first byte carries the descriptors."""
+        with self._lock:
+            rid = self._send(frames.encode_segments(self._next_rid(), wanted))
+            if self._broken is not None:
+                raise StreamClosed(f"the connection is unusable: {self._broken}")
+            try:
+                first, fds, flags, _ = socket.recv_fds(self._sock, 1, MAX_FDS)
+            except OSError as exc:
+                self._broken = str(exc)
+                self._t.close()
+                raise StreamClosed(str(exc)) from None
+            try:
+                if not first:
+                    self._broken = "the node closed the connection"
+                    raise StreamClosed(self._broken)
+                if flags & socket.MSG_CTRUNC:
+                    self._fail("SEGMENTS_OK: descriptors cut short (MSG_CTRUNC)")
+                head = bytearray(HEADER_SIZE)
+                head[0:1] = first
+                self._recv(memoryview(head)[1:])
+                header = self._decode_answer_header(head, rid, Op.SEGMENTS_OK)
+                body = bytearray(header.body_len)
+                self._recv(memoryview(body))
+                return frames.decode_segments_ok(bytes(body)), fds
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+
+    def _decode_answer_header(self, head: bytearray, rid: int, expect: Op) -> Header:
+        """A header already read: checked as ``_read_header`` checks the ones it reads."""
+        try:
+            header = frames.decode_header(head, requests=False)
+            frames.check_body(header, self.limits)
+        except FrameError as exc:
+            self._broken = str(exc)
+            raise
+        if header.opcode == Op.ERROR:
+            buf = bytearray(header.body_len)
+            self._recv(memoryview(buf))
+            error = frames.decode_error(bytes(buf), header.flags)
+            if error.closing:
+                self._broken = error.message
+                self._t.close()
+            raise error_for(error.code, error.message)
+        if header.opcode != expect or header.request_id != rid:
+            self._fail(f"expected {expect.name} for request {rid}, got {header.opcode.name}")
+        return header
+
+    # -- loads ---------------------------------------------------------------------------
+
+    def locate(
+        self, root: bytes, ids: Sequence[bytes], *, lease_ms: int = DEFAULT_LEASE_MS
+    ) -> SameHostLookup:
+        """Lease the longest held prefix of ``ids`` the caller may read and learn where its
+        blocks lie in shared memory (blocks held only lower are copied there first; the
+        located run may stop before the leased one where that was not possible)."""
+        self._namespace(root)
+        if not ids:
+            return SameHostLookup(root, [], 0, [], None, time.monotonic())
+        if len(ids) > self.limits.max_ids:
+            raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
+        if lease_ms <= 0:
+            raise InvalidInput("a LOCATE needs a lease (lease_ms > 0): it guards the slots")
+        request = Lookup(root, list(ids), lease_ms)
+        start = time.monotonic()
+        body = self._call(Op.LOCATE, lambda rid: frames.encode_locate(rid, request))
+        ok = frames.decode_locate_ok(body)
+        if ok.matched > len(ids):
+            raise ProtocolError(f"LOCATE_OK: {ok.matched} blocks matched of {len(ids)} asked")
+        self._ensure_segments(s.segment for s in ok.slots)
+        return SameHostLookup(
+            root,
+            [bytes(h) for h in ids[: len(ok.slots)]],
+            ok.matched,
+            ok.slots,
+            ok.lease,
+            start + lease_ms / 1000,
+        )
+
+    def release_checked(self, lease: SameHostLookup | StreamLookup | bytes) -> bool:
+        """Release a lease; whether it was still live until now (its blocks never unpinned)."""
+        key = lease if isinstance(lease, bytes) else lease.lease
+        if key is None:
+            return False
+        with self._lock:
+            rid = self._send(frames.encode_release(self._next_rid(), key, check=True))
+            header = self._read_header(rid, Op.RELEASE_OK)
+            if header.body_len:
+                self._fail("RELEASE_OK with a body")
+            return bool(header.flags & frames.F_RELEASE_LIVE)
+
+    def load_into(
+        self,
+        source: SameHostLookup | StreamLookup | bytes | Sequence[bytes],
+        out: Sequence[Any],
+        *,
+        start: int = 0,
+        release: bool | None = None,
+        verify: bool = False,
+    ) -> list[bool]:
+        """Copy located blocks ``start ..`` of a ``locate`` answer into ``out`` (one exactly
+        block-sized buffer each: numpy arrays, CPU tensors pinned or not, CUDA tensors,
+        writable buffers); returns which buffers got a block (those past the located run do
+        not). Then, by default, releases the lease and raises ``LeaseLost`` if it ran out
+        meanwhile (``release=False``: keep it, judged live by this client's clock).
+        ``verify`` checks every copy against its XXH3-64 (``ChecksumMismatch``). Other
+        sources are loaded over the socket, as ``StreamClient.load_into`` does."""
+        if not isinstance(source, SameHostLookup):
+            return super().load_into(source, out, start=start, release=bool(release))
+        release = True if release is None else release
+        slots = source.slots[start : start + len(out)]
+        self._ensure_segments(s.segment for s in slots)
+        copied: list[memoryview | None] = []
+        try:
+            for slot, dst in zip(slots, out, strict=False):
+                copied.append(_copy_out(dst, self._segment(slot)))
+        finally:
+            live = self.release_checked(source) if release else time.monotonic() < source.deadline
+        if not live:
+            raise LeaseLost(
+                "the lease ran out before the copy ended: the blocks copied may be torn; "
+                "look up again"
+            )
+        if verify:
+            for i, (slot, view) in enumerate(zip(slots, copied, strict=True)):
+                data = view if view is not None else self._segment(slot).data
+                if xxhash.xxh3_64_intdigest(data) != slot.checksum:
+                    raise ChecksumMismatch(f"block {start + i} does not match its checksum")
+        return [i < len(slots) for i in range(len(out))]
+
+    def load(
+        self,
+        source: SameHostLookup | StreamLookup | bytes | Sequence[bytes],
+        *,
+        blocks: int | None = None,
+    ) -> list[bytes | None]:
+        """The payloads as new ``bytes`` (for tests and small reads); a ``locate`` answer's
+        located blocks are copied from shared memory and its lease released."""
+        if not isinstance(source, SameHostLookup):
+            return super().load(source, blocks=blocks)
+        out = [np.empty(s.nbytes, np.uint8) for s in source.slots]
+        self.load_into(source, out, verify=True)
+        return [a.tobytes() for a in out]
+
+    # -- stores --------------------------------------------------------------------------
+
+    def store(
+        self,
+        root: bytes,
+        tokens: Any,
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        ttl_s: float | None = None,
+    ) -> StoreAck:
+        """Store a chain segment under ``root`` through shared memory: one payload per full
+        block of ``tokens`` (exactly), continuing from ``parent`` (a held block of this root;
+        default: the root). Payloads are numpy arrays, tensors (CUDA too) or buffers of one
+        size. Each block is published only if its slot holds exactly its bytes."""
+        namespace = self._namespace(root)
+        token_bytes = tokens_to_le_bytes(tokens)
+        step = 4 * namespace.block_tokens
+        if len(token_bytes) != step * len(payloads):
+            raise InvalidInput(
+                f"{len(token_bytes) // 4} tokens for {len(payloads)} blocks of "
+                f"{namespace.block_tokens} tokens"
+            )
+        if not payloads:
+            return StoreAck([], [], False)
+        sizes = {
+            (p.numel() * p.element_size())
+            if _is_device_tensor(p)
+            else as_buffer(p, writable=False).nbytes
+            for p in payloads
+        }
+        if len(sizes) != 1 or 0 in sizes:
+            raise PayloadSizeError("the payloads of one store must all have the same non-zero size")
+        size = sizes.pop()
+        if ttl_s is not None and not 0 < ttl_s < (1 << 32) / 1000:
+            raise InvalidInput(f"ttl_s must be positive and below 49 days, got {ttl_s}")
+        ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+        ids: list[bytes] = []
+        status: list[str] = []
+        durable = False
+        per = self.limits.max_ids
+        for first in range(0, len(payloads), per):
+            part = payloads[first : first + per]
+            segment = token_bytes[first * step : (first + len(part)) * step]
+            head = StoreHead(root, parent, namespace.block_tokens, len(part), size, ttl_ms)
+            ours = block_hashes_from_bytes(
+                parent if parent is not None else root, segment, namespace.block_tokens, self.seed
+            )
+            body = self._call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
+            staged = frames.decode_stage_ok(body, size)
+            if staged.ids != ours:
+                with contextlib.suppress(SessionCacheError):
+                    self._abort(staged.staging)
+                raise IdMismatch("STAGE: the node derived other ids than the client")
+            codes = self._fill_and_commit(staged, part)
+            ids += staged.ids
+            status += [STATUS_NAMES[c] if c < len(STATUS_NAMES) else "?" for c in codes]
+            durable = durable or staged.durable
+            parent = staged.ids[-1]
+        return StoreAck(ids, status, durable)
+
+    def _fill_and_commit(self, staged: StageOk, payloads: Sequence[Any]) -> list[int]:
+        """Copy each payload into its slot and commit the filled blocks batch by batch, one
+        COMMIT in flight while the next batch is copied; every block's final status.
+
+        The checksums of host payloads are taken of the sources by a thread of this client,
+        ahead of the copies (xxhash and numpy both release the GIL), so that hashing, copying
+        and the node's verification of the previous batch overlap."""
+        self._ensure_segments(s.segment for s in staged.slots if s is not None)
+        n = len(staged.ids)
+        size = next((s.nbytes for s in staged.slots if s is not None), 1)
+        batch = max(1, self.batch_bytes // size)
+        if self._hasher is None and self.hash_ahead:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="samehost-xxh3")
+        hashes: list[Future[int] | None] = [
+            self._hasher.submit(_checksum, payloads[i])
+            if self._hasher is not None
+            and staged.slots[i] is not None
+            and staged.status[i] == STORED
+            and not _is_device_tensor(payloads[i])
+            else None
+            for i in range(n)
+        ]
+        codes: list[int] = []
+        failure: BaseException | None = None
+        with self._lock:
+            inflight: list[int] = []  # COMMITs sent whose answers are not read yet
+            try:
+                for first in range(0, n, batch):
+                    end = min(first + batch, n)
+                    lengths: list[int] = []
+                    sums: list[int] = []
+                    for i in range(first, end):
+                        slot = staged.slots[i]
+                        if slot is None or staged.status[i] != STORED:
+                            lengths.append(0)
+                            sums.append(0)
+                            continue
+                        ahead = hashes[i]
+                        if ahead is None and not _is_device_tensor(payloads[i]):
+                            sums.append(_checksum(payloads[i]))
+                            _copy_in(self._segment(slot), payloads[i])
+                        else:
+                            on_device = _copy_in(self._segment(slot), payloads[i])
+                            sums.append(ahead.result() if ahead is not None else on_device or 0)
+                        lengths.append(slot.nbytes)
+                    commit = Commit(staged.staging, first, lengths, sums)
+                    inflight.append(self._send(frames.encode_commit(self._next_rid(), commit)))
+                    if len(inflight) > 1:
+                        codes += self._commit_answer(inflight.pop(0))
+            except BaseException as exc:
+                failure = exc
+                for pending in hashes:
+                    if pending is not None:
+                        pending.cancel()
+            # Read the answers still due, so that the stream stays in step.
+            while inflight and self._broken is None:
+                try:
+                    codes += self._commit_answer(inflight.pop(0))
+                except BaseException as exc:
+                    failure = failure or exc
+        if failure is not None:
+            if self._broken is None:
+                with contextlib.suppress(SessionCacheError):
+                    self._abort(staged.staging)  # frees what is left (the node would, at close)
+            raise failure
+        return codes
+
+    def _commit_answer(self, rid: int) -> list[int]:
+        header = self._read_header(rid, Op.COMMIT_OK)
+        body = bytearray(header.body_len)
+        self._recv(memoryview(body))
+        return frames.decode_commit_ok(bytes(body)).status
+
+    def _abort(self, staging: bytes) -> None:
+        self._call(Op.ABORT, lambda rid: frames.encode_abort(rid, staging))
