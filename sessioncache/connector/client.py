@@ -22,6 +22,7 @@ One client holds one pooled HTTP connection set (``httpx``), safe to share betwe
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, Self, TypeVar
@@ -47,6 +48,7 @@ from sessioncache.hashing import BlockHash, Namespace, Tokens
 
 if TYPE_CHECKING:
     from sessioncache.dataplane.client import StreamClient
+    from sessioncache.dataplane.samehost import SameHostClient
 
 __all__ = ["AsyncSessionCacheClient", "SessionCacheClient"]
 
@@ -262,6 +264,17 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         if address is None:
             raise TransportError(f"{self.base_url} serves no block stream")
         return StreamClient.connect(address, api_key=self._api_key, seed=self.seed, timeout=timeout)
+
+    def same_host(self, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> SameHostClient:
+        """A ``SameHostClient`` on this node's same-host socket (shared memory; trusted tenants
+        only, docs/dataplane.md), found with ``GET /v1/dataplane``; ``TransportError`` when
+        the node serves none or runs on another host."""
+        from sessioncache.dataplane.samehost import SameHostClient
+
+        path = protocol.parse_same_host(self._send(protocol.dataplane_request()))
+        if path is None or not os.path.exists(path.removeprefix("unix:")):
+            raise TransportError(f"{self.base_url} serves no same-host socket on this host")
+        return SameHostClient.connect(path, api_key=self._api_key, seed=self.seed, timeout=timeout)
 
     # -- sessions --------------------------------------------------------------------------
 

@@ -519,6 +519,16 @@ def parse_dataplane(reply: Reply, base_url: str) -> str | None:
     return f"{host}:{port}"
 
 
+def parse_same_host(reply: Reply) -> str | None:
+    """The path of the node's same-host socket (None when it serves none)."""
+    path = _json(reply).get("same_host")
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ProtocolError(f"same_host: not a socket path: {path!r:.80}")
+    return path
+
+
 def _path_part(value: str) -> str:
     if not value or "/" in value or any(c.isspace() for c in value):
         raise InvalidInput(f"not a valid id: {value!r:.80}")
