@@ -109,24 +109,35 @@ class KVTransfer:
         *,
         session_id: str | None = None,
         ttl_s: float | None = None,
+        first_block: int = 0,
     ) -> Transferred:
-        """Store one payload per full block of ``tokens`` (``len(payloads)`` blocks from the
-        first; the node derives their ids and skips those it holds); ``blocks`` counts the
-        blocks sent."""
+        """Store one payload per full block of ``tokens`` from block ``first_block`` on
+        (blocks before it are held already: their ids chain the new ones; the node derives
+        every id and skips those it holds); ``blocks`` counts the blocks sent."""
         path, conn = self.path, self._conn
         bt = self.client.namespace.block_tokens
         token_bytes = tokens_to_le_bytes(tokens)
-        if len(payloads) * bt * 4 > len(token_bytes):
+        end = first_block + len(payloads)
+        if first_block < 0 or end * bt * 4 > len(token_bytes):
             raise InvalidInput(
-                f"{len(payloads)} payloads for {len(token_bytes) // 4 // bt} full blocks"
+                f"blocks {first_block}..{end} of a prompt of {len(token_bytes) // 4 // bt} "
+                "full blocks"
             )
-        head = np.frombuffer(token_bytes, dtype="<u4")[: len(payloads) * bt]
+        head = np.frombuffer(token_bytes, dtype="<u4")[: end * bt]
         start = time.perf_counter()
         if conn is None:
             views = [as_buffer(p, writable=False) for p in payloads]
-            self.client.store(head, views, session_id=session_id, ttl_s=ttl_s)
+
+            def payload(i: int) -> memoryview:
+                if i < first_block:
+                    raise InvalidInput(f"block {i} is not held and its payload was not given")
+                return views[i - first_block]
+
+            self.client.store(head, payload, session_id=session_id, ttl_s=ttl_s)
         else:
-            conn.store(self._root(conn), head, payloads, ttl_s=ttl_s)
+            root = self._root(conn)
+            parent = conn.block_hashes(root, head[: first_block * bt])[-1] if first_block else None
+            conn.store(root, head[first_block * bt :], payloads, parent=parent, ttl_s=ttl_s)
             if session_id is not None:  # the session learns its chain on the control plane
                 self.client.lookup_by_id(head, session_id=session_id)
         nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads)

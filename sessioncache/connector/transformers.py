@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from sessioncache.connector.client import SessionCacheClient
 from sessioncache.connector.errors import LeaseNotFound
 from sessioncache.connector.protocol import StoreResult
+from sessioncache.connector.transfer import KVTransfer, Transferred
 from sessioncache.errors import InvalidInput, PayloadSizeError
 from sessioncache.hashing import Namespace
 
@@ -210,9 +211,28 @@ def block_payloads_to_kv(
                 f"block {i} has {len(p)} bytes, {size} expected for {shape} x {block_tokens} "
                 f"tokens of {kv_dtype_name(dtype)}"
             )
-    n = len(payloads)
     raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-    x = raw.to(device).view(dtype)
+    return blocks_to_kv(
+        raw.view(len(payloads), size), config, block_tokens, dtype=dtype, device=device
+    )
+
+
+def blocks_to_kv(
+    blocks: torch.Tensor,
+    config: Any,
+    block_tokens: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DynamicCache:
+    """``block_payloads_to_kv`` of blocks already in one ``[n, block bytes]`` uint8 tensor
+    (where a data-plane load put them), on any device."""
+    shape = KVShape.of(config)
+    n = blocks.shape[0]
+    cache = DynamicCache()
+    if not n:
+        return cache
+    x = blocks.to(device).reshape(-1).view(dtype)
     x = x.reshape(n, shape.num_layers, 2, shape.num_kv_heads, block_tokens, shape.head_dim)
     tokens = n * block_tokens
     for layer in range(shape.num_layers):
@@ -300,9 +320,14 @@ class CachedPrefixRunner:
         *,
         lease_ms: int = 60_000,
         device: torch.device | str | None = None,
+        transfer: KVTransfer | None = None,
     ) -> None:
         self.model = model
         self.client = client
+        self.transfer = transfer
+        """Moves the payloads (same host, stream or REST, ``connector.transfer``); without
+        one, the REST API does."""
+        self.last_transfer: Transferred | None = None
         self.lease_ms = lease_ms
         self.shape = KVShape.of(model)
         self.dtype = _model_dtype(model)
@@ -344,6 +369,10 @@ class CachedPrefixRunner:
         timings: dict[str, float] = {}
         clock = time.perf_counter
         t0 = clock()
+        if self.transfer is not None:  # the lookup is part of the load (one round trip)
+            timings["lookup"] = 0.0
+            usable = (len(ids) - 1) // self.block_tokens
+            return self._prefill_from(ids, usable, session_id, last_logits_only, timings, t0)
         found = self.client.lookup(ids, session_id=session_id, lease_ms=self.lease_ms)
         t1 = clock()
         timings["lookup"] = t1 - t0
@@ -373,6 +402,43 @@ class CachedPrefixRunner:
         timings["compute"] = clock() - t2
         return Prefill(logits, cache, cached, len(ids) - cached, timings)
 
+    def _prefill_from(
+        self,
+        ids: npt.NDArray[np.int64],
+        usable: int,
+        session_id: str | None,
+        last_logits_only: bool,
+        timings: dict[str, float],
+        t1: float,
+    ) -> Prefill:
+        """``prefill`` loading through ``self.transfer`` into one tensor of blocks."""
+        assert self.transfer is not None
+        size = self.shape.block_bytes(self.block_tokens, self.dtype)
+        pin = self.device.type == "cuda"
+        buf = torch.empty((usable, size), dtype=torch.uint8, pin_memory=pin)
+        got = self.transfer.load_into(
+            ids[: usable * self.block_tokens], list(buf), session_id=session_id
+        )
+        self.last_transfer = got
+        cache = (
+            blocks_to_kv(
+                buf[: got.blocks],
+                self.model,
+                self.block_tokens,
+                device=self.device,
+                dtype=self.dtype,
+            )
+            if got.blocks
+            else None
+        )
+        t2 = time.perf_counter()
+        timings["load"] = t2 - t1
+        cached = got.blocks * self.block_tokens
+        suffix = torch.from_numpy(ids[cached:]).unsqueeze(0)
+        logits, cache = self.forward(suffix, cache, last_logits_only=last_logits_only)
+        timings["compute"] = time.perf_counter() - t2
+        return Prefill(logits, cache, cached, len(ids) - cached, timings)
+
     def save(
         self,
         tokens: TokenIds,
@@ -380,11 +446,26 @@ class CachedPrefixRunner:
         *,
         session_id: str | None = None,
         ttl_s: float | None = None,
-    ) -> StoreResult:
+    ) -> StoreResult | Transferred:
         """Store the full blocks of ``tokens`` whose KV ``cache`` holds (from token 0); only the
-        blocks the service lacks are serialized and uploaded."""
+        blocks the service lacks are serialized and uploaded (with a ``transfer``: those past
+        the cached prefix, over its path)."""
         ids = _as_ids(tokens)
         pairs = cache_layers(cache)
+        if self.transfer is not None:
+            full = min(len(ids), min(k.shape[2] for k, _ in pairs)) // self.block_tokens
+            held = self.client.lookup_by_id(ids[: full * self.block_tokens]).matched_blocks
+            blocks = [
+                torch.frombuffer(
+                    bytearray(block_payload(pairs, i, self.block_tokens)), dtype=torch.uint8
+                )
+                for i in range(held, full)
+            ]
+            got = self.transfer.store_from(
+                ids, blocks, session_id=session_id, ttl_s=ttl_s, first_block=held
+            )
+            self.last_transfer = got
+            return got
         provider: Callable[[int], bytes] = lambda i: block_payload(pairs, i, self.block_tokens)  # noqa: E731
         return self.client.store(ids, provider, session_id=session_id, ttl_s=ttl_s)
 

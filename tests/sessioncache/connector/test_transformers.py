@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from sessioncache.connector import SessionCacheClient
+from sessioncache.connector.transfer import KVTransfer, Transferred
 from sessioncache.connector.transformers import (
     KV_LAYOUT,
     CachedPrefixRunner,
@@ -135,3 +136,32 @@ def test_multi_turn_reuse_equals_full_recompute(model: Any, open_server: Server)
     )
     assert reused[0] == 0 and reused[1] >= 4 * B and reused[2] > reused[1]
     assert worst <= TOLERANCE
+
+
+@pytest.mark.parametrize("path", ["same_host", "stream", "rest"])
+def test_reuse_through_each_data_path_equals_full_recompute(
+    model: Any, open_server: Server, path: str
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    prompt = [int(t) for t in torch.randint(0, 256, (3 * B + 5,), generator=gen)]
+    ns = namespace_for(model, block_tokens=B, model_id=f"test/tiny-llama-{path}")
+    with (
+        SessionCacheClient(open_server.url, namespace=ns) as client,
+        KVTransfer(client, path=path) as kv,  # type: ignore[arg-type]
+    ):
+        runner = CachedPrefixRunner(model, client, transfer=kv)
+        first = runner.prefill(prompt)
+        assert first.cached_tokens == 0
+        saved = runner.save(prompt, first.cache)
+        assert isinstance(saved, Transferred) and saved.path == path and saved.blocks == 3
+        again = runner.prefill(prompt)
+        assert again.cached_tokens == 3 * B
+        assert runner.last_transfer is not None and runner.last_transfer.path == path
+        full_logits, _ = full_forward(model, prompt)
+        diff = (again.logits[0] - full_logits[0, again.cached_tokens :]).abs().max().item()
+        assert diff <= TOLERANCE
+        # A longer prompt stores only its new blocks, after the 3 held ones.
+        longer = prompt + [int(t) for t in torch.randint(0, 256, (B,), generator=gen)]
+        grown = runner.prefill(longer)
+        assert grown.cached_tokens == 3 * B
+        assert runner.save(longer, grown.cache).blocks == 1  # type: ignore[union-attr]
