@@ -32,6 +32,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sessioncache.connector import SessionCacheClient
+from sessioncache.connector.transfer import KVTransfer
 from sessioncache.connector.transformers import CachedPrefixRunner, model_forward, namespace_for
 
 
@@ -112,13 +113,18 @@ def run(url: str, args: argparse.Namespace) -> None:
     print(f"server: {url}  namespace: {ns.model} / {ns.kv_layout} / {ns.block_tokens} tok\n")
     model_forward(model, torch.tensor([message(64)]))  # warm up the kernels
 
-    with SessionCacheClient(url, namespace=ns, api_key=args.api_key) as client:
-        runner = CachedPrefixRunner(model, client)
+    with (
+        SessionCacheClient(url, namespace=ns, api_key=args.api_key) as client,
+        KVTransfer(client, path=args.path) as transfer,
+    ):
+        runner = CachedPrefixRunner(model, client, transfer=transfer)
+        used = transfer.path
+        print(f"data path: {used} (--path auto tries same_host, stream, rest)\n")
         session = client.open_session(kind="agent")
         history = message(args.system_tokens)  # system prompt + tool schemas
         header = (
             f"{'turn':>4} {'prompt':>7} {'reused':>7} | {'TTFT no cache':>13} "
-            f"{'TTFT cached':>11} {'speedup':>7} | {'lookup':>7} {'load':>7} {'compute':>8}"
+            f"{'TTFT cached':>11} {'speedup':>7} | {'load':>7} {'GB/s':>5} {'compute':>8}"
         )
         print(header)
         print("-" * len(header))
@@ -146,16 +152,19 @@ def run(url: str, args: argparse.Namespace) -> None:
             runner.save(history[:-1], pre.cache, session_id=session.id)  # KV of all but the last
 
             ms = {k: f"{v * 1e3:6.1f}ms" for k, v in pre.timings.items()}
+            moved = runner.last_load
+            gbps = f"{moved.gbps:5.2f}" if moved is not None and moved.blocks else "    -"
             print(
                 f"{turn:>4} {len(prompt):>7} {pre.cached_tokens:>7} | "
                 f"{ttft_plain * 1e3:11.1f}ms {ttft_cached * 1e3:9.1f}ms "
                 f"{ttft_plain / ttft_cached:6.1f}x | "
-                f"{ms['lookup']:>7} {ms['load']:>7} {ms['compute']:>8}"
+                f"{ms['load']:>7} {gbps} {ms['compute']:>8}"
             )
         client.close_session(session.id)
     print(
-        f"\nTTFT: best of {args.repeat}; lookup/load/compute: the last cached prefill. The first "
-        "token of every turn is the same with and without the cache."
+        f"\nTTFT: best of {args.repeat}; load (lookup included) / GB/s / compute: the last cached "
+        f"prefill, over the {used} path. The first token of every turn is the same "
+        "with and without the cache."
     )
 
 
@@ -174,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="report the best of N prefills")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--path", default="auto", choices=["auto", "same_host", "stream", "rest"],
+        help="the data path for KV payloads (auto: the fastest the node offers)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -327,7 +327,8 @@ class CachedPrefixRunner:
         self.transfer = transfer
         """Moves the payloads (same host, stream or REST, ``connector.transfer``); without
         one, the REST API does."""
-        self.last_transfer: Transferred | None = None
+        self.last_load: Transferred | None = None
+        self.last_store: Transferred | None = None
         self.lease_ms = lease_ms
         self.shape = KVShape.of(model)
         self.dtype = _model_dtype(model)
@@ -419,7 +420,7 @@ class CachedPrefixRunner:
         got = self.transfer.load_into(
             ids[: usable * self.block_tokens], list(buf), session_id=session_id
         )
-        self.last_transfer = got
+        self.last_load = got
         cache = (
             blocks_to_kv(
                 buf[: got.blocks],
@@ -464,7 +465,7 @@ class CachedPrefixRunner:
             got = self.transfer.store_from(
                 ids, blocks, session_id=session_id, ttl_s=ttl_s, first_block=held
             )
-            self.last_transfer = got
+            self.last_store = got
             return got
         provider: Callable[[int], bytes] = lambda i: block_payload(pairs, i, self.block_tokens)  # noqa: E731
         return self.client.store(ids, provider, session_id=session_id, ttl_s=ttl_s)

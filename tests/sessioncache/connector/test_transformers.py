@@ -156,7 +156,7 @@ def test_reuse_through_each_data_path_equals_full_recompute(
         assert isinstance(saved, Transferred) and saved.path == path and saved.blocks == 3
         again = runner.prefill(prompt)
         assert again.cached_tokens == 3 * B
-        assert runner.last_transfer is not None and runner.last_transfer.path == path
+        assert runner.last_load is not None and runner.last_load.path == path
         full_logits, _ = full_forward(model, prompt)
         diff = (again.logits[0] - full_logits[0, again.cached_tokens :]).abs().max().item()
         assert diff <= TOLERANCE
