@@ -515,9 +515,9 @@ class StreamClient:
         try:
             recv_exact(self._t, view)
         except (StreamClosed, FrameError) as exc:
-            self._broken = str(exc)
+            self._broken = f"the connection ended: {exc}"
             self._t.close()
-            raise StreamClosed(str(exc)) from None
+            raise StreamClosed(self._broken) from None
 
     def _drain(self, n: int) -> None:
         if self._scratch is None:
