@@ -441,6 +441,20 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
             StreamClient.connect, address, api_key=self._api_key, seed=self.seed, timeout=timeout
         )
 
+    async def same_host(self, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> SameHostClient:
+        """A (blocking) ``SameHostClient`` on this node's same-host socket, found with
+        ``GET /v1/dataplane``; it connects in a worker thread (see ``stream``)."""
+        import asyncio
+
+        from sessioncache.dataplane.samehost import SameHostClient
+
+        path = protocol.parse_same_host(await self._send(protocol.dataplane_request()))
+        if path is None or not os.path.exists(path.removeprefix("unix:")):
+            raise TransportError(f"{self.base_url} serves no same-host socket on this host")
+        return await asyncio.to_thread(
+            SameHostClient.connect, path, api_key=self._api_key, seed=self.seed, timeout=timeout
+        )
+
     # -- sessions --------------------------------------------------------------------------
 
     async def open_session(
