@@ -41,6 +41,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--requests", "2", "--tokens", "64", "--clients", "1", "2"],
         r"(?m)^ +64 +binary +2 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$",
     ),
+    "bench.memcpy": (
+        ["--blocks", "4", "--block-mib", "0.0625", "--repeats", "1"],
+        r"(?m)^(\(unset\)|'.*') +[\d.]+ +[\d.]+ +[\d.]+\n"
+        r"'glibc\.cpu\.x86_non_temporal_threshold=0x100000' +[\d.]+ +[\d.]+ +[\d.]+$",
+    ),
     "bench.shared_tier": (
         [
             *("--url", REDIS_URL, "--blocks", "2", "--block-mib", "0.0625"),
