@@ -4,7 +4,8 @@ beside references measured in the same run on the same bytes:
 
 - memcpy:   numpy copies of the blocks between two arrays (the memory bound of this machine)
 - socket:   a plain Python socket stream over loopback between two processes (``sendall`` of
-            each block, ``recv_into`` a block-sized row): what any TCP data plane here can do
+            each block, ``recv_into`` a block-sized row, one connection for every round):
+            what any TCP data plane here can do
 - redis:    raw redis-py ``SET``/``GET`` of one block per key (another network store)
 - REST:     ``PUT``/``GET /v1/blocks/{id}`` of the same node (``bench.transfer``)
 
@@ -77,51 +78,51 @@ def blocks_of(n: int, size: int, seed: int = 0) -> np.ndarray:
 
 
 def _socket_sender(port: int, n: int, size: int, repeat: int) -> None:
-    """The sending process of ``SocketReference``: ``repeat`` connections of ``n`` blocks."""
+    """The sending process of ``SocketReference``: one connection, ``n`` blocks per round,
+    each round sent when the receiver says go."""
     data = blocks_of(n, size, seed=1)
-    for _ in range(repeat):
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(repeat):
+            if s.recv(1) != b"g":
+                return
             for i in range(n):
                 s.sendall(data[i].data)
-            s.recv(1)  # the receiver got everything
 
 
 class SocketReference:
     """A plain socket carrying ``n`` blocks from another process into the rows of an array
-    here (``recv_into``), once per ``run``: the sender connects ``repeat`` times."""
+    here (``recv_into``), over one connection (kept, as the stream's is), once per ``run``."""
 
     def __init__(self, n: int, size: int, repeat: int) -> None:
         self.n, self.size = n, size
         self.out = np.zeros((n, size), np.uint8)
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(1)
-        port = self.listener.getsockname()[1]
-        self.sender = multiprocessing.get_context("spawn").Process(
-            target=_socket_sender, args=(port, n, size, repeat), daemon=True
-        )
-        self.sender.start()
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            port = listener.getsockname()[1]
+            self.sender = multiprocessing.get_context("spawn").Process(
+                target=_socket_sender, args=(port, n, size, repeat), daemon=True
+            )
+            self.sender.start()
+            self.conn, _ = listener.accept()
 
     def run(self) -> float:
-        conn, _ = self.listener.accept()
-        with conn:
-            t0 = time.perf_counter()
-            for i in range(self.n):
-                view = self.out[i].data
-                got = 0
-                while got < self.size:
-                    k = conn.recv_into(view[got:])
-                    if not k:
-                        raise RuntimeError("the sender stopped early")
-                    got += k
-            seconds = time.perf_counter() - t0
-            conn.sendall(b"k")
-        return seconds
+        t0 = time.perf_counter()
+        self.conn.sendall(b"g")
+        for i in range(self.n):
+            view = self.out[i].data
+            got = 0
+            while got < self.size:
+                k = self.conn.recv_into(view[got:])
+                if not k:
+                    raise RuntimeError("the sender stopped early")
+                got += k
+        return time.perf_counter() - t0
 
     def close(self) -> None:
+        self.conn.close()
         self.sender.join(30)
-        self.listener.close()
 
 
 class StreamCases:

@@ -417,12 +417,22 @@ class StreamClient:
         size = views[0].nbytes
         if any(v.nbytes != size for v in views) or size == 0:
             raise PayloadSizeError("the payloads of one store must all have the same non-zero size")
-        ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         if ttl_s is not None and not 0 < ttl_s < (1 << 32) / 1000:
             raise InvalidInput(f"ttl_s must be positive and below 49 days, got {ttl_s}")
+        ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         acks: list[StoreAck] = []
         per = self.limits.max_ids
         for first in range(0, len(views), per):
+            if acks and acks[-1].status[-1] == "dropped":
+                # the rest would hang off a dropped block: the node would refuse it
+                rest = block_hashes_from_bytes(
+                    acks[-1].hashes[-1],
+                    token_bytes[first * step :],
+                    namespace.block_tokens,
+                    self.seed,
+                )
+                acks.append(StoreAck(list(rest), ["dropped"] * len(rest), False))
+                break
             part = views[first : first + per]
             head = StoreHead(root, parent, namespace.block_tokens, len(part), size, ttl_ms)
             segment = token_bytes[first * step : (first + len(part)) * step]
@@ -515,9 +525,9 @@ class StreamClient:
         try:
             recv_exact(self._t, view)
         except (StreamClosed, FrameError) as exc:
-            self._broken = str(exc)
+            self._broken = f"the connection ended: {exc}"
             self._t.close()
-            raise StreamClosed(str(exc)) from None
+            raise StreamClosed(self._broken) from None
 
     def _drain(self, n: int) -> None:
         if self._scratch is None:

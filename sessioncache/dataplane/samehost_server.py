@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 from sessioncache.buffers import BufferPool
 from sessioncache.config import Settings
@@ -81,6 +82,7 @@ class SameHostConnection(Connection):
         timeout_s: float | None,
         idle_timeout_s: float | None,
         buffers: BufferPool,
+        putter: Executor,
         load_lease_s: float,
     ) -> None:
         super().__init__(
@@ -90,6 +92,7 @@ class SameHostConnection(Connection):
             timeout_s=timeout_s,
             idle_timeout_s=idle_timeout_s,
             buffers=buffers,
+            putter=putter,
             load_lease_s=load_lease_s,
         )
         self.tier = tier
@@ -308,6 +311,7 @@ class SameHostServer(StreamServer):
             timeout_s=self.timeout_s,
             idle_timeout_s=self.idle_timeout_s,
             buffers=self.buffers,
+            putter=self.putter,
             load_lease_s=self.load_lease_s,
         )
 

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 
 from sessioncache.buffers import BufferPool
 from sessioncache.config import Settings
@@ -65,6 +66,7 @@ class Connection:
         timeout_s: float | None,
         idle_timeout_s: float | None,
         buffers: BufferPool,
+        putter: Executor,
         load_lease_s: float,
     ) -> None:
         self.node = node
@@ -73,6 +75,7 @@ class Connection:
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.buffers = buffers
+        self.putter = putter
         self.load_lease_s = load_lease_s
         self.peer: ops.Peer | None = None
         self._header = bytearray(frames.HEADER_SIZE)
@@ -228,17 +231,37 @@ class Connection:
         head = frames.decode_store_head(self._body(frames.STORE_FIXED), header, self.limits)
         tokens = self._body(head.token_bytes)
         plan = ops.plan_store(self.node, self.peer, head, tokens)
-        with self.buffers.borrow(head.block_nbytes) as buf:
-            view = memoryview(buf)
-            for index in range(head.blocks):
-                self._body_into(view)
-                try:
-                    ops.store_block(self.node, plan, index, buf)
-                except SessionCacheError as exc:
-                    exc.add_note(f"block {index} of {head.blocks}; the blocks before it stored")
-                    raise
+        size = head.block_nbytes
+        # Two buffers: block i is stored (copied into its tier) by a worker while block i + 1
+        # is received; the puts stay in chain order, one at a time.
+        with self.buffers.borrow(size) as one, self.buffers.borrow(size) as two:
+            buffers = (one, two)
+            pending: Future[int] | None = None
+            try:
+                for index in range(head.blocks):
+                    buf = buffers[index % 2]
+                    self._body_into(memoryview(buf))
+                    if pending is not None:
+                        self._stored(pending, index - 1, head.blocks)
+                        pending = None
+                    pending = self.putter.submit(ops.store_block, self.node, plan, index, buf)
+                self._stored(pending, head.blocks - 1, head.blocks)
+                pending = None
+            finally:
+                if pending is not None:
+                    wait([pending])  # its buffer goes back to the pool only once it is done
         ok = frames.StoreOk(plan.durable, list(plan.ids), plan.status)
         self.transport.send([frames.encode_store_ok(header.request_id, ok)])
+
+    @staticmethod
+    def _stored(put: Future[int] | None, index: int, blocks: int) -> None:
+        """Wait for block ``index``'s put; its error says which block it was."""
+        try:
+            if put is not None:
+                put.result()
+        except SessionCacheError as exc:
+            exc.add_note(f"block {index} of {blocks}; the blocks before it stored")
+            raise
 
     # -- body and error plumbing -----------------------------------------------------------
 
@@ -296,6 +319,8 @@ class StreamServer:
         self.max_connections = max_connections
         self.advertise = advertise or listener.address
         self.buffers = BufferPool()
+        # Puts of STOREs, overlapping the receipt of the next block (one per connection).
+        self.putter = ThreadPoolExecutor(max_connections, thread_name_prefix="dataplane-put")
         # An ids LOAD leases its blocks only while it sends them.
         self.load_lease_s = min(node.settings.max_lease_s, 600.0)
         self._lock = threading.Lock()
@@ -333,6 +358,7 @@ class StreamServer:
             transport.shutdown()
         for _, thread in live:
             thread.join(timeout_s)
+        self.putter.shutdown(wait=False)
 
     def connection(self, transport: Transport) -> Connection:
         return Connection(
@@ -342,6 +368,7 @@ class StreamServer:
             timeout_s=self.timeout_s,
             idle_timeout_s=self.idle_timeout_s,
             buffers=self.buffers,
+            putter=self.putter,
             load_lease_s=self.load_lease_s,
         )
 

@@ -13,8 +13,10 @@ import pytest
 from sessioncache.config import Settings
 from sessioncache.dataplane import Busy, StreamClient, StreamClosed, ops
 from sessioncache.dataplane.errors import AuthRefused
+from sessioncache.dataplane.frames import Limits
 from sessioncache.dataplane.server import StreamServer, open_stream_server
 from sessioncache.dataplane.transport import UnixListener
+from sessioncache.errors import InvalidInput
 from sessioncache.factory import open_node
 from sessioncache.service import CacheNode
 from tests.sessioncache.dataplane.conftest import NS, pattern, tokens
@@ -78,5 +80,24 @@ def test_settings_build_the_server(node: CacheNode):
         assert server.address.startswith("127.0.0.1:") and not server.address.endswith(":0")
         assert server.limits.max_ids == 7
         assert server.limits.max_block_bytes == settings.max_body_bytes
+    finally:
+        server.stop()
+
+
+def test_the_client_splits_what_one_request_cannot_carry(node: CacheNode, tmp_path: Path):
+    path = str(tmp_path / "small.sock")
+    server = StreamServer(node, UnixListener(path), limits=Limits(max_ids=3)).start()
+    try:
+        with StreamClient.connect(f"unix:{path}") as client:
+            assert client.limits.max_ids == 3
+            root = client.resolve(NS)
+            toks = tokens(61, 8)
+            ids = client.block_hashes(root, toks)
+            ack = client.store(root, toks, [pattern(h, 1024) for h in ids])  # three STOREs
+            assert ack.hashes == ids and ack.stored == 8
+            assert client.lookup(root, ids[:3]).matched == 3
+            with pytest.raises(InvalidInput, match="3 at most"):
+                client.lookup(root, ids)
+            assert client.load(ids[5:8]) == [pattern(h, 1024).tobytes() for h in ids[5:8]]
     finally:
         server.stop()
