@@ -614,7 +614,7 @@ class TieredStore:
                 view = self._tiers[shm_index].get(block_hash)
                 if view is None:
                     break
-                checksum = xxhash.xxh3_64_intdigest(as_memoryview(view))
+                checksum = _xxh3(as_memoryview(view))
                 with self._lock:
                     meta.checksum = checksum
             located.append(LocatedSlot(block_hash, location, checksum))
@@ -771,7 +771,7 @@ class TieredStore:
                     result.dropped.append(block_hash)
                     continue
                 good = (lengths is None or lengths[k] == slot.location.nbytes) and (
-                    xxhash.xxh3_64_intdigest(as_memoryview(slot.payload)) == checksums[k]
+                    _xxh3(as_memoryview(slot.payload)) == checksums[k]
                 )
                 if not good:
                     tier.release_reserved(slot)
@@ -1029,6 +1029,12 @@ class TieredStore:
             if adopted:
                 log.info("adopted %d blocks found in tier %s", adopted, tier.name)
         self._index.relink()  # chain links need every record in place first
+
+
+def _xxh3(data: memoryview) -> int:
+    """XXH3-64 (seed 0) of a payload, computed with the GIL released (``xxh3_64_intdigest``
+    holds it for the whole payload)."""
+    return int(xxhash.xxh3_64(data).intdigest())
 
 
 def _check_ttl(ttl_s: float) -> float:

@@ -21,6 +21,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import weakref
 
 import torch
 
@@ -37,6 +38,12 @@ under the node (which would kill the node with SIGBUS on its next access)."""
 def shared_memory_available() -> bool:
     """Whether this platform has what ``SharedCpuTier`` needs (Linux: memfd, SCM_RIGHTS)."""
     return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 class CpuTier(SlabTier):
@@ -77,6 +84,8 @@ class SharedCpuTier(CpuTier):
         super().__init__(capacity_bytes, name=name, pin_memory=False, chunk_bytes=chunk_bytes)
         self._segment_ids = itertools.count(1)
         self._fds: dict[int, int] = {}
+        # A tier dropped without ``close`` still gives its descriptors back.
+        weakref.finalize(self, _close_all, self._fds)
         self._reserved: dict[SlotLocation, _Slot] = {}
 
     # -- segments -----------------------------------------------------------------------

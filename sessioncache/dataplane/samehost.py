@@ -21,10 +21,11 @@ caller discards what was copied and looks up again. Without ``release`` the clie
 its own clock (the lease's term from before the LOCATE was sent). ``verify=True`` also checks
 each copy against the block's XXH3-64.
 
-A store stages slots (STAGE), copies each payload in and checksums it, and commits the filled
-blocks batch by batch (COMMIT), one commit in flight while the next batch is copied; the node
-publishes a block only if its slot's bytes match. A client that dies mid-store leaves nothing
-half written: the node frees the slots of a connection that ends.
+A store stages slots (STAGE), copies each payload in while a thread checksums the payloads
+ahead, and commits the filled blocks batch by batch (COMMIT), up to two commits in flight while
+the next batch is copied; the node publishes a block only if its slot's bytes match. A client
+that dies mid-store leaves nothing half written: the node frees the slots of a connection that
+ends.
 """
 
 from __future__ import annotations
@@ -138,8 +139,25 @@ def _copy_in(dst: np.ndarray, payload: Any) -> int | None:
     return None
 
 
+_PIECE = 512 << 10
+
+
+def _copy_and_hash(dst: np.ndarray, payload: Any) -> int:
+    """Copy a host payload into a slot piece by piece, hashing each piece of the slot while it
+    is still in cache: the source is read from memory once."""
+    src = np.frombuffer(as_buffer(payload, writable=False), np.uint8)
+    hasher = xxhash.xxh3_64()
+    for start in range(0, src.nbytes, _PIECE):
+        piece = dst[start : start + _PIECE]
+        np.copyto(piece, src[start : start + _PIECE])
+        hasher.update(piece.data)
+    return int(hasher.intdigest())
+
+
 def _checksum(payload: Any) -> int:
-    return int(xxhash.xxh3_64_intdigest(as_buffer(payload, writable=False)))
+    # ``xxh3_64(data)`` hashes with the GIL released (``xxh3_64_intdigest`` holds it), so
+    # that this runs beside the copies of the calling thread.
+    return int(xxhash.xxh3_64(as_buffer(payload, writable=False)).intdigest())
 
 
 def _stage_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
@@ -158,7 +176,7 @@ class SameHostClient(StreamClient):
         seed: int = 0,
         timeout: float | None = 30.0,
         client_name: str = "sessioncache-samehost/1",
-        batch_bytes: int = 16 * MiB,
+        batch_bytes: int = 64 * MiB,
     ) -> None:
         if not isinstance(transport, SocketTransport) or transport.socket.family != socket.AF_UNIX:
             transport.close()
@@ -172,6 +190,8 @@ class SameHostClient(StreamClient):
         self.hash_ahead = True
         """Checksum host payloads in a thread of this client, ahead of the copies (else each
         just before its copy, in the calling thread)."""
+        self.commits_in_flight = 2
+        """COMMITs sent whose answers are not awaited yet while the next batch is copied."""
         self.batch_bytes = batch_bytes
         """Bytes copied into slots per COMMIT (a batch the node checks while the next is
         copied)."""
@@ -474,8 +494,9 @@ class SameHostClient(StreamClient):
         return StoreAck(ids, status, durable)
 
     def _fill_and_commit(self, staged: StageOk, payloads: Sequence[Any]) -> list[int]:
-        """Copy each payload into its slot and commit the filled blocks batch by batch, one
-        COMMIT in flight while the next batch is copied; every block's final status.
+        """Copy each payload into its slot and commit the filled blocks batch by batch, up to
+        ``commits_in_flight`` COMMITs unanswered while the next batch is copied; every block's
+        final status.
 
         The checksums of host payloads are taken of the sources by a thread of this client,
         ahead of the copies (xxhash and numpy both release the GIL), so that hashing, copying
@@ -512,15 +533,14 @@ class SameHostClient(StreamClient):
                             continue
                         ahead = hashes[i]
                         if ahead is None and not _is_device_tensor(payloads[i]):
-                            sums.append(_checksum(payloads[i]))
-                            _copy_in(self._segment(slot), payloads[i])
+                            sums.append(_copy_and_hash(self._segment(slot), payloads[i]))
                         else:
                             on_device = _copy_in(self._segment(slot), payloads[i])
                             sums.append(ahead.result() if ahead is not None else on_device or 0)
                         lengths.append(slot.nbytes)
                     commit = Commit(staged.staging, first, lengths, sums)
                     inflight.append(self._send(frames.encode_commit(self._next_rid(), commit)))
-                    if len(inflight) > 1:
+                    if len(inflight) > self.commits_in_flight:
                         codes += self._commit_answer(inflight.pop(0))
             except BaseException as exc:
                 failure = exc

@@ -45,6 +45,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--tokens", "64", "--repeat", "2"],
         r"(?m)^POST /v1/lookup block_ids_b64 \(compact\) +[\d.]+ +[\d.]+$",
     ),
+    "bench.memcpy": (
+        ["--blocks", "4", "--block-mib", "0.0625", "--repeats", "1"],
+        r"(?m)^(\(unset\)|'.*') +[\d.]+ +[\d.]+ +[\d.]+\n"
+        r"'glibc\.cpu\.x86_non_temporal_threshold=0x100000' +[\d.]+ +[\d.]+ +[\d.]+$",
+    ),
     "bench.shared_tier": (
         [
             *("--url", REDIS_URL, "--blocks", "2", "--block-mib", "0.0625"),
