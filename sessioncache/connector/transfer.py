@@ -113,7 +113,8 @@ class KVTransfer:
     ) -> Transferred:
         """Store one payload per full block of ``tokens`` from block ``first_block`` on
         (blocks before it are held already: their ids chain the new ones; the node derives
-        every id and skips those it holds); ``blocks`` counts the blocks sent."""
+        every id and skips those it holds); ``blocks`` counts the blocks the node kept (stored
+        or already held; a full tier drops the rest of a chain)."""
         path, conn = self.path, self._conn
         bt = self.client.namespace.block_tokens
         token_bytes = tokens_to_le_bytes(tokens)
@@ -125,6 +126,7 @@ class KVTransfer:
             )
         head = np.frombuffer(token_bytes, dtype="<u4")[: end * bt]
         start = time.perf_counter()
+        kept = len(payloads)
         if conn is None:
             views = [as_buffer(p, writable=False) for p in payloads]
 
@@ -137,11 +139,12 @@ class KVTransfer:
         else:
             root = self._root(conn)
             parent = conn.block_hashes(root, head[: first_block * bt])[-1] if first_block else None
-            conn.store(root, head[first_block * bt :], payloads, parent=parent, ttl_s=ttl_s)
+            ack = conn.store(root, head[first_block * bt :], payloads, parent=parent, ttl_s=ttl_s)
+            kept = len(payloads) - ack.tally("dropped")
             if session_id is not None:  # the session learns its chain on the control plane
                 self.client.lookup_by_id(head, session_id=session_id)
-        nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads)
-        return Transferred(path, len(payloads), nbytes, time.perf_counter() - start)
+        nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads[:kept])
+        return Transferred(path, kept, nbytes, time.perf_counter() - start)
 
     # -- paths ---------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ whose logits with the reused prefix equal a full recompute."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from sessioncache.connector.transformers import (
     namespace_for,
 )
 from sessioncache.errors import InvalidInput, PayloadSizeError
-from tests.support.servers import Server
+from tests.support.servers import Server, start_server
 
 B = 16
 TOLERANCE = 1e-4
@@ -138,10 +139,20 @@ def test_multi_turn_reuse_equals_full_recompute(model: Any, open_server: Server)
     assert worst <= TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A node of its own: the shared one's CPU tier may be full of other tests' pinned blocks,
+    and a same-host store needs room in that tier."""
+    server = start_server(tmp_path_factory.mktemp("transformers-paths") / "data")
+    yield server
+    server.stop()
+
+
 @pytest.mark.parametrize("path", ["same_host", "stream", "rest"])
 def test_reuse_through_each_data_path_equals_full_recompute(
-    model: Any, open_server: Server, path: str
+    model: Any, own_server: Server, path: str
 ) -> None:
+    open_server = own_server
     gen = torch.Generator().manual_seed(7)
     prompt = [int(t) for t in torch.randint(0, 256, (3 * B + 5,), generator=gen)]
     ns = namespace_for(model, block_tokens=B, model_id=f"test/tiny-llama-{path}")
