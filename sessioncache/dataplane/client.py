@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
@@ -147,6 +147,31 @@ def discover(rest_url: str, *, api_key: str | None = None, timeout: float = 10.0
     if address is None:
         raise StreamClosed(f"the node at {rest_url} serves no block stream")
     return address
+
+
+def store_tokens(namespace: Namespace, tokens: Tokens, blocks: int) -> bytes:
+    """``tokens`` as little-endian bytes, checked to be exactly ``blocks`` full blocks."""
+    token_bytes = tokens_to_le_bytes(tokens)
+    if len(token_bytes) != 4 * namespace.block_tokens * blocks:
+        raise InvalidInput(
+            f"{len(token_bytes) // 4} tokens for {blocks} blocks of {namespace.block_tokens} tokens"
+        )
+    return token_bytes
+
+
+def one_size(sizes: Iterable[int]) -> int:
+    """The one non-zero payload size of a store's payloads."""
+    distinct = set(sizes)
+    if len(distinct) != 1 or 0 in distinct:
+        raise PayloadSizeError("the payloads of one store must all have the same non-zero size")
+    return distinct.pop()
+
+
+def store_ttl_ms(ttl_s: float | None) -> int:
+    """A STORE's TTL field: milliseconds, 0 for the node's default."""
+    if ttl_s is not None and not 0 < ttl_s < (1 << 32) / 1000:
+        raise InvalidInput(f"ttl_s must be positive and below 49 days, got {ttl_s}")
+    return 0 if ttl_s is None else max(1, round(ttl_s * 1000))
 
 
 def _store_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
@@ -404,22 +429,13 @@ class StreamClient:
         itself). The node derives the ids; each block is published only once its whole
         payload arrived. More blocks than one request carries go in several."""
         namespace = self._namespace(root)
-        token_bytes = tokens_to_le_bytes(tokens)
+        token_bytes = store_tokens(namespace, tokens, len(payloads))
         step = 4 * namespace.block_tokens
-        if len(token_bytes) != step * len(payloads):
-            raise InvalidInput(
-                f"{len(token_bytes) // 4} tokens for {len(payloads)} blocks of "
-                f"{namespace.block_tokens} tokens"
-            )
         if not payloads:
             return StoreAck([], [], False)
         views = [as_buffer(p, writable=False) for p in payloads]
-        size = views[0].nbytes
-        if any(v.nbytes != size for v in views) or size == 0:
-            raise PayloadSizeError("the payloads of one store must all have the same non-zero size")
-        if ttl_s is not None and not 0 < ttl_s < (1 << 32) / 1000:
-            raise InvalidInput(f"ttl_s must be positive and below 49 days, got {ttl_s}")
-        ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+        size = one_size(v.nbytes for v in views)
+        ttl_ms = store_ttl_ms(ttl_s)
         acks: list[StoreAck] = []
         per = self.limits.max_ids
         for first in range(0, len(views), per):
@@ -501,8 +517,13 @@ class StreamClient:
 
     def _read_header(self, rid: int, expect: Op) -> Header:
         self._recv(memoryview(self._head))
+        return self._decode_answer_header(self._head, rid, expect)
+
+    def _decode_answer_header(self, head: bytearray, rid: int, expect: Op) -> Header:
+        """Check an answer's header (read already): an ERROR raises its exception (closing
+        the connection when the node did), another opcode or request id is a broken stream."""
         try:
-            header = frames.decode_header(self._head, requests=False)
+            header = frames.decode_header(head, requests=False)
             frames.check_body(header, self.limits)
         except FrameError as exc:
             self._broken = str(exc)

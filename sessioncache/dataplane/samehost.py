@@ -45,15 +45,22 @@ import xxhash
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.client import StoreAck, StreamClient, StreamLookup, as_buffer
-from sessioncache.dataplane.errors import FrameError, StreamClosed, error_for
+from sessioncache.dataplane.client import (
+    StoreAck,
+    StreamClient,
+    StreamLookup,
+    as_buffer,
+    one_size,
+    store_tokens,
+    store_ttl_ms,
+)
+from sessioncache.dataplane.errors import StreamClosed
 from sessioncache.dataplane.frames import (
     HEADER_SIZE,
     MAX_FDS,
     STATUS_NAMES,
     STORED,
     Commit,
-    Header,
     Lookup,
     Op,
     SegmentsOk,
@@ -63,7 +70,7 @@ from sessioncache.dataplane.frames import (
 )
 from sessioncache.dataplane.transport import SocketTransport, Transport, connect
 from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError, SessionCacheError
-from sessioncache.hashing import block_hashes_from_bytes, tokens_to_le_bytes
+from sessioncache.hashing import block_hashes_from_bytes
 
 __all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup"]
 
@@ -316,26 +323,6 @@ class SameHostClient(StreamClient):
                     os.close(fd)
                 raise
 
-    def _decode_answer_header(self, head: bytearray, rid: int, expect: Op) -> Header:
-        """A header already read: checked as ``_read_header`` checks the ones it reads."""
-        try:
-            header = frames.decode_header(head, requests=False)
-            frames.check_body(header, self.limits)
-        except FrameError as exc:
-            self._broken = str(exc)
-            raise
-        if header.opcode == Op.ERROR:
-            buf = bytearray(header.body_len)
-            self._recv(memoryview(buf))
-            error = frames.decode_error(bytes(buf), header.flags)
-            if error.closing:
-                self._broken = error.message
-                self._t.close()
-            raise error_for(error.code, error.message)
-        if header.opcode != expect or header.request_id != rid:
-            self._fail(f"expected {expect.name} for request {rid}, got {header.opcode.name}")
-        return header
-
     # -- loads ---------------------------------------------------------------------------
 
     def locate(
@@ -448,27 +435,17 @@ class SameHostClient(StreamClient):
         default: the root). Payloads are numpy arrays, tensors (CUDA too) or buffers of one
         size. Each block is published only if its slot holds exactly its bytes."""
         namespace = self._namespace(root)
-        token_bytes = tokens_to_le_bytes(tokens)
+        token_bytes = store_tokens(namespace, tokens, len(payloads))
         step = 4 * namespace.block_tokens
-        if len(token_bytes) != step * len(payloads):
-            raise InvalidInput(
-                f"{len(token_bytes) // 4} tokens for {len(payloads)} blocks of "
-                f"{namespace.block_tokens} tokens"
-            )
         if not payloads:
             return StoreAck([], [], False)
-        sizes = {
+        size = one_size(
             (p.numel() * p.element_size())
             if _is_device_tensor(p)
             else as_buffer(p, writable=False).nbytes
             for p in payloads
-        }
-        if len(sizes) != 1 or 0 in sizes:
-            raise PayloadSizeError("the payloads of one store must all have the same non-zero size")
-        size = sizes.pop()
-        if ttl_s is not None and not 0 < ttl_s < (1 << 32) / 1000:
-            raise InvalidInput(f"ttl_s must be positive and below 49 days, got {ttl_s}")
-        ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+        )
+        ttl_ms = store_ttl_ms(ttl_s)
         ids: list[bytes] = []
         status: list[str] = []
         durable = False
