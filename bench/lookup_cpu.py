@@ -154,14 +154,18 @@ def main() -> None:
         bt = args.block_tokens
         report("hash the prompt", timed(lambda: block_hashes_from_bytes(root, tb, bt, seed), n))
         report("CacheNode.lookup (tokens)", timed(lambda: node.lookup("default", ns, tb), n))
-        report("CacheNode.lookup_ids", timed(lambda: node.lookup_ids("default", ns, ids), n))
-        report("  of which chain_prefix", timed(lambda: node.chain_prefix(root, ids), n))
-        report("  of which TieredStore.lookup", timed(lambda: node.store.lookup(ids), n))
+        if hasattr(node, "lookup_ids"):  # absent before lookups by id (to measure "before")
+            report("CacheNode.lookup_ids", timed(lambda: node.lookup_ids("default", ns, ids), n))
+            report("  of which chain_prefix", timed(lambda: node.chain_prefix(root, ids), n))
+        report("TieredStore.lookup", timed(lambda: node.store.lookup(ids), n))
 
         async def over_asgi() -> None:
             async with app.router.lifespan_context(app):
                 for label, (method, path, body) in requests.items():
                     status, answer = await asgi_call(app, method, path, body)
+                    if status == 422 and b"block_ids_b64" in body:
+                        print(f"{label:44s} (not served)")
+                        continue
                     assert status == 200, answer[:300]
 
                     def call(m: str = method, p: str = path, b: bytes = body) -> Awaitable[object]:
