@@ -181,10 +181,10 @@ class CacheNode:
         child of the one before it. A block's root and parent never change (its id is their
         digest), so linkage to the caller's block 0 proves the whole run is the caller's.
 
-        Cheap for the lookups clients make (a held run followed by blocks not held): one
-        record read, a binary search for the end of the held run (a lock round each), and one
+        Cheap for the lookups clients make (a held run followed by blocks not held): two
+        record reads, a binary search for the end of the held run (a lock round each), and one
         ``chain_to`` walk under the store lock compared with the ids. Only a run with a hole
-        or a foreign id reads the records one by one."""
+        or a foreign id reads the records one by one, up to the first that does not fit."""
         store = self.store
         if not hashes:
             return 0
@@ -198,11 +198,19 @@ class CacheNode:
                 lo = mid
             else:
                 hi = mid - 1
-        if store.chain_to(hashes[lo - 1]) == list(hashes[:lo]):
+        # chain_to walks the whole held ancestry of the block: only for one of the caller's
+        # own chains (not a deep foreign one named after block 0), and then compared
+        last = store.meta(hashes[lo - 1]) if lo > 1 else first
+        if (
+            last is not None
+            and last.namespace_root == root
+            and store.chain_to(hashes[lo - 1]) == list(hashes[:lo])
+        ):
             return lo
         for i in range(1, lo):  # a hole in the held run, or ids that are no chain
             meta = store.meta(hashes[i])
-            if meta is None or meta.parent != hashes[i - 1]:
+            # the match ends at the first block not held: no need to look further
+            if meta is None or meta.parent != hashes[i - 1] or not meta.tiers:
                 return i
         return lo
 

@@ -93,3 +93,22 @@ def test_which_lookups_wait_on_io(node: CacheNode):
     assert not node.lookup_waits_on_io("acme", NS, session_id=None)
     assert node.lookup_waits_on_io("acme", NS, session_id="s")
     assert node.lookup_waits_on_io("globex", NS, session_id=None)
+
+
+def test_a_deep_foreign_chain_is_never_walked(node: CacheNode, monkeypatch: pytest.MonkeyPatch):
+    """chain_to walks a block's whole held ancestry under the store lock: a short request
+    naming a deep block of someone else's chain must not make the node walk it."""
+    ids = store_prompt(node, "acme", NS, 4, 2)
+    theirs = store_prompt(node, "globex", NS, 5, 64)
+    walks: list[bytes] = []
+    real = node.store.chain_to
+
+    def spy(head: BlockHash) -> list[BlockHash]:
+        walks.append(head)
+        return real(head)
+
+    monkeypatch.setattr(node.store, "chain_to", spy)
+    assert matched(node, [ids[0], theirs[63]]) == 1
+    assert matched(node, [ids[0], *theirs[62:]]) == 1
+    assert walks == []
+    assert matched(node, ids) == 2 and walks == [ids[1]]
