@@ -12,8 +12,13 @@ them is the same number of empty ``GET /healthz`` round trips at the same concur
 HTTP floor of this machine), measured in the same rounds: with ``--rounds R`` every round runs
 the floor and then each form, so that load from elsewhere hits all of them alike.
 
+``--compare-tree DIR`` serves a second node from another source tree (another commit, e.g.
+``git archive <commit> | tar -x -C DIR``) and measures it in the same rounds, each against its
+own ``/healthz``: before and after under the same noise.
+
 Run: ``python -m bench.lookup [--requests 200] [--rounds 1] [--block-tokens 16]
-[--tokens 8192 32768 131072] [--clients 1 8 32] [--forms json binary ids]``.
+[--tokens 8192 32768 131072] [--clients 1 8 32] [--forms json binary ids]
+[--compare-tree DIR [--compare-label base]]``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(data_dir: Path, cpu_bytes: int = 1 << 30) -> tuple[subprocess.Popen[bytes], str]:
+def start(
+    data_dir: Path, cpu_bytes: int = 1 << 30, tree: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A server of this tree, or of the source tree ``tree`` (another commit's checkout)."""
     port = free_port()
     env = {
         **os.environ,
@@ -54,6 +62,8 @@ def start(data_dir: Path, cpu_bytes: int = 1 << 30) -> tuple[subprocess.Popen[by
         "SESSIONCACHE_DISK_BYTES": "0",
         "SESSIONCACHE_DURABLE_UPLOADS": "false",
     }
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -66,6 +76,7 @@ def start(data_dir: Path, cpu_bytes: int = 1 << 30) -> tuple[subprocess.Popen[by
             str(data_dir),
         ],
         env=env,
+        cwd=tree,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -108,6 +119,48 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1e3, q))
 
 
+def prepare(
+    url: str, ns: dict[str, object], prompts: list[int], block_tokens: int, forms: list[str]
+) -> dict[tuple[int, str], bytes]:
+    """Store every prompt's chain on the server at ``url`` and encode the lookup bodies of
+    ``forms`` (the ids form only where the server resolves namespaces)."""
+    rng = np.random.default_rng(0)
+    bodies: dict[tuple[int, str], bytes] = {}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        resolved = None
+        if "ids" in forms:
+            r = c.post("/v1/namespaces/resolve", json={"namespace": ns})
+            resolved = r.json() if r.status_code == 200 else None
+        for n in prompts:
+            toks = rng.integers(0, 128_000, n, dtype=np.uint32)
+            token_bytes = toks.astype("<u4").tobytes()
+            plan = c.post("/v1/store", json={"namespace": ns, "tokens": toks.tolist()})
+            for h in plan.json()["missing"]:
+                c.put(f"/v1/blocks/{h}", content=b"\0" * 64)
+            if "json" in forms:
+                bodies[(n, "json")] = json.dumps(
+                    {"namespace": ns, "tokens": toks.tolist()}
+                ).encode()
+            if "binary" in forms:
+                b64 = base64.b64encode(token_bytes).decode()
+                bodies[(n, "binary")] = json.dumps({"namespace": ns, "tokens_b64": b64}).encode()
+            if resolved is not None:
+                root = bytes.fromhex(resolved["root"])
+                ids = block_hashes_from_bytes(
+                    root, token_bytes, block_tokens, resolved["hash_seed"]
+                )
+                b64 = base64.b64encode(b"".join(ids)).decode()
+                bodies[(n, "ids")] = json.dumps({"namespace": ns, "block_ids_b64": b64}).encode()
+            for (m, _form), body in bodies.items():
+                if m != n:
+                    continue
+                check = c.post(
+                    "/v1/lookup", content=body, headers={"content-type": "application/json"}
+                ).json()
+                assert check["matched_tokens"] == n // block_tokens * block_tokens, check
+    return bodies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=200, help="per configuration and round")
@@ -120,74 +173,62 @@ def main() -> None:
         "--clients", type=int, nargs="+", default=CONCURRENCY, help="concurrent clients"
     )
     parser.add_argument("--forms", nargs="+", choices=FORMS, default=FORMS, help="lookup forms")
+    parser.add_argument(
+        "--compare-tree",
+        type=Path,
+        help="also serve from this source tree (e.g. `git archive <commit>` unpacked) and "
+        "measure it in the same rounds; its rows are marked @<--compare-label>",
+    )
+    parser.add_argument("--compare-label", default="base")
     args = parser.parse_args()
-    ns = {
+    ns: dict[str, object] = {
         "model": "bench",
         "block_tokens": args.block_tokens,
         "kv_dtype": "bf16",
         "kv_layout": "bench",
     }
+    trees: list[tuple[str, Path | None]] = [("", None)]
+    if args.compare_tree is not None:
+        trees.append((f"@{args.compare_label}", args.compare_tree.resolve()))
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start(Path(tmp) / "data")
+        servers: list[tuple[str, subprocess.Popen[bytes], str]] = []
         try:
-            rng = np.random.default_rng(0)
-            bodies: dict[tuple[int, str], bytes] = {}
-            with httpx.Client(base_url=url, timeout=120) as c:
-                resolved = {"root": "00" * 16, "hash_seed": 0}  # the token forms need none
-                if "ids" in args.forms:
-                    resolved = c.post("/v1/namespaces/resolve", json={"namespace": ns}).json()
-                root = bytes.fromhex(resolved["root"])
-                for n in args.tokens:
-                    toks = rng.integers(0, 128_000, n, dtype=np.uint32)
-                    token_bytes = toks.astype("<u4").tobytes()
-                    plan = c.post("/v1/store", json={"namespace": ns, "tokens": toks.tolist()})
-                    for h in plan.json()["missing"]:
-                        c.put(f"/v1/blocks/{h}", content=b"\0" * 64)
-                    ids = block_hashes_from_bytes(
-                        root, token_bytes, args.block_tokens, resolved["hash_seed"]
-                    )
-                    bodies[(n, "json")] = json.dumps(
-                        {"namespace": ns, "tokens": toks.tolist()}
-                    ).encode()
-                    bodies[(n, "binary")] = json.dumps(
-                        {"namespace": ns, "tokens_b64": base64.b64encode(token_bytes).decode()}
-                    ).encode()
-                    bodies[(n, "ids")] = json.dumps(
-                        {"namespace": ns, "block_ids_b64": base64.b64encode(b"".join(ids)).decode()}
-                    ).encode()
-                    for form in args.forms:
-                        check = c.post(
-                            "/v1/lookup",
-                            content=bodies[(n, form)],
-                            headers={"content-type": "application/json"},
-                        ).json()
-                        assert check["matched_tokens"] == len(ids) * args.block_tokens, check
+            for i, (label, tree) in enumerate(trees):
+                proc, url = start(Path(tmp) / f"data{i}", tree=tree)
+                servers.append((label, proc, url))
+            bodies = {
+                label: prepare(url, ns, args.tokens, args.block_tokens, args.forms)
+                for label, _, url in servers
+            }
             print(
-                f"{'tokens':>7} {'form':>6} {'clients':>7} {'p50 ms':>8} {'p99 ms':>8} "
+                f"{'tokens':>7} {'form':>11} {'clients':>7} {'p50 ms':>8} {'p99 ms':>8} "
                 f"{'healthz p50':>11} {'p99':>7} {'p50/hz':>7} {'p99/hz':>7}"
             )
             for clients in args.clients:
                 per_client = max(1, args.requests // clients)
-                floor: list[float] = []
-                lat: dict[tuple[int, str], list[float]] = {}
+                floor: dict[str, list[float]] = {}
+                lat: dict[tuple[str, int, str], list[float]] = {}
                 for _ in range(args.rounds):
-                    floor += run(url, "/healthz", None, clients, per_client)
-                    for n in args.tokens:
-                        for form in args.forms:
-                            lat.setdefault((n, form), []).extend(
-                                run(url, "/v1/lookup", bodies[(n, form)], clients, per_client)
+                    for label, _, url in servers:
+                        floor.setdefault(label, []).extend(
+                            run(url, "/healthz", None, clients, per_client)
+                        )
+                        for (n, form), body in bodies[label].items():
+                            lat.setdefault((label, n, form), []).extend(
+                                run(url, "/v1/lookup", body, clients, per_client)
                             )
-                f50, f99 = pct(floor, 50), pct(floor, 99)
-                for (n, form), values in lat.items():
+                for (label, n, form), values in lat.items():
+                    f50, f99 = pct(floor[label], 50), pct(floor[label], 99)
                     p50, p99 = pct(values, 50), pct(values, 99)
                     print(
-                        f"{n:>7} {form:>6} {clients:>7} {p50:8.2f} {p99:8.2f} "
+                        f"{n:>7} {form + label:>11} {clients:>7} {p50:8.2f} {p99:8.2f} "
                         f"{f50:11.2f} {f99:7.2f} {p50 / f50:7.2f} {p99 / f99:7.2f}",
                         flush=True,
                     )
         finally:
-            proc.terminate()
-            proc.wait(10)
+            for _, proc, _ in servers:
+                proc.terminate()
+                proc.wait(10)
 
 
 if __name__ == "__main__":
