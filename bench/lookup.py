@@ -38,11 +38,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from sessioncache.hashing import block_hashes_from_bytes
+from sessioncache.hashing import Namespace, block_hashes_from_bytes
 
 PROMPTS = [8192, 32768, 131072]
 CONCURRENCY = [1, 8, 32]
-FORMS = ["json", "binary", "ids"]
+FORMS = ["json", "binary", "ids", "stream", "unix"]
+DATAPLANE_FORMS = {"stream", "unix"}
 
 
 def free_port() -> int:
@@ -92,8 +93,33 @@ def start(
     raise RuntimeError("server did not start")
 
 
+def _dataplane_client(url: str, form: str, body: bytes, count: int) -> list[float]:
+    """LOOKUPs over the block stream (TCP) or the same-host Unix socket: one connection, the
+    ids the client computed, a binary answer."""
+    from sessioncache.dataplane.client import StreamClient
+    from sessioncache.dataplane.samehost import SameHostClient
+
+    ns_len = int.from_bytes(body[:4], "little")
+    namespace = Namespace(**json.loads(body[4 : 4 + ns_len]))
+    rest = body[4 + ns_len :]
+    ids = [rest[i : i + 16] for i in range(0, len(rest), 16)]
+    cls = SameHostClient if form == "unix" else StreamClient
+    out = []
+    with cls.discover(url) as conn:
+        root = conn.resolve(namespace)
+        for _ in range(count):
+            start = time.perf_counter()
+            found = conn.lookup(root, ids)
+            out.append(time.perf_counter() - start)
+            assert found.matched == len(ids), found.matched
+    return out
+
+
 def _client(job: tuple[str, str, bytes | None, int]) -> list[float]:
     url, path, body, count = job
+    if path in DATAPLANE_FORMS:
+        assert body is not None
+        return _dataplane_client(url, path, body, count)
     out = []
     with httpx.Client(base_url=url, timeout=60) as c:
         for _ in range(count):
@@ -129,7 +155,7 @@ def prepare(
     bodies: dict[tuple[int, str], bytes] = {}
     with httpx.Client(base_url=url, timeout=120) as c:
         resolved = None
-        if "ids" in forms:
+        if {"ids", *DATAPLANE_FORMS} & set(forms):
             r = c.post("/v1/namespaces/resolve", json={"namespace": ns})
             resolved = r.json() if r.status_code == 200 else None
         for n in prompts:
@@ -150,10 +176,16 @@ def prepare(
                 ids = block_hashes_from_bytes(
                     root, token_bytes, block_tokens, resolved["hash_seed"]
                 )
-                b64 = base64.b64encode(b"".join(ids)).decode()
-                bodies[(n, "ids")] = json.dumps({"namespace": ns, "block_ids_b64": b64}).encode()
+                if "ids" in forms:
+                    b64 = base64.b64encode(b"".join(ids)).decode()
+                    body = json.dumps({"namespace": ns, "block_ids_b64": b64}).encode()
+                    bodies[(n, "ids")] = body
+                ns_json = json.dumps(ns).encode()
+                for form in DATAPLANE_FORMS & set(forms):
+                    head = len(ns_json).to_bytes(4, "little") + ns_json
+                    bodies[(n, form)] = head + b"".join(ids)
             for (m, _form), body in bodies.items():
-                if m != n:
+                if m != n or _form in DATAPLANE_FORMS:
                     continue
                 check = c.post(
                     "/v1/lookup", content=body, headers={"content-type": "application/json"}
@@ -215,8 +247,9 @@ def main() -> None:
                             run(url, "/healthz", None, clients, per_client)
                         )
                         for (n, form), body in bodies[label].items():
+                            path = form if form in DATAPLANE_FORMS else "/v1/lookup"
                             lat.setdefault((label, n, form), []).extend(
-                                run(url, "/v1/lookup", body, clients, per_client)
+                                run(url, path, body, clients, per_client)
                             )
                 for (label, n, form), values in lat.items():
                     f50, f99 = pct(floor[label], 50), pct(floor[label], 99)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.dataplane.errors import AuthRefused, StoreRefused
@@ -161,11 +162,21 @@ def _reap(node: CacheNode, peer: Peer) -> None:
         del peer.leases[key]
 
 
-def leased_lookup(
-    node: CacheNode, peer: Peer, request: Lookup
-) -> tuple[list[BlockMeta], bytes | None]:
-    """The records of the longest held prefix of ``request.ids`` the peer may read and, when
-    ``lease_ms`` asks for one, the key of the connection's lease on them (LOOKUP, LOCATE)."""
+class HeldRun(NamedTuple):
+    """The matched run of a LOOKUP or LOCATE: its blocks' sizes and fastest tiers."""
+
+    nbytes: list[int]
+    tiers: list[int]
+    """Indices in the store's tier order."""
+
+
+def leased_lookup(node: CacheNode, peer: Peer, request: Lookup) -> tuple[HeldRun, bytes | None]:
+    """The longest held prefix of ``request.ids`` the peer may read and, when ``lease_ms``
+    asks for one, the key of the connection's lease on it (LOOKUP, LOCATE).
+
+    The root is one this connection resolved, so its chains are the peer's: the ids are cut
+    to the run linked to that root (``CacheNode.chain_prefix``, a few record reads however
+    long the run) before the store's lookup touches or leases anything."""
     _namespace_of(peer, request.root)
     lease_s = request.lease_ms / 1000 if request.lease_ms else None
     if lease_s is not None and len(peer.leases) >= MAX_LEASES:
@@ -173,23 +184,25 @@ def leased_lookup(
         if len(peer.leases) >= MAX_LEASES:
             raise InvalidInput(f"this connection holds {MAX_LEASES} leases: release some")
     ids = [BlockHash(h) for h in request.ids]
-    metas, lease = _leased_run(node, peer, request.root, ids, lease_s)
+    own = node.chain_prefix(request.root, ids)
+    if not own:
+        return HeldRun([], []), None
+    match = node.store.lookup(ids[:own], lease_s=lease_s)
     key = None
-    if lease is not None:
+    if match.lease is not None:
         key = secrets.token_bytes(16)
+        lease = match.lease
         peer.leases[key] = PeerLease(lease.id, list(lease.hashes), lease.expires_at)
-    return metas, key
+    order = {name: i for i, name in enumerate(node.store.tier_names())}
+    first = node.store.meta(match.hashes[0]) if match.hashes else None
+    size = first.nbytes if first is not None else 0  # one payload size per namespace root
+    return HeldRun([size] * match.num_blocks, [order[t] for t in match.tiers]), key
 
 
 def lookup(node: CacheNode, peer: Peer, request: Lookup) -> LookupOk:
     """The longest held prefix of ``request.ids`` the peer may read, leased on request."""
-    metas, key = leased_lookup(node, peer, request)
-    return LookupOk(
-        key,
-        request.lease_ms if key is not None else 0,
-        [m.nbytes for m in metas],
-        [min(m.tiers) if m.tiers else 255 for m in metas],  # the store's tier order
-    )
+    held, key = leased_lookup(node, peer, request)
+    return LookupOk(key, request.lease_ms if key is not None else 0, held.nbytes, held.tiers)
 
 
 def release(node: CacheNode, peer: Peer, key: bytes) -> None:

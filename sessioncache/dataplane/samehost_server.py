@@ -204,14 +204,16 @@ class SameHostConnection(Connection):
     def _locate(self, header: Header) -> None:
         assert self.peer is not None
         request = frames.decode_locate(self._body(), self.limits)
-        metas, key = ops.leased_lookup(self.node, self.peer, request)
+        held, key = ops.leased_lookup(self.node, self.peer, request)
         slots: list[Slot] = []
         if key is not None:
             lease = self.peer.leases[key]
             for found in self.node.store.locate(lease.hashes):
                 where = found.location
                 slots.append(Slot(where.segment, where.offset, where.nbytes, found.checksum))
-        ok = frames.LocateOk(key, request.lease_ms if key is not None else 0, len(metas), slots)
+        ok = frames.LocateOk(
+            key, request.lease_ms if key is not None else 0, len(held.nbytes), slots
+        )
         self.transport.send([frames.encode_locate_ok(header.request_id, ok)])
 
     # -- STAGE, COMMIT, ABORT ------------------------------------------------------------
