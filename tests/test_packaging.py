@@ -18,7 +18,7 @@ def site_packages(env: Path) -> Path:
 
 def test_the_wheel_installs_only_sessioncache_at_the_top_level(tmp_path: Path):
     dist = tmp_path / "dist"
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
     # The fresh venv must not see the source tree (an egg-info there reads as installed).
     env_vars = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([*build, "-w", str(dist), str(ROOT)], check=True, timeout=300, env=env_vars)
