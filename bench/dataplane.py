@@ -1,5 +1,5 @@
 """The block stream (docs/dataplane.md): load and store throughput of 2 MiB blocks through a
-real ``sessioncache serve`` process (CPU tier holding one round of blocks, no disk), printed
+real ``sessioncache serve`` process (CPU tier holding two rounds of blocks, no disk), printed
 beside references measured in the same run on the same bytes:
 
 - memcpy:   numpy copies of the blocks between two arrays (the memory bound of this machine)
@@ -217,7 +217,10 @@ def main() -> None:
     reference = SocketReference(n, size, args.repeats)
     dst = np.zeros_like(data)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start(Path(tmp) / "data", cpu_bytes=n * size)
+        # Two rounds: a store evicts the chain stored a round before, never the chain the
+        # other path has just loaded, whose lease a LOAD with release may still hold for an
+        # instant after its last block reached the client.
+        proc, url = start(Path(tmp) / "data", cpu_bytes=2 * n * size)
         node_tunables = next(
             (
                 e.decode().partition("=")[2]
