@@ -135,18 +135,30 @@ def as_buffer(obj: Any, *, writable: bool) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def discover(rest_url: str, *, api_key: str | None = None, timeout: float = 10.0) -> str:
-    """The stream address of the node at ``rest_url`` (``GET /v1/dataplane``); a wildcard
-    bind address (``0.0.0.0``) is replaced by the REST URL's host."""
+def _dataplane(rest_url: str, api_key: str | None, timeout: float) -> protocol.Reply:
+    """``GET /v1/dataplane`` of the node at ``rest_url``, checked."""
     import httpx
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(f"{rest_url.rstrip('/')}/v1/dataplane", headers=headers, timeout=timeout)
-    reply = protocol.check(protocol.Reply(r.status_code, r.headers, r.content))
-    address = protocol.parse_dataplane(reply, rest_url)
+    return protocol.check(protocol.Reply(r.status_code, r.headers, r.content))
+
+
+def discover(rest_url: str, *, api_key: str | None = None, timeout: float = 10.0) -> str:
+    """The stream address of the node at ``rest_url`` (``GET /v1/dataplane``); a wildcard
+    bind address (``0.0.0.0``) is replaced by the REST URL's host."""
+    address = protocol.parse_dataplane(_dataplane(rest_url, api_key, timeout), rest_url)
     if address is None:
         raise StreamClosed(f"the node at {rest_url} serves no block stream")
     return address
+
+
+def discover_same_host(rest_url: str, *, api_key: str | None = None, timeout: float = 10.0) -> str:
+    """The path of the same-host socket of the node at ``rest_url`` (``GET /v1/dataplane``)."""
+    path = protocol.parse_same_host(_dataplane(rest_url, api_key, timeout))
+    if path is None:
+        raise StreamClosed(f"the node at {rest_url} serves no same-host socket")
+    return path
 
 
 def store_tokens(namespace: Namespace, tokens: Tokens, blocks: int) -> bytes:

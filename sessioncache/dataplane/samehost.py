@@ -50,6 +50,7 @@ from sessioncache.dataplane.client import (
     StreamClient,
     StreamLookup,
     as_buffer,
+    discover_same_host,
     one_size,
     store_tokens,
     store_ttl_ms,
@@ -229,14 +230,7 @@ class SameHostClient(StreamClient):
     ) -> SameHostClient:
         """Connect to the same-host socket of the node whose REST API is at ``rest_url`` (which
         must run on this host)."""
-        import httpx
-
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        reply = httpx.get(f"{rest_url.rstrip('/')}/v1/dataplane", headers=headers, timeout=10)
-        reply.raise_for_status()
-        path = reply.json().get("same_host")
-        if not isinstance(path, str):
-            raise StreamClosed(f"the node at {rest_url} serves no same-host socket")
+        path = discover_same_host(rest_url, api_key=api_key)
         return cls.connect(path, api_key=api_key, seed=seed, timeout=timeout)
 
     def close(self) -> None:
