@@ -13,14 +13,17 @@ from sessioncache.api import errors, metrics
 from sessioncache.api.routes import (
     blocks,
     dataplane,
+    engines,
     lookup,
     namespaces,
+    route,
     sessions,
     store,
     system,
 )
 from sessioncache.dataplane.server import StreamServer
 from sessioncache.node import CacheNode
+from sessioncache.routing.scoring import Router, open_router
 
 
 def create_app(
@@ -28,10 +31,13 @@ def create_app(
     *,
     stream: StreamServer | None = None,
     same_host: StreamServer | None = None,
+    router: Router | None = None,
 ) -> FastAPI:
     """An app serving ``node``; the app closes the node when it shuts down. ``stream`` (the
     data plane, bound but not started) and ``same_host`` (its Unix-socket server with the
-    shared-memory ops) run from the app's start to its shutdown."""
+    shared-memory ops) run from the app's start to its shutdown. ``router`` (KV-aware
+    routing; by default one with the engines of the node's settings) is closed with it."""
+    routing = router if router is not None else open_router(node)
     servers = [s for s in (stream, same_host) if s is not None]
 
     @asynccontextmanager
@@ -47,7 +53,10 @@ def create_app(
                     # the node closes; joining threads blocks, so off the event loop
                     await anyio.to_thread.run_sync(server.stop)
             finally:
-                node.close()
+                try:
+                    await anyio.to_thread.run_sync(routing.close)
+                finally:
+                    node.close()
 
     app = FastAPI(
         title="sessioncache",
@@ -58,8 +67,9 @@ def create_app(
     app.state.node = node
     app.state.dataplane = stream
     app.state.same_host = same_host
+    app.state.router = routing
     app.state.registry = metrics.install(app, node)
     errors.install(app)
-    for module in (namespaces, lookup, store, blocks, sessions, system, dataplane):
+    for module in (namespaces, lookup, store, blocks, sessions, system, dataplane, engines, route):
         app.include_router(module.router)
     return app

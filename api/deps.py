@@ -17,6 +17,7 @@ from fastapi import Depends, Request
 
 from sessioncache.api.errors import AuthRequired
 from sessioncache.node import CacheNode
+from sessioncache.routing.scoring import Router
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 
@@ -57,3 +58,12 @@ async def get_tenant(request: Request, node: NodeDep) -> str:
 
 
 TenantDep = Annotated[str, Depends(get_tenant)]
+
+
+async def get_router(request: Request) -> Router:
+    router: Router = request.app.state.router
+    return router
+
+
+RouterDep = Annotated[Router, Depends(get_router)]
+"""KV-aware routing: the engines' feeds and the route computation (sessioncache/routing)."""

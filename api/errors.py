@@ -9,6 +9,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sessioncache.errors import (
     BlockNotFound,
+    EngineExists,
+    EngineNotFound,
     InvalidInput,
     LeaseNotFound,
     PayloadSizeError,
@@ -26,6 +28,8 @@ STATUS: list[tuple[type[SessionCacheError], int]] = [
     (LeaseNotFound, 404),
     (SessionNotFound, 404),
     (UploadRefused, 403),
+    (EngineNotFound, 404),
+    (EngineExists, 409),
 ]
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -29,6 +29,21 @@ from pydantic_settings import (
 GiB = 1 << 30
 MiB = 1 << 20
 DAY_S = 86400.0
+
+
+class EngineSetting(BaseModel):
+    """An engine registered at start (``SESSIONCACHE_ENGINES``): see docs/routing.md."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    namespace: dict[str, str | int | None] = Field(
+        description="model, block_tokens, kv_dtype, kv_layout[, salt, lora]"
+    )
+    endpoint: str = Field(pattern=r"^(tcp|ipc|inproc)://\S+$")
+    replay_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc|inproc)://\S+$")
+    topic: str = ""
+    tenant: str | None = Field(None, description="None: shared by every tenant")
 
 
 class Settings(BaseSettings):
@@ -178,6 +193,31 @@ class Settings(BaseSettings):
     )
     stream_idle_timeout_s: float = Field(
         0.0, ge=0, description="close a block-stream connection idle this long; 0: never"
+    )
+
+    # -- KV-aware routing (docs/routing.md)
+    engines: list[EngineSetting] = Field(
+        default_factory=list,
+        description="JSON list of engines whose KV events the node follows from the start: "
+        '`{"engine_id", "namespace": {...}, "endpoint", "replay_endpoint", "topic", '
+        '"tenant"}` (no tenant: shared by every tenant)',
+    )
+    engine_stale_s: float = Field(
+        300.0,
+        gt=0,
+        description="an engine silent this long (no KV event) is stale and scores nothing",
+    )
+    engine_replay_timeout_s: float = Field(
+        2.0, gt=0, description="longest wait for an engine's replay socket to answer"
+    )
+    route_medium_weights: dict[str, float] = Field(
+        default_factory=lambda: {"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.25},
+        description="JSON medium -> worth of one token an engine holds there, for `/v1/route`",
+    )
+    route_cache_weight: float = Field(
+        0.25,
+        ge=0,
+        description="worth of one token held in sessioncache's own tiers, for `/v1/route`",
     )
 
     def kind_ttls(self) -> dict[str, float]:

@@ -43,3 +43,14 @@ class TierFull(SessionCacheError):
 
 class CorruptBlock(SessionCacheError):
     """A stored payload failed its checksum or was truncated; it is quarantined, never served."""
+
+
+class EngineNotFound(SessionCacheError, KeyError):
+    """No engine of that id is registered (or the caller's tenant may not see it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "engine not found"
+
+
+class EngineExists(SessionCacheError):
+    """An engine of that id is already registered."""
