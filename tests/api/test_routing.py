@@ -320,40 +320,7 @@ def test_bad_requests_get_4xx(client: httpx.Client, fleet: Fleet):
     assert a not in {e["engine_id"] for e in client.get("/v1/engines").json()["engines"]}
 
 
-# -- a stale engine ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def stale_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
-        tmp_path_factory.mktemp("stale") / "data", {"SESSIONCACHE_ENGINE_STALE_S": "1.5"}
-    )
-    yield server
-    server.stop()
-
-
-def test_a_silent_engine_goes_stale_and_scores_nothing(stale_server: Server):
-    with httpx.Client(base_url=stale_server.url, timeout=30) as c:
-        fleet = Fleet(c)
-        try:
-            ns = unique_ns()
-            a, e = fleet.start(ns)
-            e.cache(prompt(1, 64))
-            fleet.sync(a)
-            fresh = route(c, ns, prompt(1, 64))["engines"][0]
-            assert (fresh["stale"], fresh["score"]) == (False, 64.0)
-            time.sleep(2.0)
-            old = route(c, ns, prompt(1, 64))["engines"][0]
-            assert (old["stale"], old["score"], old["matched_tokens"]) == (True, 0.0, 64)
-            assert c.get(f"/v1/engines/{a}").json()["stale"] is True
-            e.cache(prompt(2, 16))
-            fleet.sync(a)
-            assert route(c, ns, prompt(1, 64))["engines"][0]["score"] == 64.0
-        finally:
-            fleet.close()
-
-
-# -- tenants -----------------------------------------------------------------------------
+# -- tenants, and a stale engine (one server: starting one takes seconds) ------------------
 
 SHARED_PUB = endpoint()
 SHARED_NS = unique_ns()
@@ -364,7 +331,12 @@ def tenant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     shared = [{"engine_id": "shared-0", "namespace": SHARED_NS, "endpoint": SHARED_PUB}]
     server = start_server(
         tmp_path_factory.mktemp("tenants") / "data",
-        {"SESSIONCACHE_API_KEYS": json.dumps(KEYS), "SESSIONCACHE_ENGINES": json.dumps(shared)},
+        {
+            "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
+            "SESSIONCACHE_ENGINES": json.dumps(shared),
+            # short, for the stale engine's test; the tenant test compares no scores
+            "SESSIONCACHE_ENGINE_STALE_S": "1.5",
+        },
     )
     yield server
     server.stop()
@@ -408,5 +380,28 @@ def test_a_tenant_sees_only_its_engines_and_the_shared_ones(tenant_server: Serve
             assert acme.delete("/v1/engines/shared-0").status_code == 404
             assert httpx.get(f"{tenant_server.url}/v1/engines").status_code == 401
             assert acme.delete(f"/v1/engines/{own}").status_code == 204
+        finally:
+            fleet.close()
+
+
+def test_a_silent_engine_goes_stale_and_scores_nothing(tenant_server: Server):
+    with httpx.Client(
+        base_url=tenant_server.url, headers={"authorization": "Bearer key-acme"}, timeout=30
+    ) as c:
+        fleet = Fleet(c)
+        try:
+            ns = unique_ns()
+            a, e = fleet.start(ns)
+            e.cache(prompt(1, 64))
+            fleet.sync(a)
+            fresh = route(c, ns, prompt(1, 64), engines=[a])["engines"][0]
+            assert (fresh["stale"], fresh["score"]) == (False, 64.0)
+            time.sleep(2.0)
+            old = route(c, ns, prompt(1, 64), engines=[a])["engines"][0]
+            assert (old["stale"], old["score"], old["matched_tokens"]) == (True, 0.0, 64)
+            assert c.get(f"/v1/engines/{a}").json()["stale"] is True
+            e.cache(prompt(2, 16))
+            fleet.sync(a)
+            assert route(c, ns, prompt(1, 64), engines=[a])["engines"][0]["score"] == 64.0
         finally:
             fleet.close()
