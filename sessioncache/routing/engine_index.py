@@ -14,6 +14,7 @@ router's prompt gives, whatever the engine's hash function or seed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -304,27 +305,36 @@ class EngineIndex:
         out: dict[str, EngineMatch] = {}
         if not views:
             return out
-        n = len(masks)
-        table = _weight_table(weights)
-        rows = np.arange(n)[:, None]
+        table = _weight_table(tuple(sorted(weights.items())))
         by_word: dict[int, list[tuple[str, int]]] = {}
         for engine, view in views.items():
             by_word.setdefault(view.slot // SLOTS_PER_WORD, []).append(
                 (engine, BITS_PER_ENGINE * (view.slot % SLOTS_PER_WORD))
             )
         for word, members in by_word.items():
-            arr = _word(masks, word)
+            arr = _word(masks, word)  # n + 1 entries: a last 0 ends every engine's run
             shifts = np.array([s for _, s in members], dtype=np.uint64)
-            sub = (arr[:, None] >> shifts[None, :]) & np.uint64(7)  # (blocks, engines)
-            matched = _leading(sub != 0, n)
-            media = {m: _leading((sub & np.uint64(b)) != 0, n) for m, b in MEDIUM_BIT.items()}
-            weighted = np.where(rows < matched[None, :], table[sub.astype(np.intp)], 0.0).sum(0)
+            # (engines, blocks + 1): each engine's media per block, one contiguous row each
+            sub = ((arr[None, :] >> shifts[:, None]) & np.uint64(7)).astype(np.uint8)
+            matched = np.argmin(sub, axis=1)  # the first 0 of each row
+            present = np.bitwise_or.reduce(sub, axis=1)
             for j, (engine, _) in enumerate(members):
-                out[engine] = EngineMatch(
-                    int(matched[j]),
-                    {m: int(v[j]) for m, v in media.items()},
-                    float(weighted[j]),
-                )
+                m = int(matched[j])
+                kinds = int(present[j])
+                if m == 0:
+                    out[engine] = EngineMatch(0, dict.fromkeys(MEDIA, 0), 0.0)
+                elif kinds in _SINGLE:  # one medium only (the usual case): no per-block work
+                    medium = _SINGLE[kinds]
+                    per = dict.fromkeys(MEDIA, 0)
+                    per[medium] = m
+                    out[engine] = EngineMatch(m, per, m * float(table[kinds]))
+                else:
+                    row = sub[j, : m + 1]  # ends with a 0: argmin finds each medium's end
+                    out[engine] = EngineMatch(
+                        m,
+                        {md: int(np.argmin(row & b)) for md, b in MEDIUM_BIT.items()},
+                        float(table[row[:m]].sum()),
+                    )
         return out
 
 
@@ -338,28 +348,30 @@ def _medium_name(medium: str) -> str:
     return medium if medium in MEDIUM_BIT else STORAGE
 
 
-def _weight_table(weights: Mapping[str, float]) -> npt.NDArray[np.float64]:
+_SINGLE = {b: m for m, b in MEDIUM_BIT.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _weight_table(weights: tuple[tuple[str, float], ...]) -> npt.NDArray[np.float64]:
     """Mask (0..7) -> the weight of its best medium."""
+    by_name = dict(weights)
     table = np.zeros(8)
     for mask in range(1, 8):
-        table[mask] = max(weights.get(m, 0.0) for m, b in MEDIUM_BIT.items() if mask & b)
+        table[mask] = max(by_name.get(m, 0.0) for m, b in MEDIUM_BIT.items() if mask & b)
+    table.flags.writeable = False
     return table
 
 
 def _word(masks: list[int], word: int) -> npt.NDArray[np.uint64]:
-    """The ``word``-th 63 bits of every mask as uint64."""
-    if not masks:
-        return np.zeros(0, dtype=np.uint64)
-    if word == 0 and max(masks) < (1 << 63):
-        return np.fromiter(masks, dtype=np.uint64, count=len(masks))
+    """The ``word``-th 63 bits of every mask as uint64, and a 0 after the last."""
     low = (1 << 63) - 1
+    out = np.zeros(len(masks) + 1, dtype=np.uint64)
+    try:
+        if word == 0:  # masks of at most 21 engines fit; more overflow (then the slow way)
+            out[:-1] = masks
+            return out
+    except OverflowError:
+        pass
     shift = 63 * word
-    return np.fromiter(((m >> shift) & low for m in masks), dtype=np.uint64, count=len(masks))
-
-
-def _leading(held: npt.NDArray[np.bool_], n: int) -> npt.NDArray[np.intp]:
-    """Per column, how many rows from the top are true."""
-    if n == 0:
-        return np.zeros(held.shape[1], dtype=np.intp)
-    first_false = np.argmin(held, axis=0)
-    return np.where(held.all(axis=0), n, first_false)
+    out[:-1] = [(m >> shift) & low for m in masks]
+    return out
