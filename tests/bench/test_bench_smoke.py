@@ -50,6 +50,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?m)^(\(unset\)|'.*') +[\d.]+ +[\d.]+ +[\d.]+\n"
         r"'glibc\.cpu\.x86_non_temporal_threshold=0x100000' +[\d.]+ +[\d.]+ +[\d.]+$",
     ),
+    "bench.route": (
+        [
+            *("--engines", "2", "--blocks", "512", "--tokens", "1024"),
+            *("--clients", "2", "--requests", "3", "--json"),
+        ],
+        r"(?m)^ingest over ZMQ into the node +[\d,]+ blocks/s"
+        r"(?s:.*)^block_ids_b64 +2( +[\d.]+){4}\n"
+        r'\{"ingest_blocks_per_s": [\d.]+, ',
+    ),
     "bench.shared_tier": (
         [
             *("--url", REDIS_URL, "--blocks", "2", "--block-mib", "0.0625"),
