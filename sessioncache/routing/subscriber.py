@@ -219,7 +219,11 @@ class EngineFeeds:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._message(ctx, engine_id, frames)
+                        try:
+                            self._message(ctx, engine_id, frames)
+                        except Exception:  # one engine's odd message never stops the others
+                            log.exception("engine %s: a message could not be applied", engine_id)
+                            self.index.clear(engine_id)
                 if not sockets:
                     time.sleep(POLL_MS / 1000)
         except Exception:
