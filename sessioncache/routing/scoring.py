@@ -116,22 +116,6 @@ class Router:
     def close(self) -> None:
         self.feeds.close()
 
-    def waits_on_io(self, tenant: str, namespace: Namespace) -> bool:
-        """Whether a route may wait on I/O: the tenant's first use of the namespace at one of
-        the block sizes it compares (the root is recorded in the catalog)."""
-        sizes = {namespace.block_tokens}
-        sizes.update(
-            s.namespace.block_tokens
-            for s in self.visible(tenant)
-            if _compatible(s.namespace, namespace)
-        )
-        return any(
-            self.node.lookup_waits_on_io(
-                tenant, replace(namespace, block_tokens=size), session_id=None
-            )
-            for size in sizes
-        )
-
     # -- routes --------------------------------------------------------------------------
 
     def route(
