@@ -171,6 +171,26 @@ def test_a_gap_is_filled_from_the_replay_socket(client: httpx.Client, fleet: Fle
     assert route(client, ns, prompt(3, 96))["engines"][0]["matched_blocks"] == 2
 
 
+def test_what_an_engine_cached_before_it_was_registered_comes_from_its_replay(
+    client: httpx.Client, fleet: Fleet
+):
+    ns = unique_ns()
+    a, e = fleet.start(ns, register=False)
+    e.cache(prompt(1, 64))  # published to nobody yet
+    e.cache(prompt(1, 64) + prompt(2, 32))
+    assert e.publisher is not None
+    e.publisher.flush()
+    body = {"engine_id": a, "namespace": ns, "endpoint": e.publisher.endpoint}
+    r = client.post("/v1/engines", json={**body, "replay_endpoint": e.publisher.replay_endpoint})
+    assert r.status_code == 201, r.text
+    e.publisher.wait_subscriber()
+    e.cache(prompt(3, 16))  # seq 2: the node asks the replay for 0 and 1 first
+    status = fleet.sync(a)
+    assert (status["gaps"], status["replays"], status["views_dropped"]) == (0, 1, 0)
+    check_route(client, fleet, ns, prompt(1, 64) + prompt(2, 32))
+    assert route(client, ns, prompt(1, 64) + prompt(2, 32))["engines"][0]["matched_blocks"] == 6
+
+
 @pytest.mark.parametrize("replay", [True, False], ids=["replay-too-short", "no-replay"])
 def test_a_gap_the_replay_cannot_fill_drops_the_view(
     client: httpx.Client, fleet: Fleet, replay: bool

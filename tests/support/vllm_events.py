@@ -141,6 +141,8 @@ class Publisher:
         buffer_steps: int = 10_000,
     ) -> None:
         self.legacy = legacy
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
