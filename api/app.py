@@ -69,6 +69,7 @@ def create_app(
     app.state.same_host = same_host
     app.state.router = routing
     app.state.registry = metrics.install(app, node)
+    app.state.registry.register(metrics.EngineCollector(routing))
     errors.install(app)
     for module in (namespaces, lookup, store, blocks, sessions, system, dataplane, engines, route):
         app.include_router(module.router)

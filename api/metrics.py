@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessioncache.node import CacheNode
+from sessioncache.routing.scoring import Router
 from sessioncache.tiers.base import CheckedTier
 
 
@@ -73,6 +74,44 @@ class StoreCollector(Collector):
             pending = GaugeMetricFamily("sessioncache_fleet_pending", "Queued fleet updates")
             pending.add_metric([], node.fleet.pending)
             yield pending
+
+
+class EngineCollector(Collector):
+    """The followed engines (KV-aware routing): blocks held per medium, events, gaps."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Any]:
+        blocks = GaugeMetricFamily(
+            "sessioncache_engine_blocks", "Blocks an engine holds", labels=["engine", "medium"]
+        )
+        stale = GaugeMetricFamily("sessioncache_engine_stale", "1 when silent", labels=["engine"])
+        events = CounterMetricFamily(
+            "sessioncache_engine_events", "KV events applied", labels=["engine"]
+        )
+        gaps = CounterMetricFamily(
+            "sessioncache_engine_gaps", "Sequence gaps seen", labels=["engine"]
+        )
+        dropped = CounterMetricFamily(
+            "sessioncache_engine_views_dropped", "Gaps the replay could not fill", labels=["engine"]
+        )
+        for spec in self._router.feeds.specs():
+            engine = spec.engine_id
+            status = self._router.feeds.status(engine)
+            if status is None:
+                continue
+            try:
+                counts, held = self._router.index.counts(engine)
+            except KeyError:  # removed meanwhile
+                continue
+            for medium, count in held.items():
+                blocks.add_metric([engine, medium], count)
+            stale.add_metric([engine], float(status.stale))
+            events.add_metric([engine], counts.events)
+            gaps.add_metric([engine], status.gaps)
+            dropped.add_metric([engine], status.views_dropped)
+        yield from (blocks, stale, events, gaps, dropped)
 
 
 def install(app: FastAPI, node: CacheNode) -> CollectorRegistry:

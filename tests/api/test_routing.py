@@ -155,6 +155,9 @@ def test_route_follows_the_engines(client: httpx.Client, fleet: Fleet, legacy: b
     assert listed[b]["blocks"] == {"GPU": 28, "CPU": 32, "STORAGE": 0}
     assert listed[b]["events"]["blocks_stored"] == 28 + 28 + 4
     assert listed[a]["gaps"] == 0 and listed[a]["stale"] is False
+    metrics = client.get("/metrics").text
+    assert f'sessioncache_engine_blocks{{engine="{b}",medium="CPU"}} 32.0' in metrics
+    assert f'sessioncache_engine_events_total{{engine="{a}"}} 1.0' in metrics
 
 
 def test_a_gap_is_filled_from_the_replay_socket(client: httpx.Client, fleet: Fleet):
