@@ -207,10 +207,10 @@ def main() -> None:
             pubs = []
             rss0 = rss_bytes(proc.pid)
             for e in range(args.engines):
-                pub = ctx.socket(zmq.PUB)
+                # XPUB: vLLM's PUB messages, and the node's subscription shows when to start
+                pub = ctx.socket(zmq.XPUB)
                 pub.setsockopt(zmq.SNDHWM, 1_000_000)
                 port = pub.bind_to_random_port("tcp://127.0.0.1")
-                monitor = pub.get_monitor_socket(zmq.EVENT_ACCEPTED)
                 r = c.post(
                     "/v1/engines",
                     json={
@@ -220,10 +220,9 @@ def main() -> None:
                     },
                 )
                 assert r.status_code == 201, r.text
-                assert monitor.poll(30_000), "the node did not connect"
-                monitor.close(linger=0)
+                assert pub.poll(60_000), "the node did not subscribe"
+                pub.recv()
                 pubs.append(pub)
-            time.sleep(0.5)  # the subscriptions reach the publishers
             last = {f"engine-{e}": len(p) - 1 for e, p in enumerate(work.payloads)}
             start_t = time.perf_counter()
             rounds = max(len(p) for p in work.payloads)

@@ -124,7 +124,7 @@ def batch(legacy: bool, events: list[Any]) -> Any:
 
 
 class Publisher:
-    """``ZmqEventPublisher``'s behaviour: a PUB socket bound at ``endpoint``, a ROUTER
+    """``ZmqEventPublisher``'s behaviour: a PUB (XPUB) socket bound at ``endpoint``, a ROUTER
     replay socket at ``replay_endpoint`` answering from a buffer of the last
     ``buffer_steps`` payloads, then seq -1; one thread owns both sockets. ``drop`` makes the
     next publishes reach the buffer but not the wire (a subscriber sees a gap)."""
@@ -145,9 +145,12 @@ class Publisher:
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        # XPUB sends exactly what vLLM's PUB sends; it also hands the subscriptions up, so
+        # that a test waits for the node's instead of sleeping (a PUB drops what it sends
+        # before a subscription arrives)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.bind(endpoint)
-        self._monitor = self._pub.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self._subscribed = threading.Event()
         self._replay: zmq.Socket[bytes] | None = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
@@ -161,12 +164,10 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def wait_subscriber(self, timeout_s: float = 10.0) -> None:
-        """Until a subscriber connected (and its subscription had time to arrive)."""
-        if not self._monitor.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no subscriber connected")
-        self._monitor.recv_multipart()
-        time.sleep(0.3)
+    def wait_subscriber(self, timeout_s: float = 30.0) -> None:
+        """Until a subscriber's subscription arrived."""
+        if not self._subscribed.wait(timeout_s):
+            raise TimeoutError("no subscriber")
 
     def publish(self, events: list[Any], *, send: bool = True) -> int:
         """Queue one batch; returns its seq. ``send=False``: buffered for replay only."""
@@ -194,7 +195,6 @@ class Publisher:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5)
-        self._monitor.close(linger=0)
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -205,6 +205,9 @@ class Publisher:
         while True:
             if self._replay is not None and self._replay.poll(0):
                 self._service_replay()
+            while self._pub.poll(0):
+                if self._pub.recv()[:1] == b"\x01":
+                    self._subscribed.set()
             try:
                 item = self._queue.get(timeout=0.01)
             except queue.Empty:
