@@ -10,7 +10,9 @@ from fastapi import FastAPI
 
 from sessioncache import __version__
 from sessioncache.api import errors, metrics
+from sessioncache.api.admin.auth import AdminAuth
 from sessioncache.api.routes import (
+    admin,
     blocks,
     dataplane,
     lookup,
@@ -60,6 +62,8 @@ def create_app(
     app.state.same_host = same_host
     app.state.registry = metrics.install(app, node)
     errors.install(app)
-    for module in (namespaces, lookup, store, blocks, sessions, system, dataplane):
+    app.state.admin_auth = AdminAuth.from_settings(node.settings)
+    for module in (namespaces, lookup, store, blocks, sessions, system, dataplane, admin):
         app.include_router(module.router)
+    app.mount("/admin/static", admin.static_files(), name="admin-static")
     return app
