@@ -17,7 +17,7 @@ function fmtBytes(n) {
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
   while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-  return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+  return (i ? n.toFixed(1) : String(Math.round(n))) + " " + units[i];
 }
 function fmtTime(t) {
   if (t == null) return "–";
@@ -30,7 +30,7 @@ const FORMATS = {
   rate: (v) => (v == null ? "–" : v.toFixed(v < 10 ? 2 : 0)),
   seconds: (v) => (v == null ? "–" : v.toFixed(v < 10 ? 3 : 1)),
   ms: (v) => (v == null ? "–" : (1000 * v).toFixed(2) + " ms"),
-  gbps: (v) => (v == null ? "–" : (v / 1e9).toFixed(3) + " GB/s"),
+  gbps: (v) => (v == null ? "–" : v >= 1e9 ? (v / 1e9).toFixed(2) + " GB/s" : (v / 1e6).toFixed(2) + " MB/s"),
   bytes: fmtBytes,
   time: fmtTime,
   int: (v) => (v == null ? "–" : String(v)),
@@ -155,7 +155,7 @@ async function refresh() {
 // -- overview --------------------------------------------------------------------------
 async function loadHistory() {
   const h = await api("/admin/api/history").catch(() => null);
-  if (h) { state.samples = h.samples; drawCharts(); }
+  if (h) { mergeSamples(h.samples); drawCharts(); }
 }
 async function refreshOverview() {
   const last = state.samples.length ? state.samples[state.samples.length - 1].at : null;
@@ -171,10 +171,14 @@ async function refreshOverview() {
   renderTiers(o.tiers);
   renderFleet(o.fleet, o.problems);
   renderMissReasons(o.miss_reasons);
-  if (h.samples.length) {
-    state.samples = state.samples.concat(h.samples).slice(-1000);
-    drawCharts();
-  }
+  if (mergeSamples(h.samples)) drawCharts();
+}
+function mergeSamples(samples) {
+  // the first history load and the first poll may both bring the same samples
+  const last = state.samples.length ? state.samples[state.samples.length - 1].at : -Infinity;
+  const fresh = samples.filter((x) => x.at > last);
+  if (fresh.length) state.samples = state.samples.concat(fresh).slice(-1000);
+  return fresh.length > 0;
 }
 function renderTiers(tiers) {
   const body = $("#tiers tbody");
@@ -257,7 +261,7 @@ function seriesFromSamples() {
     hit.push(asked > 0 ? (100 * h) / asked : null);
     lookups.push((b.lookups - a.lookups) / dt);
     stores.push((b.puts - a.puts) / dt);
-    load.push((b.loaded_bytes - a.loaded_bytes) / dt / 1e9);
+    load.push((b.loaded_bytes - a.loaded_bytes) / dt);
     tierNames.forEach((name, k) => {
       const x = b.tiers.find((y) => y.name === name);
       tiers[k].push(x ? x.used_bytes : null);
@@ -277,7 +281,7 @@ function chart(id, series, data, yFmt) {
   const opts = {
     width, height: 180, legend: { show: true },
     scales: { x: { time: true } },
-    axes: [{}, { values: (u, vals) => vals.map(yFmt), size: 60 }],
+    axes: [{}, { values: (u, vals) => vals.map(yFmt), size: 80 }],
     series: [{}, ...series.map((s, i) => ({ label: s, stroke: s in TIER_COLORS ? TIER_COLORS[s] : PALETTE[i % PALETTE.length], width: 2, spanGaps: true }))],
   };
   const u = new uPlot(opts, data, box);
@@ -289,7 +293,7 @@ function drawCharts() {
   const d = seriesFromSamples();
   chart("chart-hit", ["hit rate %"], [d.t, d.hit], (v) => v.toFixed(0) + "%");
   chart("chart-ops", ["lookups/s", "stores/s"], [d.t, d.lookups, d.stores], (v) => v.toFixed(1));
-  chart("chart-load", ["GB/s"], [d.t, d.load], (v) => v.toFixed(2));
+  chart("chart-load", ["loaded/s"], [d.t, d.load], (v) => fmtBytes(v) + "/s");
   chart("chart-tiers", d.tierNames, [d.t, ...d.tiers], fmtBytes);
 }
 window.addEventListener("resize", () => { for (const k of Object.keys(state.charts)) { state.charts[k].destroy(); delete state.charts[k]; } drawCharts(); });
