@@ -69,9 +69,7 @@ def browser() -> Iterator[Any]:
 
 
 def api(server: Server, key: str = "key-acme") -> httpx.Client:
-    return httpx.Client(
-        base_url=server.url, headers={"authorization": f"Bearer {key}"}, timeout=30
-    )
+    return httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {key}"}, timeout=30)
 
 
 def login(page: Any, server: Server, token: str = ADMIN_TOKEN) -> None:
