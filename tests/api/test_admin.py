@@ -5,11 +5,15 @@ runs open on loopback, bad input answered 4xx, and the token never in the log.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tests.support.cli import run_cli
 from tests.support.servers import Server, start_server
 from tests.support.traffic import agent_traffic
 
@@ -168,3 +172,37 @@ def test_open_local_mode_serves_the_dashboard_but_mutations_need_csrf(open_serve
         r = c.post("/admin/api/sessions/open-1/close", headers={"x-csrf-token": session["csrf"]})
         assert r.status_code == 204
         assert c.get("/v1/sessions/open-1").status_code == 404
+
+
+def test_stats_command_prints_the_overview(server: Server):
+    done = run_cli("stats", "--url", server.url, env={"SESSIONCACHE_ADMIN_TOKEN": ADMIN_TOKEN})
+    assert done.returncode == 0, done.stderr
+    overview = httpx.get(server.url + "/admin/api/overview", headers=BEARER).json()
+    out = done.stdout
+    assert f"hit tokens       {overview['prefill']['hit_tokens']}" in out
+    assert f"sessions         {overview['sessions']}" in out
+    assert "tier" in out and "cpu" in out and "disk" in out and "problems: none (ready)" in out
+    refused = run_cli("stats", "--url", server.url, "--token", "wrong")
+    assert refused.returncode == 2 and "401" in refused.stderr and "wrong" not in refused.stdout
+
+
+STATS = [sys.executable, "-m", "sessioncache.cli", "stats"]
+
+
+def test_stats_watch_redraws(server: Server):
+    process = subprocess.Popen(
+        [*STATS, "--url", server.url, "--watch", "--interval", "0.2", "--token", ADMIN_TOKEN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        seen = ""
+        assert process.stdout is not None
+        while seen.count("sessioncache at ") < 2 and time.monotonic() < deadline:
+            seen += process.stdout.readline()
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert seen.count("sessioncache at ") >= 2
