@@ -82,6 +82,12 @@ class StoreCollector(Collector):
             pending = GaugeMetricFamily("sessioncache_fleet_pending", "Queued fleet updates")
             pending.add_metric([], node.fleet.pending)
             yield pending
+            if node.fleet.problem() is None:  # a scrape never waits on a Redis known down
+                live = GaugeMetricFamily(
+                    "sessioncache_fleet_nodes", "Live nodes in the fleet index (this one too)"
+                )
+                live.add_metric([], len(node.fleet.nodes()))
+                yield live
         yield from namespace_families(node)
 
 

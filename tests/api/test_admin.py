@@ -5,10 +5,12 @@ runs open on loopback, bad input answered 4xx, and the token never in the log.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -206,3 +208,29 @@ def test_stats_watch_redraws(server: Server):
         process.terminate()
         process.wait(10)
     assert seen.count("sessioncache at ") >= 2
+
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_FLEET = {"sessioncache_fleet_pending", "sessioncache_fleet_nodes"}  # with Redis only
+NOT_YET = {"sessioncache_miss_tokens_by_reason_total"}  # miss attribution: docs/metrics.md
+
+
+def test_metrics_docs_and_grafana_agree_with_a_scrape(server: Server):
+    text = httpx.get(server.url + "/metrics").text
+    scraped = set(re.findall(r"^# TYPE (sessioncache_\w+) (\w+)", text, re.MULTILINE))
+    names = set()
+    for name, kind in scraped:
+        if name.endswith("_created"):
+            continue  # prometheus_client's creation time beside each histogram
+        names.add(name + "_total" if kind == "counter" and not name.endswith("_total") else name)
+    docs = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"`(sessioncache_\w+)`", docs)) - NOT_YET
+    assert names - documented == set(), "on /metrics but not in docs/metrics.md"
+    assert documented - names - NO_FLEET == set(), "documented but not on /metrics"
+    grafana = (ROOT / "docs" / "grafana" / "sessioncache.json").read_text()
+    json.loads(grafana)
+    used = {
+        re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"sessioncache_\w+", grafana)
+    }
+    used.discard("sessioncache_overview")  # the dashboard's uid
+    assert used - names - NO_FLEET == set(), "the Grafana board asks for unknown series"
