@@ -582,9 +582,9 @@ class TieredStore:
     def namespace_usage(self) -> dict[bytes, NamespaceUsage]:
         """Blocks and payload bytes held per namespace root, for the dashboard and scrapes.
 
-        The lock is held only to copy the record list (5-13 ms for 100k blocks on a busy
-        2-core machine); the pass over it runs outside, so a scrape never stalls the data
-        path for the whole pass (85-110 ms there). A record's root and size never change;
+        The lock is held only to copy the record list; the pass over it, several times
+        longer, runs outside, so a scrape does not stall the data path for it. A record's
+        root and size never change;
         whether it is still held may have changed by the time it is read: figures of a
         moment, as any scrape's."""
         with self._lock:
