@@ -38,6 +38,10 @@ COOKIE = "sessioncache_admin"
 CSRF_HEADER = "x-csrf-token"
 LOGIN_TTL_S = 12 * 3600.0
 MAX_LOGINS = 1000
+MAX_FAILURES = 30
+"""Wrong tokens (login or bearer) per ``FAILURE_WINDOW_S`` after which every token check
+fails until the window has passed: guessing costs a window per ``MAX_FAILURES`` tries."""
+FAILURE_WINDOW_S = 60.0
 
 Mode = Literal["token", "open", "disabled"]
 
@@ -74,6 +78,7 @@ class AdminAuth:
         self.login_ttl_s = login_ttl_s
         self._clock = clock
         self._logins: dict[str, Login] = {}
+        self._failures: list[float] = []
         self._lock = threading.Lock()
         self.open_csrf = secrets.token_urlsafe(32)
 
@@ -83,10 +88,26 @@ class AdminAuth:
         return cls(token, open_mode=not settings.api_keys and is_loopback(settings.host))
 
     def token_matches(self, candidate: str) -> bool:
-        """Constant-time comparison with the admin token (False when there is none)."""
+        """Constant-time comparison with the admin token (False when there is none, and for
+        every token while too many wrong ones came recently: ``throttled``)."""
         if self._token is None:
             return False
-        return hmac.compare_digest(candidate.encode(), self._token)
+        matches = hmac.compare_digest(candidate.encode(), self._token)
+        now = self._clock()
+        with self._lock:
+            self._failures = [t for t in self._failures if t > now - FAILURE_WINDOW_S]
+            if len(self._failures) >= MAX_FAILURES:
+                return False
+            if not matches:
+                self._failures.append(now)
+        return matches
+
+    @property
+    def throttled(self) -> bool:
+        """Too many wrong tokens lately: token checks fail until the window has passed."""
+        now = self._clock()
+        with self._lock:
+            return sum(t > now - FAILURE_WINDOW_S for t in self._failures) >= MAX_FAILURES
 
     def login(self, candidate: str) -> Login | None:
         """A new login when ``candidate`` is the admin token, else None."""

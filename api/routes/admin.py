@@ -57,7 +57,7 @@ async def require_admin(request: Request, auth: AuthDep) -> Admin:
         scheme, _, value = header.partition(" ")
         if scheme.lower() == "bearer" and auth.token_matches(value.strip()):
             return Admin("bearer", None)
-        raise AdminAuthRequired("wrong admin token")
+        raise AdminAuthRequired(_wrong(auth))
     cookie = request.cookies.get(COOKIE)
     login = auth.session(cookie) if cookie else None
     if login is None:
@@ -66,6 +66,12 @@ async def require_admin(request: Request, auth: AuthDep) -> Admin:
 
 
 AdminDep = Annotated[Admin, Depends(require_admin)]
+
+
+def _wrong(auth: AdminAuth) -> str:
+    if auth.throttled:
+        return "too many wrong admin tokens: every token is refused for a minute"
+    return "wrong admin token"
 
 
 async def require_mutation(request: Request, admin: AdminDep, auth: AuthDep) -> Admin:
@@ -104,7 +110,7 @@ def login(body: LoginIn, request: Request, response: Response, auth: AuthDep) ->
         raise AdminForbidden(f"no login in mode {auth.mode!r}")
     made = auth.login(body.token)
     if made is None:
-        raise AdminAuthRequired("wrong admin token")
+        raise AdminAuthRequired(_wrong(auth))
     response.set_cookie(
         COOKIE,
         made.session_id,

@@ -55,3 +55,17 @@ def test_logins_are_bounded():
 def test_no_token_means_no_login():
     auth = AdminAuth(None, open_mode=True)
     assert auth.mode == "open" and auth.login("") is None and not auth.token_matches("x")
+
+
+def test_guessing_is_throttled():
+    from sessioncache.api.admin.auth import FAILURE_WINDOW_S, MAX_FAILURES
+
+    now = [0.0]
+    auth = AdminAuth("tok", open_mode=False, clock=lambda: now[0])
+    for _ in range(MAX_FAILURES):
+        assert not auth.token_matches("guess")
+    assert auth.throttled
+    assert not auth.token_matches("tok")  # even the right one, for the window
+    assert auth.login("tok") is None
+    now[0] += FAILURE_WINDOW_S + 1
+    assert not auth.throttled and auth.token_matches("tok")
