@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -117,16 +117,21 @@ def namespace_families(node: CacheNode) -> Iterator[Any]:
 LOOKUP_ROUTES = ("/v1/lookup",)
 
 
+class Collectable(Protocol):
+    def collect(self) -> Iterable[Metric]: ...
+
+
 def latency_quantiles(
-    registry: CollectorRegistry,
+    source: Collectable,
     quantiles: Sequence[float] = (0.5, 0.95, 0.99),
     routes: Sequence[str] = LOOKUP_ROUTES,
 ) -> tuple[int, list[float | None]]:
     """(count, quantiles in seconds) of the request latency of ``routes`` since the start,
-    from ``sessioncache_request_seconds``'s buckets with linear interpolation inside a bucket,
-    as PromQL's ``histogram_quantile`` does (None: no request yet)."""
+    from ``sessioncache_request_seconds``'s buckets with linear interpolation inside a
+    bucket, as PromQL's ``histogram_quantile`` does (None: no request yet). ``source``: the
+    histogram itself, not the registry, whose other collectors read the whole store."""
     buckets: dict[float, float] = {}
-    for family in registry.collect():
+    for family in source.collect():
         if family.name != "sessioncache_request_seconds":
             continue
         for sample in family.samples:
@@ -166,6 +171,7 @@ def install(app: FastAPI, node: CacheNode) -> CollectorRegistry:
     )
 
     app.add_middleware(LatencyMiddleware, histogram=latency)
+    app.state.request_latency = latency  # the dashboard's lookup latency percentiles
 
     return registry
 

@@ -10,9 +10,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
-from sessioncache.api.metrics import latency_quantiles
+from sessioncache.api.metrics import Collectable, latency_quantiles
 from sessioncache.node import CacheNode
 from sessioncache.sessions import Session
 from sessioncache.tiers.base import CheckedTier
@@ -21,13 +19,13 @@ MAX_CHAIN = 4096
 """Most blocks a session's detail draws (the strip of a longer chain is cut)."""
 
 
-def overview(node: CacheNode, registry: CollectorRegistry) -> dict[str, Any]:
+def overview(node: CacheNode, request_latency: Collectable) -> dict[str, Any]:
     stats = node.store.stats()
     tokens = node.token_counts()
     asked = tokens.hit + tokens.miss
     rate = node.settings.prefill_tokens_per_s
     recent = node.history.recent_rates() if node.history is not None else None
-    count, (p50, p95, p99) = latency_quantiles(registry)
+    count, (p50, p95, p99) = latency_quantiles(request_latency)
     down = {
         t.name for t in node.store.tiers if isinstance(t, CheckedTier) and t.problem() is not None
     }

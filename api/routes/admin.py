@@ -141,7 +141,7 @@ def session(admin: AdminDep, auth: AuthDep) -> dict[str, Any]:
 
 @router.get("/api/overview")
 def get_overview(request: Request, node: NodeDep, admin: AdminDep) -> dict[str, Any]:
-    return overview.overview(node, request.app.state.registry)
+    return overview.overview(node, request.app.state.request_latency)
 
 
 @router.get("/api/history")
