@@ -248,7 +248,7 @@ function renderMissReasons(reasons) {
 
 function seriesFromSamples() {
   const s = state.samples;
-  const t = [], hit = [], lookups = [], stores = [], load = [];
+  const t = [], hit = [], lookups = [], stores = [], load = [], evict = [], demote = [], expire = [];
   const tierNames = s.length ? s[s.length - 1].tiers.map((x) => x.name) : [];
   const tiers = tierNames.map(() => []);
   for (let i = 1; i < s.length; i++) {
@@ -262,12 +262,15 @@ function seriesFromSamples() {
     lookups.push((b.lookups - a.lookups) / dt);
     stores.push((b.puts - a.puts) / dt);
     load.push((b.loaded_bytes - a.loaded_bytes) / dt);
+    evict.push((60 * (b.evictions - a.evictions)) / dt);
+    demote.push((60 * (b.demotions - a.demotions)) / dt);
+    expire.push((60 * (b.expirations - a.expirations)) / dt);
     tierNames.forEach((name, k) => {
       const x = b.tiers.find((y) => y.name === name);
       tiers[k].push(x ? x.used_bytes : null);
     });
   }
-  return { t, hit, lookups, stores, load, tierNames, tiers };
+  return { t, hit, lookups, stores, load, evict, demote, expire, tierNames, tiers };
 }
 function chart(id, series, data, yFmt) {
   const box = document.getElementById(id);
@@ -295,6 +298,7 @@ function drawCharts() {
   chart("chart-ops", ["lookups/s", "stores/s"], [d.t, d.lookups, d.stores], (v) => v.toFixed(1));
   chart("chart-load", ["loaded/s"], [d.t, d.load], (v) => fmtBytes(v) + "/s");
   chart("chart-tiers", d.tierNames, [d.t, ...d.tiers], fmtBytes);
+  chart("chart-churn", ["evictions", "demotions", "expirations"], [d.t, d.evict, d.demote, d.expire], (v) => v.toFixed(0));
 }
 window.addEventListener("resize", () => { for (const k of Object.keys(state.charts)) { state.charts[k].destroy(); delete state.charts[k]; } drawCharts(); });
 
