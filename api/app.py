@@ -10,7 +10,9 @@ from fastapi import FastAPI
 
 from sessioncache import __version__
 from sessioncache.api import errors, metrics
+from sessioncache.api.admin.auth import AdminAuth
 from sessioncache.api.routes import (
+    admin,
     blocks,
     dataplane,
     engines,
@@ -71,6 +73,9 @@ def create_app(
     app.state.registry = metrics.install(app, node)
     app.state.registry.register(metrics.EngineCollector(routing))
     errors.install(app)
-    for module in (namespaces, lookup, store, blocks, sessions, system, dataplane, engines, route):
+    app.state.admin_auth = AdminAuth.from_settings(node.settings)
+    routers = (namespaces, lookup, store, blocks, sessions, system, dataplane, engines, route)
+    for module in (*routers, admin):
         app.include_router(module.router)
+    app.mount("/admin/static", admin.static_files(), name="admin-static")
     return app

@@ -41,7 +41,17 @@ class BodyTooLarge(SessionCacheError):
     """A request body beyond the configured limit."""
 
 
-STATUS += [(AuthRequired, 401), (BodyTooLarge, 413)]
+class AdminAuthRequired(SessionCacheError):
+    """No or a wrong admin token (cookie or bearer) on an ``/admin`` request."""
+
+
+class AdminForbidden(SessionCacheError):
+    """An ``/admin`` request refused whatever it carries: a mutation without its CSRF token,
+    or the dashboard disabled (no admin token and not the local-only open mode)."""
+
+
+STATUS += [(AuthRequired, 401), (BodyTooLarge, 413), (AdminAuthRequired, 401)]
+STATUS += [(AdminForbidden, 403)]
 
 
 def error_body(error: str, detail: str) -> dict[str, str]:

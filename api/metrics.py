@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -33,8 +34,16 @@ class StoreCollector(Collector):
         miss = CounterMetricFamily("sessioncache_miss_tokens", "Prompt tokens not found")
         miss.add_metric([], tokens.miss)
         yield miss
+        saved = CounterMetricFamily(
+            "sessioncache_prefill_seconds_saved",
+            "Estimated engine prefill seconds saved: hit tokens / prefill tokens per second",
+        )
+        saved.add_metric([], tokens.hit / node.settings.prefill_tokens_per_s)
+        yield saved
         for name in (
             "lookups",
+            "puts",
+            "loaded_bytes",
             "evictions",
             "demotions",
             "promotions",
@@ -74,6 +83,81 @@ class StoreCollector(Collector):
             pending = GaugeMetricFamily("sessioncache_fleet_pending", "Queued fleet updates")
             pending.add_metric([], node.fleet.pending)
             yield pending
+            if node.fleet.problem() is None:  # a scrape never waits on a Redis known down
+                live = GaugeMetricFamily(
+                    "sessioncache_fleet_nodes", "Live nodes in the fleet index (this one too)"
+                )
+                live.add_metric([], len(node.fleet.nodes()))
+                yield live
+        yield from namespace_families(node)
+
+
+def namespace_families(node: CacheNode) -> Iterator[Any]:
+    """Blocks, bytes and hit/miss tokens per namespace root, labelled with its tenant and
+    model (the dashboard's namespaces and tenants tables; sum by tenant for tenants)."""
+    labels = ["tenant", "model", "namespace"]
+    blocks = GaugeMetricFamily("sessioncache_namespace_blocks", "Blocks held", labels=labels)
+    held = GaugeMetricFamily("sessioncache_namespace_bytes", "Payload bytes held", labels=labels)
+    hit = CounterMetricFamily("sessioncache_namespace_hit_tokens", "Hit tokens", labels=labels)
+    miss = CounterMetricFamily("sessioncache_namespace_miss_tokens", "Miss tokens", labels=labels)
+    usage = node.store.namespace_usage()
+    tokens = node.namespace_tokens()
+    for root in usage.keys() | tokens.keys():
+        described = node.describe_root(root)
+        tenant, fields = described if described is not None else ("", {})
+        values = [tenant, str(fields.get("model", "")), root.hex()[:16]]
+        if root in usage:
+            blocks.add_metric(values, usage[root].blocks)
+            held.add_metric(values, usage[root].bytes)
+        if root in tokens:
+            hit.add_metric(values, tokens[root].hit)
+            miss.add_metric(values, tokens[root].miss)
+    yield from (blocks, held, hit, miss)
+
+
+LOOKUP_ROUTES = ("/v1/lookup",)
+
+
+class Collectable(Protocol):
+    def collect(self) -> Iterable[Metric]: ...
+
+
+def latency_quantiles(
+    source: Collectable,
+    quantiles: Sequence[float] = (0.5, 0.95, 0.99),
+    routes: Sequence[str] = LOOKUP_ROUTES,
+) -> tuple[int, list[float | None]]:
+    """(count, quantiles in seconds) of the request latency of ``routes`` since the start,
+    from ``sessioncache_request_seconds``'s buckets with linear interpolation inside a
+    bucket, as PromQL's ``histogram_quantile`` does (None: no request yet). ``source``: the
+    histogram itself, not the registry, whose other collectors read the whole store."""
+    buckets: dict[float, float] = {}
+    for family in source.collect():
+        if family.name != "sessioncache_request_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels.get("route") in routes:
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    edges = sorted(buckets)
+    total = buckets.get(math.inf, 0.0)
+    if not total:
+        return 0, [None for _ in quantiles]
+    out: list[float | None] = []
+    for q in quantiles:
+        rank = q * total
+        lower, below = 0.0, 0.0
+        for le in edges:
+            if buckets[le] >= rank:
+                if math.isinf(le):
+                    out.append(lower)  # beyond the last finite bucket: its bound
+                else:
+                    inside = buckets[le] - below
+                    share = (rank - below) / inside if inside else 1.0
+                    out.append(lower + (le - lower) * share)
+                break
+            lower, below = le, buckets[le]
+    return int(total), out
 
 
 class EngineCollector(Collector):
@@ -126,6 +210,7 @@ def install(app: FastAPI, node: CacheNode) -> CollectorRegistry:
     )
 
     app.add_middleware(LatencyMiddleware, histogram=latency)
+    app.state.request_latency = latency  # the dashboard's lookup latency percentiles
 
     return registry
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from sessioncache import __version__
 
-COMMANDS = ["info", "serve", "db", "gc", "replay"]
+COMMANDS = ["info", "serve", "db", "gc", "replay", "stats"]
 
 
 def build_parser() -> argparse.ArgumentParser:

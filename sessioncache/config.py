@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -167,6 +167,24 @@ class Settings(BaseSettings):
     )
     upload_ttl_s: float = Field(
         600.0, gt=0, description="how long the upload slots of a store stay open"
+    )
+
+    # -- admin dashboard (`/admin`)
+    admin_token: SecretStr | None = Field(
+        None,
+        description="token of the `/admin` dashboard (separate from API keys); unset: the "
+        "dashboard is served only when the service runs open on loopback",
+    )
+    prefill_tokens_per_s: float = Field(
+        10000.0,
+        gt=0,
+        description="an engine's prefill rate, to turn hit tokens into GPU-seconds saved",
+    )
+    history_interval_s: float = Field(
+        5.0, gt=0, description="period of the in-memory stats history behind the dashboard"
+    )
+    history_span_s: float = Field(
+        3600.0, gt=0, description="how far back the in-memory stats history reaches"
     )
 
     # -- data plane (docs/dataplane.md)

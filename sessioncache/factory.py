@@ -14,6 +14,7 @@ from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
 from sessioncache.events import StoreObserver
 from sessioncache.fleet import FleetIndex, FleetObserver
+from sessioncache.history import StatsHistory
 from sessioncache.node import CacheNode
 from sessioncache.redis_link import client_factory
 from sessioncache.sessions import SessionManager
@@ -181,9 +182,16 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
     if refresher is not None:
         on_close.append(refresher.stop)
     on_close.append(catalog.close)
-    return CacheNode(
+    node = CacheNode(
         settings, store, sessions, on_close=on_close, fleet=fleet, owners=owners, usage=catalog
     )
+    # the dashboard's charts: the node stops it when it closes
+    node.history = StatsHistory(
+        node.sample, interval_s=settings.history_interval_s, span_s=settings.history_span_s
+    )
+    if start:
+        node.history.start()
+    return node
 
 
 def catalog_label(settings: Settings) -> str:

@@ -25,6 +25,7 @@ from sessioncache.hashing import (
     block_hashes_from_bytes,
     tenant_namespace,
 )
+from sessioncache.history import Sample, StatsHistory, TierSample
 from sessioncache.sessions import SessionManager
 from sessioncache.store import Match, TieredStore
 from sessioncache.tenancy import NamespaceOwners
@@ -35,6 +36,8 @@ from sessioncache.uploads import UploadSlots
 log = logging.getLogger("sessioncache.node")
 
 OPEN_TENANT = "default"
+MAX_TRACKED = 100_000
+"""Most namespaces and sessions whose token counts a node keeps in memory."""
 
 
 class UploadRefused(SessionCacheError):
@@ -74,6 +77,7 @@ class CacheNode:
         fleet: FleetIndex | None = None,
         owners: NamespaceOwners | None = None,
         usage: UsageRecorder | None = None,
+        history: StatsHistory | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -85,13 +89,54 @@ class CacheNode:
         self._on_close = list(on_close)
         self.fleet = fleet
         self._tokens = TokenCounts()
+        # per namespace root and per session, for the dashboard (bounded: see _count_tokens)
+        self._root_tokens: dict[bytes, TokenCounts] = {}
+        self._session_hits: dict[str, int] = {}
         self._usage = usage
+        self.history = history
         self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far: found in the cache (hit) or not (miss)."""
         with self._lock:
             return replace(self._tokens)
+
+    def namespace_tokens(self) -> dict[bytes, TokenCounts]:
+        """Hit and miss tokens per namespace root, since the process started."""
+        with self._lock:
+            return {root: replace(t) for root, t in self._root_tokens.items()}
+
+    def session_hit_tokens(self, session_ids: Sequence[str]) -> dict[str, int]:
+        """Hit tokens of lookups naming each session, since the process started."""
+        with self._lock:
+            return {sid: self._session_hits.get(sid, 0) for sid in session_ids}
+
+    def describe_root(self, root: bytes) -> tuple[str, dict[str, object]] | None:
+        """(tenant, namespace fields) of a namespace root, when known."""
+        return self._owners.describe(root)
+
+    def sample(self) -> Sample:
+        """The figures the stats history keeps (``history.Sample``)."""
+        counters = self.store.counters()
+        tokens = self.token_counts()
+        return Sample(
+            at=self.store.clock.now(),
+            hit_tokens=tokens.hit,
+            miss_tokens=tokens.miss,
+            lookups=counters.lookups,
+            puts=counters.puts,
+            stored_blocks=counters.stored_blocks,
+            loaded_bytes=counters.loaded_bytes,
+            evictions=counters.evictions,
+            demotions=counters.demotions,
+            expirations=counters.expirations,
+            corrupt_reads=counters.corrupt_reads,
+            sessions=self.sessions.count(),
+            tiers=tuple(
+                TierSample(t.name, t.used_bytes, t.capacity_bytes, t.pinned_bytes, t.blocks)
+                for t in self.store.stats_tiers()
+            ),
+        )
 
     @property
     def durable_uploads(self) -> bool:
@@ -162,7 +207,12 @@ class CacheNode:
     ) -> LookupResult:
         hashes = self.hashes(tenant, namespace, token_bytes)
         match = self._match(tenant, hashes, session_id=session_id, lease_s=lease_s)
-        self._count_tokens(match.num_blocks * namespace.block_tokens, len(token_bytes) // 4)
+        self._count_tokens(
+            match.num_blocks * namespace.block_tokens,
+            len(token_bytes) // 4,
+            root=self.namespace_root(tenant, namespace),
+            session_id=session_id,
+        )
         return LookupResult(namespace.block_tokens, hashes, match)
 
     def lookup_ids(
@@ -187,7 +237,12 @@ class CacheNode:
         own = self.chain_prefix(root, hashes)
         match = self._match(tenant, hashes[:own], session_id=session_id, lease_s=lease_s)
         block_tokens = namespace.block_tokens
-        self._count_tokens(match.num_blocks * block_tokens, len(hashes) * block_tokens)
+        self._count_tokens(
+            match.num_blocks * block_tokens,
+            len(hashes) * block_tokens,
+            root=root,
+            session_id=session_id,
+        )
         return LookupResult(block_tokens, list(hashes), match)
 
     def chain_prefix(self, root: bytes, hashes: Sequence[BlockHash]) -> int:
@@ -241,10 +296,23 @@ class CacheNode:
             return self.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
         return self.store.lookup(hashes, lease_s=lease_s)
 
-    def _count_tokens(self, hit: int, asked: int) -> None:
+    def _count_tokens(
+        self, hit: int, asked: int, *, root: bytes, session_id: str | None = None
+    ) -> None:
         with self._lock:
             self._tokens.hit += hit
             self._tokens.miss += asked - hit
+            per_root = self._root_tokens.get(root)
+            if per_root is None:
+                if len(self._root_tokens) >= MAX_TRACKED:
+                    self._root_tokens.clear()  # a flood of namespaces: start counting afresh
+                per_root = self._root_tokens[root] = TokenCounts()
+            per_root.hit += hit
+            per_root.miss += asked - hit
+            if session_id is not None and hit:
+                if session_id not in self._session_hits and len(self._session_hits) >= MAX_TRACKED:
+                    self._session_hits.clear()
+                self._session_hits[session_id] = self._session_hits.get(session_id, 0) + hit
         if self._usage is not None:  # durable history, bucketed (write-behind, never blocks)
             self._usage.record_usage("hit_tokens", hit)
             self._usage.record_usage("miss_tokens", asked - hit)
@@ -371,6 +439,8 @@ class CacheNode:
         self.store.release(lease_id)
 
     def close(self) -> None:
+        if self.history is not None:
+            self.history.stop()
         for hook in self._on_close:
             try:
                 hook()

@@ -39,6 +39,7 @@ from typing import Protocol
 
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import BlockHash
+from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, PutResult, TieredStore
 from sessioncache.tiers.payload import Payload
 
@@ -184,6 +185,20 @@ class SessionManager:
             return [
                 replace(s) for s in self._sessions.values() if tenant is None or s.tenant == tenant
             ]
+
+    def page(self, query: SessionQuery) -> SessionPage:
+        """One page of the open sessions, searched and sorted: in SQL when the repository
+        pages itself (the catalog, which also holds the fleet's other nodes' sessions), else
+        over the sessions in memory. ``pinned`` is this node's view."""
+        now = self._clock.now()
+        if isinstance(self._repo, SessionSearch):
+            page = self._repo.query_sessions(query, now=now)
+            with self._lock:
+                for session in page.sessions:
+                    session.pinned = session.id in self._pins
+            return page
+        with self._lock:
+            return page_in_memory([replace(s) for s in self._sessions.values()], query, now=now)
 
     def extend(
         self, session_id: str, *, tenant: str | None = None, ttl_s: float | None = None

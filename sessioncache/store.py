@@ -180,6 +180,14 @@ class Counters:
     promotions: int = 0
     expirations: int = 0
     corrupt_reads: int = 0
+    loaded_bytes: int = 0
+    """Payload bytes handed to readers: block reads and same-host locates (load GB/s)."""
+
+
+@dataclass(slots=True)
+class NamespaceUsage:
+    blocks: int = 0
+    bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +376,17 @@ class TieredStore:
         with self._lock:
             return self._index.chain_to(head)
 
+    def chain_tiers(self, head: BlockHash) -> list[tuple[BlockMeta, list[str]]]:
+        """The held chain ending at ``head`` (root first) as record snapshots with the names
+        of the tiers holding each block, fastest first: one pass under the lock."""
+        with self._lock:
+            out = []
+            for block_hash in self._index.chain_to(head):
+                meta = self._index.snapshot(block_hash)
+                if meta is not None:
+                    out.append((meta, [self._tiers[t].name for t in sorted(meta.tiers)]))
+            return out
+
     def holdings(self) -> list[tuple[BlockHash, str, float]]:
         """``(id, tier name, expires_at)`` of every held copy (the fleet index republishes
         these when it re-registers)."""
@@ -438,6 +457,8 @@ class TieredStore:
             with self._lock:
                 self._counters.corrupt_reads += 1
                 self._drop_from_tier(meta, tier)
+        with self._lock:
+            self._counters.loaded_bytes += meta.nbytes
         if promote and tier > 0:
             with self._lock:
                 first = block_hash not in self._promoting
@@ -558,6 +579,27 @@ class TieredStore:
                 )
             ]
 
+    def namespace_usage(self) -> dict[bytes, NamespaceUsage]:
+        """Blocks and payload bytes held per namespace root, for the dashboard and scrapes.
+
+        The lock is held only to copy the record list; the pass over it, several times
+        longer, runs outside, so a scrape does not stall the data path for it. A record's
+        root and size never change;
+        whether it is still held may have changed by the time it is read: figures of a
+        moment, as any scrape's."""
+        with self._lock:
+            records = list(self._index.records())
+        out: dict[bytes, NamespaceUsage] = {}
+        for meta in records:
+            if not meta.tiers:
+                continue
+            usage = out.get(meta.namespace_root)
+            if usage is None:
+                usage = out[meta.namespace_root] = NamespaceUsage()
+            usage.blocks += 1
+            usage.bytes += meta.nbytes
+        return out
+
     def stats(self) -> StoreStats:
         with self._lock:
             self._index.reap_leases(self._clock.now())
@@ -610,6 +652,7 @@ class TieredStore:
                     break
             with self._lock:
                 checksum = meta.checksum
+                self._counters.loaded_bytes += meta.nbytes  # the engine maps and reads it
             if checksum is None:
                 view = self._tiers[shm_index].get(block_hash)
                 if view is None:

@@ -33,20 +33,25 @@ class NamespaceOwners:
     def __init__(self, repository: OwnerRepository | None = None) -> None:
         self._repository = repository
         self._owners: dict[bytes, str] = {}
+        self._namespaces: dict[bytes, dict[str, Any]] = {}  # the roots' descriptions
         self._lock = threading.Lock()
 
     def load(self) -> int:
         """Read the owners the repository knows; returns how many."""
         if self._repository is None:
             return 0
-        found = {
-            bytes(root): description["tenant"]
+        described = {
+            bytes(root): description
             for root, description in self._repository.namespaces().items()
             if isinstance(description, dict) and isinstance(description.get("tenant"), str)
         }
         with self._lock:
-            self._owners.update(found)
-        return len(found)
+            for root, description in described.items():
+                self._owners[root] = description["tenant"]
+                namespace = description.get("namespace")
+                if isinstance(namespace, dict):
+                    self._namespaces[root] = namespace
+        return len(described)
 
     def claim(self, root: bytes, tenant: str, namespace: Namespace) -> None:
         """``tenant`` derived ``root`` from ``namespace`` (its unsalted form)."""
@@ -54,6 +59,7 @@ class NamespaceOwners:
             if self._owners.get(root) == tenant:
                 return
             self._owners[root] = tenant
+            self._namespaces[root] = asdict(namespace)
         if self._repository is not None:
             self._repository.register_namespace(
                 root, {"tenant": tenant, "namespace": asdict(namespace)}
@@ -62,3 +68,11 @@ class NamespaceOwners:
     def owner(self, root: bytes) -> str | None:
         with self._lock:
             return self._owners.get(root)
+
+    def describe(self, root: bytes) -> tuple[str, dict[str, Any]] | None:
+        """(owning tenant, namespace fields) of ``root``, when known."""
+        with self._lock:
+            tenant = self._owners.get(root)
+            if tenant is None:
+                return None
+            return tenant, dict(self._namespaces.get(root, {}))

@@ -34,6 +34,17 @@ def test_the_wheel_installs_only_sessioncache_at_the_top_level(tmp_path: Path):
     for sub in ("tiers/disk.py", "api/app.py", "migrations/env.py", "migrations/versions"):
         assert (package / sub).exists(), sub
     assert not (package / "tiers").is_symlink()
+    # the dashboard's files ship in the package: no CDN, no build step
+    static = package / "api" / "admin" / "static"
+    for name in (
+        "admin.html",
+        "admin.js",
+        "admin.css",
+        "uPlot.iife.min.js",
+        "uPlot.min.css",
+        "uPlot.LICENSE",
+    ):
+        assert (static / name).stat().st_size > 0, name
 
 
 def test_nothing_imports_the_folders_by_their_old_top_level_names():

@@ -37,6 +37,7 @@ from sqlalchemy import (
     Executable,
     delete,
     func,
+    or_,
     select,
 )
 from sqlalchemy.engine import URL
@@ -54,6 +55,7 @@ from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import SessionCacheError
 from sessioncache.hashing import BlockHash
+from sessioncache.session_query import SessionPage, SessionQuery
 from sessioncache.sessions import Session
 from sessioncache.tiers.base import Tier
 
@@ -360,6 +362,31 @@ class Catalog:
         with self.engine.connect() as conn:
             row = conn.execute(select(t).where(t.c.id == session_id)).first()
         return _session_of(row) if row is not None else None
+
+    def query_sessions(self, query: SessionQuery, *, now: float) -> SessionPage:
+        """One page of the unexpired sessions, searched and sorted in SQL (``SessionSearch``;
+        pending saves are flushed first, so last-seen times are current)."""
+        self.flush()
+        t = sessions_table
+        where = [t.c.expires_at > now]
+        if query.tenant is not None:
+            where.append(t.c.tenant == query.tenant)
+        if query.search:
+            needle = query.search.lower()
+            where.append(
+                or_(
+                    func.lower(t.c.id).contains(needle, autoescape=True),
+                    func.lower(t.c.tenant).contains(needle, autoescape=True),
+                )
+            )
+        column = t.c[query.sort]
+        order = [column.desc(), t.c.id.desc()] if query.descending else [column, t.c.id]
+        with self.engine.connect() as conn:
+            total = conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one()
+            rows = conn.execute(
+                select(t).where(*where).order_by(*order).offset(query.offset).limit(query.limit)
+            ).all()
+        return SessionPage(int(total), [_session_of(r) for r in rows])
 
     # -- block rows (synchronous: reconciliation, tools, tests) -------------------------
 

@@ -122,11 +122,24 @@ def share_and_continue(a: Server, b: Server) -> None:
         assert back_on_a.json()["matched_blocks"] == 12
 
 
+def fleet_on_the_dashboard(a: Server) -> None:
+    """Node A's dashboard lists both nodes of the fleet index, healthy (open local mode: no
+    admin token needed), and /metrics counts them."""
+    with httpx.Client(base_url=a.url, timeout=30) as c:
+        fleet = c.get("/admin/api/overview").json()["fleet"]
+        assert [(n["node_id"], n["healthy"], n["self"]) for n in fleet["nodes"]] == [
+            ("a", True, True),
+            ("b", True, False),
+        ]
+        assert "sessioncache_fleet_nodes 2.0" in c.get("/metrics").text
+
+
 def test_two_nodes_share_blocks_and_sessions(tmp_path: Path, schema: str) -> None:
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
     nodes = start_nodes(tmp_path, "redis://127.0.0.1:6379/0", prefix, schema, ["a", "b"])
     try:
         share_and_continue(nodes[0], nodes[1])
+        fleet_on_the_dashboard(nodes[0])
     finally:
         for node in nodes:
             node.stop()
@@ -185,6 +198,8 @@ def test_redis_stopped_mid_load_and_restarted(tmp_path: Path, schema: str) -> No
             ready = c.get("/readyz").json()
             assert ready["status"] == "degraded" and ready["problems"], ready
             assert "sessioncache_degraded 1.0" in c.get("/metrics").text
+            overview = c.get("/admin/api/overview")  # the dashboard says so, without failing
+            assert overview.status_code == 200 and overview.json()["problems"], overview.text
         served_while_down = lookups[0]
         server.restart()
         restarted = time.monotonic()
