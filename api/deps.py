@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from sessioncache.api.errors import AuthRequired
+from sessioncache.attribution import Attribution
 from sessioncache.node import CacheNode
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
@@ -37,7 +38,12 @@ async def get_store(node: NodeDep) -> TieredStore:
     return node.store
 
 
+async def get_attribution(node: NodeDep) -> Attribution:
+    return node.attribution
+
+
 SessionsDep = Annotated[SessionManager, Depends(get_sessions)]
+AttributionDep = Annotated[Attribution, Depends(get_attribution)]
 StoreDep = Annotated[TieredStore, Depends(get_store)]
 
 

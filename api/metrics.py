@@ -32,6 +32,14 @@ class StoreCollector(Collector):
         miss = CounterMetricFamily("sessioncache_miss_tokens", "Prompt tokens not found")
         miss.add_metric([], tokens.miss)
         yield miss
+        by_reason = CounterMetricFamily(
+            "sessioncache_miss_tokens_by_reason",
+            "Prompt tokens not found, by why (docs/prompt-stability.md)",
+            labels=["reason"],
+        )
+        for reason, count in node.attribution.miss_tokens().items():
+            by_reason.add_metric([reason], count)
+        yield by_reason
         for name in (
             "lookups",
             "evictions",

@@ -14,6 +14,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from sessioncache.attribution import (
+    Attribution,
+    DropLog,
+    MissReport,
+    StoreView,
+)
 from sessioncache.blocks import BlockMeta
 from sessioncache.config import Settings
 from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
@@ -46,6 +52,8 @@ class LookupResult:
     block_tokens: int
     hashes: list[BlockHash]
     match: Match
+    miss: MissReport | None = None
+    """Why the tokens past the match missed (``sessioncache/attribution.py``)."""
 
 
 @dataclass(slots=True)
@@ -87,6 +95,14 @@ class CacheNode:
         self._tokens = TokenCounts()
         self._usage = usage
         self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
+        drops = DropLog(settings.attribution_ring_blocks)
+        store.observe(drops)
+        self.attribution = Attribution(
+            StoreView(store.meta, store.clock.now),
+            drops,
+            max_sessions=settings.attribution_sessions,
+        )
+        sessions.on_unpin(self.attribution.unpinned)
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far: found in the cache (hit) or not (miss)."""
@@ -162,8 +178,18 @@ class CacheNode:
     ) -> LookupResult:
         hashes = self.hashes(tenant, namespace, token_bytes)
         match = self._match(tenant, hashes, session_id=session_id, lease_s=lease_s)
-        self._count_tokens(match.num_blocks * namespace.block_tokens, len(token_bytes) // 4)
-        return LookupResult(namespace.block_tokens, hashes, match)
+        asked = len(token_bytes) // 4
+        self._count_tokens(match.num_blocks * namespace.block_tokens, asked)
+        miss = self.attribution.lookup(
+            self.namespace_root(tenant, namespace),
+            hashes,
+            match.num_blocks,
+            namespace.block_tokens,
+            asked,
+            tokens=bytes(token_bytes) if session_id is not None else None,
+            session=(session_id, tenant) if session_id is not None else None,
+        )
+        return LookupResult(namespace.block_tokens, hashes, match, miss)
 
     def lookup_ids(
         self,
@@ -188,7 +214,15 @@ class CacheNode:
         match = self._match(tenant, hashes[:own], session_id=session_id, lease_s=lease_s)
         block_tokens = namespace.block_tokens
         self._count_tokens(match.num_blocks * block_tokens, len(hashes) * block_tokens)
-        return LookupResult(block_tokens, list(hashes), match)
+        miss = self.attribution.lookup(
+            root,
+            hashes,
+            match.num_blocks,
+            block_tokens,
+            len(hashes) * block_tokens,
+            session=(session_id, tenant) if session_id is not None else None,
+        )
+        return LookupResult(block_tokens, list(hashes), match, miss)
 
     def chain_prefix(self, root: bytes, hashes: Sequence[BlockHash]) -> int:
         """How many of ``hashes``, from the first, may match for a caller whose chain starts
@@ -285,6 +319,7 @@ class CacheNode:
             )
         if session_id is not None and hashes:
             self.sessions.record(session_id, hashes, tenant=tenant)
+            self.attribution.stored(session_id, tenant, hashes, bytes(token_bytes))
         return StorePlan(namespace.block_tokens, hashes, missing)
 
     def upload(self, tenant: str, block_hash: BlockHash, payload: Payload) -> bool:

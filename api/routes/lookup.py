@@ -17,6 +17,7 @@ from sessioncache.api.schemas import (
     LookupRequest,
     LookupResponse,
 )
+from sessioncache.attribution import MissReport
 from sessioncache.hashing import HASH_BYTES, BlockHash, Namespace
 from sessioncache.node import CacheNode
 
@@ -77,6 +78,8 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
         "lease": {"id": lease.id, "expires_at": lease.expires_at} if lease else None,
         "locations": node.locations(match.hashes) if body.locations else None,
     }
+    if body.explain and result.miss is not None:
+        out["miss"] = miss_json(result.miss)
     runs = tier_runs(match.tiers)
     if body.answer_compact:
         out["tiers"] = [{"tier": tier, "blocks": count} for tier, count in runs]
@@ -92,6 +95,23 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
             + json.dumps(out, separators=(",", ":"))[1:]
         )
     return Response(text, media_type="application/json")
+
+
+def miss_json(miss: MissReport) -> dict[str, Any]:
+    """``MissOut`` as a dict."""
+    first = miss.first
+    out: dict[str, Any] = {"reason": None, "tokens": miss.tokens}
+    if first is not None:
+        out.update(
+            reason=first.reason,
+            block=first.block,
+            token=first.token,
+            offset=first.offset,
+            tier=first.tier,
+            ago_s=first.ago_s,
+            pressure=first.pressure,
+        )
+    return out
 
 
 def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
