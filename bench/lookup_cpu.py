@@ -158,6 +158,8 @@ def main() -> None:
             report("CacheNode.lookup_ids", timed(lambda: node.lookup_ids("default", ns, ids), n))
             report("  of which chain_prefix", timed(lambda: node.chain_prefix(root, ids), n))
         report("TieredStore.lookup", timed(lambda: node.store.lookup(ids), n))
+        if hasattr(node, "attribution"):  # absent before miss attribution
+            attribution_costs(node, ns, tb, n)
 
         async def over_asgi() -> None:
             async with app.router.lifespan_context(app):
@@ -176,6 +178,46 @@ def main() -> None:
                     await profile(app, requests)
 
         asyncio.run(over_asgi())
+
+
+def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:
+    """Miss attribution's share of a lookup: the next turn of a session (the stored prompt
+    plus an eighth more, new), with a ring of dropped ids as full as the default allows, and a
+    prompt nothing of which is held (every block asks the rings)."""
+    rng = np.random.default_rng(1)
+    grown = tb + rng.integers(0, 128_000, len(tb) // 32).astype("<u4").tobytes()
+    cold = rng.integers(0, 128_000, len(tb) // 4).astype("<u4").tobytes()
+    node.sessions.open("bench-session", tenant="default")
+    node.plan_store("default", ns, tb, session_id="bench-session")
+    drops = node.attribution.drops
+    if not sum(drops.size().values()):  # a full ring: as after a day of evictions
+        meta = node.store.meta(node.hashes("default", ns, tb)[0])
+        for i in range(node.settings.attribution_ring_blocks):
+            meta.block_hash = i.to_bytes(16, "little")
+            drops.block_dropped(meta, "cpu", 0.0)
+    root = node.namespace_root("default", ns)
+    bt = ns.block_tokens
+    session = ("bench-session", "default")
+    hashes = node.hashes("default", ns, grown)
+    matched = len(tb) // 4 // bt
+    cold_hashes = node.hashes("default", ns, cold)
+    print(f"attribution: session turn of {len(hashes)} blocks, {len(hashes) - matched} new")
+    whole = timed(lambda: node.lookup("default", ns, grown, session_id="bench-session"), n)
+    part = timed(
+        lambda: node.attribution.lookup(
+            root, hashes, matched, bt, len(grown) // 4, tokens=grown, session=session
+        ),
+        n,
+    )
+    report("CacheNode.lookup (tokens, session turn)", whole)
+    report("  of which Attribution.lookup", part)
+    cold_whole = timed(lambda: node.lookup("default", ns, cold), n)
+    cold_part = timed(lambda: node.attribution.lookup(root, cold_hashes, 0, bt, len(cold) // 4), n)
+    report(f"CacheNode.lookup (tokens, {len(cold_hashes)} new)", cold_whole)
+    report("  of which Attribution.lookup", cold_part)
+    for label, a, b in (("session turn", part, whole), ("all new", cold_part, cold_whole)):
+        share = statistics.median(a) / statistics.median(b)
+        print(f"attribution share of the lookup ({label}, medians): {share:.1%}")
 
 
 async def profile(app: Any, requests: dict[str, tuple[str, str, bytes]]) -> None:

@@ -19,11 +19,14 @@ What it costs, and why it stays bounded:
   not a second index, only what fell out recently. An id older than the ring is reported as
   ``evicted`` with no tier when the session is known to have held it, else as ``new``.
 * ``Attribution`` keeps per session (at most ``max_sessions``, least recently active dropped
-  first) its previous prompt compactly: its ids as one ``bytes`` (16 bytes a block, for the
-  divergence block by binary search: ids commit to their whole prefix, so "same id at
-  position i" is true up to the divergence and false after) and a reference to the prompt's
-  token bytes (the request's own buffer, no copy; for the token offset inside the diverging
-  block), plus the totals ``GET /v1/sessions/{id}`` reports.
+  first) its previous prompt: the last one it stored (``POST /v1/store`` naming the session),
+  or the matched part of a lookup whose held chain that prompt does not cover (a session
+  stored through other means). A lookup that diverges does not replace it, so that a retry,
+  or a second engine, is told the same. It is kept compactly: its ids as one ``bytes``
+  (16 bytes a block, for the divergence block by binary search: ids commit to their whole
+  prefix, so "same id at position i" is true up to the divergence and false after) and a
+  reference to the prompt's token bytes (the request's own buffer, no copy; for the token
+  offset inside the diverging block), plus the totals ``GET /v1/sessions/{id}`` reports.
 
 Thread-safe: one lock each; the store calls ``DropLog`` with its own lock held (lock order
 store, then drop log) and ``Attribution`` never calls the store holding its lock.
@@ -120,6 +123,11 @@ class DropLog:
                         found = drop
                 out.append(found)
             return out
+
+    def any_dropped(self, hashes: Sequence[BlockHash]) -> bool:
+        """Whether any of ``hashes`` is remembered (at C speed: the usual answer is no)."""
+        with self._lock:
+            return any(any(map(ring.__contains__, hashes)) for ring in self._rings.values())
 
     def size(self) -> dict[str, int]:
         with self._lock:
@@ -252,7 +260,7 @@ class Attribution:
             prev_held=held,
             budget_unpinned=budget,
         )
-        ids = b"".join(hashes) if trail is not None else b""
+        ids = b"".join(hashes[:matched]) if trail is not None else b""
         with self._lock:
             for reason, count in report.tokens.items():
                 self._miss_tokens[reason] += count
@@ -264,7 +272,10 @@ class Attribution:
                     totals.miss_tokens[reason] += count
                 if report.divergence is not None:
                     totals.last_divergence = report.divergence
-                trail.prev_ids, trail.prev_tokens, trail.held = ids, tokens, matched
+                if matched and not _continues(trail.prev_ids, hashes[matched - 1], matched):
+                    # a held chain the reference does not cover: it becomes the reference
+                    trail.prev_ids, trail.prev_tokens = ids[: matched * HASH_BYTES], tokens
+                    trail.held = matched
         return report
 
     def stored(
@@ -317,6 +328,11 @@ class Attribution:
         else:
             self._trails.move_to_end(session_id)
         return trail
+
+
+def _continues(prev_ids: bytes, last: BlockHash, n: int) -> bool:
+    """Whether a chain of ``n`` blocks ending in ``last`` is a prefix of ``prev_ids``."""
+    return prev_ids[(n - 1) * HASH_BYTES : n * HASH_BYTES] == last
 
 
 def divergence_block(hashes: Sequence[BlockHash], prev_ids: bytes) -> int | None:
@@ -390,56 +406,61 @@ def classify(
     if matched >= n:
         return MissReport(None, counts, divergence)
 
-    missing = hashes[matched:]
-    # Outside the previous prompt's diverged span: ask the rings, then the store
-    div_end = prev_n if k is not None else 0
+    # [d0, d1): missed blocks past the divergence, within the previous prompt: diverged
     div_start = k if k is not None else n
-    found = drops.find_many(missing)
+    d0, d1 = max(matched, div_start), (min(prev_n, n) if k is not None else 0)
+    held_lim = min(prev_n, prev_held, div_start)  # the previous prompt's blocks before k
+    now = store.now()
     # Held blocks among the missed are rare (an expired chain not yet swept, a hole): read
     # records one by one only when the first missed block is one
-    probe = found[0] is None and store.meta(missing[0]) is not None
-    now = store.now()
-    first: MissCause | None = None
-    hole: Reason | None = None
-    for j, block_hash in enumerate(missing):
-        i = matched + j
-        cause: MissCause
-        drop = found[j]
-        meta = store.meta(block_hash) if probe and drop is None else None
-        if div_start <= i < div_end:
+    probe = store.meta(hashes[matched]) is not None
+
+    def cause_of(i: int, drop: Drop | None, hole: Reason | None) -> MissCause:
+        if d0 <= i < d1:
             assert divergence is not None
-            cause = MissCause(
-                "diverged",
-                i,
-                divergence.token if i == k else i * block_tokens,
-                divergence.offset if i == k else None,
-            )
-        elif drop is not None and drop.namespace_root == root:
+            if i == k:
+                return MissCause("diverged", i, divergence.token, divergence.offset)
+            return MissCause("diverged", i, i * block_tokens)
+        if drop is not None and drop.namespace_root == root:
             if drop.expired:
-                cause = MissCause(
+                return MissCause(
                     "expired", i, i * block_tokens, tier=drop.tier, ago_s=now - drop.expires_at
                 )
-            else:
-                in_prev = i < prev_n and i < div_start
-                pressure: Pressure = "pin_budget" if budget_unpinned and in_prev else "capacity"
-                cause = MissCause(
-                    "evicted",
-                    i,
-                    i * block_tokens,
-                    tier=drop.tier,
-                    ago_s=now - drop.at,
-                    pressure=pressure,
-                )
-        elif meta is not None and meta.namespace_root == root:
+            pressure: Pressure = "pin_budget" if budget_unpinned and i < held_lim else "capacity"
+            return MissCause(
+                "evicted",
+                i,
+                i * block_tokens,
+                tier=drop.tier,
+                ago_s=now - drop.at,
+                pressure=pressure,
+            )
+        meta = store.meta(hashes[i]) if probe else None
+        if meta is not None and meta.namespace_root == root:
             if meta.expired(now):
-                cause = MissCause("expired", i, i * block_tokens, ago_s=now - meta.expires_at)
-            else:  # held, unusable behind the first missed block
-                cause = MissCause(hole or "new", i, i * block_tokens)
-        elif i < min(prev_n, prev_held, div_start):
-            cause = MissCause("evicted", i, i * block_tokens)  # older than the rings
-        else:
-            cause = MissCause("new", i, i * block_tokens)
-        if first is None:
-            first, hole = cause, cause.reason
-        counts[cause.reason] += block_tokens
+                return MissCause("expired", i, i * block_tokens, ago_s=now - meta.expires_at)
+            return MissCause(hole or "new", i, i * block_tokens)  # held, behind the hole
+        if i < held_lim:
+            return MissCause("evicted", i, i * block_tokens)  # older than the rings
+        return MissCause("new", i, i * block_tokens)
+
+    first = cause_of(matched, drops.find(hashes[matched]), None)
+    counts[first.reason] += block_tokens
+    rest = matched + 1
+    segments = [(rest, n)]
+    if d1 > d0:
+        counts["diverged"] += max(0, d1 - max(d0, rest)) * block_tokens
+        segments = [(rest, d0), (max(d1, rest), n)]
+    # The rest, outside the diverged span: in bulk unless a ring or the store knows a block
+    for a, b in segments:
+        if a >= b:
+            continue
+        segment = hashes[a:b]
+        if not probe and not drops.any_dropped(segment):
+            evicted = max(0, min(b, held_lim) - a)
+            counts["evicted"] += evicted * block_tokens
+            counts["new"] += (b - a - evicted) * block_tokens
+            continue
+        for i, drop in enumerate(drops.find_many(segment), a):
+            counts[cause_of(i, drop, first.reason).reason] += block_tokens
     return MissReport(first, counts, divergence)

@@ -78,8 +78,7 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
         "lease": {"id": lease.id, "expires_at": lease.expires_at} if lease else None,
         "locations": node.locations(match.hashes) if body.locations else None,
     }
-    if body.explain and result.miss is not None:
-        out["miss"] = miss_json(result.miss)
+    out["miss"] = miss_json(result.miss) if body.explain and result.miss is not None else None
     runs = tier_runs(match.tiers)
     if body.answer_compact:
         out["tiers"] = [{"tier": tier, "blocks": count} for tier, count in runs]
@@ -98,20 +97,18 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
 
 
 def miss_json(miss: MissReport) -> dict[str, Any]:
-    """``MissOut`` as a dict."""
+    """``MissOut`` as a dict (every field, as the model dumps it)."""
     first = miss.first
-    out: dict[str, Any] = {"reason": None, "tokens": miss.tokens}
-    if first is not None:
-        out.update(
-            reason=first.reason,
-            block=first.block,
-            token=first.token,
-            offset=first.offset,
-            tier=first.tier,
-            ago_s=first.ago_s,
-            pressure=first.pressure,
-        )
-    return out
+    return {
+        "reason": first.reason if first else None,
+        "block": first.block if first else None,
+        "token": first.token if first else None,
+        "offset": first.offset if first else None,
+        "tier": first.tier if first else None,
+        "ago_s": first.ago_s if first else None,
+        "pressure": first.pressure if first else None,
+        "tokens": miss.tokens,
+    }
 
 
 def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
