@@ -260,7 +260,6 @@ class Attribution:
             prev_held=held,
             budget_unpinned=budget,
         )
-        ids = b"".join(hashes[:matched]) if trail is not None else b""
         with self._lock:
             for reason, count in report.tokens.items():
                 self._miss_tokens[reason] += count
@@ -270,11 +269,27 @@ class Attribution:
                 totals.hit_tokens += matched * block_tokens
                 for reason, count in report.tokens.items():
                     totals.miss_tokens[reason] += count
-                if report.divergence is not None:
-                    totals.last_divergence = report.divergence
-                if matched and not _continues(trail.prev_ids, hashes[matched - 1], matched):
+                div, last = report.divergence, totals.last_divergence
+                # the same divergence told by ids alone (another engine's lookup) keeps the
+                # offset a lookup by tokens found
+                if div is not None and not (
+                    div.offset is None and last is not None and last.block == div.block
+                ):
+                    totals.last_divergence = div
+                prev_n = len(trail.prev_ids) // HASH_BYTES
+                if matched and (
+                    matched >= prev_n
+                    or not _continues(trail.prev_ids, hashes[matched - 1], matched)
+                ):
                     # a held chain the reference does not cover: it becomes the reference
-                    trail.prev_ids, trail.prev_tokens = ids[: matched * HASH_BYTES], tokens
+                    # (keeping the tokens of one it only extends, when this came as ids)
+                    ids = b"".join(hashes[:matched])
+                    extends = prev_n and _continues(
+                        ids, BlockHash(trail.prev_ids[-HASH_BYTES:]), prev_n
+                    )
+                    if tokens is None and extends:
+                        tokens = trail.prev_tokens
+                    trail.prev_ids, trail.prev_tokens = ids, tokens
                     trail.held = matched
         return report
 

@@ -36,7 +36,7 @@ def test_miss_says_where_an_edited_prompt_diverged(open_server: Server) -> None:
         assert by_id is not None and by_id.reason == "diverged" and by_id.offset is None
         totals = c.get_session(s.id).attribution
         assert totals is not None and totals.lookups == 3
-        assert totals.last_divergence == (2, None, 16)  # the last lookup came as ids
+        assert totals.last_divergence == (2, 3, 19)  # kept: the id lookup knows no offset
         assert sum(totals.miss_tokens.values()) == 42 + 42 + 40
 
         async def fresh() -> None:
