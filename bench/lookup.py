@@ -173,18 +173,6 @@ def prepare(
             if "binary" in forms:
                 b64 = base64.b64encode(token_bytes).decode()
                 bodies[(n, "binary")] = json.dumps({"namespace": ns, "tokens_b64": b64}).encode()
-            if "session" in forms:
-                # the next turn of a session that stored the prompt: an eighth more, new (the
-                # miss attribution's usual work; a tree without it serves the same request)
-                sid = f"bench-{n}"
-                c.post("/v1/sessions", json={"session_id": sid})
-                plan = {"namespace": ns, "tokens": toks.tolist(), "session_id": sid}
-                c.post("/v1/store", json=plan)
-                more = rng.integers(0, 128_000, n // 8, dtype=np.uint32).astype("<u4").tobytes()
-                b64 = base64.b64encode(token_bytes + more).decode()
-                bodies[(n, "session")] = json.dumps(
-                    {"namespace": ns, "tokens_b64": b64, "session_id": sid}
-                ).encode()
             if resolved is not None:
                 root = bytes.fromhex(resolved["root"])
                 ids = block_hashes_from_bytes(
@@ -198,6 +186,18 @@ def prepare(
                 for form in DATAPLANE_FORMS & set(forms):
                     head = len(ns_json).to_bytes(4, "little") + ns_json
                     bodies[(n, form)] = head + b"".join(ids)
+            if "session" in forms:
+                # the next turn of a session that stored the prompt: an eighth more, new (the
+                # miss attribution's usual work; a tree without it serves the same request)
+                sid = f"bench-{n}"
+                c.post("/v1/sessions", json={"session_id": sid})
+                plan = {"namespace": ns, "tokens": toks.tolist(), "session_id": sid}
+                c.post("/v1/store", json=plan)
+                more = rng.integers(0, 128_000, n // 8, dtype=np.uint32).astype("<u4").tobytes()
+                b64 = base64.b64encode(token_bytes + more).decode()
+                bodies[(n, "session")] = json.dumps(
+                    {"namespace": ns, "tokens_b64": b64, "session_id": sid}
+                ).encode()
             for (m, _form), body in bodies.items():
                 if m != n or _form in DATAPLANE_FORMS:
                     continue

@@ -5,11 +5,12 @@ folder), a prompt's chain is stored, and then each stage is timed alone, one cal
 another on this thread: hashing the prompt, ``CacheNode.lookup`` (tokens) and
 ``CacheNode.lookup_ids`` with their parts, and whole requests through the ASGI app (routing,
 validation, dependencies, thread pool, answer; no sockets and no HTTP parsing) for
-``GET /healthz``, a token lookup (``tokens_b64``, full answer) and a lookup by id
-(``block_ids_b64``, compact answer). Best and median of ``--repeat`` runs, in ms: on a shared
-machine the best is the cost, the median shows the noise. ``--profile`` adds cProfile's top
-functions for the two lookups, with the thread pool run inline so that the profile sees the
-work.
+``GET /healthz``, a session's next turn (its stored prompt and an eighth more, new: what
+miss attribution classifies; with ``explain`` too), a token lookup (``tokens_b64``, full
+answer) and a lookup by id (``block_ids_b64``, compact answer). Best and median of
+``--repeat`` runs, in ms: on a shared machine the best is the cost, the median the noise.
+``--profile`` adds cProfile's top functions for the lookups, with the thread pool run inline
+so that the profile sees the work.
 
 Run: ``python -m bench.lookup_cpu [--tokens 32768] [--block-tokens 16] [--repeat 300]
 [--profile]``.
@@ -139,8 +140,19 @@ def main() -> None:
         ids_body = json.dumps(
             {"namespace": ns_json, "block_ids_b64": base64.b64encode(b"".join(ids)).decode()}
         )
+        # the next turn of a session that stored the prompt: an eighth more, new
+        node.sessions.open("bench-turn", tenant="default")
+        node.plan_store("default", ns, tb, session_id="bench-turn")
+        more = np.random.default_rng(2).integers(0, 128_000, args.tokens // 8)
+        turn = tb + more.astype("<u4").tobytes()
+        turn_json: dict[str, Any] = {
+            "namespace": ns_json,
+            "tokens_b64": base64.b64encode(turn).decode(),
+            "session_id": "bench-turn",
+        }
         requests = {
             "GET /healthz": ("GET", "/healthz", b""),
+            "POST /v1/lookup session turn": ("POST", "/v1/lookup", json.dumps(turn_json).encode()),
             "POST /v1/lookup tokens_b64 (full answer)": (
                 "POST",
                 "/v1/lookup",
@@ -148,6 +160,9 @@ def main() -> None:
             ),
             "POST /v1/lookup block_ids_b64 (compact)": ("POST", "/v1/lookup", ids_body.encode()),
         }
+        if hasattr(node, "attribution"):  # absent before miss attribution
+            explained = json.dumps({**turn_json, "explain": True}).encode()
+            requests["POST /v1/lookup session turn, explain"] = ("POST", "/v1/lookup", explained)
         n = args.repeat
         print(f"{len(ids)} blocks of {args.block_tokens} tokens; ms per call, {n} calls")
         print(f"{'stage':44s} {'best':>8} {'median':>8}")
