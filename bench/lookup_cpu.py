@@ -189,10 +189,62 @@ def main() -> None:
                         return asgi_call(app, m, p, b)
 
                     report(label, await atimed(call, n))
+                if hasattr(node, "attribution"):
+                    cold = rng_tokens(3, args.tokens // 4)
+                    cold_body = json.dumps(
+                        {"namespace": ns_json, "tokens_b64": base64.b64encode(cold).decode()}
+                    ).encode()
+                    await attribution_ab(
+                        app,
+                        node,
+                        {
+                            "session turn": requests["POST /v1/lookup session turn"][2],
+                            f"{len(cold) // 4 // bt} new blocks": cold_body,
+                        },
+                        n,
+                    )
                 if args.profile:
                     await profile(app, requests)
 
         asyncio.run(over_asgi())
+
+
+def rng_tokens(seed: int, n: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 128_000, n).astype("<u4").tobytes()
+
+
+async def attribution_ab(app: Any, node: Any, bodies: dict[str, bytes], n: int) -> None:
+    """Whole ``POST /v1/lookup`` requests with miss attribution on and off (a classifier that
+    does nothing), alternating in rounds of 10 so that load from elsewhere hits both alike:
+    attribution's share of the request's server time."""
+    from sessioncache.attribution import MissReport
+
+    real = node.attribution.lookup
+
+    def off(*args: Any, **kwargs: Any) -> MissReport:
+        return MissReport(None, {}, None)
+
+    for label, body in bodies.items():
+        times: dict[str, list[float]] = {"on": [], "off": []}
+        for _ in range(max(1, n // 10)):
+            for mode, fn in (("on", real), ("off", off)):
+                node.attribution.lookup = fn
+                for _ in range(10):
+                    start = time.perf_counter()
+                    status, answer = await asgi_call(app, "POST", "/v1/lookup", body)
+                    times[mode].append(time.perf_counter() - start)
+                    assert status == 200, answer[:300]
+        node.attribution.lookup = real
+        report(f"POST /v1/lookup {label}, attribution on", times["on"])
+        report(f"POST /v1/lookup {label}, attribution off", times["off"])
+        on, off_ = sorted(times["on"]), sorted(times["off"])
+        q = len(on) // 4
+        median = statistics.median(on) / statistics.median(off_)
+        print(
+            f"attribution on/off ({label}): best {on[0] / off_[0]:.3f}, "
+            f"quartile {on[q] / off_[q]:.3f}, median {median:.3f}",
+            flush=True,
+        )
 
 
 def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:

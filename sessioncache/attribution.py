@@ -124,11 +124,6 @@ class DropLog:
                 out.append(found)
             return out
 
-    def any_dropped(self, hashes: Sequence[BlockHash]) -> bool:
-        """Whether any of ``hashes`` is remembered (at C speed: the usual answer is no)."""
-        with self._lock:
-            return any(any(map(ring.__contains__, hashes)) for ring in self._rings.values())
-
     def size(self) -> dict[str, int]:
         with self._lock:
             return {tier: len(ring) for tier, ring in self._rings.items()}
@@ -199,9 +194,11 @@ class _Trail:
 
 
 class StoreView(NamedTuple):
-    """What attribution reads of the store: ``TieredStore.meta`` and its clock's ``now``."""
+    """What attribution reads of the store: ``TieredStore.meta``, ``where`` (cheaper: no
+    snapshot) and its clock's ``now``."""
 
     meta: Callable[[BlockHash], BlockMeta | None]
+    where: Callable[[BlockHash], list[str]]
     now: Callable[[], float]
 
 
@@ -428,7 +425,7 @@ def classify(
     now = store.now()
     # Held blocks among the missed are rare (an expired chain not yet swept, a hole): read
     # records one by one only when the first missed block is one
-    probe = store.meta(hashes[matched]) is not None
+    probe = bool(store.where(hashes[matched]))
 
     def cause_of(i: int, drop: Drop | None, hole: Reason | None) -> MissCause:
         if d0 <= i < d1:
@@ -466,16 +463,18 @@ def classify(
     if d1 > d0:
         counts["diverged"] += max(0, d1 - max(d0, rest)) * block_tokens
         segments = [(rest, d0), (max(d1, rest), n)]
-    # The rest, outside the diverged span: in bulk unless a ring or the store knows a block
+    # The rest, outside the diverged span, in bulk unless the first block of the run is
+    # remembered or held: chains leave tail first (a block's children before it), so when the
+    # first block of a run is not remembered, neither are the blocks after it
     for a, b in segments:
         if a >= b:
             continue
-        segment = hashes[a:b]
-        if not probe and not drops.any_dropped(segment):
+        known = first.reason in ("evicted", "expired") if a == rest else drops.find(hashes[a])
+        if not probe and not known:
             evicted = max(0, min(b, held_lim) - a)
             counts["evicted"] += evicted * block_tokens
             counts["new"] += (b - a - evicted) * block_tokens
             continue
-        for i, drop in enumerate(drops.find_many(segment), a):
+        for i, drop in enumerate(drops.find_many(hashes[a:b]), a):
             counts[cause_of(i, drop, first.reason).reason] += block_tokens
     return MissReport(first, counts, divergence)

@@ -27,7 +27,7 @@ def meta(h: BlockHash, expires_at: float = 100.0, root: bytes = ROOT) -> BlockMe
 
 def view(held: dict[BlockHash, BlockMeta] | None = None, now: float = 50.0) -> StoreView:
     held = held or {}
-    return StoreView(held.get, lambda: now)
+    return StoreView(held.get, lambda h: ["cpu"] if h in held else [], lambda: now)
 
 
 def test_divergence_block_is_the_first_differing_id():
