@@ -275,8 +275,9 @@ class Attribution:
                     totals.last_divergence = div
                 prev_n = len(trail.prev_ids) // HASH_BYTES
                 if matched and (
-                    matched >= prev_n
+                    matched > prev_n
                     or not _continues(trail.prev_ids, hashes[matched - 1], matched)
+                    or (matched == prev_n and tokens is not None and trail.prev_tokens is None)
                 ):
                     # a held chain the reference does not cover: it becomes the reference
                     # (keeping the tokens of one it only extends, when this came as ids)
