@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from sessioncache.api.errors import AuthRequired
+from sessioncache.attribution import Attribution
 from sessioncache.node import CacheNode
 from sessioncache.routing.scoring import Router
 from sessioncache.sessions import SessionManager
@@ -38,7 +39,12 @@ async def get_store(node: NodeDep) -> TieredStore:
     return node.store
 
 
+async def get_attribution(node: NodeDep) -> Attribution:
+    return node.attribution
+
+
 SessionsDep = Annotated[SessionManager, Depends(get_sessions)]
+AttributionDep = Annotated[Attribution, Depends(get_attribution)]
 StoreDep = Annotated[TieredStore, Depends(get_store)]
 
 

@@ -40,6 +40,14 @@ class StoreCollector(Collector):
         )
         saved.add_metric([], tokens.hit / node.settings.prefill_tokens_per_s)
         yield saved
+        by_reason = CounterMetricFamily(
+            "sessioncache_miss_tokens_by_reason",
+            "Prompt tokens not found, by why (docs/prompt-stability.md)",
+            labels=["reason"],
+        )
+        for reason, count in node.attribution.miss_tokens().items():
+            by_reason.add_metric([reason], count)
+        yield by_reason
         for name in (
             "lookups",
             "puts",

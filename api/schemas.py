@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, ClassVar, Self, cast
+from typing import Annotated, ClassVar, Literal, Self, cast
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
@@ -149,6 +149,11 @@ class LookupRequest(TokensIn):
         description="Also report, per matched block, which nodes of the fleet hold it and in "
         "which tiers (one Redis round trip per block: ask only when routing on it).",
     )
+    explain: bool = Field(
+        False,
+        description="Also say why the tokens past the match missed (``miss``: the first "
+        "missed block's reason and the missed tokens by reason; docs/prompt-stability.md).",
+    )
     compact: bool | None = Field(
         None,
         description="Answer without the per-block list (CompactLookupResponse: counts, the "
@@ -183,6 +188,43 @@ class LeaseOut(BaseModel):
     expires_at: float
 
 
+MissReason = Literal["diverged", "evicted", "expired", "new"]
+
+
+class MissTokensOut(BaseModel):
+    """Missed tokens by reason (they add up to the missed tokens)."""
+
+    diverged: int
+    evicted: int
+    expired: int
+    new: int
+
+
+class MissOut(BaseModel):
+    """Why a lookup missed: its first missed block (docs/prompt-stability.md)."""
+
+    reason: MissReason | None = Field(description="The first missed block's; null: no miss.")
+    block: int | None = Field(None, description="Index of the first missed block.")
+    token: int | None = Field(
+        None,
+        description="Index of its first token; for diverged, of the first token that differs "
+        "from the session's previous prompt (when both came as tokens).",
+    )
+    offset: int | None = Field(
+        None, description="diverged: the first differing token's position inside the block."
+    )
+    tier: str | None = Field(None, description="evicted/expired: the tier its last copy left.")
+    ago_s: float | None = Field(
+        None, description="evicted: seconds since it left; expired: since its TTL ran out."
+    )
+    pressure: Literal["capacity", "pin_budget"] | None = Field(
+        None,
+        description="evicted: room for other blocks, or the session's pins had been "
+        "dropped by the pin budget.",
+    )
+    tokens: MissTokensOut
+
+
 class LookupResponse(BaseModel):
     block_tokens: int
     matched_blocks: int
@@ -192,6 +234,7 @@ class LookupResponse(BaseModel):
     locations: list[dict[str, list[str]]] | None = Field(
         None, description="Per matched block: node id -> tiers (when asked, with a fleet)."
     )
+    miss: MissOut | None = Field(None, description="Why it missed (when asked: explain).")
 
 
 class TierRun(BaseModel):
@@ -215,6 +258,7 @@ class CompactLookupResponse(BaseModel):
     locations: list[dict[str, list[str]]] | None = Field(
         None, description="Per matched block: node id -> tiers (when asked, with a fleet)."
     )
+    miss: MissOut | None = Field(None, description="Why it missed (when asked: explain).")
 
 
 class ResolveRequest(Strict):
@@ -260,6 +304,23 @@ class SessionExtend(Strict):
     ttl_s: float | None = Field(None, gt=0)
 
 
+class DivergenceOut(BaseModel):
+    """Where a prompt of the session first differed from its previous prompt."""
+
+    block: int
+    offset: int | None = Field(description="Position inside the block (null: ids only).")
+    token: int
+    at: float
+    lost_blocks: int = Field(description="Cached blocks of the previous prompt made unusable.")
+
+
+class SessionAttributionOut(BaseModel):
+    lookups: int
+    hit_tokens: int
+    miss_tokens: MissTokensOut
+    last_divergence: DivergenceOut | None
+
+
 class SessionOut(BaseModel):
     id: str
     tenant: str
@@ -270,6 +331,9 @@ class SessionOut(BaseModel):
     expires_at: float
     head: Hex | None
     pinned: bool
+    attribution: SessionAttributionOut | None = Field(
+        None, description="Its lookups' tokens, hit and missed by reason (GET of one session)."
+    )
 
 
 class SessionList(BaseModel):

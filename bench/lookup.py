@@ -1,6 +1,8 @@
 """Lookup latency over loopback: p50/p99 for 8K / 32K / 128K-token prompts, 1 / 8 / 32
-concurrent clients, by JSON tokens, by binary (``tokens_b64``) tokens, and by block id
-(``block_ids_b64``, the compact answer), each beside ``GET /healthz`` with the ratios.
+concurrent clients, by JSON tokens, by binary (``tokens_b64``) tokens, by block id
+(``block_ids_b64``, the compact answer), and ``session``: binary tokens naming a session whose
+stored prompt they extend by an eighth (the next turn of an agent: the miss attribution
+classifies the eighth), each beside ``GET /healthz`` with the ratios.
 
 A real ``sessioncache serve`` process is started on a free port (CPU tier only) and every
 prompt's chain is stored first, so each lookup matches the whole prompt. The id lookup's ids
@@ -42,7 +44,7 @@ from sessioncache.hashing import Namespace, block_hashes_from_bytes
 
 PROMPTS = [8192, 32768, 131072]
 CONCURRENCY = [1, 8, 32]
-FORMS = ["json", "binary", "ids", "stream", "unix"]
+FORMS = ["json", "binary", "ids", "session", "stream", "unix"]
 DATAPLANE_FORMS = {"stream", "unix"}
 
 
@@ -184,6 +186,18 @@ def prepare(
                 for form in DATAPLANE_FORMS & set(forms):
                     head = len(ns_json).to_bytes(4, "little") + ns_json
                     bodies[(n, form)] = head + b"".join(ids)
+            if "session" in forms:
+                # the next turn of a session that stored the prompt: an eighth more, new (the
+                # miss attribution's usual work; a tree without it serves the same request)
+                sid = f"bench-{n}"
+                c.post("/v1/sessions", json={"session_id": sid})
+                plan = {"namespace": ns, "tokens": toks.tolist(), "session_id": sid}
+                c.post("/v1/store", json=plan)
+                more = rng.integers(0, 128_000, n // 8, dtype=np.uint32).astype("<u4").tobytes()
+                b64 = base64.b64encode(token_bytes + more).decode()
+                bodies[(n, "session")] = json.dumps(
+                    {"namespace": ns, "tokens_b64": b64, "session_id": sid}
+                ).encode()
             for (m, _form), body in bodies.items():
                 if m != n or _form in DATAPLANE_FORMS:
                     continue

@@ -5,11 +5,12 @@ folder), a prompt's chain is stored, and then each stage is timed alone, one cal
 another on this thread: hashing the prompt, ``CacheNode.lookup`` (tokens) and
 ``CacheNode.lookup_ids`` with their parts, and whole requests through the ASGI app (routing,
 validation, dependencies, thread pool, answer; no sockets and no HTTP parsing) for
-``GET /healthz``, a token lookup (``tokens_b64``, full answer) and a lookup by id
-(``block_ids_b64``, compact answer). Best and median of ``--repeat`` runs, in ms: on a shared
-machine the best is the cost, the median shows the noise. ``--profile`` adds cProfile's top
-functions for the two lookups, with the thread pool run inline so that the profile sees the
-work.
+``GET /healthz``, a session's next turn (its stored prompt and an eighth more, new: what
+miss attribution classifies; with ``explain`` too), a token lookup (``tokens_b64``, full
+answer) and a lookup by id (``block_ids_b64``, compact answer). Best and median of
+``--repeat`` runs, in ms: on a shared machine the best is the cost, the median the noise.
+``--profile`` adds cProfile's top functions for the lookups, with the thread pool run inline
+so that the profile sees the work.
 
 Run: ``python -m bench.lookup_cpu [--tokens 32768] [--block-tokens 16] [--repeat 300]
 [--profile]``.
@@ -139,8 +140,19 @@ def main() -> None:
         ids_body = json.dumps(
             {"namespace": ns_json, "block_ids_b64": base64.b64encode(b"".join(ids)).decode()}
         )
+        # the next turn of a session that stored the prompt: an eighth more, new
+        node.sessions.open("bench-turn", tenant="default")
+        node.plan_store("default", ns, tb, session_id="bench-turn")
+        more = np.random.default_rng(2).integers(0, 128_000, args.tokens // 8)
+        turn = tb + more.astype("<u4").tobytes()
+        turn_json: dict[str, Any] = {
+            "namespace": ns_json,
+            "tokens_b64": base64.b64encode(turn).decode(),
+            "session_id": "bench-turn",
+        }
         requests = {
             "GET /healthz": ("GET", "/healthz", b""),
+            "POST /v1/lookup session turn": ("POST", "/v1/lookup", json.dumps(turn_json).encode()),
             "POST /v1/lookup tokens_b64 (full answer)": (
                 "POST",
                 "/v1/lookup",
@@ -148,6 +160,9 @@ def main() -> None:
             ),
             "POST /v1/lookup block_ids_b64 (compact)": ("POST", "/v1/lookup", ids_body.encode()),
         }
+        if hasattr(node, "attribution"):  # absent before miss attribution
+            explained = json.dumps({**turn_json, "explain": True}).encode()
+            requests["POST /v1/lookup session turn, explain"] = ("POST", "/v1/lookup", explained)
         n = args.repeat
         print(f"{len(ids)} blocks of {args.block_tokens} tokens; ms per call, {n} calls")
         print(f"{'stage':44s} {'best':>8} {'median':>8}")
@@ -158,6 +173,8 @@ def main() -> None:
             report("CacheNode.lookup_ids", timed(lambda: node.lookup_ids("default", ns, ids), n))
             report("  of which chain_prefix", timed(lambda: node.chain_prefix(root, ids), n))
         report("TieredStore.lookup", timed(lambda: node.store.lookup(ids), n))
+        if hasattr(node, "attribution"):  # absent before miss attribution
+            attribution_costs(node, ns, tb, n)
 
         async def over_asgi() -> None:
             async with app.router.lifespan_context(app):
@@ -172,10 +189,102 @@ def main() -> None:
                         return asgi_call(app, m, p, b)
 
                     report(label, await atimed(call, n))
+                if hasattr(node, "attribution"):
+                    cold = rng_tokens(3, args.tokens // 4)
+                    cold_body = json.dumps(
+                        {"namespace": ns_json, "tokens_b64": base64.b64encode(cold).decode()}
+                    ).encode()
+                    await attribution_ab(
+                        app,
+                        node,
+                        {
+                            "session turn": requests["POST /v1/lookup session turn"][2],
+                            f"{len(cold) // 4 // bt} new blocks": cold_body,
+                        },
+                        n,
+                    )
                 if args.profile:
                     await profile(app, requests)
 
         asyncio.run(over_asgi())
+
+
+def rng_tokens(seed: int, n: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 128_000, n).astype("<u4").tobytes()
+
+
+async def attribution_ab(app: Any, node: Any, bodies: dict[str, bytes], n: int) -> None:
+    """Whole ``POST /v1/lookup`` requests with miss attribution on and off (a classifier that
+    does nothing), alternating in rounds of 10 so that load from elsewhere hits both alike:
+    attribution's share of the request's server time."""
+    from sessioncache.attribution import MissReport
+
+    real = node.attribution.lookup
+
+    def off(*args: Any, **kwargs: Any) -> MissReport:
+        return MissReport(None, {}, None)
+
+    for label, body in bodies.items():
+        times: dict[str, list[float]] = {"on": [], "off": []}
+        for _ in range(max(1, n // 10)):
+            for mode, fn in (("on", real), ("off", off)):
+                node.attribution.lookup = fn
+                for _ in range(10):
+                    start = time.perf_counter()
+                    status, answer = await asgi_call(app, "POST", "/v1/lookup", body)
+                    times[mode].append(time.perf_counter() - start)
+                    assert status == 200, answer[:300]
+        node.attribution.lookup = real
+        report(f"POST /v1/lookup {label}, attribution on", times["on"])
+        report(f"POST /v1/lookup {label}, attribution off", times["off"])
+        on, off_ = sorted(times["on"]), sorted(times["off"])
+        q = len(on) // 4
+        median = statistics.median(on) / statistics.median(off_)
+        print(
+            f"attribution on/off ({label}): best {on[0] / off_[0]:.3f}, "
+            f"quartile {on[q] / off_[q]:.3f}, median {median:.3f}",
+            flush=True,
+        )
+
+
+def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:
+    """Miss attribution's share of a lookup: the next turn of a session (the stored prompt
+    plus an eighth more, new), with a ring of dropped ids as full as the default allows, and a
+    prompt nothing of which is held (every block asks the rings)."""
+    rng = np.random.default_rng(1)
+    grown = tb + rng.integers(0, 128_000, len(tb) // 32).astype("<u4").tobytes()
+    cold = rng.integers(0, 128_000, len(tb) // 4).astype("<u4").tobytes()
+    node.sessions.open("bench-session", tenant="default")
+    node.plan_store("default", ns, tb, session_id="bench-session")
+    drops = node.attribution.drops
+    if not sum(drops.size().values()):  # a full ring: as after a day of evictions
+        meta = node.store.meta(node.hashes("default", ns, tb)[0])
+        for i in range(node.settings.attribution_ring_blocks):
+            meta.block_hash = i.to_bytes(16, "little")
+            drops.block_dropped(meta, "cpu", 0.0)
+    root = node.namespace_root("default", ns)
+    bt = ns.block_tokens
+    session = ("bench-session", "default")
+    hashes = node.hashes("default", ns, grown)
+    matched = len(tb) // 4 // bt
+    cold_hashes = node.hashes("default", ns, cold)
+    print(f"attribution: session turn of {len(hashes)} blocks, {len(hashes) - matched} new")
+    whole = timed(lambda: node.lookup("default", ns, grown, session_id="bench-session"), n)
+    part = timed(
+        lambda: node.attribution.lookup(
+            root, hashes, matched, bt, len(grown) // 4, tokens=grown, session=session
+        ),
+        n,
+    )
+    report("CacheNode.lookup (tokens, session turn)", whole)
+    report("  of which Attribution.lookup", part)
+    cold_whole = timed(lambda: node.lookup("default", ns, cold), n)
+    cold_part = timed(lambda: node.attribution.lookup(root, cold_hashes, 0, bt, len(cold) // 4), n)
+    report(f"CacheNode.lookup (tokens, {len(cold_hashes)} new)", cold_whole)
+    report("  of which Attribution.lookup", cold_part)
+    for label, a, b in (("session turn", part, whole), ("all new", cold_part, cold_whole)):
+        share = statistics.median(a) / statistics.median(b)
+        print(f"attribution share of the lookup ({label}, medians): {share:.1%}")
 
 
 async def profile(app: Any, requests: dict[str, tuple[str, str, bytes]]) -> None:

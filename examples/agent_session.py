@@ -10,6 +10,12 @@ turns, each adding a user message and a short greedy reply. Every turn is prefil
 Both must pick the same first token; the time to it (TTFT) is printed side by side. After the
 reply, the turn's full blocks are stored for the next turn (and for any other engine).
 
+Before each prefill the agent asks the service why the part of its prompt past the cached
+prefix missed (``lookup(..., explain=True)``: ``LookupResult.miss``). The last turn writes a
+timestamp into the system prompt, as agents often do: the whole cached history after it is
+thrown away, and the answer says where (block, token offset) and how much (docs/prompt-
+stability.md).
+
     python examples/agent_session.py                      # starts a throwaway local server
     python examples/agent_session.py --url http://127.0.0.1:8080 [--api-key KEY]
 """
@@ -31,7 +37,7 @@ import httpx
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sessioncache.connector import SessionCacheClient
+from sessioncache.connector import Miss, SessionCacheClient
 from sessioncache.connector.transfer import KVTransfer
 from sessioncache.connector.transformers import CachedPrefixRunner, model_forward, namespace_for
 
@@ -128,8 +134,15 @@ def run(url: str, args: argparse.Namespace) -> None:
         )
         print(header)
         print("-" * len(header))
-        for turn in range(1, args.turns + 1):
+        why: list[str] = []
+        for turn in range(1, args.turns + 2):
+            if turn > args.turns:  # a timestamp written into the system prompt
+                history = list(history)
+                at = args.system_tokens // 3
+                history[at : at + 4] = message(4)
             prompt = history + message(args.user_tokens)
+            miss = client.lookup(prompt, session_id=session.id, explain=True).miss
+            why.append(describe(turn, miss))
 
             ttft_plain = ttft_cached = float("inf")
             for _ in range(args.repeat):  # the best of a few: the machine may be busy
@@ -160,12 +173,37 @@ def run(url: str, args: argparse.Namespace) -> None:
                 f"{ttft_plain / ttft_cached:6.1f}x | "
                 f"{ms['load']:>7} {gbps} {ms['compute']:>8}"
             )
+        totals = client.get_session(session.id).attribution
         client.close_session(session.id)
+    print("\nwhy the uncached part of each prompt missed (lookup explain=True):")
+    print("\n".join(why))
+    if totals is not None:
+        missed = ", ".join(f"{k} {v}" for k, v in totals.miss_tokens.items() if v)
+        print(
+            f"session: {totals.lookups} lookups, {totals.hit_tokens} tokens hit; missed: "
+            f"{missed}; last divergence (block, offset, token): {totals.last_divergence}"
+        )
     print(
         f"\nTTFT: best of {args.repeat}; load (lookup included) / GB/s / compute: the last cached "
         f"prefill, over the {used} path. The first token of every turn is the same "
         "with and without the cache."
     )
+
+
+def describe(turn: int, miss: Miss | None) -> str:
+    """One line on why a turn's lookup missed what it missed."""
+    if miss is None or miss.reason is None:
+        return f"{turn:>4}  nothing missed"
+    where = f"block {miss.block} (token {miss.token}"
+    where += f", offset {miss.offset} in the block)" if miss.offset is not None else ")"
+    detail = {
+        "diverged": "the prompt differs from the session's previous one there",
+        "evicted": f"evicted from {miss.tier} {miss.ago_s or 0:.0f}s ago ({miss.pressure})",
+        "expired": f"its TTL ran out {miss.ago_s or 0:.0f}s ago",
+        "new": "never seen: the conversation grew",
+    }[miss.reason]
+    counts = ", ".join(f"{k} {v}" for k, v in miss.tokens.items() if v)
+    return f"{turn:>4}  {miss.reason} at {where}: {detail}; missed tokens: {counts}"
 
 
 def main(argv: list[str] | None = None) -> None:

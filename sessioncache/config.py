@@ -106,6 +106,14 @@ class Settings(BaseSettings):
         0.5, ge=0, le=1, description="largest share of a tier's capacity that pins may hold"
     )
     sweep_interval_s: float = Field(60.0, gt=0, description="period of the background sweep")
+    attribution_ring_blocks: int = Field(
+        65_536,
+        gt=0,
+        description="miss attribution: ids remembered per tier after their last copy left",
+    )
+    attribution_sessions: int = Field(
+        10_000, gt=0, description="miss attribution: sessions whose previous prompt is kept"
+    )
 
     # -- catalog
     database_url: str | None = Field(

@@ -8,7 +8,7 @@ batches these into SQL write-behind; metrics bump counters).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
@@ -23,6 +23,15 @@ class StoreObserver(Protocol):
 
     def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
         """A lookup, get or put refreshed these blocks' access time, expiry or hit count."""
+
+
+@runtime_checkable
+class DropObserver(Protocol):
+    """An observer that also hears when a block's last copy leaves the store (miss
+    attribution, ``sessioncache/attribution.py``); same rules as ``StoreObserver``."""
+
+    def block_dropped(self, meta: BlockMeta, tier: str, now: float) -> None:
+        """``meta``'s last copy left ``tier`` at ``now`` (evicted, expired or deleted)."""
 
 
 class UsageRecorder(Protocol):

@@ -14,6 +14,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from sessioncache.attribution import (
+    Attribution,
+    DropLog,
+    MissReport,
+    StoreView,
+)
 from sessioncache.blocks import BlockMeta
 from sessioncache.config import Settings
 from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
@@ -49,6 +55,8 @@ class LookupResult:
     block_tokens: int
     hashes: list[BlockHash]
     match: Match
+    miss: MissReport | None = None
+    """Why the tokens past the match missed (``sessioncache/attribution.py``)."""
 
 
 @dataclass(slots=True)
@@ -95,6 +103,14 @@ class CacheNode:
         self._usage = usage
         self.history = history
         self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
+        drops = DropLog(settings.attribution_ring_blocks)
+        store.observe(drops)
+        self.attribution = Attribution(
+            StoreView(store.meta, store.where, store.clock.now),
+            drops,
+            max_sessions=settings.attribution_sessions,
+        )
+        sessions.on_unpin(self.attribution.unpinned)
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far: found in the cache (hit) or not (miss)."""
@@ -207,13 +223,21 @@ class CacheNode:
     ) -> LookupResult:
         hashes = self.hashes(tenant, namespace, token_bytes)
         match = self._match(tenant, hashes, session_id=session_id, lease_s=lease_s)
+        asked = len(token_bytes) // 4
+        root = self.namespace_root(tenant, namespace)
         self._count_tokens(
-            match.num_blocks * namespace.block_tokens,
-            len(token_bytes) // 4,
-            root=self.namespace_root(tenant, namespace),
-            session_id=session_id,
+            match.num_blocks * namespace.block_tokens, asked, root=root, session_id=session_id
         )
-        return LookupResult(namespace.block_tokens, hashes, match)
+        miss = self.attribution.lookup(
+            root,
+            hashes,
+            match.num_blocks,
+            namespace.block_tokens,
+            asked,
+            tokens=bytes(token_bytes) if session_id is not None else None,
+            session=(session_id, tenant) if session_id is not None else None,
+        )
+        return LookupResult(namespace.block_tokens, hashes, match, miss)
 
     def lookup_ids(
         self,
@@ -243,7 +267,15 @@ class CacheNode:
             root=root,
             session_id=session_id,
         )
-        return LookupResult(block_tokens, list(hashes), match)
+        miss = self.attribution.lookup(
+            root,
+            hashes,
+            match.num_blocks,
+            block_tokens,
+            len(hashes) * block_tokens,
+            session=(session_id, tenant) if session_id is not None else None,
+        )
+        return LookupResult(block_tokens, list(hashes), match, miss)
 
     def chain_prefix(self, root: bytes, hashes: Sequence[BlockHash]) -> int:
         """How many of ``hashes``, from the first, may match for a caller whose chain starts
@@ -353,6 +385,7 @@ class CacheNode:
             )
         if session_id is not None and hashes:
             self.sessions.record(session_id, hashes, tenant=tenant)
+            self.attribution.stored(session_id, tenant, hashes, bytes(token_bytes))
         return StorePlan(namespace.block_tokens, hashes, missing)
 
     def upload(self, tenant: str, block_hash: BlockHash, payload: Payload) -> bool:

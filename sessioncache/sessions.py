@@ -33,7 +33,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -125,6 +125,13 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         # Pinned sessions, least recently active first, with the ids their pins hold.
         self._pins: OrderedDict[str, list[BlockHash]] = OrderedDict()
+        self._unpin_listeners: list[Callable[[str, str], None]] = []
+
+    def on_unpin(self, listener: Callable[[str, str], None]) -> None:
+        """Call ``listener(session_id, cause)`` when a session's pins go: ``pin_budget``,
+        ``idle``, ``closed`` or ``expired`` (miss attribution tells capacity pressure from the
+        pin budget's). Called with the manager's lock held: it must not call back."""
+        self._unpin_listeners.append(listener)
 
     @property
     def kind_ttls(self) -> dict[str, float]:
@@ -220,7 +227,7 @@ class SessionManager:
         """End the session: its pins go; its blocks age out by their TTL."""
         with self._lock:
             self._owned(session_id, tenant)
-            self._unpin(session_id)
+            self._unpin(session_id, "closed")
             del self._sessions[session_id]
             if self._repo is not None:
                 self._repo.delete_session(session_id)
@@ -296,7 +303,7 @@ class SessionManager:
             now = self._clock.now()
             expired = [s.id for s in self._sessions.values() if s.expires_at <= now]
             for session_id in expired:
-                self._unpin(session_id)
+                self._unpin(session_id, "expired")
                 del self._sessions[session_id]
                 if self._repo is not None:
                     self._repo.delete_session(session_id)
@@ -306,7 +313,7 @@ class SessionManager:
                 if self._sessions[sid].last_seen + self._idle_timeout <= now
             ]
             for session_id in idle:
-                self._unpin(session_id)
+                self._unpin(session_id, "idle")
         return SweepReport(len(expired), len(idle), self._store.expire())
 
     def restore(self) -> int:
@@ -404,7 +411,9 @@ class SessionManager:
         self._pins[session.id] = new
         session.pinned = True
 
-    def _unpin(self, session_id: str) -> None:
+    def _unpin(self, session_id: str, cause: str) -> None:
+        for listener in self._unpin_listeners:
+            listener(session_id, cause)
         held = self._pins.pop(session_id, None)
         if held:
             self._store.unpin(held)
@@ -421,7 +430,7 @@ class SessionManager:
             ]
             if not over:
                 return
-            self._unpin(next(iter(self._pins)))
+            self._unpin(next(iter(self._pins)), "pin_budget")
 
     def _save(self, session: Session) -> None:
         if self._repo is not None:

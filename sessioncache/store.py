@@ -56,7 +56,7 @@ from sessioncache.errors import (
     TierFull,
     UnknownTier,
 )
-from sessioncache.events import StoreObserver
+from sessioncache.events import DropObserver, StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index import BlockIndex, Lease
 from sessioncache.policy import EvictionPolicy
@@ -233,6 +233,7 @@ class TieredStore:
         # Blocks being copied up (promotion): a second reader waits for the first copy.
         self._promoting: dict[BlockHash, threading.Event] = {}
         self._observers = list(observers)
+        self._drop_observers = [o for o in observers if isinstance(o, DropObserver)]
         # The fleet's shared tier (at most one): looked up on local misses, and never
         # trimmed by this node's expiry sweep (its keys expire in the shared server itself).
         shared = [(i, t) for i, t in enumerate(self._tiers) if isinstance(t, SharedTier)]
@@ -259,6 +260,13 @@ class TieredStore:
 
     def tier_names(self) -> list[str]:
         return list(self._tier_index)
+
+    def observe(self, observer: StoreObserver) -> None:
+        """Add an observer (one the node builds after the store: miss attribution)."""
+        with self._lock:
+            self._observers.append(observer)
+            if isinstance(observer, DropObserver):
+                self._drop_observers.append(observer)
 
     def lookup(
         self,
@@ -980,6 +988,10 @@ class TieredStore:
             observer.block_removed(
                 meta.block_hash, self._tiers[tier].name, self._tiers[tier].durable
             )
+        if not meta.tiers and self._drop_observers:  # its last copy: a miss from now on
+            now = self._clock.now()
+            for drop_observer in self._drop_observers:
+                drop_observer.block_dropped(meta, self._tiers[tier].name, now)
 
     def _notify_touched(self, metas: Sequence[BlockMeta]) -> None:
         if metas:

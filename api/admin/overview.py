@@ -43,9 +43,8 @@ def overview(node: CacheNode, request_latency: Collectable) -> dict[str, Any]:
             "prefill_tokens_per_s": rate,
             "gpu_seconds_saved": tokens.hit / rate,
         },
-        # per-reason miss tokens (prefix not stored, evicted, expired, other tenant...):
-        # filled in once the node attributes misses; the page shows the panel when non-null
-        "miss_reasons": None,
+        # miss tokens by reason (diverged, evicted, expired, new): docs/prompt-stability.md
+        "miss_reasons": node.attribution.miss_tokens(),
         "rates": asdict(recent) if recent is not None else None,
         "lookup_latency_s": {"count": count, "p50": p50, "p95": p95, "p99": p99},
         "tiers": [{**asdict(t), "up": t.name not in down} for t in stats.tiers],

@@ -17,6 +17,7 @@ from sessioncache.api.schemas import (
     LookupRequest,
     LookupResponse,
 )
+from sessioncache.attribution import MissReport
 from sessioncache.hashing import HASH_BYTES, BlockHash, Namespace
 from sessioncache.node import CacheNode
 
@@ -77,6 +78,7 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
         "lease": {"id": lease.id, "expires_at": lease.expires_at} if lease else None,
         "locations": node.locations(match.hashes) if body.locations else None,
     }
+    out["miss"] = miss_json(result.miss) if body.explain and result.miss is not None else None
     runs = tier_runs(match.tiers)
     if body.answer_compact:
         out["tiers"] = [{"tier": tier, "blocks": count} for tier, count in runs]
@@ -92,6 +94,21 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
             + json.dumps(out, separators=(",", ":"))[1:]
         )
     return Response(text, media_type="application/json")
+
+
+def miss_json(miss: MissReport) -> dict[str, Any]:
+    """``MissOut`` as a dict (every field, as the model dumps it)."""
+    first = miss.first
+    return {
+        "reason": first.reason if first else None,
+        "block": first.block if first else None,
+        "token": first.token if first else None,
+        "offset": first.offset if first else None,
+        "tier": first.tier if first else None,
+        "ago_s": first.ago_s if first else None,
+        "pressure": first.pressure if first else None,
+        "tokens": miss.tokens,
+    }
 
 
 def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:

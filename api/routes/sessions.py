@@ -4,14 +4,24 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from sessioncache.api.deps import SessionsDep, TenantDep
-from sessioncache.api.schemas import ERRORS, SessionCreate, SessionExtend, SessionList, SessionOut
+from sessioncache.api.deps import AttributionDep, SessionsDep, TenantDep
+from sessioncache.api.schemas import (
+    ERRORS,
+    DivergenceOut,
+    MissTokensOut,
+    SessionAttributionOut,
+    SessionCreate,
+    SessionExtend,
+    SessionList,
+    SessionOut,
+)
+from sessioncache.attribution import SessionTotals
 from sessioncache.sessions import Session
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
-def session_out(session: Session) -> SessionOut:
+def session_out(session: Session, totals: SessionTotals | None = None) -> SessionOut:
     return SessionOut(
         id=session.id,
         tenant=session.tenant,
@@ -22,6 +32,25 @@ def session_out(session: Session) -> SessionOut:
         expires_at=session.expires_at,
         head=session.head.hex() if session.head is not None else None,
         pinned=session.pinned,
+        attribution=attribution_out(totals) if totals is not None else None,
+    )
+
+
+def attribution_out(totals: SessionTotals) -> SessionAttributionOut:
+    div = totals.last_divergence
+    return SessionAttributionOut(
+        lookups=totals.lookups,
+        hit_tokens=totals.hit_tokens,
+        miss_tokens=MissTokensOut(**totals.miss_tokens),
+        last_divergence=DivergenceOut(
+            block=div.block,
+            offset=div.offset,
+            token=div.token,
+            at=div.at,
+            lost_blocks=div.lost_blocks,
+        )
+        if div is not None
+        else None,
     )
 
 
@@ -38,8 +67,13 @@ def list_sessions(sessions: SessionsDep, tenant: TenantDep) -> SessionList:
 
 
 @router.get("/{session_id}", response_model=SessionOut, responses=ERRORS)
-def get_session(session_id: str, sessions: SessionsDep, tenant: TenantDep) -> SessionOut:
-    return session_out(sessions.get(session_id, tenant=tenant))
+def get_session(
+    session_id: str, sessions: SessionsDep, attribution: AttributionDep, tenant: TenantDep
+) -> SessionOut:
+    """The session, with its lookups' tokens hit and missed by reason and the last point
+    where its prompt diverged from the one before (``attribution``)."""
+    session = sessions.get(session_id, tenant=tenant)  # another tenant's: 404
+    return session_out(session, attribution.session_totals(session_id, tenant))
 
 
 @router.post("/{session_id}/extend", response_model=SessionOut, responses=ERRORS)

@@ -26,6 +26,8 @@ from sessioncache.connector.errors import (
 from sessioncache.connector.protocol import (
     Lease,
     LookupResult,
+    Miss,
+    MissTotals,
     PayloadSource,
     Resolved,
     Session,
@@ -55,6 +57,8 @@ __all__ = [
     "Lease",
     "LeaseNotFound",
     "LookupResult",
+    "Miss",
+    "MissTotals",
     "Namespace",
     "NoBackoff",
     "NotFound",

@@ -201,24 +201,35 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
     # -- data path -------------------------------------------------------------------------
 
     def lookup(
-        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+        self,
+        tokens: Tokens,
+        *,
+        session_id: str | None = None,
+        lease_ms: int | None = None,
+        explain: bool = False,
     ) -> LookupResult:
         """The longest cached prefix of ``tokens``' full blocks; with ``lease_ms`` the matched
-        blocks are pinned that long (release early with ``release``)."""
+        blocks are pinned that long (release early with ``release``); with ``explain``,
+        ``LookupResult.miss`` says why the rest missed."""
         p = self._prompt(self._effective_namespace(), tokens)
         request = protocol.lookup_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
         )
         return protocol.parse_lookup(self._send(request), p)
 
     def lookup_by_id(
-        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+        self,
+        tokens: Tokens,
+        *,
+        session_id: str | None = None,
+        lease_ms: int | None = None,
+        explain: bool = False,
     ) -> LookupResult:
         """``lookup``, sending the ids computed here from the resolved root instead of the
         tokens, with the compact answer: the same result for less work on the server."""
         p = protocol.id_prompt(self.resolve(), tokens)
         request = protocol.lookup_ids_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
         )
         return protocol.parse_compact_lookup(self._send(request), p)
 
@@ -371,24 +382,35 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
     # -- data path -------------------------------------------------------------------------
 
     async def lookup(
-        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+        self,
+        tokens: Tokens,
+        *,
+        session_id: str | None = None,
+        lease_ms: int | None = None,
+        explain: bool = False,
     ) -> LookupResult:
         """The longest cached prefix of ``tokens``' full blocks; with ``lease_ms`` the matched
-        blocks are pinned that long (release early with ``release``)."""
+        blocks are pinned that long (release early with ``release``); with ``explain``,
+        ``LookupResult.miss`` says why the rest missed."""
         p = self._prompt(await self._effective_namespace(), tokens)
         request = protocol.lookup_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
         )
         return protocol.parse_lookup(await self._send(request), p)
 
     async def lookup_by_id(
-        self, tokens: Tokens, *, session_id: str | None = None, lease_ms: int | None = None
+        self,
+        tokens: Tokens,
+        *,
+        session_id: str | None = None,
+        lease_ms: int | None = None,
+        explain: bool = False,
     ) -> LookupResult:
         """``lookup``, sending the ids computed here from the resolved root instead of the
         tokens, with the compact answer: the same result for less work on the server."""
         p = protocol.id_prompt(await self.resolve(), tokens)
         request = protocol.lookup_ids_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms
+            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
         )
         return protocol.parse_compact_lookup(await self._send(request), p)
 

@@ -52,6 +52,36 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
+class Miss:
+    """Why a lookup's tokens past the match missed (``explain=True``;
+    docs/prompt-stability.md): the first missed block's reason and the missed tokens by
+    reason (``diverged``, ``evicted``, ``expired``, ``new``)."""
+
+    reason: str | None
+    """The first missed block's reason; None when nothing missed."""
+    tokens: dict[str, int]
+    block: int | None = None
+    token: int | None = None
+    """The first missed token (for ``diverged``: the first token that differs)."""
+    offset: int | None = None
+    """``diverged``: the differing token's position inside ``block``."""
+    tier: str | None = None
+    ago_s: float | None = None
+    pressure: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MissTotals:
+    """A session's lookups (``Session.attribution``): tokens hit and missed by reason, and
+    where its prompt last diverged from the one before (block, offset, token; or None)."""
+
+    lookups: int
+    hit_tokens: int
+    miss_tokens: dict[str, int]
+    last_divergence: tuple[int, int | None, int] | None
+
+
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     """The longest cached prefix of a prompt's full blocks."""
 
@@ -62,6 +92,8 @@ class LookupResult:
     lease: Lease | None
     prompt_hashes: list[BlockHash]
     """The client's ids of every full block of the prompt."""
+    miss: Miss | None = None
+    """Why the rest missed (when the lookup asked with ``explain=True``)."""
 
     @property
     def matched_blocks(self) -> int:
@@ -108,6 +140,8 @@ class Session:
     expires_at: float
     head: BlockHash | None
     pinned: bool
+    attribution: MissTotals | None = None
+    """Its lookups' misses by reason (``get_session`` only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,9 +318,16 @@ def _prompt_body(namespace: Namespace, p: Prompt, **optional: object) -> dict[st
 
 
 def lookup_request(
-    namespace: Namespace, p: Prompt, *, session_id: str | None, lease_ms: int | None
+    namespace: Namespace,
+    p: Prompt,
+    *,
+    session_id: str | None,
+    lease_ms: int | None,
+    explain: bool = False,
 ) -> Request:
-    body = _prompt_body(namespace, p, session_id=session_id, lease_ms=lease_ms)
+    body = _prompt_body(
+        namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain or None
+    )
     return Request("POST", "/v1/lookup", json=body)
 
 
@@ -306,6 +347,59 @@ def parse_lookup(reply: Reply, p: Prompt) -> LookupResult:
         tiers=tiers,
         lease=_lease(body),
         prompt_hashes=p.hashes,
+        miss=_miss(body),
+    )
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    return None if body.get(name) is None else _field(body, name, kind)
+
+
+def _miss(body: Mapping[str, Any]) -> Miss | None:
+    miss = body.get("miss")
+    if miss is None:
+        return None
+    if not isinstance(miss, dict):
+        raise ProtocolError("miss: expected an object")
+    ago = _optional(miss, "ago_s", (int, float))
+    return Miss(
+        reason=_optional(miss, "reason", str),
+        tokens=_reason_counts(_field(miss, "tokens", dict)),
+        block=_optional(miss, "block", int),
+        token=_optional(miss, "token", int),
+        offset=_optional(miss, "offset", int),
+        tier=_optional(miss, "tier", str),
+        ago_s=None if ago is None else float(ago),
+        pressure=_optional(miss, "pressure", str),
+    )
+
+
+def _reason_counts(counts: Mapping[str, Any]) -> dict[str, int]:
+    if not all(isinstance(v, int) for v in counts.values()):
+        raise ProtocolError("miss tokens: expected integers")
+    return dict(counts)
+
+
+def _miss_totals(body: Mapping[str, Any]) -> MissTotals | None:
+    totals = body.get("attribution")
+    if totals is None:
+        return None
+    if not isinstance(totals, dict):
+        raise ProtocolError("attribution: expected an object")
+    div = totals.get("last_divergence")
+    if div is not None and not isinstance(div, dict):
+        raise ProtocolError("attribution: last_divergence: expected an object")
+    return MissTotals(
+        lookups=_field(totals, "lookups", int),
+        hit_tokens=_field(totals, "hit_tokens", int),
+        miss_tokens=_reason_counts(_field(totals, "miss_tokens", dict)),
+        last_divergence=None
+        if div is None
+        else (
+            _field(div, "block", int),
+            _optional(div, "offset", int),
+            _field(div, "token", int),
+        ),
     )
 
 
@@ -346,7 +440,12 @@ def parse_resolve(reply: Reply, namespace: Namespace, seed: int) -> Resolved:
 
 
 def lookup_ids_request(
-    namespace: Namespace, p: IdPrompt, *, session_id: str | None, lease_ms: int | None
+    namespace: Namespace,
+    p: IdPrompt,
+    *,
+    session_id: str | None,
+    lease_ms: int | None,
+    explain: bool = False,
 ) -> Request:
     """A lookup by id with the compact answer (the client has the ids already)."""
     body: dict[str, Any] = {
@@ -358,6 +457,8 @@ def lookup_ids_request(
         body["session_id"] = session_id
     if lease_ms is not None:
         body["lease_ms"] = lease_ms
+    if explain:
+        body["explain"] = True
     return Request("POST", "/v1/lookup", json=body)
 
 
@@ -389,6 +490,7 @@ def parse_compact_lookup(reply: Reply, p: IdPrompt) -> LookupResult:
         tiers=tiers,
         lease=_lease(body),
         prompt_hashes=p.hashes,
+        miss=_miss(body),
     )
 
 
@@ -573,6 +675,7 @@ def _session(body: Mapping[str, Any]) -> Session:
         expires_at=float(_field(body, "expires_at", (int, float))),
         head=None if head is None else _hex_list([head], "session head")[0],
         pinned=_field(body, "pinned", bool),
+        attribution=_miss_totals(body),
     )
 
 

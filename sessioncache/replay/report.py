@@ -42,6 +42,17 @@ def format_report(report: ReplayReport, *, span_days: float | None = None, seed:
         row = f"{name:<16}{r.hit_rate:>10.2%}{r.miss_tokens:>13,}{ratio:>10}"
         row += "".join(f"{rates[t]:>9.2%}" if t in rates else f"{'-':>9}" for t in tier_names)
         lines.append(row + f"{r.seconds:>7.1f}s")
+    if any(r.miss_by_reason for r in report.results.values()):
+        lines.append("")
+        lines.append("missed tokens by reason, share of input tokens (docs/prompt-stability.md):")
+        reasons = ("diverged", "evicted", "expired", "new")
+        lines.append(f"{'policy':<16}" + "".join(f"{r:>10}" for r in reasons))
+        for name, r in report.results.items():
+            total = r.total_tokens or 1
+            lines.append(
+                f"{name:<16}"
+                + "".join(f"{r.miss_by_reason.get(x, 0) / total:>10.2%}" for x in reasons)
+            )
     verdict = target_verdict(report)
     if verdict:
         lines.append("")

@@ -20,7 +20,7 @@ from typing import Any
 
 from sessioncache.errors import InvalidInput
 from sessioncache.replay.simulators import BeladySim, LruSim, OracleSim, Simulator, StoreSim
-from sessioncache.replay.trace import Trace
+from sessioncache.replay.trace import Request, Trace
 
 POLICIES = ("oracle", "lru", "ttl_5min", "sessioncache")
 """The four policies every replay reports, in report order."""
@@ -43,6 +43,8 @@ class PolicyResult:
     requests: int
     seconds: float
     detail: dict[str, Any] = field(default_factory=dict)
+    miss_by_reason: dict[str, int] = field(default_factory=dict)
+    """Missed tokens by reason (``attribute_misses``): diverged, evicted, expired, new."""
 
     @property
     def hit_rate(self) -> float:
@@ -88,6 +90,7 @@ class ReplayReport:
                 ),
                 "tier_hit_rates": r.tier_hit_rates(),
                 "hit_blocks": r.hit_blocks,
+                "miss_by_reason": r.miss_by_reason,
                 "seconds": round(r.seconds, 3),
                 **r.detail,
             }
@@ -162,6 +165,47 @@ def make_simulator(name: str, trace: Trace, tiers: Sequence[tuple[str, int]]) ->
     raise InvalidInput(f"unknown policy {name!r}; policies are {[*POLICIES, *EXTRA_POLICIES]}")
 
 
+class MissAttribution:
+    """The replay's miss attribution, the service's reasons (``sessioncache/attribution.py``)
+    computed from the trace: a missed block is ``diverged`` when its session's previous
+    request had other content at that position (past the first differing block, within the
+    previous request), else ``new`` the first time the trace names it, else it was held once
+    and the simulator says why it left (``expired`` or ``evicted``; ``evicted`` when it cannot
+    tell). Tokens past the last full block are ``new``."""
+
+    def __init__(self, sim: Simulator, block_tokens: int) -> None:
+        self._why: Callable[[int], str] | None = getattr(sim, "why_missing", None)
+        self._bt = block_tokens
+        self._seen: set[int] = set()
+        self._prev: dict[str, tuple[int, ...]] = {}
+        self.tokens: dict[str, int] = dict.fromkeys(("diverged", "evicted", "expired", "new"), 0)
+
+    def add(self, request: Request, matched: int) -> None:
+        ids, bt, tokens, seen = request.ids, self._bt, request.tokens, self._seen
+        counts = self.tokens
+        counts["new"] += max(0, tokens - len(ids) * bt)
+        prev = self._prev.get(request.session) if request.session is not None else None
+        k, prev_n = len(ids), 0
+        if prev is not None:
+            prev_n = len(prev)
+            k = next((i for i, (a, b) in enumerate(zip(ids, prev, strict=False)) if a != b), k)
+        for i in range(matched, len(ids)):
+            n_tokens = min(bt, tokens - i * bt)
+            if n_tokens <= 0:
+                break
+            block = ids[i]
+            if k <= i < prev_n:
+                reason = "diverged"
+            elif block not in seen:
+                reason = "new"
+            else:
+                reason = self._why(block) if self._why is not None else "evicted"
+            counts[reason] += n_tokens
+        seen.update(ids)
+        if request.session is not None:
+            self._prev[request.session] = ids
+
+
 def replay_one(trace: Trace, sim: Simulator, progress: Progress | None = None) -> PolicyResult:
     """Serve every request of ``trace`` with ``sim`` and score it."""
     bt = trace.block_tokens
@@ -169,11 +213,13 @@ def replay_one(trace: Trace, sim: Simulator, progress: Progress | None = None) -
     per_tier = [0] * len(names)
     hit_tokens = total = hit_blocks = 0
     pending = 0
+    attribution = MissAttribution(sim, bt)
     started = time.perf_counter()
     for request in trace.requests:
         tiers = sim.serve(request)
         matched = len(tiers)
         total += request.tokens
+        attribution.add(request, matched)
         if matched:
             hit = min(matched * bt, request.tokens)
             hit_tokens += hit
@@ -199,6 +245,7 @@ def replay_one(trace: Trace, sim: Simulator, progress: Progress | None = None) -
         len(trace.requests),
         seconds,
         detail,
+        attribution.tokens,
     )
 
 

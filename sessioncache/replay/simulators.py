@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Final, Protocol
 
+from sessioncache.attribution import DropLog
 from sessioncache.clock import ManualClock
 from sessioncache.errors import SessionCacheError
 from sessioncache.hashing import BlockHash
@@ -73,6 +74,13 @@ class Simulator(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Explains(Protocol):
+    """A simulator that can tell, right after ``serve``, why a block of the request that it
+    had held before missed (miss attribution): ``expired`` or ``evicted``."""
+
+    def why_missing(self, block: int) -> str: ...
 
 
 class OracleSim:
@@ -125,6 +133,7 @@ class LruSim:
         self._tiers: list[OrderedDict[int, float]] = [OrderedDict() for _ in tiers]
         self._evictions = 0
         self._expired_hits = 0
+        self._expired_now: set[int] = set()
 
     @property
     def tier_names(self) -> list[str]:
@@ -146,9 +155,18 @@ class LruSim:
                 self._expired_hits += 1
                 break
             matched.append(index)
+        if ttl is not None:  # held past their TTL: what made this request miss them
+            self._expired_now = {
+                b
+                for b in request.ids[len(matched) :]
+                if any((last := t.get(b)) is not None and last + ttl <= now for t in tiers)
+            }
         for block in reversed(request.ids) if self._tail_first else request.ids:
             self._touch(block, now)
         return matched
+
+    def why_missing(self, block: int) -> str:
+        return "expired" if block in self._expired_now else "evicted"
 
     def _touch(self, block: int, now: float) -> None:
         top = self._tiers[0]
@@ -285,6 +303,10 @@ class StoreSim:
         self._dropped = 0
         self._session_reopens = 0
         self._opened: set[str] = set()
+        # Miss attribution as the service does it: the ring of ids whose last copy left
+        self.drops = DropLog(ring_blocks=1 << 62)
+        self.store.observe(self.drops)
+        self._expired_now: set[BlockHash] = set()
 
     @property
     def tier_names(self) -> list[str]:
@@ -313,6 +335,12 @@ class StoreSim:
         if match.lease is not None:
             store.release(match.lease.id)  # loaded
         matched = match.num_blocks
+        self._expired_now = set()
+        if matched < len(hashes) and store.meta(hashes[matched]) is not None:
+            now = self.clock.now()  # held, but past its TTL (not swept yet)
+            self._expired_now = {
+                h for h in hashes[matched:] if (m := store.meta(h)) is not None and m.expired(now)
+            }
         if matched < len(hashes):
             new = hashes[matched:]
             payloads = [self._payload] * len(new)
@@ -329,6 +357,15 @@ class StoreSim:
                 )
             self._dropped += len(result.dropped)
         return tiers
+
+    def why_missing(self, block: int) -> str:
+        block_hash = self._ids.get(block)
+        if block_hash is None:
+            return "evicted"
+        if block_hash in self._expired_now:
+            return "expired"
+        drop = self.drops.find(block_hash)
+        return "expired" if drop is not None and drop.expired else "evicted"
 
     def _ensure_open(self, sessions: SessionManager, session: str) -> None:
         try:

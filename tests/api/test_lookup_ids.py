@@ -148,6 +148,7 @@ def test_id_lookup_matches_the_token_lookup(client: httpx.Client, stored_blocks:
         "tiers": [{"tier": "cpu", "blocks": stored_blocks}] if stored_blocks else [],
         "lease": None,
         "locations": None,
+        "miss": None,
     }
 
 
@@ -163,6 +164,8 @@ def test_answers_have_the_declared_shapes(client: httpx.Client):
         ({"tokens": toks.tolist(), "compact": True}, CompactLookupResponse),
         ({"block_ids_b64": ids_b64(ids)}, CompactLookupResponse),
         ({"block_ids_b64": ids_b64(ids), "compact": True}, CompactLookupResponse),
+        ({"tokens": toks.tolist(), "explain": True}, LookupResponse),
+        ({"block_ids_b64": ids_b64(ids), "explain": True}, CompactLookupResponse),
     ):
         out = lookup(client, {"namespace": ns, "lease_ms": 1000, **body})
         parsed = model.model_validate(out)

@@ -287,3 +287,25 @@ def test_bad_input_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str
 def test_empty_trace_object_has_no_requests():
     trace = Trace("empty", "mooncake", 512, [], 0, 0)
     assert trace.total_tokens == 0 and trace.total_blocks == 0
+
+
+def test_misses_by_reason_add_up_and_name_divergence_and_eviction():
+    trace = load_trace(AGENT, span_days=0.01, seed=1)
+    report = run_replay(
+        trace, capacity_frac=0.3, tiers=parse_tiers("cpu:1,disk:2"), policies=[*POLICIES, "belady"]
+    )
+    for result in report.results.values():
+        assert sum(result.miss_by_reason.values()) == result.miss_tokens, result.name
+    assert report.results["oracle"].miss_by_reason["evicted"] == 0
+    # a session whose second request edits block 1: the rest of the first is diverged
+    requests = [
+        Request(0.0, "s", (1, 2, 3, 4), 256),
+        Request(1.0, "s", (1, 5, 6, 7, 8), 300),
+        Request(2.0, "t", (9,), 64),
+        Request(4000.0, "t", (9,), 64),
+    ]
+    hand = Trace("edit", "agent-sessions", 64, requests, 9, 2)
+    got = run_replay(hand, capacity_frac=1.0, policies=["oracle", "ttl_5min", "sessioncache"])
+    oracle = got.results["oracle"].miss_by_reason
+    assert oracle == {"diverged": 3 * 64, "evicted": 0, "expired": 0, "new": 256 + 44 + 64}
+    assert got.results["ttl_5min"].miss_by_reason["expired"] == 64
