@@ -176,9 +176,17 @@ class SessionCacheL2:
             lease_ms,
             timeout_s,
         )
-        # Fail at start, not at the first batch: a wrong URL or key shows in LMCache's log.
-        first = _Connection(self.settings)
-        self.data_path = "same_host" if first.same_host else "stream"
+        # Connect every worker now: a wrong URL or key fails at start and shows in LMCache's
+        # log, and no batch pays for a connection.
+        connections: list[_Connection] = []
+        try:
+            for _ in range(workers):
+                connections.append(_Connection(self.settings))
+        except BaseException:
+            for conn in connections:
+                conn.close()
+            raise
+        self.data_path = "same_host" if connections[0].same_host else "stream"
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._lock = threading.Lock()
         self._done: list[Completion] = []
@@ -189,7 +197,7 @@ class SessionCacheL2:
         self._threads = [
             threading.Thread(
                 target=self._work,
-                args=(first if i == 0 else None,),
+                args=(connections[i],),
                 name=f"sessioncache-l2-{i}",
                 daemon=True,
             )
