@@ -193,3 +193,16 @@ def test_keys_map_to_namespace_and_block_key():
     for bad in ("x", "m@1@2", "@1@2@3", "m@1@2@3@4@5"):
         with pytest.raises(InvalidInput):
             parse_key(bad)
+
+
+def test_the_core_never_imports_lmcache():
+    code = (
+        "import sys, sessioncache, sessioncache.connector, sessioncache.connector.lmcache, "
+        "sessioncache.dataplane, sessioncache.api.app; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lmcache'))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=lmcache_env(), capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
