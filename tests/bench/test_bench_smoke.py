@@ -39,7 +39,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "bench.lmcache_l2": (
         ["--keys", "4", "--sizes-kb", "64", "--rounds", "1", "--json"],
-        r"(?m)^ +64k sessioncache same_host +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+x\n"
+        r"(?m)^ +64k sessioncache same_host +[\d.]+ \( *[\d.]+\) +[\d.]+ \( *[\d.]+\) "
+        r"+[\d.]+x +[\d.]+x\n"
         r"(?s:.*)^ +64k lmcache fs .*\n\{\"64k\": ",
     ),
     "bench.lookup": (
