@@ -3,6 +3,9 @@
 ``SessionCacheClient`` (blocking) and ``AsyncSessionCacheClient`` (asyncio) mirror each other;
 ``sessioncache.connector.transformers`` turns a Hugging Face transformers KV cache into block
 payloads and back (import it explicitly: it needs torch and transformers, this package does not).
+``sessioncache.connector.lmcache`` (LMCache's multiprocess L2 adapter) and
+``sessioncache.connector.lmcache_remote`` (its in-process remote storage plugin, which imports
+LMCache) are loaded by LMCache itself (``docs/lmcache.md``).
 """
 
 from sessioncache.connector.client import AsyncSessionCacheClient, SessionCacheClient

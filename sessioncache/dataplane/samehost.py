@@ -41,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError
@@ -51,7 +52,9 @@ from sessioncache.dataplane.client import (
     StreamLookup,
     as_buffer,
     discover_same_host,
+    key_bytes,
     one_size,
+    segment_ids,
     store_tokens,
     store_ttl_ms,
 )
@@ -71,7 +74,6 @@ from sessioncache.dataplane.frames import (
 )
 from sessioncache.dataplane.transport import SocketTransport, Transport, connect
 from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError, SessionCacheError
-from sessioncache.hashing import block_hashes_from_bytes
 
 __all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup"]
 
@@ -111,7 +113,7 @@ def _is_device_tensor(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and obj.device.type != "cpu"
 
 
-def _copy_out(dst: Any, src: np.ndarray) -> memoryview | None:
+def _copy_out(dst: Any, src: npt.NDArray[np.uint8]) -> memoryview | None:
     """Copy ``src`` into the caller's buffer; the host view written (None for a device
     tensor: ``torch`` copies over the mapping straight to the device)."""
     if _is_device_tensor(dst):
@@ -131,7 +133,7 @@ def _copy_out(dst: Any, src: np.ndarray) -> memoryview | None:
     return view
 
 
-def _copy_in(dst: np.ndarray, payload: Any) -> int | None:
+def _copy_in(dst: npt.NDArray[np.uint8], payload: Any) -> int | None:
     """Copy a payload into a slot. A device tensor is copied by ``torch`` straight from the
     device; its XXH3-64 is then taken of the slot (returned). A host payload's checksum is
     taken of the source, ahead, by the hashing thread (None here)."""
@@ -150,7 +152,7 @@ def _copy_in(dst: np.ndarray, payload: Any) -> int | None:
 _PIECE = 512 << 10
 
 
-def _copy_and_hash(dst: np.ndarray, payload: Any) -> int:
+def _copy_and_hash(dst: npt.NDArray[np.uint8], payload: Any) -> int:
     """Copy a host payload into a slot piece by piece, hashing each piece of the slot while it
     is still in cache: the source is read from memory once."""
     src = np.frombuffer(as_buffer(payload, writable=False), np.uint8)
@@ -193,7 +195,7 @@ class SameHostClient(StreamClient):
             transport, api_key=api_key, seed=seed, timeout=timeout, client_name=client_name
         )
         self._sock = transport.socket
-        self._segments: dict[int, np.ndarray] = {}
+        self._segments: dict[int, npt.NDArray[np.uint8]] = {}
         self._hasher: ThreadPoolExecutor | None = None
         self.hash_ahead = True
         """Checksum host payloads in a thread of this client, ahead of the copies (else each
@@ -249,7 +251,7 @@ class SameHostClient(StreamClient):
         """The segments this client has mapped."""
         return sorted(self._segments)
 
-    def _segment(self, slot: Slot) -> np.ndarray:
+    def _segment(self, slot: Slot) -> npt.NDArray[np.uint8]:
         return self._segments[slot.segment][slot.offset : slot.offset + slot.nbytes]
 
     def _ensure_segments(self, segments: Iterable[int]) -> None:
@@ -277,7 +279,7 @@ class SameHostClient(StreamClient):
             missing = still
 
     @staticmethod
-    def _map(fd: int) -> np.ndarray:
+    def _map(fd: int) -> npt.NDArray[np.uint8]:
         size = os.fstat(fd).st_size
         memory = mmap.mmap(
             fd,
@@ -320,11 +322,17 @@ class SameHostClient(StreamClient):
     # -- loads ---------------------------------------------------------------------------
 
     def locate(
-        self, root: bytes, ids: Sequence[bytes], *, lease_ms: int = DEFAULT_LEASE_MS
+        self,
+        root: bytes,
+        ids: Sequence[bytes],
+        *,
+        lease_ms: int = DEFAULT_LEASE_MS,
+        keyed: bool = False,
     ) -> SameHostLookup:
         """Lease the longest held prefix of ``ids`` the caller may read and learn where its
         blocks lie in shared memory (blocks held only lower are copied there first; the
-        located run may stop before the leased one where that was not possible)."""
+        located run may stop before the leased one where that was not possible). ``keyed``:
+        the ids are keyed ids, each held under ``root`` on its own."""
         self._namespace(root)
         if not ids:
             return SameHostLookup(root, [], 0, [], None, time.monotonic())
@@ -332,7 +340,7 @@ class SameHostClient(StreamClient):
             raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
         if lease_ms <= 0:
             raise InvalidInput("a LOCATE needs a lease (lease_ms > 0): it guards the slots")
-        request = Lookup(root, list(ids), lease_ms)
+        request = Lookup(root, list(ids), lease_ms, keyed)
         start = time.monotonic()
         body = self._call(Op.LOCATE, lambda rid: frames.encode_locate(rid, request))
         ok = frames.decode_locate_ok(body)
@@ -368,6 +376,7 @@ class SameHostClient(StreamClient):
         start: int = 0,
         release: bool | None = None,
         verify: bool = False,
+        each: bool = False,
     ) -> list[bool]:
         """Copy located blocks ``start ..`` of a ``locate`` answer into ``out`` (one exactly
         block-sized buffer each: numpy arrays, CPU tensors pinned or not, CUDA tensors,
@@ -377,7 +386,7 @@ class SameHostClient(StreamClient):
         ``verify`` checks every copy against its XXH3-64 (``ChecksumMismatch``). Other
         sources are loaded over the socket, as ``StreamClient.load_into`` does."""
         if not isinstance(source, SameHostLookup):
-            return super().load_into(source, out, start=start, release=bool(release))
+            return super().load_into(source, out, start=start, release=bool(release), each=each)
         release = True if release is None else release
         slots = source.slots[start : start + len(out)]
         self._ensure_segments(s.segment for s in slots)
@@ -430,7 +439,47 @@ class SameHostClient(StreamClient):
         size. Each block is published only if its slot holds exactly its bytes."""
         namespace = self._namespace(root)
         token_bytes = store_tokens(namespace, tokens, len(payloads))
-        step = 4 * namespace.block_tokens
+        return self._stage_store(root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s)
+
+    def store_keyed(
+        self,
+        root: bytes,
+        keys: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        linked: bool = True,
+        ttl_s: float | None = None,
+    ) -> StoreAck:
+        """``StreamClient.store_keyed`` through shared memory: the payloads are copied into
+        slots of the node's CPU tier and published when their checksums match."""
+        self._namespace(root)
+        if len(keys) != len(payloads):
+            raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
+        return self._stage_store(
+            root,
+            frames.KEY_WORDS,
+            key_bytes(keys),
+            payloads,
+            parent,
+            ttl_s,
+            keyed=True,
+            linked=linked,
+        )
+
+    def _stage_store(
+        self,
+        root: bytes,
+        block_tokens: int,
+        token_bytes: bytes,
+        payloads: Sequence[Any],
+        parent: bytes | None,
+        ttl_s: float | None,
+        *,
+        keyed: bool = False,
+        linked: bool = True,
+    ) -> StoreAck:
+        step = 4 * block_tokens
         if not payloads:
             return StoreAck([], [], False)
         size = one_size(
@@ -447,10 +496,8 @@ class SameHostClient(StreamClient):
         for first in range(0, len(payloads), per):
             part = payloads[first : first + per]
             segment = token_bytes[first * step : (first + len(part)) * step]
-            head = StoreHead(root, parent, namespace.block_tokens, len(part), size, ttl_ms)
-            ours = block_hashes_from_bytes(
-                parent if parent is not None else root, segment, namespace.block_tokens, self.seed
-            )
+            head = StoreHead(root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked)
+            ours = segment_ids(head, segment, self.seed)
             body = self._call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
             staged = frames.decode_stage_ok(body, size)
             if staged.ids != ours:
@@ -461,7 +508,7 @@ class SameHostClient(StreamClient):
             ids += staged.ids
             status += [STATUS_NAMES[c] if c < len(STATUS_NAMES) else "?" for c in codes]
             durable = durable or staged.durable
-            parent = staged.ids[-1]
+            parent = staged.ids[-1] if linked else None
         return StoreAck(ids, status, durable)
 
     def _fill_and_commit(self, staged: StageOk, payloads: Sequence[Any]) -> list[int]:
