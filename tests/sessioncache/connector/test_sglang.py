@@ -1,0 +1,245 @@
+"""SGLang's own ``StorageBackendFactory`` loads ``SessionCacheHiCacheStorage`` and stores and
+reads back pages byte-exact through a real ``sessioncache serve``, on both data paths.
+
+The real ``sglang`` package is needed (installed without its GPU dependencies, see .ci/run).
+SGLang's host KV pools (``sglang.srt.mem_cache.pool_host``) cannot be imported without
+torchvision built for the installed torch, so ``PageFirstHostPool`` stands in for
+``MHATokenToKVPoolHost``: the same buffer and the same ``get_page_buffer_meta`` arithmetic for
+its ``page_first`` and ``layer_first`` layouts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from sessioncache.connector.sglang import (  # noqa: E402
+    HiCacheOptions,
+    SessionCacheHiCacheStorage,
+    shard_tag,
+)
+from sessioncache.errors import InvalidInput  # noqa: E402
+from tests.support.servers import Server, start_server  # noqa: E402
+
+MODULE = "sessioncache.connector.sglang"
+CLASS = "SessionCacheHiCacheStorage"
+LAYERS, HEADS, DIM, PAGE = 4, 2, 64, 16
+
+
+class PageFirstHostPool:
+    """The storage-facing surface of SGLang's ``MHATokenToKVPoolHost`` (see module doc)."""
+
+    def __init__(self, pages: int, layout: str = "page_first") -> None:
+        self.page_size = PAGE
+        self.layout = layout
+        self.dtype = torch.bfloat16
+        self.layer_num, self.head_num, self.head_dim = LAYERS, HEADS, DIM
+        self.size = pages * PAGE
+        if layout == "page_first":
+            dims = (2, self.size, LAYERS, HEADS, DIM)
+        else:
+            dims = (2, LAYERS, self.size, HEADS, DIM)
+        self.kv_buffer = torch.zeros(dims, dtype=self.dtype)
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        # MHATokenToKVPoolHost.get_page_buffer_meta, verbatim in its arithmetic
+        assert len(indices) % self.page_size == 0
+        base = self.kv_buffer.data_ptr()
+        item = self.dtype.itemsize
+        indices = indices.tolist()
+        v_offset = self.layer_num * self.size * self.head_num * self.head_dim * item
+        ptrs: list[int] = []
+        if self.layout == "layer_first":
+            for index in range(0, len(indices), self.page_size):
+                for layer in range(self.layer_num):
+                    k = (
+                        base
+                        + indices[index] * self.head_num * self.head_dim * item
+                        + layer * self.size * self.head_num * self.head_dim * item
+                    )
+                    ptrs += [k, k + v_offset]
+            size = item * self.page_size * self.head_num * self.head_dim
+        else:
+            for index in range(0, len(indices), self.page_size):
+                k = base + indices[index] * self.layer_num * self.head_num * self.head_dim * item
+                ptrs += [k, k + v_offset]
+            size = self.layer_num * item * self.page_size * self.head_num * self.head_dim
+        return ptrs, [size] * len(ptrs)
+
+    def page(self, index: int) -> Any:
+        if self.layout == "page_first":
+            return self.kv_buffer[:, index : index + PAGE].clone()
+        return self.kv_buffer[:, :, index : index + PAGE].clone()
+
+    def fill(self, index: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        data = torch.randn(self.page(index).shape, generator=g).to(self.dtype)
+        if self.layout == "page_first":
+            self.kv_buffer[:, index : index + PAGE] = data
+        else:
+            self.kv_buffer[:, :, index : index + PAGE] = data
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # a 64 MiB chunk per payload size in use (tiers/slab.py): room for the two sizes here
+    server = start_server(
+        tmp_path_factory.mktemp("sglang") / "data", {"SESSIONCACHE_CPU_BYTES": str(256 << 20)}
+    )
+    yield server
+    server.stop()
+
+
+def storage_config(extra: dict[str, Any], *, model: str, tp_rank: int = 0) -> Any:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model,
+        extra_config=extra,
+    )
+
+
+def create(node: Server, model: str, **extra: Any) -> Any:
+    """The backend as SGLang builds it from ``--hicache-storage-backend dynamic``."""
+    config = {
+        "backend_name": "sessioncache",
+        "module_path": MODULE,
+        "class_name": CLASS,
+        "url": node.url,
+        **extra,
+    }
+    # what SGLang's server_args does with --hicache-storage-backend-extra-config
+    config = json.loads(json.dumps(config))
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(config, model=model, tp_rank=extra.pop("tp_rank", 0)), None
+    )
+    assert isinstance(backend, SessionCacheHiCacheStorage)
+    return backend
+
+
+def keys_for(tag: str, n: int) -> list[str]:
+    return [f"{tag}-{i:064x}" for i in range(n)]
+
+
+@pytest.mark.parametrize("path", ["same_host", "stream"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_zero_copy_pages_round_trip_through_the_factory(node: Server, path: str, layout: str):
+    pages = 6
+    writer = create(node, f"m-v1-{path}-{layout}", path=path, interface_v1=True)
+    reader = create(node, f"m-v1-{path}-{layout}", path=path, interface_v1=True)
+    src, dst = PageFirstHostPool(pages + 2, layout), PageFirstHostPool(pages + 2, layout)
+    writer.register_mem_pool_host(src)
+    reader.register_mem_pool_host(dst)
+    try:
+        assert writer.path == path
+        keys = keys_for(f"{path}-{layout}", pages)
+        at = torch.arange(PAGE, PAGE * (pages + 1), dtype=torch.int64)  # pages 1..6 of the pool
+        for i in range(pages):
+            src.fill(PAGE * (i + 1), seed=i)
+        assert reader.batch_exists(keys) == 0
+        # two batches of one request: the second continues the first's chain
+        assert writer.batch_set_v1(keys[:4], at[: 4 * PAGE]) == [True] * 4
+        extra = HiCacheStorageExtraInfo(prefix_keys=keys[:4])
+        assert writer.batch_set_v1(keys[4:], at[4 * PAGE :], extra) == [True] * 2
+        assert reader.batch_exists(keys + keys_for("absent", 2)) == pages
+        assert reader.exists(keys[0]) and not reader.exists("absent")
+
+        # into other slots of another pool: pages 7, 0, 1, ... of dst
+        into = torch.cat([torch.arange(PAGE * (pages + 1), PAGE * (pages + 2)), at[:-PAGE]])
+        got = reader.batch_get_v1(keys, into.to(torch.int64))
+        assert got == [True] * pages
+        order = [pages + 1, *range(1, pages)]
+        for i, slot in enumerate(order):
+            assert torch.equal(dst.page(PAGE * slot), src.page(PAGE * (i + 1))), i
+        # a missing page in the middle: SGLang keeps the prefix before it
+        mixed = [keys[0], "absent-page", keys[2]]
+        assert reader.batch_get_v1(mixed, at[: 3 * PAGE])[:2] == [True, False]
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("path", ["same_host", "stream"])
+def test_tensor_pages_round_trip_through_the_factory(node: Server, path: str):
+    backend = create(node, f"m-pages-{path}", path=path)
+    try:
+        rng = np.random.default_rng(7)
+        pages = [torch.from_numpy(rng.standard_normal(4096).astype(np.float32)) for _ in range(5)]
+        keys = keys_for(f"pages-{path}", 5)
+        assert backend.batch_set(keys[:4], pages[:4])
+        assert backend.set(keys[4], pages[4])
+        assert backend.batch_exists(keys) == 5
+        out = [torch.zeros(4096, dtype=torch.float32) for _ in range(6)]
+        got = backend.batch_get([*keys, "never-stored"], out)
+        assert got[5] is None
+        for a, b in zip(got[:5], pages, strict=True):
+            assert a is not None and torch.equal(a, b)
+        one = backend.get(keys[2], torch.zeros(4096, dtype=torch.float32))
+        assert one is not None and torch.equal(one, pages[2])
+        assert backend.get("never-stored", torch.zeros(4096)) is None
+    finally:
+        backend.close()
+
+
+def test_ranks_and_formats_do_not_share_pages(node: Server):
+    rank0 = create(node, "m-ranks", tp_rank=0)
+    rank1 = create(node, "m-ranks", tp_rank=1)
+    v1 = create(node, "m-ranks", tp_rank=0, interface_v1=True)
+    v1.register_mem_pool_host(PageFirstHostPool(2))
+    try:
+        page = torch.ones(1024, dtype=torch.float32)
+        assert rank0.set("shared-key", page)
+        assert rank0.exists("shared-key")
+        assert not rank1.exists("shared-key")  # TP-split KV: another rank's page differs
+        assert not v1.exists("shared-key")  # another page format
+    finally:
+        for b in (rank0, rank1, v1):
+            b.close()
+
+
+def test_an_unreachable_node_fails_calls_not_sglang(tmp_path: Any):
+    backend = create(
+        Server("http://127.0.0.1:9", 9, None, tmp_path, tmp_path / "log"),  # type: ignore[arg-type]
+        "m-down",
+        timeout_s=2,
+    )
+    try:
+        assert backend.batch_exists(["a", "b"]) == 0
+        assert backend.batch_set(["a"], [torch.zeros(16)]) is False
+        assert backend.batch_get(["a"], [torch.zeros(16)]) == [None]
+    finally:
+        backend.close()
+
+
+def test_options_are_checked():
+    with pytest.raises(InvalidInput, match="path must be"):
+        HiCacheOptions.from_extra_config({"path": "rest"})
+    opts = HiCacheOptions.from_extra_config({"url": "http://n:1", "interface_v1": 1, "ttl_s": 60})
+    assert (opts.url, opts.interface_v1, opts.ttl_s) == ("http://n:1", True, 60.0)
+
+
+def test_shards_follow_sglangs_file_backend():
+    mla = HiCacheStorageConfig(3, 4, 0, 1, 0, 1, True, False, True, "m")
+    assert shard_tag(mla) == "single"  # MLA KV: one copy for every TP rank
+    mha = HiCacheStorageConfig(3, 4, 1, 2, 0, 1, False, False, True, "m")
+    assert shard_tag(mha) == "tp3of4,pp1of2"
