@@ -11,6 +11,8 @@ its ``page_first`` and ``layer_first`` layouts.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -243,3 +245,13 @@ def test_shards_follow_sglangs_file_backend():
     assert shard_tag(mla) == "single"  # MLA KV: one copy for every TP rank
     mha = HiCacheStorageConfig(3, 4, 1, 2, 0, 1, False, False, True, "m")
     assert shard_tag(mha) == "tp3of4,pp1of2"
+
+
+def test_the_core_never_imports_sglang():
+    code = (
+        "import sys, sessioncache, sessioncache.connector, sessioncache.connector.transfer, "
+        "sessioncache.cli, sessioncache.node, sessioncache.api.app; "
+        "print('sglang' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
