@@ -151,6 +151,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             seed=self.options.seed,
         )
         self._namespace: Namespace | None = None
+        self._regions: int | None = None
         self._local = threading.local()
         self._conns: list[_Conn] = []
         self._lock = threading.Lock()
@@ -367,14 +368,16 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # -- the zero-copy interface -------------------------------------------------------------
 
     def _regions_per_page(self) -> int:
-        pool = self.mem_pool_host
-        if pool is None:
-            raise InvalidInput("the zero-copy interface needs SGLang's host pool registered")
-        page = pool.page_size
-        import torch
+        """How many host regions (blocks) make one page of the registered pool."""
+        if self._regions is None:
+            pool = self.mem_pool_host
+            if pool is None:
+                raise InvalidInput("the zero-copy interface needs SGLang's host pool registered")
+            import torch
 
-        ptrs, _ = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
-        return max(1, len(ptrs))
+            ptrs, _ = pool.get_page_buffer_meta(torch.arange(pool.page_size, dtype=torch.int64))
+            self._regions = max(1, len(ptrs))
+        return self._regions
 
     def _page_views(self, keys: Sequence[str], host_indices: Any) -> tuple[list[str], list[Any]]:
         """The block keys and host-pool views of ``keys``' pages at ``host_indices``."""
