@@ -168,3 +168,38 @@ def from_hex(text: str) -> BlockHash:
         return BlockHash(bytes.fromhex(text))
     except ValueError as exc:
         raise InvalidInput(f"a block id is {2 * HASH_BYTES} hex digits, got {text!r:.80}") from exc
+
+
+# -- keyed blocks ----------------------------------------------------------------------------
+#
+# Engines that address KV by keys of their own (LMCache's chunk hashes, SGLang's page hashes)
+# store and read blocks by *key* instead of by tokens: a keyed block's id is derived from its
+# namespace root and a 16-byte key alone, so finding one key needs no context (no parent, no
+# tokens). ``docs/hashing.md`` and ``docs/dataplane.md`` ("Keyed blocks") describe it.
+
+KEY_BYTES = 16
+"""A block key on the wire: 16 bytes (``block_key`` makes one of any engine key)."""
+KEY_TAG = b"sessioncache-key-v1"
+"""Appended to a keyed id's input. It is 19 bytes long, so a keyed input (16 + 16 + 19 bytes)
+never has the length of a chain block's (16 + 4 x tokens): no keyed id equals a chain id."""
+
+
+def block_key(key: bytes | str) -> bytes:
+    """The 16-byte block key of an engine's key of any length: ``XXH3-128(key)`` (a ``str``
+    as UTF-8). Engines whose keys are 16 random bytes already may send them as they are."""
+    data = key.encode() if isinstance(key, str) else bytes(key)
+    return xxhash.xxh3_128_digest(data)
+
+
+def keyed_block_ids(root: bytes, keys: Sequence[bytes], seed: int = 0) -> list[BlockHash]:
+    """The id of each keyed block: ``XXH3-128(root || key || KEY_TAG, seed)``. Only the
+    tenant's root and the key enter it, so, as for chains, nobody can name a block of
+    another namespace or tenant, and the node derives the ids itself from what it is sent."""
+    _check_seed(seed)
+    digest = xxhash.xxh3_128_digest
+    out: list[bytes] = []
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise InvalidInput(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
+        out.append(digest(root + bytes(key) + KEY_TAG, seed))
+    return cast(list[BlockHash], out)

@@ -387,6 +387,17 @@ class TieredStore:
             now = self._clock.now()
             return [self._index.held(block_hash, now) is not None for block_hash in hashes]
 
+    def held_under(self, namespace_root: bytes, hashes: Sequence[BlockHash]) -> list[bool]:
+        """For each id, whether a tier holds it unexpired under ``namespace_root`` (one pass
+        under the lock; nothing touched): the presence test of keyed blocks."""
+        with self._lock:
+            now = self._clock.now()
+            out = []
+            for block_hash in hashes:
+                meta = self._index.held(block_hash, now)
+                out.append(meta is not None and meta.namespace_root == namespace_root)
+            return out
+
     def where(self, block_hash: BlockHash) -> list[str]:
         """Names of the tiers holding the block, fastest first."""
         with self._lock:
@@ -659,14 +670,19 @@ class TieredStore:
         parent: BlockHash | None = None,
         ttl_s: float | None = None,
         durable: bool = False,
+        parents: Sequence[BlockHash | None] | None = None,
     ) -> Staging:
         """Reserve a slot of ``nbytes`` in the shared-memory tier for each block of a chain
         segment that is not held yet (making room by eviction, as ``put`` does), for another
         process to fill in place; ``commit`` publishes them, ``abort`` frees them. A staged
         block is invisible to lookups until committed; its record is pinned meanwhile, so a
         ``put`` of the same id answers present. Staged slots never expire: their owner (a
-        connection) aborts them when it ends, since a writer may still be filling them."""
+        connection) aborts them when it ends, since a writer may still be filling them.
+
+        ``parents`` gives each block's parent instead (keyed blocks that are no chain)."""
         shm_index, _ = self._require_shm()
+        if parents is not None and len(parents) != len(hashes):
+            raise InvalidInput(f"{len(hashes)} ids but {len(parents)} parents")
         ttl = self._default_ttl if ttl_s is None else _check_ttl(ttl_s)
         self._check_ids(hashes, namespace_root, parent)
         self._check_sizes(hashes, [nbytes] * len(hashes), namespace_root)
@@ -680,7 +696,9 @@ class TieredStore:
             op = self._index.next_op()
         prev = parent
         try:
-            for block_hash in hashes:
+            for i, block_hash in enumerate(hashes):
+                if parents is not None:
+                    prev = parents[i]
                 meta = None
                 if not staging.status or staging.status[-1] != DROPPED:
                     meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)

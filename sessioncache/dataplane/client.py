@@ -49,9 +49,11 @@ from sessioncache.dataplane.frames import (
 from sessioncache.dataplane.transport import Transport, connect, recv_exact
 from sessioncache.errors import InvalidInput, PayloadSizeError, SessionCacheError
 from sessioncache.hashing import (
+    KEY_BYTES,
     Namespace,
     Tokens,
     block_hashes_from_bytes,
+    keyed_block_ids,
     namespace_root,
     tenant_namespace,
     tokens_to_le_bytes,
@@ -190,6 +192,23 @@ def _store_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
     return frames.encode_store_head(rid, head, tokens)
 
 
+def key_bytes(keys: Sequence[bytes]) -> bytes:
+    """Block keys (16 bytes each, ``hashing.block_key``) as a keyed STORE's key section."""
+    for key in keys:
+        if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
+            raise InvalidInput(f"a block key is {KEY_BYTES} bytes, got {key!r:.60}")
+    return b"".join(keys)
+
+
+def segment_ids(head: StoreHead, units: bytes, seed: int) -> list[bytes]:
+    """The ids the node derives for one STORE or STAGE (``units``: its token or key section)."""
+    if head.keyed:
+        keys = [units[i : i + KEY_BYTES] for i in range(0, len(units), KEY_BYTES)]
+        return list(keyed_block_ids(head.root, keys, seed))
+    start = head.parent if head.parent is not None else head.root
+    return list(block_hashes_from_bytes(start, units, head.block_tokens, seed))
+
+
 class StreamClient:
     """A connection to one node's data plane (see the module docstring)."""
 
@@ -254,6 +273,11 @@ class StreamClient:
         self._broken = self._broken or "closed"
         self._t.close()
 
+    @property
+    def broken(self) -> bool:
+        """The connection is unusable (closed, or broken by an error): connect again."""
+        return self._broken is not None
+
     def __enter__(self) -> Self:
         return self
 
@@ -308,18 +332,44 @@ class StreamClient:
 
     # -- LOOKUP and RELEASE ----------------------------------------------------------------
 
+    def key_ids(self, root: bytes, keys: Sequence[bytes]) -> list[bytes]:
+        """The ids of keyed blocks under ``root`` (``hashing.keyed_block_ids``): 16-byte
+        block keys (``hashing.block_key`` of an engine's key) in, ids out, no request."""
+        self._namespace(root)
+        return list(keyed_block_ids(root, keys, self.seed))
+
+    def exists(self, root: bytes, ids: Sequence[bytes]) -> list[bool]:
+        """For each id, whether the node holds it under ``root`` (each on its own, keyed or
+        chained; nothing touched nor leased)."""
+        self._namespace(root)
+        out: list[bool] = []
+        per = self.limits.max_ids
+        for first in range(0, len(ids), per):
+            request = frames.Exists(root, list(ids[first : first + per]))
+            body = self._call(Op.EXISTS, functools.partial(frames.encode_exists, exists=request))
+            held = frames.decode_exists_ok(body)
+            if len(held) != len(request.ids):
+                raise ProtocolError(f"EXISTS_OK: {len(held)} answers for {len(request.ids)} ids")
+            out += held
+        return out
+
     def lookup(
-        self, root: bytes, ids: Sequence[bytes], *, lease_ms: int | None = None
+        self,
+        root: bytes,
+        ids: Sequence[bytes],
+        *,
+        lease_ms: int | None = None,
+        keyed: bool = False,
     ) -> StreamLookup:
-        """The longest held prefix of ``ids`` (a chain under ``root``) the caller may read;
-        with ``lease_ms`` it stays pinned that long (``release`` it, or load with
-        ``release=True``)."""
+        """The longest held prefix of ``ids`` (a chain under ``root``; with ``keyed``, keyed
+        ids each held under ``root``) the caller may read; with ``lease_ms`` it stays pinned
+        that long (``release`` it, or load with ``release=True``)."""
         self._namespace(root)
         if not ids:
             return StreamLookup(root, [], [], [], None)
         if len(ids) > self.limits.max_ids:
             raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
-        request = Lookup(root, list(ids), lease_ms or 0)
+        request = Lookup(root, list(ids), lease_ms or 0, keyed)
         body = self._call(Op.LOOKUP, lambda rid: frames.encode_lookup(rid, request))
         ok = frames.decode_lookup_ok(body)
         n = len(ok.nbytes)
@@ -344,15 +394,17 @@ class StreamClient:
         *,
         start: int = 0,
         release: bool = False,
+        each: bool = False,
     ) -> list[bool]:
         """Receive blocks straight into ``out`` (one exactly block-sized buffer each); returns
         which were found. ``source`` is a lookup (its lease, from block ``start``; without a
         lease, its ids), a lease id, or a list of ids (their held prefix is leased while it
-        is sent; past it, blocks are missing). ``release`` ends the lease after the load."""
+        is sent; past it, blocks are missing; with ``each``, every held id is sent, as keyed
+        blocks want). ``release`` ends the lease after the load."""
         views = [as_buffer(o, writable=True) for o in out]
         if not views:
             return []
-        return self._load(source, len(views), start, release, views)
+        return self._load(source, len(views), start, release, views, each=each)
 
     def load(
         self, source: StreamLookup | bytes | Sequence[bytes], *, blocks: int | None = None
@@ -381,6 +433,8 @@ class StreamClient:
         release: bool,
         views: list[memoryview] | None,
         got: list[bytes | None] | None = None,
+        *,
+        each: bool = False,
     ) -> list[bool]:
         if isinstance(source, StreamLookup) and source.lease is not None:
             request: LoadLease | LoadIds = LoadLease(source.lease, start, n, release)
@@ -390,7 +444,7 @@ class StreamClient:
             ids = source.hashes if isinstance(source, StreamLookup) else source
             if len(ids) - start < n:
                 raise InvalidInput(f"{n} buffers for {len(ids) - start} ids")
-            request = LoadIds(list(ids[start : start + n]))
+            request = LoadIds(list(ids[start : start + n]), each)
         if n > self.limits.max_ids:
             raise InvalidInput(f"{n} blocks; the node sends {self.limits.max_ids} at most")
         with self._lock:
@@ -442,7 +496,49 @@ class StreamClient:
         payload arrived. More blocks than one request carries go in several."""
         namespace = self._namespace(root)
         token_bytes = store_tokens(namespace, tokens, len(payloads))
-        step = 4 * namespace.block_tokens
+        return self._store(root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s)
+
+    def store_keyed(
+        self,
+        root: bytes,
+        keys: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        linked: bool = True,
+        ttl_s: float | None = None,
+    ) -> StoreAck:
+        """Store keyed blocks under ``root``: one payload per 16-byte block key
+        (``hashing.block_key``); their ids are ``key_ids(root, keys)``. ``linked`` records the
+        batch as a chain (block ``i`` hangs off block ``i - 1``, block 0 off ``parent`` when
+        given), for tail-first eviction; else each block stands alone."""
+        self._namespace(root)
+        if len(keys) != len(payloads):
+            raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
+        return self._store(
+            root,
+            frames.KEY_WORDS,
+            key_bytes(keys),
+            payloads,
+            parent,
+            ttl_s,
+            keyed=True,
+            linked=linked,
+        )
+
+    def _store(
+        self,
+        root: bytes,
+        block_tokens: int,
+        token_bytes: bytes,
+        payloads: Sequence[Any],
+        parent: bytes | None,
+        ttl_s: float | None,
+        *,
+        keyed: bool = False,
+        linked: bool = True,
+    ) -> StoreAck:
+        step = 4 * block_tokens
         if not payloads:
             return StoreAck([], [], False)
         views = [as_buffer(p, writable=False) for p in payloads]
@@ -453,23 +549,16 @@ class StreamClient:
         for first in range(0, len(views), per):
             if acks and acks[-1].status[-1] == "dropped":
                 # the rest would hang off a dropped block: the node would refuse it
-                rest = block_hashes_from_bytes(
-                    acks[-1].hashes[-1],
-                    token_bytes[first * step :],
-                    namespace.block_tokens,
-                    self.seed,
+                head = StoreHead(
+                    root, acks[-1].hashes[-1], block_tokens, 0, size, ttl_ms, keyed, linked
                 )
+                rest = segment_ids(head, token_bytes[first * step :], self.seed)
                 acks.append(StoreAck(list(rest), ["dropped"] * len(rest), False))
                 break
             part = views[first : first + per]
-            head = StoreHead(root, parent, namespace.block_tokens, len(part), size, ttl_ms)
+            head = StoreHead(root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked)
             segment = token_bytes[first * step : (first + len(part)) * step]
-            ours = block_hashes_from_bytes(
-                parent if parent is not None else root,
-                segment,
-                namespace.block_tokens,
-                self.seed,
-            )
+            ours = segment_ids(head, segment, self.seed)
             body = self._call(
                 Op.STORE, functools.partial(_store_frame, head=head, tokens=segment), payloads=part
             )
@@ -479,7 +568,7 @@ class StreamClient:
             acks.append(
                 StoreAck(ok.ids, [STATUS_NAMES[s] if s < 3 else "?" for s in ok.status], ok.durable)
             )
-            parent = ok.ids[-1]
+            parent = ok.ids[-1] if linked else None
         return StoreAck(
             [h for a in acks for h in a.hashes],
             [s for a in acks for s in a.status],

@@ -50,6 +50,7 @@ class Op(IntEnum):
     LOAD = 0x04
     STORE = 0x05
     RELEASE = 0x06
+    EXISTS = 0x07
     # the same-host path (a Unix socket; payloads in shared memory, see SAME_HOST)
     SEGMENTS = 0x10
     LOCATE = 0x11
@@ -62,6 +63,7 @@ class Op(IntEnum):
     BLOCK = 0x84
     STORE_OK = 0x85
     RELEASE_OK = 0x86
+    EXISTS_OK = 0x87
     SEGMENTS_OK = 0x90
     LOCATE_OK = 0x91
     STAGE_OK = 0x92
@@ -72,7 +74,9 @@ class Op(IntEnum):
 
 SAME_HOST = frozenset({Op.SEGMENTS, Op.LOCATE, Op.STAGE, Op.COMMIT, Op.ABORT})
 """Requests served on the node's same-host Unix socket only (``samehost_server.py``)."""
-REQUESTS = frozenset({Op.HELLO, Op.RESOLVE, Op.LOOKUP, Op.LOAD, Op.STORE, Op.RELEASE, *SAME_HOST})
+REQUESTS = frozenset(
+    {Op.HELLO, Op.RESOLVE, Op.LOOKUP, Op.LOAD, Op.STORE, Op.RELEASE, Op.EXISTS, *SAME_HOST}
+)
 REPLIES = frozenset(set(Op) - REQUESTS)
 ANSWER: dict[Op, Op] = {
     Op.HELLO: Op.HELLO_OK,
@@ -81,6 +85,7 @@ ANSWER: dict[Op, Op] = {
     Op.LOAD: Op.BLOCK,
     Op.STORE: Op.STORE_OK,
     Op.RELEASE: Op.RELEASE_OK,
+    Op.EXISTS: Op.EXISTS_OK,
     Op.SEGMENTS: Op.SEGMENTS_OK,
     Op.LOCATE: Op.LOCATE_OK,
     Op.STAGE: Op.STAGE_OK,
@@ -96,6 +101,22 @@ F_LOAD_RELEASE = 0x2
 """LOAD by lease: release the lease once its blocks are sent."""
 F_STORE_PARENT = 0x1
 """STORE: the chain continues from ``parent`` (else: from the namespace root)."""
+F_STORE_KEYED = 0x2
+"""STORE, STAGE: keyed blocks. The token section holds one 16-byte block key per block
+(``block_tokens`` is ``KEY_WORDS``) and each id is ``hashing.keyed_block_ids`` of the root
+and the key; with ``F_STORE_PARENT`` block 0 hangs off ``parent``."""
+F_STORE_LINKED = 0x4
+"""STORE, STAGE of keyed blocks: block ``i`` hangs off block ``i - 1`` (the batch is one
+request's consecutive chunks), so that tail-first eviction treats it as a chain; without it
+every keyed block but a parented block 0 stands alone."""
+F_LOOKUP_KEYED = 0x1
+"""LOOKUP, LOCATE: the ids are keyed ids, each held under the root on its own (not a chain):
+the match is the run of them, from the first, that the node holds under the root."""
+F_LOAD_EACH = 0x4
+"""LOAD by ids: every id on its own: each held one is sent, each other one is missing (without
+it, everything after the first missing block is missing)."""
+KEY_WORDS = HASH_BYTES // 4
+"""``block_tokens`` of a keyed STORE or STAGE: a 16-byte key is four ``u32`` words."""
 F_BLOCK_MISSING = 0x1
 """BLOCK: the block is not held (or not the caller's); empty body."""
 F_ERROR_CLOSING = 0x1
@@ -169,6 +190,10 @@ def max_body(header: Header, limits: Limits) -> int:
         return _STORE.size + 4 * limits.max_tokens + limits.max_ids * limits.max_block_bytes
     if op == Op.RELEASE:
         return HASH_BYTES
+    if op == Op.EXISTS:
+        return _LOOKUP.size + ids
+    if op == Op.EXISTS_OK:
+        return _COUNT.size + limits.max_ids
     if op == Op.RESOLVE_OK:
         return HASH_BYTES
     if op == Op.LOOKUP_OK:
@@ -352,6 +377,7 @@ def decode_resolve_ok(data: bytes) -> bytes:
 # -- LOOKUP --------------------------------------------------------------------------------
 
 _LOOKUP = struct.Struct("<16sII")  # root, lease_ms, count; then count ids
+_COUNT = struct.Struct("<I")
 _LOOKUP_OK = struct.Struct("<16sII")  # lease (zeros: none), lease_ms, matched
 
 
@@ -363,21 +389,58 @@ class Lookup(NamedTuple):
     root: bytes
     ids: list[bytes]
     lease_ms: int = 0
+    keyed: bool = False
+    """``F_LOOKUP_KEYED``: keyed ids, each held under the root on its own."""
 
 
 def encode_lookup(request_id: int, lookup: Lookup) -> bytes:
     ids = join_ids(lookup.ids)
     body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + ids
-    return encode_header(Op.LOOKUP, request_id, len(body)) + body
+    flags = F_LOOKUP_KEYED if lookup.keyed else 0
+    return encode_header(Op.LOOKUP, request_id, len(body), flags) + body
 
 
-def decode_lookup(data: bytes, limits: Limits) -> Lookup:
+def decode_lookup(data: bytes, limits: Limits, flags: int = 0) -> Lookup:
     if len(data) < _LOOKUP.size:
         raise FrameError("LOOKUP: body shorter than its fixed part")
     root, lease_ms, count = _LOOKUP.unpack_from(data)
     ids = split_ids(data, _LOOKUP.size, count)
     _check_count(count, limits, "LOOKUP")
-    return Lookup(root, ids, lease_ms)
+    return Lookup(root, ids, lease_ms, bool(flags & F_LOOKUP_KEYED))
+
+
+class Exists(NamedTuple):
+    """EXISTS (``root[16] 0:u32 count:u32 ids[16 x count]``, a LOOKUP's layout): which of
+    ``ids`` the node holds under ``root`` (resolved on this connection), each on its own,
+    chained or keyed. Nothing is touched or leased."""
+
+    root: bytes
+    ids: list[bytes]
+
+
+def encode_exists(request_id: int, *, exists: Exists) -> bytes:
+    body = _LOOKUP.pack(exists.root, 0, len(exists.ids)) + join_ids(exists.ids)
+    return encode_header(Op.EXISTS, request_id, len(body)) + body
+
+
+def decode_exists(data: bytes, limits: Limits) -> Exists:
+    lookup = decode_lookup(data, limits)
+    return Exists(lookup.root, lookup.ids)
+
+
+def encode_exists_ok(request_id: int, held: Sequence[bool]) -> bytes:
+    """EXISTS_OK (``count:u32 held[u8 x count]``): 1 for each id held under the root."""
+    body = _COUNT.pack(len(held)) + bytes(1 if h else 0 for h in held)
+    return encode_header(Op.EXISTS_OK, request_id, len(body)) + body
+
+
+def decode_exists_ok(data: bytes) -> list[bool]:
+    if len(data) < _COUNT.size:
+        raise FrameError("EXISTS_OK: body shorter than its count")
+    (count,) = _COUNT.unpack_from(data)
+    if len(data) != _COUNT.size + count:
+        raise FrameError(f"EXISTS_OK: {len(data)} bytes of body for {count} ids")
+    return [b != 0 for b in data[_COUNT.size :]]
 
 
 class LookupOk(NamedTuple):
@@ -420,7 +483,6 @@ def decode_lookup_ok(data: bytes) -> LookupOk:
 # -- LOAD ----------------------------------------------------------------------------------
 
 _LOAD_LEASE = struct.Struct("<16sII")  # lease, start, count
-_COUNT = struct.Struct("<I")
 
 
 class LoadLease(NamedTuple):
@@ -439,6 +501,8 @@ class LoadIds(NamedTuple):
     the caller's, leased only while it is sent; every block past it answers missing."""
 
     ids: list[bytes]
+    each: bool = False
+    """``F_LOAD_EACH``: every id on its own (a held block after a missing one is sent)."""
 
 
 def encode_load(request_id: int, load: LoadLease | LoadIds) -> bytes:
@@ -446,7 +510,7 @@ def encode_load(request_id: int, load: LoadLease | LoadIds) -> bytes:
         flags = F_LOAD_BY_LEASE | (F_LOAD_RELEASE if load.release else 0)
         body = _LOAD_LEASE.pack(load.lease, load.start, load.blocks)
     else:
-        flags = 0
+        flags = F_LOAD_EACH if load.each else 0
         body = _COUNT.pack(len(load.ids)) + join_ids(load.ids)
     return encode_header(Op.LOAD, request_id, len(body), flags) + body
 
@@ -463,7 +527,7 @@ def decode_load(data: bytes, flags: int, limits: Limits) -> LoadLease | LoadIds:
     (count,) = _COUNT.unpack_from(data)
     ids = split_ids(data, _COUNT.size, count)
     _check_count(count, limits, "LOAD")
-    return LoadIds(ids)
+    return LoadIds(ids, bool(flags & F_LOAD_EACH))
 
 
 def block_header(request_id: int, nbytes: int, *, missing: bool = False) -> bytes:
@@ -490,6 +554,17 @@ class StoreHead(NamedTuple):
     blocks: int
     block_nbytes: int
     ttl_ms: int = 0
+    keyed: bool = False
+    """``F_STORE_KEYED``: the token section holds block keys (``block_tokens`` = ``KEY_WORDS``)."""
+    linked: bool = True
+    """``F_STORE_LINKED`` for keyed blocks (a chain segment always is)."""
+
+    @property
+    def flags(self) -> int:
+        flags = F_STORE_PARENT if self.parent is not None else 0
+        if self.keyed:
+            flags |= F_STORE_KEYED | (F_STORE_LINKED if self.linked else 0)
+        return flags
 
     @property
     def token_bytes(self) -> int:
@@ -503,13 +578,39 @@ class StoreHead(NamedTuple):
 STORE_FIXED = _STORE.size
 
 
+def _head(
+    flags: int,
+    root: bytes,
+    parent: bytes,
+    block_tokens: int,
+    count: int,
+    nbytes: int,
+    ttl_ms: int,
+) -> StoreHead:
+    keyed = bool(flags & F_STORE_KEYED)
+    if keyed and block_tokens != KEY_WORDS:
+        raise InvalidInput(
+            f"a keyed STORE carries {HASH_BYTES}-byte keys: block_tokens must be {KEY_WORDS}"
+        )
+    return StoreHead(
+        root,
+        parent if flags & F_STORE_PARENT else None,
+        block_tokens,
+        count,
+        nbytes,
+        ttl_ms,
+        keyed,
+        bool(flags & F_STORE_LINKED) or not keyed,
+    )
+
+
 def encode_store_head(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
     """Header, fixed part and tokens of a STORE; the payloads follow, ``count`` of them."""
     if len(token_bytes) != head.token_bytes:
         raise InvalidInput(
             f"{len(token_bytes) // 4} tokens for {head.blocks} blocks of {head.block_tokens}"
         )
-    flags = F_STORE_PARENT if head.parent is not None else 0
+    flags = head.flags
     fixed = _STORE.pack(
         head.root,
         head.parent or _NO_LEASE,
@@ -525,14 +626,7 @@ def encode_store_head(request_id: int, head: StoreHead, token_bytes: bytes) -> b
 def decode_store_head(fixed: bytes, header: Header, limits: Limits) -> StoreHead:
     """The fixed part of a STORE, checked against the header's ``body_len`` and ``limits``."""
     root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
-    head = StoreHead(
-        root,
-        parent if header.flags & F_STORE_PARENT else None,
-        block_tokens,
-        count,
-        nbytes,
-        ttl_ms,
-    )
+    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms)
     if head.body_len != header.body_len:
         raise FrameError(
             f"STORE: body_len {header.body_len} but its head describes {head.body_len} bytes"
@@ -693,14 +787,16 @@ def decode_segments_ok(data: bytes) -> SegmentsOk:
 
 
 def encode_locate(request_id: int, lookup: Lookup) -> bytes:
-    """LOCATE: a LOOKUP's body (``lease_ms`` must be positive); answered by LOCATE_OK."""
+    """LOCATE: a LOOKUP's body and flags (``lease_ms`` must be positive); answered by
+    LOCATE_OK."""
     ids = join_ids(lookup.ids)
     body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + ids
-    return encode_header(Op.LOCATE, request_id, len(body)) + body
+    flags = F_LOOKUP_KEYED if lookup.keyed else 0
+    return encode_header(Op.LOCATE, request_id, len(body), flags) + body
 
 
-def decode_locate(data: bytes, limits: Limits) -> Lookup:
-    lookup = decode_lookup(data, limits)
+def decode_locate(data: bytes, limits: Limits, flags: int = 0) -> Lookup:
+    lookup = decode_lookup(data, limits, flags)
     if lookup.lease_ms == 0:
         raise InvalidInput("LOCATE: a lease is required (lease_ms > 0): it guards the slots")
     return lookup
@@ -758,7 +854,7 @@ def encode_stage(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
         raise InvalidInput(
             f"{len(token_bytes) // 4} tokens for {head.blocks} blocks of {head.block_tokens}"
         )
-    flags = F_STORE_PARENT if head.parent is not None else 0
+    flags = head.flags
     fixed = _STORE.pack(
         head.root,
         head.parent or _NO_LEASE,
@@ -775,9 +871,7 @@ def encode_stage(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
 def decode_stage_head(fixed: bytes, header: Header, limits: Limits) -> StoreHead:
     """The fixed part of a STAGE, checked as a STORE's (its body has no payloads)."""
     root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
-    head = StoreHead(
-        root, parent if header.flags & F_STORE_PARENT else None, block_tokens, count, nbytes, ttl_ms
-    )
+    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms)
     if _STORE.size + head.token_bytes != header.body_len:
         raise FrameError(
             f"STAGE: body_len {header.body_len} but its head describes "

@@ -23,6 +23,7 @@ from sessioncache.dataplane.frames import (
     DROPPED,
     PRESENT,
     STORED,
+    Exists,
     HelloOk,
     Limits,
     LoadIds,
@@ -32,7 +33,13 @@ from sessioncache.dataplane.frames import (
     StoreHead,
 )
 from sessioncache.errors import BlockNotFound, InvalidInput, LeaseNotFound
-from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
+from sessioncache.hashing import (
+    HASH_BYTES,
+    BlockHash,
+    Namespace,
+    block_hashes_from_bytes,
+    keyed_block_ids,
+)
 from sessioncache.index import Lease
 from sessioncache.node import CacheNode
 from sessioncache.tiers.payload import Payload, as_memoryview
@@ -184,7 +191,12 @@ def leased_lookup(node: CacheNode, peer: Peer, request: Lookup) -> tuple[HeldRun
         if len(peer.leases) >= MAX_LEASES:
             raise InvalidInput(f"this connection holds {MAX_LEASES} leases: release some")
     ids = [BlockHash(h) for h in request.ids]
-    own = node.chain_prefix(request.root, ids)
+    if request.keyed:
+        # keyed ids stand alone: the run of them held under the caller's root
+        held = node.store.held_under(request.root, ids)
+        own = held.index(False) if False in held else len(held)
+    else:
+        own = node.chain_prefix(request.root, ids)
     if not own:
         return HeldRun([], []), None
     match = node.store.lookup(ids[:own], lease_s=lease_s)
@@ -203,6 +215,15 @@ def lookup(node: CacheNode, peer: Peer, request: Lookup) -> LookupOk:
     """The longest held prefix of ``request.ids`` the peer may read, leased on request."""
     held, key = leased_lookup(node, peer, request)
     return LookupOk(key, request.lease_ms if key is not None else 0, held.nbytes, held.tiers)
+
+
+def exists(node: CacheNode, peer: Peer, request: Exists) -> list[bool]:
+    """Which of ``request.ids`` the node holds under the root, each on its own (EXISTS).
+
+    The root is one this connection resolved, so a block under it is the peer's. Blocks only
+    in the fleet's shared tier are not asked for (a LOOKUP adopts them)."""
+    _namespace_of(peer, request.root)
+    return node.store.held_under(request.root, [BlockHash(h) for h in request.ids])
 
 
 def release(node: CacheNode, peer: Peer, key: bytes) -> None:
@@ -242,10 +263,10 @@ def drop_peer(node: CacheNode, peer: Peer) -> int:
 
 @dataclass(slots=True)
 class LoadPlan:
-    """What a LOAD sends: ``hashes`` (then ``missing`` blocks reported missing), each before
-    ``expires_at``; ``release`` is the store lease to release afterwards."""
+    """What a LOAD sends: ``hashes`` (None: a block reported missing; then ``missing`` more),
+    each before ``expires_at``; ``release`` is the store lease to release afterwards."""
 
-    hashes: list[BlockHash]
+    hashes: list[BlockHash | None]
     missing: int
     expires_at: float
     release: str | None = None
@@ -270,19 +291,39 @@ def plan_load(
                 f"blocks {request.start}..{end} asked of a lease on {len(lease.hashes)} blocks"
             )
         return LoadPlan(
-            lease.hashes[request.start : end],
+            list(lease.hashes[request.start : end]),
             0,
             lease.expires_at,
             lease.store_id if request.release else None,
             request.lease if request.release else None,
         )
     ids = [BlockHash(h) for h in request.ids]
+    if request.each:
+        return _plan_each(node, peer, ids, lease_s)
     metas, held = _leased_run(node, peer, None, ids, lease_s)
     return LoadPlan(
         [m.block_hash for m in metas],
         len(ids) - len(metas),
         held.expires_at if held is not None else 0.0,
         held.id if held is not None else None,
+    )
+
+
+def _plan_each(node: CacheNode, peer: Peer, ids: list[BlockHash], lease_s: float) -> LoadPlan:
+    """A LOAD of every id on its own (``F_LOAD_EACH``): the ids the peer may read that are
+    held are leased together while they are sent; the others answer missing."""
+    readable = [isinstance(_readable(node, peer, h, None), BlockMeta) for h in ids]
+    wanted = [h for h, ok in zip(ids, readable, strict=True) if ok]
+    match = node.store.lookup(wanted, lease_s=lease_s) if wanted else None
+    leased = set(match.hashes) if match is not None else set()
+    # ids after a block that went away since the screening are not leased: missing too
+    plan: list[BlockHash | None] = [h if h in leased else None for h in ids]
+    lease = match.lease if match is not None else None
+    return LoadPlan(
+        plan,
+        0,
+        lease.expires_at if lease is not None else 0.0,
+        lease.id if lease is not None else None,
     )
 
 
@@ -323,13 +364,17 @@ class StorePlan:
     ids: list[BlockHash]
     ttl_s: float | None
     durable: bool
+    parents: list[BlockHash | None]
+    """Each block's parent: the previous block in a chain segment (``parent`` for block 0)."""
     status: list[int] = field(default_factory=list)
 
 
 def plan_store(node: CacheNode, peer: Peer, head: StoreHead, token_bytes: bytes) -> StorePlan:
     """Check a STORE's root and parent and derive its ids (before any payload is read)."""
     namespace = _namespace_of(peer, head.root)
-    if head.block_tokens != namespace.block_tokens:
+    if head.keyed:
+        pass  # the token section holds keys (``frames`` checked its word count)
+    elif head.block_tokens != namespace.block_tokens:
         raise InvalidInput(
             f"STORE of {head.block_tokens}-token blocks in a namespace of "
             f"{namespace.block_tokens}-token blocks"
@@ -341,10 +386,20 @@ def plan_store(node: CacheNode, peer: Peer, head: StoreHead, token_bytes: bytes)
                 f"parent {head.parent.hex()} is not held under root {head.root.hex()}: "
                 "LOOKUP the chain first, or store from an earlier block"
             )
-    start = head.parent if head.parent is not None else head.root
-    ids = block_hashes_from_bytes(start, token_bytes, head.block_tokens, node.settings.hash_seed)
+    seed = node.settings.hash_seed
+    parent = BlockHash(head.parent) if head.parent is not None else None
+    if head.keyed:
+        keys = [token_bytes[i : i + HASH_BYTES] for i in range(0, len(token_bytes), HASH_BYTES)]
+        ids = keyed_block_ids(head.root, keys, seed)
+    else:
+        start = head.parent if head.parent is not None else head.root
+        ids = block_hashes_from_bytes(start, token_bytes, head.block_tokens, seed)
+    if head.linked:
+        parents: list[BlockHash | None] = [parent, *ids[:-1]]
+    else:
+        parents = [parent, *[None] * (len(ids) - 1)]
     ttl_s = head.ttl_ms / 1000 if head.ttl_ms else None
-    return StorePlan(head, ids, ttl_s, node.durable_uploads)
+    return StorePlan(head, ids, ttl_s, node.durable_uploads, parents)
 
 
 def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> int:
@@ -353,13 +408,11 @@ def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) 
     if plan.status and plan.status[-1] == DROPPED:
         plan.status.append(DROPPED)
         return DROPPED
-    block_hash = plan.ids[index]
-    parent = plan.ids[index - 1] if index else plan.head.parent
     result = node.store.put(
-        [block_hash],
+        [plan.ids[index]],
         [payload],
         namespace_root=plan.head.root,
-        parent=BlockHash(parent) if parent is not None else None,
+        parent=plan.parents[index],
         ttl_s=plan.ttl_s,
         durable=plan.durable,
     )

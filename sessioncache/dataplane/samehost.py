@@ -51,7 +51,9 @@ from sessioncache.dataplane.client import (
     StreamLookup,
     as_buffer,
     discover_same_host,
+    key_bytes,
     one_size,
+    segment_ids,
     store_tokens,
     store_ttl_ms,
 )
@@ -71,7 +73,6 @@ from sessioncache.dataplane.frames import (
 )
 from sessioncache.dataplane.transport import SocketTransport, Transport, connect
 from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError, SessionCacheError
-from sessioncache.hashing import block_hashes_from_bytes
 
 __all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup"]
 
@@ -320,11 +321,17 @@ class SameHostClient(StreamClient):
     # -- loads ---------------------------------------------------------------------------
 
     def locate(
-        self, root: bytes, ids: Sequence[bytes], *, lease_ms: int = DEFAULT_LEASE_MS
+        self,
+        root: bytes,
+        ids: Sequence[bytes],
+        *,
+        lease_ms: int = DEFAULT_LEASE_MS,
+        keyed: bool = False,
     ) -> SameHostLookup:
         """Lease the longest held prefix of ``ids`` the caller may read and learn where its
         blocks lie in shared memory (blocks held only lower are copied there first; the
-        located run may stop before the leased one where that was not possible)."""
+        located run may stop before the leased one where that was not possible). ``keyed``:
+        the ids are keyed ids, each held under ``root`` on its own."""
         self._namespace(root)
         if not ids:
             return SameHostLookup(root, [], 0, [], None, time.monotonic())
@@ -332,7 +339,7 @@ class SameHostClient(StreamClient):
             raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
         if lease_ms <= 0:
             raise InvalidInput("a LOCATE needs a lease (lease_ms > 0): it guards the slots")
-        request = Lookup(root, list(ids), lease_ms)
+        request = Lookup(root, list(ids), lease_ms, keyed)
         start = time.monotonic()
         body = self._call(Op.LOCATE, lambda rid: frames.encode_locate(rid, request))
         ok = frames.decode_locate_ok(body)
@@ -368,6 +375,7 @@ class SameHostClient(StreamClient):
         start: int = 0,
         release: bool | None = None,
         verify: bool = False,
+        each: bool = False,
     ) -> list[bool]:
         """Copy located blocks ``start ..`` of a ``locate`` answer into ``out`` (one exactly
         block-sized buffer each: numpy arrays, CPU tensors pinned or not, CUDA tensors,
@@ -377,7 +385,7 @@ class SameHostClient(StreamClient):
         ``verify`` checks every copy against its XXH3-64 (``ChecksumMismatch``). Other
         sources are loaded over the socket, as ``StreamClient.load_into`` does."""
         if not isinstance(source, SameHostLookup):
-            return super().load_into(source, out, start=start, release=bool(release))
+            return super().load_into(source, out, start=start, release=bool(release), each=each)
         release = True if release is None else release
         slots = source.slots[start : start + len(out)]
         self._ensure_segments(s.segment for s in slots)
@@ -430,7 +438,47 @@ class SameHostClient(StreamClient):
         size. Each block is published only if its slot holds exactly its bytes."""
         namespace = self._namespace(root)
         token_bytes = store_tokens(namespace, tokens, len(payloads))
-        step = 4 * namespace.block_tokens
+        return self._stage_store(root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s)
+
+    def store_keyed(
+        self,
+        root: bytes,
+        keys: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        parent: bytes | None = None,
+        linked: bool = True,
+        ttl_s: float | None = None,
+    ) -> StoreAck:
+        """``StreamClient.store_keyed`` through shared memory: the payloads are copied into
+        slots of the node's CPU tier and published when their checksums match."""
+        self._namespace(root)
+        if len(keys) != len(payloads):
+            raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
+        return self._stage_store(
+            root,
+            frames.KEY_WORDS,
+            key_bytes(keys),
+            payloads,
+            parent,
+            ttl_s,
+            keyed=True,
+            linked=linked,
+        )
+
+    def _stage_store(
+        self,
+        root: bytes,
+        block_tokens: int,
+        token_bytes: bytes,
+        payloads: Sequence[Any],
+        parent: bytes | None,
+        ttl_s: float | None,
+        *,
+        keyed: bool = False,
+        linked: bool = True,
+    ) -> StoreAck:
+        step = 4 * block_tokens
         if not payloads:
             return StoreAck([], [], False)
         size = one_size(
@@ -447,10 +495,8 @@ class SameHostClient(StreamClient):
         for first in range(0, len(payloads), per):
             part = payloads[first : first + per]
             segment = token_bytes[first * step : (first + len(part)) * step]
-            head = StoreHead(root, parent, namespace.block_tokens, len(part), size, ttl_ms)
-            ours = block_hashes_from_bytes(
-                parent if parent is not None else root, segment, namespace.block_tokens, self.seed
-            )
+            head = StoreHead(root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked)
+            ours = segment_ids(head, segment, self.seed)
             body = self._call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
             staged = frames.decode_stage_ok(body, size)
             if staged.ids != ours:
@@ -461,7 +507,7 @@ class SameHostClient(StreamClient):
             ids += staged.ids
             status += [STATUS_NAMES[c] if c < len(STATUS_NAMES) else "?" for c in codes]
             durable = durable or staged.durable
-            parent = staged.ids[-1]
+            parent = staged.ids[-1] if linked else None
         return StoreAck(ids, status, durable)
 
     def _fill_and_commit(self, staged: StageOk, payloads: Sequence[Any]) -> list[int]:

@@ -203,7 +203,7 @@ class SameHostConnection(Connection):
 
     def _locate(self, header: Header) -> None:
         assert self.peer is not None
-        request = frames.decode_locate(self._body(), self.limits)
+        request = frames.decode_locate(self._body(), self.limits, header.flags)
         held, key = ops.leased_lookup(self.node, self.peer, request)
         slots: list[Slot] = []
         if key is not None:
@@ -232,6 +232,7 @@ class SameHostConnection(Connection):
             parent=BlockHash(head.parent) if head.parent is not None else None,
             ttl_s=plan.ttl_s,
             durable=plan.durable,
+            parents=None if head.linked else plan.parents,
         )
         key = secrets.token_bytes(16)
         self.stagings[key] = staging

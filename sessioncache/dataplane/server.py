@@ -164,6 +164,8 @@ class Connection:
             self._store(header)
         elif op == Op.RELEASE:
             self._release(header)
+        elif op == Op.EXISTS:
+            self._exists(header)
         else:
             self._dispatch_more(header)
 
@@ -191,9 +193,15 @@ class Connection:
 
     def _lookup(self, header: Header) -> None:
         assert self.peer is not None
-        request = frames.decode_lookup(self._body(), self.limits)
+        request = frames.decode_lookup(self._body(), self.limits, header.flags)
         ok = ops.lookup(self.node, self.peer, request)
         self.transport.send([frames.encode_lookup_ok(header.request_id, ok)])
+
+    def _exists(self, header: Header) -> None:
+        assert self.peer is not None
+        request = frames.decode_exists(self._body(), self.limits)
+        held = ops.exists(self.node, self.peer, request)
+        self.transport.send([frames.encode_exists_ok(header.request_id, held)])
 
     def _release(self, header: Header) -> None:
         assert self.peer is not None
@@ -213,6 +221,9 @@ class Connection:
         send = self.transport.send
         try:
             for block_hash in plan.hashes:
+                if block_hash is None:
+                    send([frames.block_header(rid, 0, missing=True)])
+                    continue
                 view, left = ops.read_block(self.node, plan, block_hash)
                 if view is None:
                     send([frames.block_header(rid, 0, missing=True)])
