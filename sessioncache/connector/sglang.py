@@ -253,19 +253,35 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return conn.stream.key_ids(conn.root, [block_key(k) for k in keys])
 
     def _held_prefix(self, conn: _Conn, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, the node holds."""
-        if not keys:
-            return 0
-        held = conn.stream.exists(conn.root, self._ids(conn, keys))
-        return held.index(False) if False in held else len(held)
+        """How many of ``keys``, from the first, the node holds: a keyed LOOKUP without a
+        lease (unlike EXISTS it also finds blocks in a fleet's shared tier)."""
+        ids = self._ids(conn, keys)
+        per = conn.stream.limits.max_ids
+        held = 0
+        for first in range(0, len(ids), per):
+            part = ids[first : first + per]
+            matched = conn.stream.lookup(conn.root, part, keyed=True).matched
+            held += matched
+            if matched < len(part):
+                break
+        return held
 
     def _load(self, conn: _Conn, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
         """Read the blocks of ``keys`` into ``out`` (one exactly block-sized buffer each);
         which were read. Same host: the located run of them, from the first (SGLang only uses
         a prefix); stream: every held one."""
-        if not keys:
-            return []
         ids = self._ids(conn, keys)
+        per = conn.stream.limits.max_ids
+        found: list[bool] = []
+        for first in range(0, len(ids), per):
+            part = self._load_part(conn, ids[first : first + per], out[first : first + per])
+            found += part
+            if conn.path == "same_host" and not all(part):
+                found += [False] * (len(ids) - len(found))
+                break
+        return found
+
+    def _load_part(self, conn: _Conn, ids: list[bytes], out: Sequence[Any]) -> list[bool]:
         stream = conn.stream
         if conn.path == "same_host":
             from sessioncache.dataplane.samehost import SameHostClient
@@ -277,7 +293,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 stream.load_into(located, out[:n])
             elif located.lease is not None:
                 stream.release_checked(located)
-            return [i < n for i in range(len(keys))]
+            return [i < n for i in range(len(ids))]
         return stream.load_into(ids, out, each=True)
 
     def _store(

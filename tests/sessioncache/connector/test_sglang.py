@@ -97,10 +97,13 @@ class PageFirstHostPool:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # a 64 MiB chunk per payload size in use (tiers/slab.py): room for the two sizes here
-    server = start_server(
-        tmp_path_factory.mktemp("sglang") / "data", {"SESSIONCACHE_CPU_BYTES": str(256 << 20)}
-    )
+    env = {
+        # a 64 MiB chunk per payload size in use (tiers/slab.py): room for the two sizes here
+        "SESSIONCACHE_CPU_BYTES": str(256 << 20),
+        # requests of 8 blocks at most: every batch here takes several
+        "SESSIONCACHE_STREAM_MAX_IDS": "8",
+    }
+    server = start_server(tmp_path_factory.mktemp("sglang") / "data", env)
     yield server
     server.stop()
 
