@@ -28,17 +28,20 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from sessioncache.connector import SessionCacheClient  # noqa: E402
 from sessioncache.connector.sglang import (  # noqa: E402
     HiCacheOptions,
     SessionCacheHiCacheStorage,
     shard_tag,
 )
 from sessioncache.errors import InvalidInput  # noqa: E402
+from sessioncache.hashing import block_key  # noqa: E402
 from tests.support.servers import Server, start_server  # noqa: E402
 
 MODULE = "sessioncache.connector.sglang"
 CLASS = "SessionCacheHiCacheStorage"
 LAYERS, HEADS, DIM, PAGE = 4, 2, 64, 16
+KEYS = {"k1": "t1", "k2": "t2"}  # t1 may use the same-host path, t2 may not
 
 
 class PageFirstHostPool:
@@ -102,6 +105,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "SESSIONCACHE_CPU_BYTES": str(256 << 20),
         # requests of 8 blocks at most: every batch here takes several
         "SESSIONCACHE_STREAM_MAX_IDS": "8",
+        "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
+        "SESSIONCACHE_SHM_TRUSTED_TENANTS": json.dumps(["t1"]),
     }
     server = start_server(tmp_path_factory.mktemp("sglang") / "data", env)
     yield server
@@ -131,6 +136,7 @@ def create(node: Server, model: str, **extra: Any) -> Any:
         "module_path": MODULE,
         "class_name": CLASS,
         "url": node.url,
+        "api_key": "k1",
         **extra,
     }
     # what SGLang's server_args does with --hicache-storage-backend-extra-config
@@ -220,6 +226,46 @@ def test_ranks_and_formats_do_not_share_pages(node: Server):
     finally:
         for b in (rank0, rank1, v1):
             b.close()
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_a_written_sequence_is_one_chain(node: Server, prefix: bool):
+    """Batches that name the pages before them continue their chain: a chain LOOKUP of the
+    blocks from the first matches them all; without prefix_keys each batch is a chain."""
+    backend = create(node, f"m-chain-{prefix}", path="stream", interface_v1=True)
+    pool = PageFirstHostPool(3)
+    backend.register_mem_pool_host(pool)
+    try:
+        keys = keys_for(f"chain-{prefix}", 3)
+        at = torch.arange(0, 3 * PAGE, dtype=torch.int64)
+        assert all(backend.batch_set_v1(keys[:2], at[: 2 * PAGE]))
+        extra = HiCacheStorageExtraInfo(prefix_keys=keys[:2] if prefix else None)
+        assert all(backend.batch_set_v1(keys[2:], at[2 * PAGE :], extra))
+        blocks = [f"{k}#{j}" for k in keys for j in range(2)]  # K and V of each page
+        ns = backend.namespace()
+        with SessionCacheClient(node.url, namespace=ns, api_key="k1") as c, c.stream() as stream:
+            root = stream.resolve(ns)
+            ids = stream.key_ids(root, [block_key(b) for b in blocks])
+            assert stream.lookup(root, ids).matched == (6 if prefix else 4)
+    finally:
+        backend.close()
+
+
+def test_tenants_do_not_share_pages(node: Server):
+    mine = create(node, "m-tenants")
+    theirs = create(node, "m-tenants", api_key="k2")
+    try:
+        assert mine.path == "same_host"  # t1 is trusted with it
+        assert theirs.path == "stream"  # t2 is not: auto falls back to the stream
+        page = torch.full((4096,), 1.5)
+        assert mine.set("tenant-key", page)
+        assert mine.exists("tenant-key") and not theirs.exists("tenant-key")
+        assert theirs.set("tenant-key", torch.full((4096,), 2.5))
+        out = mine.get("tenant-key", torch.zeros(4096))
+        assert out is not None and torch.equal(out, page)
+    finally:
+        mine.close()
+        theirs.close()
 
 
 def test_an_unreachable_node_fails_calls_not_sglang(tmp_path: Any):
