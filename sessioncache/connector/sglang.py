@@ -226,7 +226,8 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return op(conn)
         except (SessionCacheError, OSError) as exc:
             logger.warning("sessioncache HiCache %s failed: %s", what, exc)
-            if conn is not None:
+            # a refused request leaves the connection in step; anything else may not have
+            if conn is not None and not isinstance(exc, InvalidInput):
                 self._drop(conn)
             return failed
 
@@ -398,8 +399,15 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _page_views(self, keys: Sequence[str], host_indices: Any) -> tuple[list[str], list[Any]]:
         """The block keys and host-pool views of ``keys``' pages at ``host_indices``."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        if not keys or len(ptrs) % len(keys):
+        if len(ptrs) % len(keys):
             raise InvalidInput(f"{len(ptrs)} host regions for {len(keys)} pages")
+        if len(set(sizes)) > 1:
+            # a namespace holds blocks of one size; pools whose pages have regions of several
+            # sizes (MLA's page_first_kv_split for DSA models) are not supported
+            raise InvalidInput(
+                f"host regions of several sizes ({sorted(set(sizes))}): use a page-first or "
+                "layer-first host layout"
+            )
         m = len(ptrs) // len(keys)
         block_keys = [region_key(k, j, m) for k in keys for j in range(m)]
         views = [host_view(int(p), int(s)) for p, s in zip(ptrs, sizes, strict=True)]
@@ -407,7 +415,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     @staticmethod
     def _per_page(found: Sequence[bool], pages: int) -> list[bool]:
-        m = len(found) // pages if pages else 1
+        m = len(found) // pages
         return [all(found[i * m : (i + 1) * m]) for i in range(pages)]
 
     def batch_get_v1(
@@ -419,11 +427,12 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Read ``keys``' pages straight into SGLang's host pool at ``host_indices``."""
         if not keys:
             return []
-        block_keys, views = self._page_views(keys, host_indices)
-        found = self._run(
-            "batch_get_v1", lambda c: self._load(c, block_keys, views), [False] * len(views)
-        )
-        return self._per_page(found, len(keys))
+
+        def load(conn: _Conn) -> list[bool]:
+            block_keys, views = self._page_views(keys, host_indices)
+            return self._per_page(self._load(conn, block_keys, views), len(keys))
+
+        return self._run("batch_get_v1", load, [False] * len(keys))
 
     def batch_set_v1(
         self,
@@ -435,16 +444,15 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         continue the chain of ``extra_info.prefix_keys``."""
         if not keys:
             return []
-        block_keys, views = self._page_views(keys, host_indices)
-        m = len(block_keys) // len(keys)
         prefix = extra_info.prefix_keys if extra_info is not None else None
-        after = region_key(prefix[-1], m - 1, m) if prefix else None
-        kept = self._run(
-            "batch_set_v1",
-            lambda c: self._store(c, block_keys, views, after),
-            [False] * len(views),
-        )
-        return self._per_page(kept, len(keys))
+
+        def store(conn: _Conn) -> list[bool]:
+            block_keys, views = self._page_views(keys, host_indices)
+            m = len(block_keys) // len(keys)
+            after = region_key(prefix[-1], m - 1, m) if prefix else None
+            return self._per_page(self._store(conn, block_keys, views, after), len(keys))
+
+        return self._run("batch_set_v1", store, [False] * len(keys))
 
     def clear(self) -> None:
         """Nothing: pages leave the node by eviction and TTL, never by one engine's word."""

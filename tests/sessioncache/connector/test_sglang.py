@@ -304,3 +304,23 @@ def test_the_core_never_imports_sglang():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+class SplitHostPool(PageFirstHostPool):
+    """Pages of two regions of different sizes (as MLA's page_first_kv_split gives)."""
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        ptrs, sizes = super().get_page_buffer_meta(indices)
+        return ptrs, [s if i % 2 == 0 else s // 2 for i, s in enumerate(sizes)]
+
+
+def test_regions_of_several_sizes_fail_the_call_not_sglang(node: Server):
+    backend = create(node, "m-split", interface_v1=True)
+    backend.register_mem_pool_host(SplitHostPool(2))
+    try:
+        at = torch.arange(0, 2 * PAGE, dtype=torch.int64)
+        assert backend.batch_set_v1(["a", "b"], at) == [False, False]
+        assert backend.batch_get_v1(["a", "b"], at) == [False, False]
+        assert backend.batch_exists(["a", "b"]) == 0
+    finally:
+        backend.close()
