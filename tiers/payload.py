@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from sessioncache.errors import PayloadSizeError
 
-Payload = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
+Payload = bytes | bytearray | memoryview | npt.NDArray[Any] | torch.Tensor
 """What a tier accepts: any C-contiguous buffer or tensor; its bytes are the payload."""
 
 # torch warns that a tensor over a read-only buffer (bytes) may not be written through; tiers

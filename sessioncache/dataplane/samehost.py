@@ -41,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError
@@ -112,7 +113,7 @@ def _is_device_tensor(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and obj.device.type != "cpu"
 
 
-def _copy_out(dst: Any, src: np.ndarray) -> memoryview | None:
+def _copy_out(dst: Any, src: npt.NDArray[np.uint8]) -> memoryview | None:
     """Copy ``src`` into the caller's buffer; the host view written (None for a device
     tensor: ``torch`` copies over the mapping straight to the device)."""
     if _is_device_tensor(dst):
@@ -132,7 +133,7 @@ def _copy_out(dst: Any, src: np.ndarray) -> memoryview | None:
     return view
 
 
-def _copy_in(dst: np.ndarray, payload: Any) -> int | None:
+def _copy_in(dst: npt.NDArray[np.uint8], payload: Any) -> int | None:
     """Copy a payload into a slot. A device tensor is copied by ``torch`` straight from the
     device; its XXH3-64 is then taken of the slot (returned). A host payload's checksum is
     taken of the source, ahead, by the hashing thread (None here)."""
@@ -151,7 +152,7 @@ def _copy_in(dst: np.ndarray, payload: Any) -> int | None:
 _PIECE = 512 << 10
 
 
-def _copy_and_hash(dst: np.ndarray, payload: Any) -> int:
+def _copy_and_hash(dst: npt.NDArray[np.uint8], payload: Any) -> int:
     """Copy a host payload into a slot piece by piece, hashing each piece of the slot while it
     is still in cache: the source is read from memory once."""
     src = np.frombuffer(as_buffer(payload, writable=False), np.uint8)
@@ -194,7 +195,7 @@ class SameHostClient(StreamClient):
             transport, api_key=api_key, seed=seed, timeout=timeout, client_name=client_name
         )
         self._sock = transport.socket
-        self._segments: dict[int, np.ndarray] = {}
+        self._segments: dict[int, npt.NDArray[np.uint8]] = {}
         self._hasher: ThreadPoolExecutor | None = None
         self.hash_ahead = True
         """Checksum host payloads in a thread of this client, ahead of the copies (else each
@@ -250,7 +251,7 @@ class SameHostClient(StreamClient):
         """The segments this client has mapped."""
         return sorted(self._segments)
 
-    def _segment(self, slot: Slot) -> np.ndarray:
+    def _segment(self, slot: Slot) -> npt.NDArray[np.uint8]:
         return self._segments[slot.segment][slot.offset : slot.offset + slot.nbytes]
 
     def _ensure_segments(self, segments: Iterable[int]) -> None:
@@ -278,7 +279,7 @@ class SameHostClient(StreamClient):
             missing = still
 
     @staticmethod
-    def _map(fd: int) -> np.ndarray:
+    def _map(fd: int) -> npt.NDArray[np.uint8]:
         size = os.fstat(fd).st_size
         memory = mmap.mmap(
             fd,

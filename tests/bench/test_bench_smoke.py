@@ -37,6 +37,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--repeat", "1"],
         r"(?m)^ *131072 +256 +512 .*\nms per prompt; ratio = ours",
     ),
+    "bench.lmcache_l2": (
+        ["--keys", "4", "--sizes-kb", "64", "--rounds", "1", "--json"],
+        r"(?m)^ +64k sessioncache same_host +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+x\n"
+        r"(?s:.*)^ +64k lmcache fs .*\n\{\"64k\": ",
+    ),
     "bench.lookup": (
         ["--requests", "2", "--tokens", "64", "--clients", "1", "2"],
         r"(?m)^ +64 +binary +2( +[\d.]+){6}\n +64 +ids +2( +[\d.]+){6}$",
