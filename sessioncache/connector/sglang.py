@@ -33,6 +33,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -80,6 +81,9 @@ class HiCacheOptions:
     lease_ms: int = DEFAULT_LEASE_MS
     interface_v1: bool = False
     timeout_s: float = 30.0
+    retry_after_s: float = 5.0
+    """After the node could not be reached, calls fail at once for this long (SGLang's storage
+    threads are not held up by one connection attempt per call)."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> HiCacheOptions:
@@ -98,6 +102,7 @@ class HiCacheOptions:
             lease_ms=int(extra.get("lease_ms", DEFAULT_LEASE_MS)),
             interface_v1=bool(extra.get("interface_v1", False)),
             timeout_s=float(extra.get("timeout_s", 30.0)),
+            retry_after_s=float(extra.get("retry_after_s", 5.0)),
         )
 
 
@@ -124,6 +129,10 @@ def host_view(ptr: int, nbytes: int) -> memoryview:
     """A writable byte view of ``nbytes`` of host memory at ``ptr`` (a region of SGLang's host
     pool, which outlives the call), without copying."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+
+class _NodeDown(SessionCacheError):
+    """The node was unreachable a moment ago: the call fails without trying again."""
 
 
 class _Conn:
@@ -156,6 +165,8 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._conns: list[_Conn] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._down_until = 0.0
+        """``time.monotonic()`` before which no connection is tried (the node was unreachable)."""
 
     # -- the namespace -----------------------------------------------------------------------
 
@@ -186,6 +197,8 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return conn
         if self._closed:
             raise SessionCacheError("the storage backend is closed")
+        if time.monotonic() < self._down_until:
+            raise _NodeDown()
         order = PAGE_PATHS if self.options.path == "auto" else (self.options.path,)
         errors = []
         for path in order:
@@ -196,9 +209,9 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     else self._client.stream(timeout=self.options.timeout_s)
                 )
             except (SessionCacheError, OSError) as exc:
-                if self.options.path != "auto":
-                    raise
                 errors.append(f"{path}: {exc}")
+                if self.options.path != "auto":
+                    break
                 continue
             try:
                 conn = _Conn(path, stream, stream.resolve(self.namespace()))
@@ -210,7 +223,11 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 self._conns.append(conn)
             logger.info("sessioncache HiCache backend: %s path to %s", path, self.options.url)
             return conn
-        raise SessionCacheError("no data path to the node: " + "; ".join(errors))
+        self._down_until = time.monotonic() + self.options.retry_after_s
+        raise SessionCacheError(
+            f"no data path to {self.options.url} (next try in {self.options.retry_after_s:g} s): "
+            + "; ".join(errors)
+        )
 
     @property
     def path(self) -> str:
@@ -224,6 +241,8 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         try:
             conn = self._conn()
             return op(conn)
+        except _NodeDown:
+            return failed  # said once, when the node was found unreachable
         except (SessionCacheError, OSError) as exc:
             logger.warning("sessioncache HiCache %s failed: %s", what, exc)
             # a refused request leaves the connection in step; anything else may not have
