@@ -72,6 +72,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         ],
         r"(?m)^ +2 +get( +[\d.]+){6}\nlowest tier/raw ratio [\d.]+",
     ),
+    "bench.sglang_hicache": (
+        [
+            *("--pages", "2", "--page-tokens", "16", "--layers", "1", "--heads", "2"),
+            *("--dim", "64", "--repeats", "1", "--json"),
+        ],
+        r"(?m)^sessioncache same-host batch_set_v1 +[\d.]+ .*\n(?s:.*)"
+        r"^SGLang HiCacheFile batch_get +[\d.]+ .*\n\{.*\"stream_get\": [\d.]+",
+    ),
     "bench.tiers": (
         ["--total-mib", "2", "--threads", "1"],
         r"(?m)^ *disk +32 MiB +1 thr \| put .* GB/s .*\ntotal 2 MiB per run",

@@ -1,0 +1,489 @@
+"""SGLang's hierarchical cache (HiCache) stores its pages in sessioncache.
+
+``SessionCacheHiCacheStorage`` is a ``sglang.srt.mem_cache.hicache_storage.HiCacheStorage``:
+SGLang loads it with ``--hicache-storage-backend dynamic`` and
+``--hicache-storage-backend-extra-config '{"backend_name": "sessioncache", "module_path":
+"sessioncache.connector.sglang", "class_name": "SessionCacheHiCacheStorage", "url": ...}'``
+(docs/sglang.md). Importing this module imports ``sglang``; nothing else in sessioncache does.
+
+SGLang names a page by an opaque string (a hash of its tokens and of the pages before it), so
+pages are *keyed blocks* (docs/dataplane.md): a block's id is derived from the namespace root
+and ``hashing.block_key`` of the page's key alone. Pages move over the data plane, never
+per-block HTTP: through the node's shared memory when it runs on this host, else over the
+binary stream, picked as ``sessioncache.connector.transfer`` picks (``path`` / the
+``SESSIONCACHE_DATA_PATH`` variable force one).
+
+Two page formats, one namespace each (they never mix):
+
+* the zero-copy interface (``"interface_v1": true`` in the extra config, ``batch_get_v1`` /
+  ``batch_set_v1``): each page is the host regions ``HostKVCache.get_page_buffer_meta`` gives
+  (K and V of the page for SGLang's page-first layouts, one region for MLA), one block each,
+  read and written in place in SGLang's host pool;
+* the tensor interface (``get`` / ``set`` / ``batch_get`` / ``batch_set``): one block per page,
+  the flat page tensor SGLang hands over.
+
+A batch SGLang writes is one request's consecutive pages (``extra_info.prefix_keys`` are the
+pages before it): its blocks are stored as a chain continuing from the last prefix page when
+the node still holds it, so tail-first eviction drops a sequence's last pages first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from sessioncache.connector.client import SessionCacheClient
+from sessioncache.connector.transfer import DEFAULT_LEASE_MS, PATH_ENV
+from sessioncache.dataplane.client import StreamClient
+from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.hashing import Namespace, block_key
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+URL_ENV = "SESSIONCACHE_URL"
+API_KEY_ENV = "SESSIONCACHE_API_KEY"
+PAGE_PATHS = ("same_host", "stream")
+"""The data paths pages take (the REST API has no keyed blocks)."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheOptions:
+    """What the extra config (``--hicache-storage-backend-extra-config``) says to us; the
+    ``SESSIONCACHE_URL`` and ``SESSIONCACHE_API_KEY`` variables stand in for ``url`` and
+    ``api_key``."""
+
+    url: str = DEFAULT_URL
+    api_key: str | None = None
+    path: str = "auto"
+    """``auto`` (same-host shared memory when the node is on this host, else the stream),
+    ``same_host`` or ``stream``."""
+    ttl_s: float | None = None
+    """How long pages live unread (default: the node's ``SESSIONCACHE_DEFAULT_TTL_S``)."""
+    salt: str | None = None
+    """Isolates these pages from other engines' of the same model (beside the tenant's)."""
+    seed: int = 0
+    """The node's ``SESSIONCACHE_HASH_SEED``."""
+    lease_ms: int = DEFAULT_LEASE_MS
+    interface_v1: bool = False
+    timeout_s: float = 30.0
+    retry_after_s: float = 5.0
+    """After the node could not be reached, calls fail at once for this long (SGLang's storage
+    threads are not held up by one connection attempt per call)."""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> HiCacheOptions:
+        extra = dict(extra or {})
+        path = str(extra.get("path") or os.environ.get(PATH_ENV) or "auto")
+        if path != "auto" and path not in PAGE_PATHS:
+            raise InvalidInput(f"path must be auto, same_host or stream, got {path!r}")
+        ttl = extra.get("ttl_s")
+        return cls(
+            url=str(extra.get("url") or os.environ.get(URL_ENV) or DEFAULT_URL),
+            api_key=extra.get("api_key") or os.environ.get(API_KEY_ENV) or None,
+            path=path,
+            ttl_s=float(ttl) if ttl is not None else None,
+            salt=extra.get("salt"),
+            seed=int(extra.get("seed", 0)),
+            lease_ms=int(extra.get("lease_ms", DEFAULT_LEASE_MS)),
+            interface_v1=bool(extra.get("interface_v1", False)),
+            timeout_s=float(extra.get("timeout_s", 30.0)),
+            retry_after_s=float(extra.get("retry_after_s", 5.0)),
+        )
+
+
+def shard_tag(config: HiCacheStorageConfig) -> str:
+    """What tells apart the pages of two ranks of one model, as SGLang's file backend keys
+    them: MLA KV is the same on every TP rank (one copy), other KV is split by TP rank; PP
+    stages, attention context-parallel ranks and DCP shards always differ."""
+    parts = []
+    if not config.is_mla_model:
+        parts.append(f"tp{config.tp_rank}of{config.tp_size}")
+    if config.pp_size > 1:
+        parts.append(f"pp{config.pp_rank}of{config.pp_size}")
+    if config.attn_cp_size > 1:
+        parts.append(f"cp{config.attn_cp_rank}of{config.attn_cp_size}")
+    if config.dcp_size > 1:
+        parts.append(
+            f"tp{config.tp_size}dcp{config.dcp_rank}of{config.dcp_size}"
+            f"page{config.logical_page_size}"
+        )
+    return ",".join(parts) or "single"
+
+
+def host_view(ptr: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of host memory at ``ptr`` (a region of SGLang's host
+    pool, which outlives the call), without copying."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+
+class _NodeDown(SessionCacheError):
+    """The node was unreachable a moment ago: the call fails without trying again."""
+
+
+class _Conn:
+    """One thread's data-plane connection and the namespace root resolved on it."""
+
+    def __init__(self, path: str, stream: StreamClient, root: bytes) -> None:
+        self.path = path
+        self.stream = stream
+        self.root = root
+
+
+class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """SGLang HiCache pages in a sessioncache node (the module docstring)."""
+
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
+    ) -> None:
+        self.storage_config = storage_config
+        self.options = HiCacheOptions.from_extra_config(storage_config.extra_config)
+        self.mem_pool_host: Any = None
+        self._client = SessionCacheClient(
+            self.options.url,
+            namespace=Namespace("sglang-hicache", 1, "raw", "raw"),
+            api_key=self.options.api_key,
+            seed=self.options.seed,
+        )
+        self._namespace: Namespace | None = None
+        self._regions: int | None = None
+        self._local = threading.local()
+        self._conns: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._down_until = 0.0
+        """``time.monotonic()`` before which no connection is tried (the node was unreachable)."""
+
+    # -- the namespace -----------------------------------------------------------------------
+
+    def namespace(self) -> Namespace:
+        """The namespace of this rank's pages: the model, the page geometry and format, and the
+        shard. Fixed at first use (after SGLang registers its host pool)."""
+        if self._namespace is None:
+            config = self.storage_config
+            pool = self.mem_pool_host
+            page_size = int(getattr(pool, "page_size", 0) or config.logical_page_size or 1)
+            dtype = str(getattr(pool, "dtype", "raw")).removeprefix("torch.")
+            layout = str(getattr(pool, "layout", "flat"))
+            interface = "v1" if self.options.interface_v1 else "pages"
+            self._namespace = Namespace(
+                model=config.model_name or "unnamed",
+                block_tokens=page_size,
+                kv_dtype=dtype,
+                kv_layout=f"sglang-hicache:{interface}:{layout}:{shard_tag(config)}",
+                salt=self.options.salt,
+            )
+        return self._namespace
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _conn(self) -> _Conn:
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        if self._closed:
+            raise SessionCacheError("the storage backend is closed")
+        if time.monotonic() < self._down_until:
+            raise _NodeDown()
+        order = PAGE_PATHS if self.options.path == "auto" else (self.options.path,)
+        errors = []
+        for path in order:
+            try:
+                stream = (
+                    self._client.same_host(timeout=self.options.timeout_s)
+                    if path == "same_host"
+                    else self._client.stream(timeout=self.options.timeout_s)
+                )
+            except (SessionCacheError, OSError) as exc:
+                errors.append(f"{path}: {exc}")
+                if self.options.path != "auto":
+                    break
+                continue
+            try:
+                conn = _Conn(path, stream, stream.resolve(self.namespace()))
+            except BaseException:
+                stream.close()
+                raise
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+            logger.info("sessioncache HiCache backend: %s path to %s", path, self.options.url)
+            return conn
+        self._down_until = time.monotonic() + self.options.retry_after_s
+        raise SessionCacheError(
+            f"no data path to {self.options.url} (next try in {self.options.retry_after_s:g} s): "
+            + "; ".join(errors)
+        )
+
+    @property
+    def path(self) -> str:
+        """The data path this thread's pages take (connecting on first use)."""
+        return self._conn().path
+
+    def _run(self, what: str, op: Callable[[_Conn], T], failed: T) -> T:
+        """Run ``op`` on this thread's connection; SGLang's storage threads get ``failed``
+        (never an exception) when the node cannot be reached, and the next call reconnects."""
+        conn: _Conn | None = None
+        try:
+            conn = self._conn()
+            return op(conn)
+        except _NodeDown:
+            return failed  # said once, when the node was found unreachable
+        except (SessionCacheError, OSError) as exc:
+            logger.warning("sessioncache HiCache %s failed: %s", what, exc)
+            # a refused request leaves the connection in step; anything else may not have
+            if conn is not None and not isinstance(exc, InvalidInput):
+                self._drop(conn)
+            return failed
+
+    def _drop(self, conn: _Conn) -> None:
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        with self._lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+        conn.stream.close()
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.stream.close()
+        self._client.close()
+
+    # -- blocks by key -----------------------------------------------------------------------
+
+    @staticmethod
+    def _ids(conn: _Conn, keys: Sequence[str]) -> list[bytes]:
+        return conn.stream.key_ids(conn.root, [block_key(k) for k in keys])
+
+    def _held_prefix(self, conn: _Conn, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, the node holds: a keyed LOOKUP without a
+        lease (unlike EXISTS it also finds blocks in a fleet's shared tier)."""
+        ids = self._ids(conn, keys)
+        per = conn.stream.limits.max_ids
+        held = 0
+        for first in range(0, len(ids), per):
+            part = ids[first : first + per]
+            matched = conn.stream.lookup(conn.root, part, keyed=True).matched
+            held += matched
+            if matched < len(part):
+                break
+        return held
+
+    def _load(self, conn: _Conn, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+        """Read the blocks of ``keys`` into ``out`` (one exactly block-sized buffer each);
+        which were read. Same host: the located run of them, from the first (SGLang only uses
+        a prefix); stream: every held one."""
+        ids = self._ids(conn, keys)
+        per = conn.stream.limits.max_ids
+        found: list[bool] = []
+        for first in range(0, len(ids), per):
+            part = self._load_part(conn, ids[first : first + per], out[first : first + per])
+            found += part
+            if conn.path == "same_host" and not all(part):
+                found += [False] * (len(ids) - len(found))
+                break
+        return found
+
+    def _load_part(self, conn: _Conn, ids: list[bytes], out: Sequence[Any]) -> list[bool]:
+        stream = conn.stream
+        if conn.path == "same_host":
+            from sessioncache.dataplane.samehost import SameHostClient
+
+            assert isinstance(stream, SameHostClient)
+            located = stream.locate(conn.root, ids, lease_ms=self.options.lease_ms, keyed=True)
+            n = len(located.slots)
+            if n:
+                stream.load_into(located, out[:n])
+            elif located.lease is not None:
+                stream.release_checked(located)
+            return [i < n for i in range(len(ids))]
+        return stream.load_into(ids, out, each=True)
+
+    def _store(
+        self,
+        conn: _Conn,
+        keys: Sequence[str],
+        payloads: Sequence[Any],
+        after: str | None = None,
+    ) -> list[bool]:
+        """Store one block per key as one chain, continuing from the block of ``after`` when
+        the node still holds it; which blocks the node holds afterwards."""
+        if not keys:
+            return []
+        stream = conn.stream
+        parent = None
+        if after is not None:
+            (parent,) = self._ids(conn, [after])
+            if not stream.exists(conn.root, [parent])[0]:
+                parent = None  # evicted meanwhile: the batch starts a chain of its own
+        ack = stream.store_keyed(
+            conn.root,
+            [block_key(k) for k in keys],
+            payloads,
+            parent=parent,
+            linked=True,
+            ttl_s=self.options.ttl_s,
+        )
+        return [status != "dropped" for status in ack.status]
+
+    # -- the tensor interface ----------------------------------------------------------------
+
+    def get(
+        self,
+        key: str,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> Any:
+        """Read the page of ``key`` into ``target_location`` (a page-sized CPU tensor) and
+        return it; None when the node does not hold it."""
+        got = self.batch_get([key], [target_location])
+        return got[0] if isinstance(got, list) else None
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[Any]:
+        if target_locations is None or len(target_locations) != len(keys):
+            raise InvalidInput("batch_get reads into SGLang's page buffers: one per key")
+        found = self._run(
+            "batch_get", lambda c: self._load(c, keys, target_locations), [False] * len(keys)
+        )
+        return [t if ok else None for t, ok in zip(target_locations, found, strict=True)]
+
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        if values is None or len(values) != len(keys):
+            raise InvalidInput("batch_set stores one page tensor per key")
+        kept = self._run("batch_set", lambda c: self._store(c, keys, values), [False])
+        return all(kept)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many of ``keys``, from the first, the node holds (all of a page's blocks)."""
+        m = self._regions_per_page() if self.options.interface_v1 else 1
+        block_keys = [region_key(k, j, m) for k in keys for j in range(m)]
+        return self._run("batch_exists", lambda c: self._held_prefix(c, block_keys), 0) // m
+
+    # -- the zero-copy interface -------------------------------------------------------------
+
+    def _regions_per_page(self) -> int:
+        """How many host regions (blocks) make one page of the registered pool."""
+        if self._regions is None:
+            pool = self.mem_pool_host
+            if pool is None:
+                raise InvalidInput("the zero-copy interface needs SGLang's host pool registered")
+            import torch
+
+            ptrs, _ = pool.get_page_buffer_meta(torch.arange(pool.page_size, dtype=torch.int64))
+            self._regions = max(1, len(ptrs))
+        return self._regions
+
+    def _page_views(self, keys: Sequence[str], host_indices: Any) -> tuple[list[str], list[Any]]:
+        """The block keys and host-pool views of ``keys``' pages at ``host_indices``."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if len(ptrs) % len(keys):
+            raise InvalidInput(f"{len(ptrs)} host regions for {len(keys)} pages")
+        if len(set(sizes)) > 1:
+            # a namespace holds blocks of one size; pools whose pages have regions of several
+            # sizes (MLA's page_first_kv_split for DSA models) are not supported
+            raise InvalidInput(
+                f"host regions of several sizes ({sorted(set(sizes))}): use a page-first or "
+                "layer-first host layout"
+            )
+        m = len(ptrs) // len(keys)
+        block_keys = [region_key(k, j, m) for k in keys for j in range(m)]
+        views = [host_view(int(p), int(s)) for p, s in zip(ptrs, sizes, strict=True)]
+        return block_keys, views
+
+    @staticmethod
+    def _per_page(found: Sequence[bool], pages: int) -> list[bool]:
+        m = len(found) // pages
+        return [all(found[i * m : (i + 1) * m]) for i in range(pages)]
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read ``keys``' pages straight into SGLang's host pool at ``host_indices``."""
+        if not keys:
+            return []
+
+        def load(conn: _Conn) -> list[bool]:
+            block_keys, views = self._page_views(keys, host_indices)
+            return self._per_page(self._load(conn, block_keys, views), len(keys))
+
+        return self._run("batch_get_v1", load, [False] * len(keys))
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store ``keys``' pages straight from SGLang's host pool at ``host_indices``; they
+        continue the chain of ``extra_info.prefix_keys``."""
+        if not keys:
+            return []
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+
+        def store(conn: _Conn) -> list[bool]:
+            block_keys, views = self._page_views(keys, host_indices)
+            m = len(block_keys) // len(keys)
+            after = region_key(prefix[-1], m - 1, m) if prefix else None
+            return self._per_page(self._store(conn, block_keys, views, after), len(keys))
+
+        return self._run("batch_set_v1", store, [False] * len(keys))
+
+    def clear(self) -> None:
+        """Nothing: pages leave the node by eviction and TTL, never by one engine's word."""
+
+    def get_stats(self) -> None:
+        return None
+
+
+def region_key(key: str, region: int, regions: int) -> str:
+    """The block key of region ``region`` of a page of ``regions`` regions (the page's own key
+    when it is one region)."""
+    return key if regions == 1 else f"{key}#{region}"
+
+
+__all__ = ["HiCacheOptions", "SessionCacheHiCacheStorage", "host_view", "region_key", "shard_tag"]
