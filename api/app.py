@@ -9,7 +9,8 @@ import anyio
 from fastapi import FastAPI
 
 from sessioncache import __version__
-from sessioncache.api import errors, metrics
+from sessioncache.api import errors, metrics, openapi
+from sessioncache.api.limits import BodyLimitMiddleware
 from sessioncache.api.routes import (
     blocks,
     dataplane,
@@ -60,6 +61,9 @@ def create_app(
     app.state.same_host = same_host
     app.state.registry = metrics.install(app, node)
     errors.install(app)
+    # outermost (added last): a body over the limit is refused before any route reads it
+    app.add_middleware(BodyLimitMiddleware, limit=node.settings.max_body_bytes)
+    openapi.install(app, node.settings)
     for module in (namespaces, lookup, store, blocks, sessions, system, dataplane):
         app.include_router(module.router)
     return app

@@ -15,7 +15,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from sessioncache.api.errors import AuthRequired
+from sessioncache.api.errors import AdminRequired, AuthRequired
 from sessioncache.node import CacheNode
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
@@ -41,15 +41,21 @@ SessionsDep = Annotated[SessionManager, Depends(get_sessions)]
 StoreDep = Annotated[TieredStore, Depends(get_store)]
 
 
+def bearer_key(request: Request) -> str | None:
+    """The key of ``Authorization: Bearer <key>``, None without one."""
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return None
+
+
 async def get_tenant(request: Request, node: NodeDep) -> str:
     """The caller's tenant from ``Authorization: Bearer <key>`` (the open tenant when auth is
     off)."""
-    header = request.headers.get("authorization")
-    key = None
-    if header is not None:
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            key = value.strip()
+    key = bearer_key(request)
     tenant = node.tenant_for_key(key)
     if tenant is None:
         raise AuthRequired("a valid API key is required: Authorization: Bearer <key>")
@@ -57,3 +63,21 @@ async def get_tenant(request: Request, node: NodeDep) -> str:
 
 
 TenantDep = Annotated[str, Depends(get_tenant)]
+
+
+async def get_admin(request: Request, node: NodeDep) -> None:
+    """Admin operations (a sweep of every tenant's sessions): with ``admin_keys`` set, one of
+    them; without, only a node running open (no ``api_keys``, loopback only) lets anyone in. A
+    tenant's key is known but not enough (403); anything else is 401."""
+    key = bearer_key(request)
+    admin_keys = node.settings.admin_keys
+    if key is not None and key in admin_keys:
+        return
+    if not admin_keys and not node.auth_enabled:
+        return
+    if key is not None and node.tenant_for_key(key) is not None:
+        raise AdminRequired("this operation needs an admin key (admin_keys), not a tenant's")
+    raise AuthRequired("an admin API key is required: Authorization: Bearer <key>")
+
+
+AdminDep = Annotated[None, Depends(get_admin)]

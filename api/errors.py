@@ -7,6 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sessioncache.api.openapi import allowed_methods
 from sessioncache.errors import (
     BlockNotFound,
     InvalidInput,
@@ -37,7 +38,11 @@ class BodyTooLarge(SessionCacheError):
     """A request body beyond the configured limit."""
 
 
-STATUS += [(AuthRequired, 401), (BodyTooLarge, 413)]
+class AdminRequired(SessionCacheError):
+    """A tenant's key on an operation that needs an admin key."""
+
+
+STATUS += [(AuthRequired, 401), (AdminRequired, 403), (BodyTooLarge, 413)]
 
 
 def error_body(error: str, detail: str) -> dict[str, str]:
@@ -72,8 +77,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route whose path matched; a path can
+            # have several (GET and DELETE /v1/sessions/{id} are two routes)
+            headers["Allow"] = ", ".join(allowed_methods(request.app, request.url.path))
         return JSONResponse(
             error_body("HTTPError", str(exc.detail)),
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )

@@ -144,6 +144,13 @@ class Settings(BaseSettings):
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description='JSON `{"<key>": "<tenant>"}`; empty runs open, loopback only',
+        repr=False,  # secrets: never in a printed or logged Settings
+    )
+    admin_keys: list[str] = Field(
+        default_factory=list,
+        description="JSON list of keys for admin operations (`POST /v1/gc`); empty: only an "
+        "open node (no `api_keys`) runs them, for anyone",
+        repr=False,
     )
     max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
     max_tokens: int = Field(2_000_000, gt=0, description="most tokens in one request")

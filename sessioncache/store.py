@@ -351,6 +351,12 @@ class TieredStore:
             if not self._index.release(lease_id, self._clock.now()):
                 raise LeaseNotFound(f"no live lease {lease_id!r}")
 
+    def lease_hashes(self, lease_id: str) -> tuple[BlockHash, ...] | None:
+        """The blocks a lease pins; None when there is no such lease (any more)."""
+        with self._lock:
+            lease = self._index.find_lease(lease_id)
+            return lease.hashes if lease is not None else None
+
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Pin the longest held prefix of ``hashes`` (a live session's chain: blocks past a
         hole are useless); returns the pinned ids, exactly what ``unpin`` must be given."""

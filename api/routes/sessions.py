@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from sessioncache.api.deps import SessionsDep, TenantDep
+from sessioncache.api.paths import SessionIdPath
 from sessioncache.api.schemas import ERRORS, SessionCreate, SessionExtend, SessionList, SessionOut
 from sessioncache.sessions import Session
 
@@ -38,19 +39,19 @@ def list_sessions(sessions: SessionsDep, tenant: TenantDep) -> SessionList:
 
 
 @router.get("/{session_id}", response_model=SessionOut, responses=ERRORS)
-def get_session(session_id: str, sessions: SessionsDep, tenant: TenantDep) -> SessionOut:
+def get_session(session_id: SessionIdPath, sessions: SessionsDep, tenant: TenantDep) -> SessionOut:
     return session_out(sessions.get(session_id, tenant=tenant))
 
 
 @router.post("/{session_id}/extend", response_model=SessionOut, responses=ERRORS)
 def extend_session(
-    session_id: str, body: SessionExtend, sessions: SessionsDep, tenant: TenantDep
+    session_id: SessionIdPath, body: SessionExtend, sessions: SessionsDep, tenant: TenantDep
 ) -> SessionOut:
     """Slide the session's expiry (optionally with a new TTL)."""
     return session_out(sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s))
 
 
 @router.delete("/{session_id}", status_code=204, responses=ERRORS)
-def close_session(session_id: str, sessions: SessionsDep, tenant: TenantDep) -> None:
+def close_session(session_id: SessionIdPath, sessions: SessionsDep, tenant: TenantDep) -> None:
     """Close the session: its pins go, its blocks age out by TTL."""
     sessions.close(session_id, tenant=tenant)
