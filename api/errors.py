@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sessioncache.api.openapi import allowed_methods
 from sessioncache.errors import (
     BlockNotFound,
+    DurableStoreFailed,
     InvalidInput,
     LeaseNotFound,
     PayloadSizeError,
@@ -27,6 +28,7 @@ STATUS: list[tuple[type[SessionCacheError], int]] = [
     (LeaseNotFound, 404),
     (SessionNotFound, 404),
     (UploadRefused, 403),
+    (DurableStoreFailed, 507),
 ]
 
 

@@ -90,6 +90,12 @@ def describe(app: FastAPI, settings: Settings) -> dict[str, Any]:
                 reply = responses.get(status)
                 if reply is None or "HTTPValidationError" in str(reply):
                     responses[status] = _error_reply(description)
+    upload = schema["paths"].get("/v1/blocks/{block_hash}", {}).get("put")
+    if upload is not None:
+        upload["responses"]["507"] = _error_reply(
+            "A durable upload the durable tier could not take (its filesystem full): the "
+            "block is not durable; retry when space returns."
+        )
     # limits that are settings, not constants of the models
     kind = schemas.get("SessionCreate", {}).get("properties", {}).get("kind")
     if kind is not None:
