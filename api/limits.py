@@ -1,10 +1,12 @@
-"""Bounds on what one request may make the node hold: its body (``max_body_bytes``).
+"""Bounds on what one request may make the node hold: its body (``max_body_bytes``) and its
+header block (``MAX_HEADER_BYTES``).
 
 The block upload route reads its body itself, into a pooled buffer, and checks the same limit
 (``routes/blocks.read_body``); every other route lets FastAPI read the whole body into memory
 before validating it, so without this an unauthenticated client could make the node buffer
-any number of bytes per request. Header sizes are bounded by the HTTP parser
-(``commands/serve.py``).
+any number of bytes per request. uvicorn's httptools parser sets no limit on the header block
+(h11's would, at a cost in speed): it is refused here, 431, before any route sees it. The
+parser has buffered it by then; a proxy in front bounds that too (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessioncache.api.errors import error_body
+
+MAX_HEADER_BYTES = 64 << 10
+"""The largest header block (names and values) a request may carry: an API key and a few
+ordinary headers are well under 1 KiB."""
 
 
 class BodyLimitMiddleware:
@@ -29,6 +35,15 @@ class BodyLimitMiddleware:
             await self._app(scope, receive, send)
             return
         limit = self._limit
+        header_bytes = sum(len(n) + len(v) for n, v in scope["headers"])
+        if header_bytes > MAX_HEADER_BYTES:
+            await _reply(
+                send,
+                431,
+                "HeadersTooLarge",
+                f"{header_bytes} bytes of headers exceed the limit of {MAX_HEADER_BYTES}",
+            )
+            return
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
