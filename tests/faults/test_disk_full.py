@@ -13,9 +13,13 @@ import httpx
 import numpy as np
 import pytest
 
+from sessioncache.dataplane import StreamClient, discover
+from sessioncache.errors import DurableStoreFailed
+from sessioncache.hashing import Namespace
 from tests.support.servers import start_server
 
 NS = {"model": "disk-full-model", "block_tokens": 4, "kv_dtype": "bf16", "kv_layout": "x"}
+NS_STREAM = Namespace("disk-full-stream", block_tokens=4, kv_dtype="bf16", kv_layout="x")
 BLOCK = 1 << 20
 
 
@@ -82,6 +86,14 @@ def test_disk_full_answers_507_and_recovers(small_fs: Path) -> None:
             r = httpx.get(f"{url}/v1/blocks/{h}")
             assert r.status_code == 200 and r.content == payload(h)
         assert httpx.get(f"{url}/healthz").status_code == 200
+        # the stream: the same refusal, as its own error code, and the connection goes on
+        with StreamClient.connect(discover(url), timeout=30) as client:
+            root = client.resolve(NS_STREAM)
+            toks = np.arange(8, dtype=np.uint32)
+            ids = client.block_hashes(root, toks)
+            with pytest.raises(DurableStoreFailed, match="full"):
+                client.store(root, toks, [np.full(BLOCK, 7, np.uint8) for _ in ids])
+            assert client.lookup(root, ids).matched <= len(ids)
         # space returns: stores succeed again
         subprocess.run(["mount", "-o", "remount,size=128m", str(small_fs)], check=True)
         ids, replies = store(url, 1000)
