@@ -5,6 +5,7 @@ exception."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -26,7 +27,11 @@ from sessioncache.tiers.cpu import CpuTier
 from sessioncache.wire import MAGIC, decode_batch, encode_batch
 
 TOKEN = st.integers(min_value=0, max_value=(1 << 32) - 1)
-PROFILE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = int(os.environ.get("SESSIONCACHE_FUZZ_EXAMPLES", "40"))
+"""Examples per property (CI: 40; more with ``SESSIONCACHE_FUZZ_EXAMPLES``)."""
+PROFILE = settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def namespace(block_tokens: int) -> Namespace:
@@ -111,7 +116,7 @@ def test_batch_framing_round_trips(records: list[tuple[bytes, bytes | None]]) ->
     assert decode_batch(b"".join(encode_batch(records))) == records
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=EXAMPLES * 5, deadline=None)
 @given(RECORDS, st.data())
 def test_damaged_batches_are_invalid_input_or_records(
     records: list[tuple[bytes, bytes | None]], data: st.DataObject

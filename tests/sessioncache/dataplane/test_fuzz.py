@@ -6,6 +6,7 @@ node keeps serving a bystander connection throughout."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 
@@ -86,7 +87,7 @@ def exchange(sock: socket.socket, frame: bytes, half_close: bool) -> None:
 
 
 @settings(
-    max_examples=120,
+    max_examples=int(os.environ.get("SESSIONCACHE_FUZZ_EXAMPLES", "60")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
