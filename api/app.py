@@ -9,8 +9,9 @@ import anyio
 from fastapi import FastAPI
 
 from sessioncache import __version__
-from sessioncache.api import errors, metrics
+from sessioncache.api import errors, metrics, openapi
 from sessioncache.api.admin.auth import AdminAuth
+from sessioncache.api.limits import BodyLimitMiddleware
 from sessioncache.api.routes import (
     admin,
     blocks,
@@ -74,6 +75,9 @@ def create_app(
     app.state.registry.register(metrics.EngineCollector(routing))
     errors.install(app)
     app.state.admin_auth = AdminAuth.from_settings(node.settings)
+    # outermost (added last): a body over the limit is refused before any route reads it
+    app.add_middleware(BodyLimitMiddleware, limit=node.settings.max_body_bytes)
+    openapi.install(app, node.settings)
     routers = (namespaces, lookup, store, blocks, sessions, system, dataplane, engines, route)
     for module in (*routers, admin):
         app.include_router(module.router)

@@ -15,7 +15,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from sessioncache.api.errors import AuthRequired
+from sessioncache.api.admin.auth import AdminAuth
+from sessioncache.api.errors import AdminRequired, AuthRequired
 from sessioncache.attribution import Attribution
 from sessioncache.node import CacheNode
 from sessioncache.routing.scoring import Router
@@ -48,15 +49,21 @@ AttributionDep = Annotated[Attribution, Depends(get_attribution)]
 StoreDep = Annotated[TieredStore, Depends(get_store)]
 
 
+def bearer_key(request: Request) -> str | None:
+    """The key of ``Authorization: Bearer <key>``, None without one."""
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return None
+
+
 async def get_tenant(request: Request, node: NodeDep) -> str:
     """The caller's tenant from ``Authorization: Bearer <key>`` (the open tenant when auth is
     off)."""
-    header = request.headers.get("authorization")
-    key = None
-    if header is not None:
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            key = value.strip()
+    key = bearer_key(request)
     tenant = node.tenant_for_key(key)
     if tenant is None:
         raise AuthRequired("a valid API key is required: Authorization: Bearer <key>")
@@ -73,3 +80,22 @@ async def get_router(request: Request) -> Router:
 
 RouterDep = Annotated[Router, Depends(get_router)]
 """KV-aware routing: the engines' feeds and the route computation (sessioncache/routing)."""
+
+
+async def get_admin(request: Request, node: NodeDep) -> None:
+    """Admin operations (a sweep of every tenant's sessions): with an admin token set
+    (``SESSIONCACHE_ADMIN_TOKEN``, the dashboard's), that token as a bearer key; without, only
+    a node running open (no ``api_keys``) lets anyone in. A tenant's key is known but not
+    enough (403); anything else is 401."""
+    key = bearer_key(request)
+    auth: AdminAuth = request.app.state.admin_auth
+    if key is not None and auth.token_matches(key):
+        return
+    if node.settings.admin_token is None and not node.auth_enabled:
+        return
+    if key is not None and node.tenant_for_key(key) is not None:
+        raise AdminRequired("this operation needs the admin token, not a tenant's key")
+    raise AuthRequired("the admin token is required: Authorization: Bearer <token>")
+
+
+AdminDep = Annotated[None, Depends(get_admin)]

@@ -7,8 +7,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sessioncache.api.openapi import allowed_methods
 from sessioncache.errors import (
     BlockNotFound,
+    DurableStoreFailed,
     EngineExists,
     EngineNotFound,
     InvalidInput,
@@ -30,6 +32,7 @@ STATUS: list[tuple[type[SessionCacheError], int]] = [
     (UploadRefused, 403),
     (EngineNotFound, 404),
     (EngineExists, 409),
+    (DurableStoreFailed, 507),
 ]
 
 
@@ -39,6 +42,10 @@ class AuthRequired(SessionCacheError):
 
 class BodyTooLarge(SessionCacheError):
     """A request body beyond the configured limit."""
+
+
+class AdminRequired(SessionCacheError):
+    """A tenant's key on an operation that needs the admin token."""
 
 
 class AdminAuthRequired(SessionCacheError):
@@ -51,7 +58,7 @@ class AdminForbidden(SessionCacheError):
 
 
 STATUS += [(AuthRequired, 401), (BodyTooLarge, 413), (AdminAuthRequired, 401)]
-STATUS += [(AdminForbidden, 403)]
+STATUS += [(AdminRequired, 403), (AdminForbidden, 403)]
 
 
 def error_body(error: str, detail: str) -> dict[str, str]:
@@ -86,8 +93,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route whose path matched; a path can
+            # have several (GET and DELETE /v1/sessions/{id} are two routes)
+            headers["Allow"] = ", ".join(allowed_methods(request.app, request.url.path))
         return JSONResponse(
             error_body("HTTPError", str(exc.detail)),
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )

@@ -7,27 +7,62 @@ import binascii
 from typing import Annotated, ClassVar, Literal, Self, cast
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic import Strict as PydanticStrict
 from pydantic.config import JsonDict
 
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import HASH_BYTES, BlockHash, Namespace, tokens_to_le_bytes
+from sessioncache.sessions import MAX_SESSION_ID_LEN, SESSION_ID_PATTERN
 
 Hex = Annotated[
     str, Field(pattern=r"^[0-9a-f]{32}$", examples=["978094f41daae8306d3c953a61392c71"])
 ]
-SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^/\s]+$")]
+SessionId = Annotated[
+    str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN, pattern=SESSION_ID_PATTERN)
+]
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _json_number(value: object) -> object:
+    """Numbers only: pydantic's lax mode would take ``true`` or ``"5"`` for a number, which the
+    OpenAPI description calls invalid. (Strict mode is no answer: it refuses ``5.0`` for an
+    integer, which JSON Schema calls one.)"""
+    if isinstance(value, bool | str):
+        raise ValueError("must be a JSON number")
+    return value
+
+
+def _json_numbers(value: object) -> object:
+    """``_json_number`` for every item of a list, at C speed for the usual all-int list."""
+    if isinstance(value, list) and not set(map(type, value)) <= {int, float}:
+        raise ValueError("must be a list of JSON numbers")
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_number)]
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+JsonBool = Annotated[bool, PydanticStrict()]
+PositiveJsonInt = Annotated[int, Field(gt=0), BeforeValidator(_json_number)]
+PositiveJsonFloat = Annotated[float, Field(gt=0), BeforeValidator(_json_number)]
+
+
 class NamespaceIn(Strict):
     """What makes KV incompatible; ids are computed exactly as in docs/hashing.md."""
 
     model: str = Field(min_length=1, max_length=512)
-    block_tokens: int = Field(gt=0, le=1 << 16)
+    block_tokens: JsonInt = Field(gt=0, le=1 << 16)
     kv_dtype: str = Field(min_length=1, max_length=64)
     kv_layout: str = Field(min_length=1, max_length=256)
     salt: str | None = Field(None, max_length=256)
@@ -88,6 +123,24 @@ def decode_block_ids(text: str) -> list[BlockHash]:
     return cast(list[BlockHash], np.frombuffer(raw, dtype=f"V{HASH_BYTES}").tolist())
 
 
+TOKENS_B64_PATTERN = r"^(?:[A-Za-z0-9+/]{16})*(?:[A-Za-z0-9+/]{6}==|[A-Za-z0-9+/]{11}=)?$"
+"""Padded base64 of a whole number of 4-byte tokens: every 3 tokens are 16 characters, and
+one or two more end in ``==`` or ``=``. The server checks the same by decoding
+(``TokensIn.token_bytes``, with messages that say what is wrong)."""
+
+TokensB64 = Annotated[
+    str,
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": TOKENS_B64_PATTERN,
+            "description": "base64 (padded, standard alphabet) of the tokens as little-endian "
+            "uint32: a multiple of 4 bytes",
+        }
+    ),
+]
+
+
 def _exactly_one_of(forms: tuple[str, ...]) -> JsonDict:
     """The JSON schema of "exactly one of these fields is given and not null"."""
     return {
@@ -106,8 +159,11 @@ class TokensIn(Strict):
     model_config = ConfigDict(json_schema_extra=_exactly_one_of(FORMS))
 
     namespace: NamespaceIn
-    tokens: list[Annotated[int, Field(ge=0, lt=1 << 32)]] | None = None
-    tokens_b64: str | None = None
+    tokens: (
+        Annotated[list[Annotated[int, Field(ge=0, lt=1 << 32)]], BeforeValidator(_json_numbers)]
+        | None
+    ) = None
+    tokens_b64: TokensB64 | None = None
     session_id: SessionId | None = None
 
     @model_validator(mode="after")
@@ -143,18 +199,18 @@ class LookupRequest(TokensIn):
     model_config = ConfigDict(json_schema_extra=_exactly_one_of(FORMS))
 
     block_ids_b64: BlockIdsB64 | None = None
-    lease_ms: int | None = Field(None, gt=0, description="Pin the matched blocks this long.")
-    locations: bool = Field(
+    lease_ms: PositiveJsonInt | None = Field(None, description="Pin the matched blocks this long.")
+    locations: JsonBool = Field(
         False,
         description="Also report, per matched block, which nodes of the fleet hold it and in "
         "which tiers (one Redis round trip per block: ask only when routing on it).",
     )
-    explain: bool = Field(
+    explain: JsonBool = Field(
         False,
         description="Also say why the tokens past the match missed (``miss``: the first "
         "missed block's reason and the missed tokens by reason; docs/prompt-stability.md).",
     )
-    compact: bool | None = Field(
+    compact: JsonBool | None = Field(
         None,
         description="Answer without the per-block list (CompactLookupResponse: counts, the "
         "tiers run-length encoded, the lease). Default: true with block_ids_b64, false with "
@@ -275,7 +331,7 @@ class ResolveResponse(BaseModel):
 
 
 class StoreRequest(TokensIn):
-    ttl_s: float | None = Field(None, gt=0, description="Block TTL; at least the session's.")
+    ttl_s: PositiveJsonFloat | None = Field(None, description="Block TTL; at least the session's.")
 
 
 class StoreResponse(BaseModel):
@@ -297,11 +353,11 @@ class UploadResponse(BaseModel):
 class SessionCreate(Strict):
     session_id: SessionId | None = None
     kind: str = Field("agent", min_length=1, max_length=64)
-    ttl_s: float | None = Field(None, gt=0)
+    ttl_s: PositiveJsonFloat | None = Field(None)
 
 
 class SessionExtend(Strict):
-    ttl_s: float | None = Field(None, gt=0)
+    ttl_s: PositiveJsonFloat | None = Field(None)
 
 
 class DivergenceOut(BaseModel):

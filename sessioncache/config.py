@@ -167,6 +167,7 @@ class Settings(BaseSettings):
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description='JSON `{"<key>": "<tenant>"}`; empty runs open, loopback only',
+        repr=False,  # secrets: never in a printed or logged Settings
     )
     max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
     max_tokens: int = Field(2_000_000, gt=0, description="most tokens in one request")
@@ -180,8 +181,8 @@ class Settings(BaseSettings):
     # -- admin dashboard (`/admin`)
     admin_token: SecretStr | None = Field(
         None,
-        description="token of the `/admin` dashboard (separate from API keys); unset: the "
-        "dashboard is served only when the service runs open on loopback",
+        description="token of the `/admin` dashboard and of admin operations such as `POST "
+        "/v1/gc` (separate from API keys); unset: both only when the service runs open",
     )
     prefill_tokens_per_s: float = Field(
         10000.0,

@@ -41,6 +41,11 @@ class TierFull(SessionCacheError):
     """A tier has no room for a payload; the store catches this and evicts or demotes."""
 
 
+class DurableStoreFailed(SessionCacheError):
+    """A durable store whose block could not be written to the durable tier (its filesystem
+    full, or nothing there evictable): the caller must not take the block as durable."""
+
+
 class CorruptBlock(SessionCacheError):
     """A stored payload failed its checksum or was truncated; it is quarantined, never served."""
 

@@ -380,5 +380,9 @@ class BlockIndex:
         for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
             self.unref_all(self._leases.pop(lease_id).hashes)
 
+    def find_lease(self, lease_id: str) -> Lease | None:
+        """The live or not yet reaped lease of that id."""
+        return self._leases.get(lease_id)
+
     def lease_count(self) -> int:
         return len(self._leases)

@@ -22,7 +22,7 @@ from sessioncache.attribution import (
 )
 from sessioncache.blocks import BlockMeta
 from sessioncache.config import Settings
-from sessioncache.errors import BlockNotFound, InvalidInput, SessionCacheError
+from sessioncache.errors import BlockNotFound, InvalidInput, LeaseNotFound, SessionCacheError
 from sessioncache.events import UsageRecorder
 from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import (
@@ -469,6 +469,17 @@ class CacheNode:
         return self.fleet.locations(hashes)
 
     def release(self, lease_id: str) -> None:
+        """End a lease the caller has already checked is its own (the data plane's)."""
+        self.store.release(lease_id)
+
+    def release_for(self, tenant: str, lease_id: str) -> None:
+        """End ``tenant``'s lease; another tenant's is ``LeaseNotFound`` like an unknown one,
+        so that a lease id (which travels in logs and traces) gives no handle on the blocks of
+        another tenant and a probe learns nothing from the answer. A lease pins one matched
+        prefix, all under one namespace root: its first block says whose it is."""
+        hashes = self.store.lease_hashes(lease_id)
+        if hashes is None or (hashes and not self.owns(tenant, hashes[0])):
+            raise LeaseNotFound(f"no live lease {lease_id!r}")
         self.store.release(lease_id)
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ the store holds for each session. The lock order is sessions, then store.
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 from collections import OrderedDict
@@ -47,6 +48,11 @@ DAY_S = 86400.0
 DEFAULT_KIND_TTLS: Mapping[str, float] = {"agent": 3 * DAY_S, "chat": 7 * DAY_S}
 DEFAULT_IDLE_TIMEOUT_S = 300.0
 DEFAULT_PIN_SHARE = 0.5
+SESSION_ID_PATTERN = r"^[^/\s\u0000-\u001f\u007f-\u009f]+$"
+"""What a session id may hold, as the API's JSON schema states it (ECMA and Python regexes
+read it alike): no '/', no whitespace, no control character."""
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+
 MAX_SESSION_ID_LEN = 128
 
 
@@ -441,9 +447,9 @@ def _check_id(session_id: str) -> None:
     if (
         not isinstance(session_id, str)
         or not 0 < len(session_id) <= MAX_SESSION_ID_LEN
-        or not session_id.isprintable()
-        or "/" in session_id
+        or _SESSION_ID.fullmatch(session_id) is None
     ):
         raise InvalidInput(
-            f"a session id is 1 to {MAX_SESSION_ID_LEN} printable characters without '/'"
+            f"a session id is 1 to {MAX_SESSION_ID_LEN} characters, none of them '/', "
+            "whitespace or a control character"
         )

@@ -50,6 +50,7 @@ from sessioncache.blocks import BlockMeta
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import (
     BlockNotFound,
+    DurableStoreFailed,
     InvalidInput,
     LeaseNotFound,
     PayloadSizeError,
@@ -367,6 +368,12 @@ class TieredStore:
             if not self._index.release(lease_id, self._clock.now()):
                 raise LeaseNotFound(f"no live lease {lease_id!r}")
 
+    def lease_hashes(self, lease_id: str) -> tuple[BlockHash, ...] | None:
+        """The blocks a lease pins; None when there is no such lease (any more)."""
+        with self._lock:
+            lease = self._index.find_lease(lease_id)
+            return lease.hashes if lease is not None else None
+
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Pin the longest held prefix of ``hashes`` (a live session's chain: blocks past a
         hole are useless); returns the pinned ids, exactly what ``unpin`` must be given."""
@@ -518,6 +525,7 @@ class TieredStore:
             raise InvalidInput("durable=True but no durable tier at or below the target tier")
         result = PutResult([], [], [])
         prev = parent
+        unsaved: BlockHash | None = None
         with self._lock:
             op = self._index.next_op()
         for i, (block_hash, payload, nbytes) in enumerate(
@@ -546,6 +554,9 @@ class TieredStore:
                         also.append(durable_tier)
                     for extra in also:
                         self._place(meta, payload, extra, stop=extra + 1)
+                    if durable_tier is not None and durable_tier not in meta.tiers:
+                        # acknowledged as durable it would be lost in a crash: stop here
+                        unsaved = block_hash
             finally:
                 with self._lock:
                     self._index.unref(meta)
@@ -555,10 +566,20 @@ class TieredStore:
                 result.dropped.append(block_hash)
             else:
                 result.stored.append(block_hash)
+            if unsaved is not None:
+                break
         with self._lock:
             self._counters.puts += 1
             self._counters.stored_blocks += len(result.stored)
             self._counters.dropped_blocks += len(result.dropped)
+        if unsaved is not None:
+            assert durable_tier is not None
+            name = self._tiers[durable_tier].name
+            raise DurableStoreFailed(
+                f"the durable tier {name!r} could not take block {unsaved.hex()} (its filesystem "
+                "is full, or nothing there can be evicted): the block is held in memory only, "
+                "not durably; durable stores fail until space returns"
+            )
         return result
 
     def delete(self, hashes: Sequence[BlockHash]) -> int:

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from sessioncache.api.deps import NodeDep, TenantDep
 from sessioncache.api.errors import BodyTooLarge
+from sessioncache.api.paths import BlockIdPath
 from sessioncache.api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
 from sessioncache.buffers import BufferPool
 from sessioncache.errors import BlockNotFound, InvalidInput
@@ -59,12 +60,14 @@ _UPLOAD_BUFFERS = BufferPool()
 
 
 @router.put(
-    "/{block_hash}",
+    "/{block_hash:blockid}",
     response_model=UploadResponse,
     openapi_extra={
         "requestBody": {
             "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                "application/octet-stream": {
+                    "schema": {"type": "string", "format": "binary", "minLength": 1}
+                }
             },
             "required": True,
         }
@@ -72,7 +75,7 @@ _UPLOAD_BUFFERS = BufferPool()
     responses={403: {"model": ErrorOut}, 413: {"model": ErrorOut}, 422: {"model": ErrorOut}},
 )
 async def put_block(
-    block_hash: str, request: Request, node: NodeDep, tenant: TenantDep
+    block_hash: BlockIdPath, request: Request, node: NodeDep, tenant: TenantDep
 ) -> UploadResponse:
     """Upload one block handed out by ``POST /v1/store`` (raw payload bytes)."""
     bid = from_hex(block_hash)
@@ -86,7 +89,7 @@ async def put_block(
 
 
 @router.get(
-    "/{block_hash}",
+    "/{block_hash:blockid}",
     response_class=Response,
     responses={
         200: {"content": {"application/octet-stream": {}}},
@@ -94,7 +97,7 @@ async def put_block(
         422: {"model": ErrorOut},
     },
 )
-def get_block(block_hash: str, node: NodeDep, tenant: TenantDep) -> Response:
+def get_block(block_hash: BlockIdPath, node: NodeDep, tenant: TenantDep) -> Response:
     """One block's raw payload."""
     data = node.read_bytes(tenant, from_hex(block_hash))
     return Response(content=data, media_type="application/octet-stream")

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
 
 from sessioncache.api.deps import NodeDep, TenantDep
+from sessioncache.api.paths import LeaseIdPath
 from sessioncache.api.schemas import (
     ERRORS,
     CompactLookupResponse,
@@ -145,5 +146,6 @@ def blocks_json(hashes: Sequence[BlockHash], runs: list[tuple[str, int]]) -> str
 
 
 @router.delete("/leases/{lease_id}", status_code=204, responses={404: {"model": ErrorOut}})
-def release_lease(lease_id: str, node: NodeDep, tenant: TenantDep) -> None:
-    node.release(lease_id)
+def release_lease(lease_id: LeaseIdPath, node: NodeDep, tenant: TenantDep) -> None:
+    """End a lease of the caller's: an unknown one and another tenant's are both 404."""
+    node.release_for(tenant, lease_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from sessioncache.api.deps import AttributionDep, SessionsDep, TenantDep
+from sessioncache.api.paths import SessionIdPath
 from sessioncache.api.schemas import (
     ERRORS,
     DivergenceOut,
@@ -68,7 +69,7 @@ def list_sessions(sessions: SessionsDep, tenant: TenantDep) -> SessionList:
 
 @router.get("/{session_id}", response_model=SessionOut, responses=ERRORS)
 def get_session(
-    session_id: str, sessions: SessionsDep, attribution: AttributionDep, tenant: TenantDep
+    session_id: SessionIdPath, sessions: SessionsDep, attribution: AttributionDep, tenant: TenantDep
 ) -> SessionOut:
     """The session, with its lookups' tokens hit and missed by reason and the last point
     where its prompt diverged from the one before (``attribution``)."""
@@ -78,13 +79,13 @@ def get_session(
 
 @router.post("/{session_id}/extend", response_model=SessionOut, responses=ERRORS)
 def extend_session(
-    session_id: str, body: SessionExtend, sessions: SessionsDep, tenant: TenantDep
+    session_id: SessionIdPath, body: SessionExtend, sessions: SessionsDep, tenant: TenantDep
 ) -> SessionOut:
     """Slide the session's expiry (optionally with a new TTL)."""
     return session_out(sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s))
 
 
 @router.delete("/{session_id}", status_code=204, responses=ERRORS)
-def close_session(session_id: str, sessions: SessionsDep, tenant: TenantDep) -> None:
+def close_session(session_id: SessionIdPath, sessions: SessionsDep, tenant: TenantDep) -> None:
     """Close the session: its pins go, its blocks age out by TTL."""
     sessions.close(session_id, tenant=tenant)

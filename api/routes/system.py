@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sessioncache.api.deps import NodeDep, SessionsDep, StoreDep, TenantDep
+from sessioncache.api.deps import AdminDep, NodeDep, SessionsDep, StoreDep, TenantDep
 from sessioncache.api.schemas import GcOut, StatsOut, TierStatsOut, WhoAmI
 
 router = APIRouter(tags=["system"])
@@ -33,8 +33,9 @@ def stats(store: StoreDep, sessions: SessionsDep, tenant: TenantDep) -> StatsOut
 
 
 @router.post("/v1/gc", response_model=GcOut)
-def gc(sessions: SessionsDep, tenant: TenantDep) -> GcOut:
-    """Sweep now: expire sessions past their TTL, unpin idle ones, drop expired blocks."""
+def gc(sessions: SessionsDep, admin: AdminDep) -> GcOut:
+    """Admin (the admin token): sweep now: expire sessions past their TTL, unpin idle ones,
+    drop expired blocks."""
     report = sessions.sweep()
     return GcOut(**asdict(report))
 

@@ -14,6 +14,7 @@ so a ``BlockNotFound`` on the node is a ``sessioncache.errors.BlockNotFound`` in
        7  LEASE_NOT_FOUND  LeaseNotFound        unknown on this connection, released, expired
        8  REFUSED          StoreRefused         a store under a root or parent not the caller's
        9  BUSY             Busy                 the node serves its maximum of connections
+      10  STORAGE_FULL     DurableStoreFailed   a durable store the durable tier could not take
 
 No import here needs torch: the client side stays light.
 """
@@ -24,6 +25,7 @@ from enum import IntEnum
 
 from sessioncache.errors import (
     BlockNotFound,
+    DurableStoreFailed,
     InvalidInput,
     LeaseNotFound,
     PayloadSizeError,
@@ -68,6 +70,7 @@ class ErrorCode(IntEnum):
     LEASE_NOT_FOUND = 7
     REFUSED = 8
     BUSY = 9
+    STORAGE_FULL = 10
 
 
 _CLASSES: dict[ErrorCode, type[SessionCacheError]] = {
@@ -80,6 +83,7 @@ _CLASSES: dict[ErrorCode, type[SessionCacheError]] = {
     ErrorCode.LEASE_NOT_FOUND: LeaseNotFound,
     ErrorCode.REFUSED: StoreRefused,
     ErrorCode.BUSY: Busy,
+    ErrorCode.STORAGE_FULL: DurableStoreFailed,
 }
 
 # Most specific first: PayloadSizeError and FrameError are InvalidInputs too.
@@ -92,6 +96,7 @@ _ORDER: list[tuple[type[BaseException], ErrorCode]] = [
     (LeaseNotFound, ErrorCode.LEASE_NOT_FOUND),
     (StoreRefused, ErrorCode.REFUSED),
     (Busy, ErrorCode.BUSY),
+    (DurableStoreFailed, ErrorCode.STORAGE_FULL),
 ]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from tests.support.servers import start_server
 
 KEY = "key-ops"
+ADMIN_KEY = "key-admin"
 BLOCK_TOKENS = 16
 BLOCK = 4096
 
@@ -46,6 +47,7 @@ def test_gc_expires_sessions_and_blocks_and_unpins_idle_sessions(tmp_path: Path)
         tmp_path / "data",
         {
             "SESSIONCACHE_API_KEYS": json.dumps({KEY: "ops"}),
+            "SESSIONCACHE_ADMIN_TOKEN": ADMIN_KEY,
             "SESSIONCACHE_SWEEP_INTERVAL_S": "3600",  # no background sweep: only POST /v1/gc
             "SESSIONCACHE_IDLE_TIMEOUT_S": "1",
         },
@@ -71,7 +73,8 @@ def test_gc_expires_sessions_and_blocks_and_unpins_idle_sessions(tmp_path: Path)
             assert client.get("/v1/stats").json()["blocks"] == 2 + 3 + 2
             time.sleep(1.3)  # past the 1 s TTLs and the 1 s idle timeout
 
-            r = client.post("/v1/gc")
+            assert client.post("/v1/gc").status_code == 403  # a tenant's key: not an admin's
+            r = client.post("/v1/gc", headers={"authorization": f"Bearer {ADMIN_KEY}"})
             assert r.status_code == 200
             assert r.json() == {"expired_sessions": 1, "idle_unpinned": 1, "expired_blocks": 3}
 
@@ -81,7 +84,7 @@ def test_gc_expires_sessions_and_blocks_and_unpins_idle_sessions(tmp_path: Path)
             assert [matched(client, ns, t) for t in (chain, short, lasting)] == [2, 0, 2]
             assert client.get("/v1/stats").json()["blocks"] == 4
             # Nothing left to do.
-            again = client.post("/v1/gc").json()
+            again = client.post("/v1/gc", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
             assert again == {"expired_sessions": 0, "idle_unpinned": 0, "expired_blocks": 0}
     finally:
         server.stop()

@@ -43,6 +43,13 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"+[\d.]+x +[\d.]+x\n"
         r"(?s:.*)^ +64k lmcache fs .*\n\{\"64k\": ",
     ),
+    "bench.load": (
+        [
+            *("--clients", "3", "--seconds", "1", "--sessions", "2", "--max-blocks", "4"),
+            *("--block-kib", "4", "--cpu-mib", "64", "--disk-mib", "128"),
+        ],
+        r"(?m)^stream +lookup +\d+ .*\n(?s:.*)errors 0\nnode peak RSS \d+ MiB",
+    ),
     "bench.lookup": (
         ["--requests", "2", "--tokens", "64", "--clients", "1", "2"],
         r"(?m)^ +64 +binary +2( +[\d.]+){6}\n +64 +ids +2( +[\d.]+){6}$",
