@@ -163,61 +163,65 @@ class Turn:
     diff: float = 0.0
 
 
-class Session:
-    """One agent session of one case: a client, a transfer and a runner over a namespace."""
+class Case:
+    """One case's agent session: a client, a transfer and a runner over its own namespace,
+    against its node (``disk`` restarts its node before every turn)."""
 
-    def __init__(self, model: Any, url: str, case: str, block_tokens: int) -> None:
-        ns = namespace_for(model, block_tokens=block_tokens, model_id=f"bench/ttft-{case}")
-        self.client = SessionCacheClient(url, namespace=ns, timeout=300)
-        self.transfer = KVTransfer(self.client, path="stream" if case == "stream" else "same_host")
-        self.runner = CachedPrefixRunner(model, self.client, transfer=self.transfer)
+    def __init__(self, name: str, model: Any, node: Node, block_tokens: int) -> None:
+        self.name, self.model, self.node, self.block_tokens = name, model, node, block_tokens
+        self.path = "stream" if name == "stream" else "same_host"
+        self.turns: list[Turn] = []
+        self._connect()
+        self.sid = self.client.open_session(f"agent-{name}", kind="agent", ttl_s=3600).id
+
+    def _connect(self) -> None:
+        ns = namespace_for(
+            self.model, block_tokens=self.block_tokens, model_id=f"bench/ttft-{self.name}"
+        )
+        self.client = SessionCacheClient(self.node.url, namespace=ns, timeout=300)
+        self.transfer = KVTransfer(self.client, path=self.path)  # type: ignore[arg-type]
+        self.runner = CachedPrefixRunner(self.model, self.client, transfer=self.transfer)
+
+    def seed(self, prompt: np.ndarray, cache: Any) -> None:
+        """Turn 0, prefilled cold elsewhere: its blocks stored as the engine would."""
+        self.runner.save(prompt, cache, session_id=self.sid)
+
+    def turn(self, prompt: np.ndarray, reference: torch.Tensor) -> Turn:
+        if self.name == "disk":  # the CPU tier starts empty: the blocks come from disk
+            self.close()
+            self.node.restart()
+            self._connect()
+        runner = self.runner
+        t0 = time.perf_counter()
+        pre = runner.prefill(prompt, session_id=self.sid, last_logits_only=True)
+        ttft = time.perf_counter() - t0
+        got = runner.last_load
+        if got is None or got.path != self.path:
+            raise RuntimeError(f"{self.name}: the load went over {got and got.path}")
+        turn = Turn(
+            ttft,
+            pre.cached_tokens,
+            pre.computed_tokens,
+            pre.timings.get("load", 0.0),
+            pre.timings.get("compute", 0.0),
+            got.seconds,
+            got.nbytes,
+            (pre.logits[0, -1] - reference).abs().max().item(),
+        )
+        self.turns.append(turn)
+        runner.save(prompt, pre.cache, session_id=self.sid)  # after the turn, not timed
+        return turn
 
     def close(self) -> None:
         self.transfer.close()
         self.client.close()
 
 
-def run_case(
-    case: str,
-    model: Any,
-    node: Node,
-    prompts: list[np.ndarray],
-    seed_cache: Any,
-    reference: list[torch.Tensor],
-    block_tokens: int,
-) -> list[Turn]:
-    session = Session(model, node.url, case, block_tokens)
-    sid = session.client.open_session(f"agent-{case}", kind="agent", ttl_s=3600).id
-    session.runner.save(prompts[0], seed_cache, session_id=sid)
-    turns: list[Turn] = []
-    try:
-        for t in range(1, len(prompts)):
-            if case == "disk":  # the CPU tier starts empty: the blocks come from disk
-                session.close()
-                node.restart()
-                session = Session(model, node.url, case, block_tokens)
-            runner = session.runner
-            t0 = time.perf_counter()
-            pre = runner.prefill(prompts[t], session_id=sid, last_logits_only=True)
-            ttft = time.perf_counter() - t0
-            got = runner.last_load
-            turn = Turn(
-                ttft,
-                pre.cached_tokens,
-                pre.computed_tokens,
-                pre.timings.get("load", 0.0),
-                pre.timings.get("compute", 0.0),
-                got.seconds if got is not None else 0.0,
-                got.nbytes if got is not None else 0,
-                (pre.logits[0, -1] - reference[t]).abs().max().item(),
-            )
-            if got is None or got.path != ("stream" if case == "stream" else "same_host"):
-                raise RuntimeError(f"{case}: the load went over {got and got.path}")
-            turns.append(turn)
-            runner.save(prompts[t], pre.cache, session_id=sid)
-    finally:
-        session.close()
-    return turns
+def cold_prefill(model: Any, prompt: np.ndarray) -> tuple[float, torch.Tensor, Any]:
+    """The whole prompt through the model: seconds, next-token logits, cache."""
+    t0 = time.perf_counter()
+    logits, cache = model_forward(model, torch.from_numpy(prompt)[None], last_logits_only=True)
+    return time.perf_counter() - t0, logits[0, -1].clone(), cache
 
 
 def main() -> None:
@@ -256,30 +260,36 @@ def main() -> None:
         f"{args.turn_tokens} new tokens, blocks of {args.block_tokens} tokens"
     )
 
-    # The cold reference: every prompt prefilled whole (turn 0's cache seeds each case).
-    cold: list[float] = []
-    reference: list[torch.Tensor] = []
-    seed_cache: Any = None
-    for t, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        logits, cache = model_forward(model, torch.from_numpy(prompt)[None], last_logits_only=True)
-        cold.append(time.perf_counter() - t0)
-        reference.append(logits[0, -1].clone())
-        if t == 0:
-            seed_cache = cache
-        del cache
-
+    # Turn 0 prefilled cold seeds every case; then, turn by turn, the cold prefill and each
+    # case take turns, so that load from elsewhere on this machine hits them alike.
     kv_total = kv_per_token * len(prompts[-1]) * (len(args.cases) + 1)
-    results: dict[str, list[Turn]] = {}
+    cold: list[float] = [0.0]
     with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp:
-        node = Node(Path(tmp) / "data", cpu_bytes=2 * kv_total, disk_bytes=4 * kv_total)
+        nodes: list[Node] = []
+        cases: dict[str, Case] = {}
         try:
-            for case in args.cases:
-                results[case] = run_case(
-                    case, model, node, prompts, seed_cache, reference, args.block_tokens
-                )
+            node = Node(Path(tmp) / "data", cpu_bytes=2 * kv_total, disk_bytes=4 * kv_total)
+            nodes.append(node)
+            for name in args.cases:
+                if name == "disk":  # a node of its own, restarted before every turn
+                    node = Node(Path(tmp) / "disk", 2 * kv_total, disk_bytes=4 * kv_total)
+                    nodes.append(node)
+                cases[name] = Case(name, model, node, args.block_tokens)
+            _, _, seed_cache = cold_prefill(model, prompts[0])
+            for case in cases.values():
+                case.seed(prompts[0], seed_cache)
+            del seed_cache
+            for t in range(1, len(prompts)):
+                seconds, reference, _ = cold_prefill(model, prompts[t])
+                cold.append(seconds)
+                for case in cases.values():
+                    case.turn(prompts[t], reference)
         finally:
-            node.stop()
+            for case in cases.values():
+                case.close()
+            for node in nodes:
+                node.stop()
+    results = {name: case.turns for name, case in cases.items()}
 
     print()
     print(
