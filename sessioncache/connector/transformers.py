@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import transformers
+import transformers.cache_utils
 from transformers import DynamicCache
 
 from sessioncache.connector.client import SessionCacheClient
@@ -60,6 +61,8 @@ KV_LAYOUT = "hf-transformers-v1-[layer][kv][head][tok][dim]"
 """The namespace ``kv_layout`` of the payloads built here (see the module docstring)."""
 
 TRANSFORMERS_VERSION = transformers.__version__
+_DYNAMIC_LAYER: Any = getattr(transformers.cache_utils, "DynamicLayer", None)
+"""The layer of a 5.x ``DynamicCache`` (None before the layered caches)."""
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 
@@ -232,15 +235,37 @@ def blocks_to_kv(
     cache = DynamicCache()
     if not n:
         return cache
+    heads, dim = shape.num_kv_heads, shape.head_dim
     x = blocks.to(device).reshape(-1).view(dtype)
-    x = x.reshape(n, shape.num_layers, 2, shape.num_kv_heads, block_tokens, shape.head_dim)
+    x = x.reshape(n, shape.num_layers, 2, heads, block_tokens, dim)
+    # One transposing copy into one tensor holding every layer's K and V in the cache's
+    # layout: ``kv[layer, k_or_v]`` is ``[heads, n, B, dim]``, contiguous, i.e. the
+    # ``[1, heads, n * B, dim]`` a transformers cache holds, as a view. The layers then hold
+    # those views (no per-layer copy, no concatenation onto an empty cache).
+    kv = torch.empty((shape.num_layers, 2, heads, n, block_tokens, dim), dtype=dtype, device=device)
+    kv.copy_(x.permute(1, 2, 3, 0, 4, 5))
     tokens = n * block_tokens
     for layer in range(shape.num_layers):
-        # [n, heads, B, dim] -> [heads, n, B, dim] -> [1, heads, n * B, dim] (a copy)
-        k = x[:, layer, 0].transpose(0, 1).reshape(1, shape.num_kv_heads, tokens, shape.head_dim)
-        v = x[:, layer, 1].transpose(0, 1).reshape(1, shape.num_kv_heads, tokens, shape.head_dim)
-        cache.update(k, v, layer)
+        k = kv[layer, 0].view(1, heads, tokens, dim)
+        v = kv[layer, 1].view(1, heads, tokens, dim)
+        _install_layer(cache, layer, k, v)
     return cache
+
+
+def _install_layer(cache: Any, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``keys``/``values`` layer ``layer`` of an empty ``cache`` without the copy that
+    ``cache.update`` makes (it concatenates onto the empty layer)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # a 4.x cache: its update is the only way in
+        cache.update(keys, values, layer)
+        return
+    # An empty update creates (and lazily initializes) the layer; then it holds the tensors.
+    cache.update(keys[:, :, :0], values[:, :, :0], layer)
+    entry: Any = cache.layers[layer]
+    if _DYNAMIC_LAYER is not None and type(entry) is _DYNAMIC_LAYER:
+        entry.keys, entry.values = keys, values
+    else:  # a layer kind that may keep other state: its own update (a concatenation)
+        cache.update(keys, values, layer)
 
 
 # -- the engine side of a turn ---------------------------------------------------------------
@@ -329,6 +354,7 @@ class CachedPrefixRunner:
         one, the REST API does."""
         self.last_load: Transferred | None = None
         self.last_store: Transferred | None = None
+        self._staging: torch.Tensor | None = None
         self.lease_ms = lease_ms
         self.shape = KVShape.of(model)
         self.dtype = _model_dtype(model)
@@ -414,9 +440,7 @@ class CachedPrefixRunner:
     ) -> Prefill:
         """``prefill`` loading through ``self.transfer`` into one tensor of blocks."""
         assert self.transfer is not None
-        size = self.shape.block_bytes(self.block_tokens, self.dtype)
-        pin = self.device.type == "cuda"
-        buf = torch.empty((usable, size), dtype=torch.uint8, pin_memory=pin)
+        buf = self._staging_rows(usable)
         got = self.transfer.load_into(
             ids[: usable * self.block_tokens], list(buf), session_id=session_id
         )
@@ -439,6 +463,16 @@ class CachedPrefixRunner:
         logits, cache = self.forward(suffix, cache, last_logits_only=last_logits_only)
         timings["compute"] = time.perf_counter() - t2
         return Prefill(logits, cache, cached, len(ids) - cached, timings)
+
+    def _staging_rows(self, n: int) -> torch.Tensor:
+        """``n`` block-sized rows to load into, kept from turn to turn: a fresh buffer would
+        be faulted in page by page during the copy (64 MiB: ~16K faults), every turn.
+        ``blocks_to_kv`` copies out of it, so the next turn may overwrite it."""
+        size = self.shape.block_bytes(self.block_tokens, self.dtype)
+        if self._staging is None or self._staging.shape[0] < n:
+            pin = self.device.type == "cuda"
+            self._staging = torch.empty((n, size), dtype=torch.uint8, pin_memory=pin)
+        return self._staging[:n]
 
     def save(
         self,
