@@ -34,8 +34,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import transformers
-import transformers.cache_utils
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from sessioncache.connector.client import SessionCacheClient
 from sessioncache.connector.errors import LeaseNotFound
@@ -49,6 +49,7 @@ __all__ = [
     "CachedPrefixRunner",
     "KVShape",
     "Prefill",
+    "RoomyLayer",
     "block_payloads_to_kv",
     "cache_layers",
     "kv_dtype_name",
@@ -61,8 +62,6 @@ KV_LAYOUT = "hf-transformers-v1-[layer][kv][head][tok][dim]"
 """The namespace ``kv_layout`` of the payloads built here (see the module docstring)."""
 
 TRANSFORMERS_VERSION = transformers.__version__
-_DYNAMIC_LAYER: Any = getattr(transformers.cache_utils, "DynamicLayer", None)
-"""The layer of a 5.x ``DynamicCache`` (None before the layered caches)."""
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 
@@ -200,9 +199,11 @@ def block_payloads_to_kv(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    room: int = 0,
 ) -> DynamicCache:
     """A ``DynamicCache`` holding the KV of ``len(payloads)`` consecutive blocks (from token 0),
-    ready to be passed to the model with the remaining tokens. ``config`` may be the model."""
+    ready to be passed to the model with the remaining tokens (``room`` of which are written
+    in place, see ``blocks_to_kv``). ``config`` may be the model."""
     shape = KVShape.of(config)
     size = shape.block_bytes(block_tokens, dtype)
     cache = DynamicCache()
@@ -216,7 +217,7 @@ def block_payloads_to_kv(
             )
     raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
     return blocks_to_kv(
-        raw.view(len(payloads), size), config, block_tokens, dtype=dtype, device=device
+        raw.view(len(payloads), size), config, block_tokens, dtype=dtype, device=device, room=room
     )
 
 
@@ -227,9 +228,12 @@ def blocks_to_kv(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    room: int = 0,
 ) -> DynamicCache:
     """``block_payloads_to_kv`` of blocks already in one ``[n, block bytes]`` uint8 tensor
-    (where a data-plane load put them), on any device."""
+    (where a data-plane load put them), on any device. Each layer is a ``RoomyLayer`` with
+    ``room`` tokens of room past the loaded ones: the uncached suffix and the decode steps
+    that follow are written in place up to it."""
     shape = KVShape.of(config)
     n = blocks.shape[0]
     cache = DynamicCache()
@@ -238,34 +242,56 @@ def blocks_to_kv(
     heads, dim = shape.num_kv_heads, shape.head_dim
     x = blocks.to(device).reshape(-1).view(dtype)
     x = x.reshape(n, shape.num_layers, 2, heads, block_tokens, dim)
-    # One transposing copy into one tensor holding every layer's K and V in the cache's
-    # layout: ``kv[layer, k_or_v]`` is ``[heads, n, B, dim]``, contiguous, i.e. the
-    # ``[1, heads, n * B, dim]`` a transformers cache holds, as a view. The layers then hold
-    # those views (no per-layer copy, no concatenation onto an empty cache).
-    kv = torch.empty((shape.num_layers, 2, heads, n, block_tokens, dim), dtype=dtype, device=device)
-    kv.copy_(x.permute(1, 2, 3, 0, 4, 5))
     tokens = n * block_tokens
     for layer in range(shape.num_layers):
-        k = kv[layer, 0].view(1, heads, tokens, dim)
-        v = kv[layer, 1].view(1, heads, tokens, dim)
-        _install_layer(cache, layer, k, v)
+        pair = []
+        for kv in (0, 1):
+            # one transposing copy per tensor, [n, heads, B, dim] -> [heads, n * B, dim],
+            # straight into the storage the cache layer keeps
+            store = torch.empty((1, heads, tokens + room, dim), dtype=dtype, device=device)
+            store[0, :, :tokens].view(heads, n, block_tokens, dim).copy_(
+                x[:, layer, kv].transpose(0, 1)
+            )
+            pair.append(store)
+        cache.layers.append(RoomyLayer(pair[0], pair[1], tokens))
     return cache
 
 
-def _install_layer(cache: Any, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make ``keys``/``values`` layer ``layer`` of an empty ``cache`` without the copy that
-    ``cache.update`` makes (it concatenates onto the empty layer)."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:  # a 4.x cache: its update is the only way in
-        cache.update(keys, values, layer)
-        return
-    # An empty update creates (and lazily initializes) the layer; then it holds the tensors.
-    cache.update(keys[:, :, :0], values[:, :, :0], layer)
-    entry: Any = cache.layers[layer]
-    if _DYNAMIC_LAYER is not None and type(entry) is _DYNAMIC_LAYER:
-        entry.keys, entry.values = keys, values
-    else:  # a layer kind that may keep other state: its own update (a concatenation)
-        cache.update(keys, values, layer)
+class RoomyLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+    """A transformers ``DynamicLayer`` over storage with room past its tokens: an update that
+    fits (the uncached suffix, then decode steps) is written in place, where ``DynamicLayer``
+    concatenates into a fresh tensor, i.e. copies the whole layer on every forward pass (and
+    on this kind of host, faults the fresh pages in one by one). An update that does not fit,
+    or that follows an operation that replaced the tensors (beam reordering), concatenates."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.room_keys, self.room_values = keys, values
+        self.device = keys.device
+        self.keys, self.values = keys[:, :, :tokens], values[:, :, :tokens]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None
+        start = keys.shape[-2]
+        stop = start + key_states.shape[-2]
+        in_place = (
+            stop <= self.room_keys.shape[-2]
+            and keys.data_ptr() == self.room_keys.data_ptr()
+            and values.data_ptr() == self.room_values.data_ptr()
+            and key_states.shape[:2] == keys.shape[:2]
+            and key_states.dtype == keys.dtype
+        )
+        if not in_place:
+            return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[no-any-return]
+        self.room_keys[:, :, start:stop].copy_(key_states)
+        self.room_values[:, :, start:stop].copy_(value_states)
+        self.keys = self.room_keys[:, :, :stop]
+        self.values = self.room_values[:, :, :stop]
+        return self.keys, self.values
 
 
 # -- the engine side of a turn ---------------------------------------------------------------
@@ -346,6 +372,7 @@ class CachedPrefixRunner:
         lease_ms: int = 60_000,
         device: torch.device | str | None = None,
         transfer: KVTransfer | None = None,
+        room_tokens: int = 256,
     ) -> None:
         self.model = model
         self.client = client
@@ -353,6 +380,9 @@ class CachedPrefixRunner:
         """Moves the payloads (same host, stream or REST, ``connector.transfer``); without
         one, the REST API does."""
         self.last_load: Transferred | None = None
+        self.room_tokens = room_tokens
+        """Room a loaded cache keeps past the prompt for decode steps, written in place
+        (``RoomyLayer``); past it, the cache grows by concatenation."""
         self.last_store: Transferred | None = None
         self._staging: torch.Tensor | None = None
         self.lease_ms = lease_ms
@@ -416,7 +446,12 @@ class CachedPrefixRunner:
             payloads.append(p)
         cache = (
             block_payloads_to_kv(
-                payloads, self.model, self.block_tokens, device=self.device, dtype=self.dtype
+                payloads,
+                self.model,
+                self.block_tokens,
+                device=self.device,
+                dtype=self.dtype,
+                room=len(ids) - len(payloads) * self.block_tokens + self.room_tokens,
             )
             if payloads
             else None
@@ -452,6 +487,7 @@ class CachedPrefixRunner:
                 self.block_tokens,
                 device=self.device,
                 dtype=self.dtype,
+                room=len(ids) - got.blocks * self.block_tokens + self.room_tokens,
             )
             if got.blocks
             else None
