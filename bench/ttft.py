@@ -319,7 +319,7 @@ def main() -> None:
     print()
     print(
         f"break-even KV load bandwidth: H100 prefilling Llama-3.1-8B {H100_KV_GBPS:.2f} GB/s; "
-        f"this CPU prefilling this model {cpu_kv_gbps:.3f} GB/s"
+        f"this CPU prefilling this model {cpu_kv_gbps * 1000:.1f} MB/s"
     )
     summary: dict[str, Any] = {"cold_ttft_s": round(statistics.median(cold[1:]), 4)}
     worst_diff = 0.0
