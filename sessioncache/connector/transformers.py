@@ -35,6 +35,7 @@ import numpy.typing as npt
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from sessioncache.connector.client import SessionCacheClient
 from sessioncache.connector.errors import LeaseNotFound
@@ -48,6 +49,7 @@ __all__ = [
     "CachedPrefixRunner",
     "KVShape",
     "Prefill",
+    "RoomyLayer",
     "block_payloads_to_kv",
     "cache_layers",
     "kv_dtype_name",
@@ -197,9 +199,11 @@ def block_payloads_to_kv(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    room: int = 0,
 ) -> DynamicCache:
     """A ``DynamicCache`` holding the KV of ``len(payloads)`` consecutive blocks (from token 0),
-    ready to be passed to the model with the remaining tokens. ``config`` may be the model."""
+    ready to be passed to the model with the remaining tokens (``room`` of which are written
+    in place, see ``blocks_to_kv``). ``config`` may be the model."""
     shape = KVShape.of(config)
     size = shape.block_bytes(block_tokens, dtype)
     cache = DynamicCache()
@@ -213,7 +217,7 @@ def block_payloads_to_kv(
             )
     raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
     return blocks_to_kv(
-        raw.view(len(payloads), size), config, block_tokens, dtype=dtype, device=device
+        raw.view(len(payloads), size), config, block_tokens, dtype=dtype, device=device, room=room
     )
 
 
@@ -224,23 +228,70 @@ def blocks_to_kv(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    room: int = 0,
 ) -> DynamicCache:
     """``block_payloads_to_kv`` of blocks already in one ``[n, block bytes]`` uint8 tensor
-    (where a data-plane load put them), on any device."""
+    (where a data-plane load put them), on any device. Each layer is a ``RoomyLayer`` with
+    ``room`` tokens of room past the loaded ones: the uncached suffix and the decode steps
+    that follow are written in place up to it."""
     shape = KVShape.of(config)
     n = blocks.shape[0]
     cache = DynamicCache()
     if not n:
         return cache
+    heads, dim = shape.num_kv_heads, shape.head_dim
     x = blocks.to(device).reshape(-1).view(dtype)
-    x = x.reshape(n, shape.num_layers, 2, shape.num_kv_heads, block_tokens, shape.head_dim)
+    x = x.reshape(n, shape.num_layers, 2, heads, block_tokens, dim)
     tokens = n * block_tokens
     for layer in range(shape.num_layers):
-        # [n, heads, B, dim] -> [heads, n, B, dim] -> [1, heads, n * B, dim] (a copy)
-        k = x[:, layer, 0].transpose(0, 1).reshape(1, shape.num_kv_heads, tokens, shape.head_dim)
-        v = x[:, layer, 1].transpose(0, 1).reshape(1, shape.num_kv_heads, tokens, shape.head_dim)
-        cache.update(k, v, layer)
+        pair = []
+        for kv in (0, 1):
+            # one transposing copy per tensor, [n, heads, B, dim] -> [heads, n * B, dim],
+            # straight into the storage the cache layer keeps
+            store = torch.empty((1, heads, tokens + room, dim), dtype=dtype, device=device)
+            store[0, :, :tokens].view(heads, n, block_tokens, dim).copy_(
+                x[:, layer, kv].transpose(0, 1)
+            )
+            pair.append(store)
+        cache.layers.append(RoomyLayer(pair[0], pair[1], tokens))
     return cache
+
+
+class RoomyLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+    """A transformers ``DynamicLayer`` over storage with room past its tokens: an update that
+    fits (the uncached suffix, then decode steps) is written in place, where ``DynamicLayer``
+    concatenates into a fresh tensor, i.e. copies the whole layer on every forward pass (and
+    on this kind of host, faults the fresh pages in one by one). An update that does not fit,
+    or that follows an operation that replaced the tensors (beam reordering), concatenates."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.room_keys, self.room_values = keys, values
+        self.device = keys.device
+        self.keys, self.values = keys[:, :, :tokens], values[:, :, :tokens]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None
+        start = keys.shape[-2]
+        stop = start + key_states.shape[-2]
+        in_place = (
+            stop <= self.room_keys.shape[-2]
+            and keys.data_ptr() == self.room_keys.data_ptr()
+            and values.data_ptr() == self.room_values.data_ptr()
+            and key_states.shape[:2] == keys.shape[:2]
+            and key_states.dtype == keys.dtype
+        )
+        if not in_place:
+            return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[no-any-return]
+        self.room_keys[:, :, start:stop].copy_(key_states)
+        self.room_values[:, :, start:stop].copy_(value_states)
+        self.keys = self.room_keys[:, :, :stop]
+        self.values = self.room_values[:, :, :stop]
+        return self.keys, self.values
 
 
 # -- the engine side of a turn ---------------------------------------------------------------
@@ -321,6 +372,7 @@ class CachedPrefixRunner:
         lease_ms: int = 60_000,
         device: torch.device | str | None = None,
         transfer: KVTransfer | None = None,
+        room_tokens: int = 256,
     ) -> None:
         self.model = model
         self.client = client
@@ -328,7 +380,11 @@ class CachedPrefixRunner:
         """Moves the payloads (same host, stream or REST, ``connector.transfer``); without
         one, the REST API does."""
         self.last_load: Transferred | None = None
+        self.room_tokens = room_tokens
+        """Room a loaded cache keeps past the prompt for decode steps, written in place
+        (``RoomyLayer``); past it, the cache grows by concatenation."""
         self.last_store: Transferred | None = None
+        self._staging: torch.Tensor | None = None
         self.lease_ms = lease_ms
         self.shape = KVShape.of(model)
         self.dtype = _model_dtype(model)
@@ -390,7 +446,12 @@ class CachedPrefixRunner:
             payloads.append(p)
         cache = (
             block_payloads_to_kv(
-                payloads, self.model, self.block_tokens, device=self.device, dtype=self.dtype
+                payloads,
+                self.model,
+                self.block_tokens,
+                device=self.device,
+                dtype=self.dtype,
+                room=len(ids) - len(payloads) * self.block_tokens + self.room_tokens,
             )
             if payloads
             else None
@@ -414,9 +475,7 @@ class CachedPrefixRunner:
     ) -> Prefill:
         """``prefill`` loading through ``self.transfer`` into one tensor of blocks."""
         assert self.transfer is not None
-        size = self.shape.block_bytes(self.block_tokens, self.dtype)
-        pin = self.device.type == "cuda"
-        buf = torch.empty((usable, size), dtype=torch.uint8, pin_memory=pin)
+        buf = self._staging_rows(usable)
         got = self.transfer.load_into(
             ids[: usable * self.block_tokens], list(buf), session_id=session_id
         )
@@ -428,6 +487,7 @@ class CachedPrefixRunner:
                 self.block_tokens,
                 device=self.device,
                 dtype=self.dtype,
+                room=len(ids) - got.blocks * self.block_tokens + self.room_tokens,
             )
             if got.blocks
             else None
@@ -439,6 +499,16 @@ class CachedPrefixRunner:
         logits, cache = self.forward(suffix, cache, last_logits_only=last_logits_only)
         timings["compute"] = time.perf_counter() - t2
         return Prefill(logits, cache, cached, len(ids) - cached, timings)
+
+    def _staging_rows(self, n: int) -> torch.Tensor:
+        """``n`` block-sized rows to load into, kept from turn to turn: a fresh buffer would
+        be faulted in page by page during the copy (64 MiB: ~16K faults), every turn.
+        ``blocks_to_kv`` copies out of it, so the next turn may overwrite it."""
+        size = self.shape.block_bytes(self.block_tokens, self.dtype)
+        if self._staging is None or self._staging.shape[0] < n:
+            pin = self.device.type == "cuda"
+            self._staging = torch.empty((n, size), dtype=torch.uint8, pin_memory=pin)
+        return self._staging[:n]
 
     def save(
         self,

@@ -91,6 +91,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--total-mib", "2", "--threads", "1"],
         r"(?m)^ *disk +32 MiB +1 thr \| put .* GB/s .*\ntotal 2 MiB per run",
     ),
+    "bench.ttft": (
+        [
+            *("--prefix-tokens", "128", "--turn-tokens", "24", "--turns", "2"),
+            *("--block-tokens", "16", "--layers", "2", "--hidden", "128", "--kv-heads", "2"),
+            *("--vocab", "512", "--json"),
+        ],
+        r"(?m)^target: next-token logits max abs diff <= 0\.0001: met .*\n"
+        r'\{"cold_ttft_s": [\d.]+, "same_host": \{"ttft_s": [\d.]+, .*"disk": \{.*\}\}$',
+    ),
     "bench.transfer": (
         ["--blocks", "2", "--block-mib", "1", "--redis", REDIS_URL],
         r"(?m)^HTTP POST /v1/blocks/batch +[\d.]+ GB/s",

@@ -16,6 +16,7 @@ from sessioncache.connector.transformers import (
     KV_LAYOUT,
     CachedPrefixRunner,
     KVShape,
+    RoomyLayer,
     block_payloads_to_kv,
     cache_layers,
     kv_to_block_payloads,
@@ -74,6 +75,25 @@ def test_payload_layout_and_round_trip(model: Any) -> None:
         block_payloads_to_kv([payloads[0][:-4]], model, B)
     with pytest.raises(InvalidInput):
         kv_to_block_payloads(cache, B, start_block=0, end_block=3)
+
+
+def test_a_loaded_cache_grows_in_place_then_by_concatenation(model: Any) -> None:
+    ids = [int(t) for t in torch.randint(0, 256, (2 * B + 6,), generator=torch.Generator())]
+    _, cache = full_forward(model, ids[: 2 * B])
+    payloads = kv_to_block_payloads(cache, B)
+    loaded = block_payloads_to_kv(payloads, model, B, room=3)
+    layer = loaded.layers[0]
+    assert isinstance(layer, RoomyLayer) and layer.room_keys.shape[-2] == 2 * B + 3
+    logits, loaded = model_forward(model, torch.tensor([ids[2 * B : 2 * B + 3]]), loaded)
+    assert loaded.layers[0].keys.data_ptr() == layer.room_keys.data_ptr()  # in place
+    full, _ = full_forward(model, ids[: 2 * B + 3])
+    assert (logits[0] - full[0, 2 * B :]).abs().max().item() <= TOLERANCE
+    # past the room: the layer concatenates, as a DynamicLayer does
+    logits, loaded = model_forward(model, torch.tensor([ids[2 * B + 3 :]]), loaded)
+    assert loaded.layers[0].keys.data_ptr() != layer.room_keys.data_ptr()
+    assert loaded.get_seq_length() == len(ids)
+    full, _ = full_forward(model, ids)
+    assert (logits[0] - full[0, 2 * B + 3 :]).abs().max().item() <= TOLERANCE
 
 
 def test_runner_checks_the_namespace(model: Any, open_server: Server) -> None:
