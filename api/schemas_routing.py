@@ -82,6 +82,7 @@ class RouteRequest(TokensIn):
     model_config = ConfigDict(json_schema_extra=_exactly_one_of(FORMS))
 
     block_ids_b64: BlockIdsB64 | None = None
+    session_id: None = Field(None, description="Not used by a route: null or absent.")
     engines: list[EngineId] | None = Field(
         None, max_length=1024, description="Only these engines (default: every visible one)."
     )
@@ -90,8 +91,6 @@ class RouteRequest(TokensIn):
 
     @model_validator(mode="after")
     def _checks(self) -> Self:
-        if self.session_id is not None:
-            raise ValueError("session_id has no meaning for a route")
         if self.block_ids_b64 is not None:
             self._block_ids = decode_block_ids(self.block_ids_b64)
         return self
