@@ -236,6 +236,11 @@ class TieredStore:
             ((i, t) for i, t in enumerate(self._tiers) if isinstance(t, SharedMemoryTier)), None
         )
         self._write_through = sorted({self._tier_by_name(name) for name in write_through})
+        # The name of the fastest tier in each tier mask (``BlockMeta.mask``).
+        self._fastest_name = [
+            names[(mask & -mask).bit_length() - 1] if mask else ""
+            for mask in range(1 << len(names))
+        ]
         self._counters = Counters()
         self._adopt_recovered()
 
@@ -312,12 +317,13 @@ class TieredStore:
         self._counters.miss_blocks += len(hashes) - len(matched)
         self._index.touch_chain(matched, now, ttl_s)
         self._notify_touched(matched)
+        fastest = self._fastest_name
         lease = None
         if lease_s is not None and matched:
             lease = self._index.lease(matched, now + lease_s)
         return Match(
             [m.block_hash for m in matched],
-            [self._tiers[min(m.tiers)].name for m in matched],
+            [fastest[m.mask] for m in matched],
             lease,
         )
 
@@ -480,6 +486,9 @@ class TieredStore:
         prev = parent
         with self._lock:
             op = self._index.next_op()
+            # One instant for the operation's blocks, as a lookup touches a chain: their
+            # records then share its floats (creation, access and expiry times).
+            at = self._clock.now()
         for i, (block_hash, payload, nbytes) in enumerate(
             zip(hashes, payloads, sizes, strict=True)
         ):
@@ -487,7 +496,7 @@ class TieredStore:
                 # The rest hangs off a dropped block: unreachable, so not worth any room.
                 result.dropped.extend(hashes[i:])
                 break
-            meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)
+            meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op, at)
             prev = block_hash
             if meta is None:
                 result.present.append(block_hash)
@@ -678,12 +687,15 @@ class TieredStore:
         )
         with self._lock:
             op = self._index.next_op()
+            # One instant for the operation's blocks, as a lookup touches a chain: their
+            # records then share its floats (creation, access and expiry times).
+            at = self._clock.now()
         prev = parent
         try:
             for block_hash in hashes:
                 meta = None
                 if not staging.status or staging.status[-1] != DROPPED:
-                    meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)
+                    meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op, at)
                     if meta is None:
                         staging.status.append(PRESENT)
                         staging.slots.append(None)
@@ -900,15 +912,17 @@ class TieredStore:
         nbytes: int,
         ttl: float,
         op: int,
+        now: float,
     ) -> BlockMeta | None:
-        """Create the record of a block about to be stored, pinned while in flight; None when
-        it is already held (its TTL is extended) or another caller is storing it."""
+        """Create the record of a block about to be stored (at ``now``, the operation's
+        instant), pinned while in flight; None when it is already held (its TTL is extended)
+        or another caller is storing it."""
         with self._lock:
-            now = self._clock.now()
             meta = self._index.get(block_hash)
             if meta is not None:
-                if meta.tiers:
-                    self._index.touch(meta, now, ttl, op)
+                if meta.mask:
+                    # now, not the operation's instant: a touch never moves a block back
+                    self._index.touch(meta, self._clock.now(), ttl, op)
                     self._notify_touched([meta])
                 return None
             return self._index.new_record(
