@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.config import Settings
@@ -35,6 +36,12 @@ from sessioncache.uploads import UploadSlots
 log = logging.getLogger("sessioncache.node")
 
 OPEN_TENANT = "default"
+
+
+class HealthCheck(Protocol):
+    """Something else the node runs that may keep it from fully serving (a background pass)."""
+
+    def problem(self) -> str | None: ...
 
 
 class UploadRefused(SessionCacheError):
@@ -74,6 +81,7 @@ class CacheNode:
         fleet: FleetIndex | None = None,
         owners: NamespaceOwners | None = None,
         usage: UsageRecorder | None = None,
+        checks: Sequence[HealthCheck] = (),
     ) -> None:
         self.settings = settings
         self.store = store
@@ -86,6 +94,7 @@ class CacheNode:
         self.fleet = fleet
         self._tokens = TokenCounts()
         self._usage = usage
+        self._checks = list(checks)
         self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
 
     def token_counts(self) -> TokenCounts:
@@ -358,6 +367,10 @@ class CacheNode:
                 problem = tier.problem()
                 if problem:
                     problems.append(f"{tier.name}: {problem}")
+        for check in self._checks:
+            problem = check.problem()
+            if problem:
+                problems.append(problem)
         return problems
 
     def locations(self, hashes: Sequence[BlockHash]) -> list[dict[str, list[str]]] | None:

@@ -63,6 +63,7 @@ from sessioncache.policy import EvictionPolicy
 from sessioncache.tiers.base import (
     CheckedTier,
     RecoverableTier,
+    RecoveredBlock,
     SharedMemoryTier,
     SharedTier,
     SlotLocation,
@@ -1028,6 +1029,34 @@ class TieredStore:
                     )
             if expected is not None:
                 self._payload_sizes.setdefault(namespace_root, expected)
+
+    def adopt_found(self, tier_name: str, found: Sequence[RecoveredBlock]) -> int:
+        """Index blocks a durable tier found while the store serves (the background pass of
+        a fast restart: files the catalog lacked), as copies added now: observers hear of
+        them (the catalog writes their rows). Returns how many were new to the store."""
+        index = self._tier_by_name(tier_name)
+        adopted = 0
+        with self._lock:
+            now = self._clock.now()
+            for block in found:
+                meta = self._index.get(block.block_hash)
+                if meta is None:
+                    meta = self._index.new_record(
+                        block.block_hash,
+                        parent=block.parent,
+                        namespace_root=block.namespace_root,
+                        nbytes=block.nbytes,
+                        ttl_s=block.ttl_s if block.ttl_s is not None else self._default_ttl,
+                        created=block.mtime,
+                        last_access=min(block.mtime, now),
+                        expires_at=block.expires_at,
+                    )
+                elif meta.mask >> index & 1:
+                    continue
+                self._payload_sizes.setdefault(block.namespace_root, block.nbytes)
+                self._add_to_tier(meta, index)
+                adopted += 1
+        return adopted
 
     def _adopt_recovered(self) -> None:
         """Index what durable tiers found on start (their files outlive the process)."""
