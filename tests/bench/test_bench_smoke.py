@@ -57,6 +57,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         ],
         r"(?m)^ +2 +get( +[\d.]+){6}\nlowest tier/raw ratio [\d.]+",
     ),
+    "bench.scale": (
+        [
+            *("--blocks", "1024", "2048", "--chain", "256", "--repeat", "2"),
+            *("--sessions", "200", "--disk-blocks", "200", "--full-walk-max", "200"),
+            *("--catalog-rows", "200"),
+        ],
+        r"(?m)^ +2048( +[\d.]+){8}\n(?s:.*)^sqlite +200 +[\d.]+ .*\n(?s:.*)^sqlite +200 +\d+ ",
+    ),
     "bench.tiers": (
         ["--total-mib", "2", "--threads", "1"],
         r"(?m)^ *disk +32 MiB +1 thr \| put .* GB/s .*\ntotal 2 MiB per run",
