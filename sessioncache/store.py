@@ -323,7 +323,7 @@ class TieredStore:
         if lease_s is not None and matched:
             lease = self._index.lease(matched, now + lease_s)
         return Match(
-            [m.block_hash for m in matched],
+            list(hashes[: len(matched)]),  # the matched run is a prefix of the ids asked
             [fastest[m.mask] for m in matched],
             lease,
         )
@@ -1057,6 +1057,21 @@ class TieredStore:
                 self._add_to_tier(meta, index)
                 adopted += 1
         return adopted
+
+    def forget_copies(self, tier_name: str, hashes: Sequence[BlockHash]) -> int:
+        """Forget the copies in ``tier_name`` of blocks that tier no longer holds (their files
+        are gone), unless pinned (a read under way finds out itself); observers hear of it.
+        Returns how many were forgotten."""
+        index = self._tier_by_name(tier_name)
+        forgotten = 0
+        with self._lock:
+            for block_hash in hashes:
+                meta = self._index.get(block_hash)
+                if meta is None or meta.ref_cnt or not meta.mask >> index & 1:
+                    continue
+                self._drop_from_tier(meta, index, delete=False)
+                forgotten += 1
+        return forgotten
 
     def _adopt_recovered(self) -> None:
         """Index what durable tiers found on start (their files outlive the process)."""

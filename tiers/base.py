@@ -117,6 +117,8 @@ class LazyStartTier(Protocol):
 
     def scan_unindexed(self) -> list[RecoveredBlock]: ...
 
+    def missing(self) -> list[BlockHash]: ...
+
 
 @runtime_checkable
 class CheckedTier(Protocol):

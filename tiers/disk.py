@@ -99,6 +99,11 @@ class _Entry:
     parent: BlockHash | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _TrustedEntry(_Entry):
+    """A block indexed on its owner's word (``adopt``), its file not seen yet."""
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, _DIR_FLAGS)
     try:
@@ -222,6 +227,7 @@ class DiskTier:
         self._ready_dirs: set[str] = set()  # shard folders known to exist durably
         self._recovered: list[RecoveredBlock] = []
         self._opened_at = time.time()
+        self._missing: list[BlockHash] = []
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -251,7 +257,7 @@ class DiskTier:
             for block in blocks:
                 if block.block_hash in self._index or block.block_hash in self._inflight:
                     continue
-                self._index[block.block_hash] = _Entry(
+                self._index[block.block_hash] = _TrustedEntry(
                     block.nbytes, block.namespace_root, block.mtime, block.parent
                 )
                 self._used += block.nbytes
@@ -260,8 +266,10 @@ class DiskTier:
         """Walk the folders, index the valid files the index does not know (reading their
         headers; quarantining bad ones) and return them: what ``adopt`` missed. Safe while
         the tier serves: a block being put or deleted meanwhile is left to that call, and a
-        temp file is removed only if it is older than this tier (a crashed put's)."""
+        temp file is removed only if it is older than this tier (a crashed put's). The ids
+        adopted on trust whose files the walk did not see are left in ``missing()``."""
         found: list[RecoveredBlock] = []
+        seen: set[BlockHash] = set()
         with os.scandir(self._blocks_dir) as top:
             for d1 in sorted(top, key=lambda e: e.name):
                 if not d1.is_dir(follow_symlinks=False):
@@ -269,7 +277,7 @@ class DiskTier:
                 with os.scandir(d1.path) as mid:
                     for d2 in sorted(mid, key=lambda e: e.name):
                         if d2.is_dir(follow_symlinks=False):
-                            self._scan_shard(d2.path, found, known=self._index)
+                            self._scan_shard(d2.path, found, known=self._index, seen=seen)
         adopted: list[RecoveredBlock] = []
         with self._lock:
             for block in found:
@@ -280,7 +288,26 @@ class DiskTier:
                 )
                 self._used += block.nbytes
                 adopted.append(block)
+            self._missing = [
+                block_hash
+                for block_hash, entry in self._index.items()
+                if type(entry) is _TrustedEntry and block_hash not in seen
+            ]
         return adopted
+
+    def missing(self) -> list[BlockHash]:
+        """The ids adopted on trust whose files the last ``scan_unindexed`` did not find;
+        they are dropped from the index here, as a read would (their owner forgets them)."""
+        gone: list[BlockHash] = []
+        with self._lock:
+            for block_hash in self._missing:
+                entry = self._index.get(block_hash)
+                if type(entry) is _TrustedEntry and block_hash not in self._inflight:
+                    del self._index[block_hash]
+                    self._used -= entry.nbytes
+                    gone.append(block_hash)
+            self._missing = []
+        return gone
 
     def _make_base_dirs(self) -> None:
         for path in (self._root, self._blocks_dir, self._quarantine_dir):
@@ -333,6 +360,7 @@ class DiskTier:
         shard: str,
         found: list[RecoveredBlock],
         known: dict[BlockHash, _Entry] | None = None,
+        seen: set[BlockHash] | None = None,
     ) -> int:
         """Index the valid blocks of one shard folder; returns how many were quarantined.
         With ``known`` (the live index: the tier is serving), the ids in it are skipped
@@ -357,6 +385,8 @@ class DiskTier:
                     logger.warning("disk tier %r: unexpected file %s, ignored", self.name, fname)
                     continue
                 if known is not None and (block_hash in known or block_hash in self._inflight):
+                    if seen is not None:
+                        seen.add(block_hash)
                     continue
                 try:
                     found.append(self._read_header_of(entry.path, block_hash))

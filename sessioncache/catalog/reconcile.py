@@ -283,9 +283,10 @@ def adopt_unlisted(store: TieredStore, *, verify: bool = True) -> ReconcileRepor
     """The background half of a fast restart: each durable tier that started from the
     catalog walks its folders for the files the catalog lacks (a crash lost their rows'
     write-behind batch), which are verified (``verify``: read back; a bad one is
-    quarantined by the tier) and indexed by the store, whose observers write their rows."""
+    quarantined by the tier) and indexed by the store, whose observers write their rows;
+    the rows whose files the walk did not find are dropped (as their first read would)."""
     start = time.perf_counter()
-    adopted = quarantined = 0
+    adopted = quarantined = dropped = 0
     for tier in store.tiers:
         inner = tier.inner if isinstance(tier, CatalogRecoveredTier) else tier
         if not tier.durable or not isinstance(inner, LazyStartTier):
@@ -298,11 +299,14 @@ def adopt_unlisted(store: TieredStore, *, verify: bool = True) -> ReconcileRepor
                 continue
             good.append(block)
         adopted += store.adopt_found(tier.name, good)
-    report = ReconcileReport(adopted, quarantined, 0, 0, time.perf_counter() - start)
+        dropped += store.forget_copies(tier.name, inner.missing())
+    report = ReconcileReport(adopted, quarantined, dropped, 0, time.perf_counter() - start)
     log.info(
-        "background pass: %d files the catalog lacked adopted, %d quarantined, %.3fs",
+        "background pass: %d files the catalog lacked adopted, %d quarantined, "
+        "%d rows without a file dropped, %.3fs",
         adopted,
         quarantined,
+        dropped,
         report.seconds,
     )
     return report

@@ -68,8 +68,12 @@ def test_restart_serves_catalog_rows_and_adopts_files_it_lacks(tmp_path: Path):
         wait_served(node)
         assert node.store.contains_many(extra) == [True, True, True]
         assert node.store.get_bytes(extra[2]) == bytes([12]) * SIZE
-        assert node.store.chain_to(extra[-1]) == [*chain, *extra]
-        # The vanished file: a miss on its first read, and its row goes.
+        # Linked to their parent, whose file is gone: the chain is held from the gap on.
+        assert node.store.chain_to(extra[-1]) == extra
+        first = node.store.meta(extra[0])
+        assert first is not None and first.parent == chain[-1]
+        assert node.store.chain_to(chain[2]) == chain[:3]
+        # The vanished file: dropped by the pass (or a miss on its first read), row and all.
         with pytest.raises(BlockNotFound):
             node.store.get_bytes(chain[-1])
         assert not node.store.contains(chain[-1])
