@@ -177,17 +177,25 @@ def bench_sweep(sizes: Sequence[int]) -> list[dict[str, float]]:
             del session
         clock.advance(20.0)
         now = clock.now()
+        gc.collect()  # the fill's garbage: a full collection is not the sweep's cost
         t0 = time.perf_counter()
         scan = [s for s in sessions._sessions.values() if s.expires_at <= now]
         blocks = store._index.records()
         scanned = [m for m in blocks if m.expires_at <= now and not m.ref_cnt]
         ref = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        gc.collect()
+        t0, c0 = time.perf_counter(), time.process_time()
         report = sessions.sweep()
-        took = time.perf_counter() - t0
+        took, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert report.expired_sessions == len(scan) and report.expired_blocks == len(scanned)
         rows.append(
-            {"blocks": n, "sweep_ms": took * 1e3, "full_scan_ms": ref * 1e3, "due": len(scan)}
+            {
+                "blocks": n,
+                "sweep_ms": took * 1e3,
+                "sweep_cpu_ms": cpu * 1e3,
+                "full_scan_ms": ref * 1e3,
+                "due": len(scan),
+            }
         )
         del store, sessions
     return rows
@@ -398,11 +406,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "sweep" in args.only:
         rows = bench_sweep(args.sessions)
         print("\nsweep, 1% of sessions (and their blocks) due (ms; ratio = sweep / full scan)")
-        print(f"{'sessions':>10}{'due':>8}{'sweep ms':>12}{'full scan ms':>14}{'ratio':>8}")
+        print(
+            f"{'sessions':>10}{'due':>8}{'sweep ms':>12}{'(cpu ms)':>10}"
+            f"{'full scan ms':>14}{'ratio':>8}"
+        )
         for row in rows:
             print(
                 f"{int(row['blocks']):>10}{int(row['due']):>8}{row['sweep_ms']:>12.2f}"
-                f"{row['full_scan_ms']:>14.2f}{row['sweep_ms'] / row['full_scan_ms']:>8.3f}"
+                f"{row['sweep_cpu_ms']:>10.2f}{row['full_scan_ms']:>14.2f}"
+                f"{row['sweep_ms'] / row['full_scan_ms']:>8.3f}"
             )
     if "restart" in args.only:
         rows = bench_restart(args.disk_blocks, databases, args.full_walk_max)

@@ -107,7 +107,9 @@ class BlockIndex:
             children_in=self._zeros,
             # Children still held: a record made anew (its old one was forgotten while they
             # were held) must count them, or ``children_held`` goes negative.
-            children_held=sum(1 for kid in _each(kids) if self._blocks[kid].mask),
+            children_held=0
+            if kids is None
+            else sum(1 for kid in _each(kids) if self._blocks[kid].mask),
             ref_cnt=ref_cnt,
             touched_by_op=touched_by_op,
             touch_order=next(self._seq),
@@ -350,15 +352,21 @@ class BlockIndex:
     def relink(self) -> None:
         """After ``adopt_recovered``: count each record's held children, per tier and in
         all, and build the eviction order of every tier."""
-        for meta in self._blocks.values():
+        zeros, blocks = self._zeros, self._blocks
+        for meta in blocks.values():
             meta.children_held = 0
+            if meta.kids is None:  # most blocks: a chain's tail, or a single child
+                meta.children_in = zeros
+                continue
             children_in = [0] * self._num_tiers
             for kid_hash in _each(meta.kids):
-                kid = self._blocks[kid_hash]
+                kid = blocks[kid_hash]
                 if kid.mask:
                     meta.children_held += 1
-                for index in kid.tiers & meta.tiers:
-                    children_in[index] += 1
+                both = kid.mask & meta.mask
+                for index in range(both.bit_length()):
+                    if both >> index & 1:
+                        children_in[index] += 1
             meta.children_in = counts(children_in)
         for index in range(self._num_tiers):
             self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))

@@ -35,6 +35,7 @@ is always store, then tier.
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 import threading
@@ -1074,7 +1075,19 @@ class TieredStore:
         return forgotten
 
     def _adopt_recovered(self) -> None:
-        """Index what durable tiers found on start (their files outlive the process)."""
+        """Index what durable tiers found on start (their files outlive the process).
+
+        The cyclic garbage collector is held off meanwhile: a bulk load of long-lived
+        records would otherwise trigger full collections over a growing heap (quadratic)."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._adopt_all()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _adopt_all(self) -> None:
         now = self._clock.now()
         for index, tier in enumerate(self._tiers):
             if not isinstance(tier, RecoverableTier):

@@ -221,20 +221,8 @@ class CatalogRecoveredTier:
     def _rows(self) -> Iterator[RecoveredBlock]:
         """The catalog's rows of this tier, handed to the tier unopened (``adopt``)."""
         assert isinstance(self._tier, LazyStartTier)
-        rows = iter(self._catalog.iter_block_records(self.name))
-        while chunk := list(islice(rows, _BATCH)):
-            blocks = [
-                RecoveredBlock(
-                    row.block_id,
-                    row.namespace_root,
-                    row.nbytes,
-                    row.last_access,
-                    row.parent,
-                    ttl_s=row.ttl_s,
-                    expires_at=row.expires_at,
-                )
-                for row in chunk
-            ]
+        rows = iter(self._catalog.iter_recovered(self.name))
+        while blocks := list(islice(rows, _BATCH)):
             self._tier.adopt(blocks)
             yield from blocks
 
