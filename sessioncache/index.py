@@ -369,7 +369,7 @@ class BlockIndex:
                         children_in[index] += 1
             meta.children_in = counts(children_in)
         for index in range(self._num_tiers):
-            self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
+            self._policy.rebuild(index, (m for m in self._blocks.values() if m.mask >> index & 1))
 
     # -- pins and leases ----------------------------------------------------------------
 

@@ -375,23 +375,25 @@ class Catalog:
 
     def iter_recovered(self, tier: str) -> Iterator[RecoveredBlock]:
         """A tier's rows as the blocks a restart indexes, streamed (no flush): the index of a
-        fast restart, so only the columns it needs, and one namespace root object each."""
+        fast restart, so only the columns it needs, and one object per namespace root and
+        per TTL."""
         t = blocks_table
         roots: dict[bytes, bytes] = {}
+        ttls: dict[float, float] = {}  # few distinct TTLs: one float object each
         columns = (t.c.block_id, t.c.namespace_root, t.c.nbytes, t.c.last_access, t.c.parent)
         with self.engine.connect() as conn:
             result = conn.execution_options(yield_per=_CHUNK).execute(
                 select(*columns, t.c.ttl_s, t.c.expires_at).where(t.c.tier == tier)
             )
             for block_id, root, nbytes, last_access, parent, ttl_s, expires_at in result.tuples():
-                root = bytes(root)
+                root, ttl = bytes(root), float(ttl_s)
                 yield RecoveredBlock(
                     BlockHash(bytes(block_id)),
                     roots.setdefault(root, root),
                     int(nbytes),
                     float(last_access),
                     BlockHash(bytes(parent)) if parent is not None else None,
-                    ttl_s=float(ttl_s),
+                    ttl_s=ttls.setdefault(ttl, ttl),
                     expires_at=float(expires_at),
                 )
 
