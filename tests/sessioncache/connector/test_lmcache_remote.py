@@ -6,6 +6,7 @@ chunk included, on both data paths."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -104,8 +105,14 @@ def test_a_fresh_engine_retrieves_what_another_stored(node: Server, data_path: s
     first, writer = engine(node, data_path)
     try:
         writer.store(tokens, kvcaches=kv)
+        # LMCache's store returns before its remote puts finish, and its close frees the CPU
+        # buffers without waiting for them (a put still reading one crashes the process): wait
+        # for the node to hold the five chunks before the engine goes
+        deadline = time.monotonic() + 30
+        while blocks(node) < before + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
-        LMCacheEngineBuilder.destroy(first)  # closes it: puts are flushed
+        LMCacheEngineBuilder.destroy(first)
     assert blocks(node) == before + 5
 
     second, reader = engine(node, data_path)
