@@ -447,6 +447,29 @@ def test_routing_never_shows_another_tenants_engines(server: Server) -> None:
             assert routed[0] == routed[1] and routed[0][0] == 404
             deleted = [scrub(c.delete(f"/v1/engines/{n}"), n) for n in (foreign, unknown)]
             assert deleted[0] == deleted[1] and deleted[0][0] == 404
+        # engine ids are per tenant: registering the other's id is no probe, it just works
+        # (and is the registrant's own engine); a shared engine's id, public, is taken
+        same = f"eng-{uuid.uuid4().hex[:12]}"
+        endpoints = {}
+        for c in (acme, globex):
+            endpoints[c] = zmq_endpoint()
+            body = {"engine_id": same, "namespace": NS_JSON, "endpoint": endpoints[c]}
+            r = c.post("/v1/engines", json=body)
+            assert r.status_code == 201 and r.json()["engine_id"] == same, r.text
+            assert c.post("/v1/engines", json=body).status_code == 409  # its own, twice
+            shared = {**body, "engine_id": "shared-0"}
+            assert c.post("/v1/engines", json=shared).status_code == 409
+        for c in (acme, globex):
+            assert c.get(f"/v1/engines/{same}").json()["endpoint"] == endpoints[c]
+        assert acme.delete(f"/v1/engines/{same}").status_code == 204
+        assert globex.get(f"/v1/engines/{same}").json()["endpoint"] == endpoints[globex]
+        routed = globex.post(
+            "/v1/route", json={"namespace": NS_JSON, "tokens": prompt, "engines": [same]}
+        )
+        assert [e["engine_id"] for e in routed.json()["engines"]] == [same]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert f'sessioncache_engine_stale{{engine="globex/{same}"}}' in metrics
         # neither delete touched the other's engine
         for c in (acme, globex):
             assert c.delete(f"/v1/engines/{own[c]}").status_code == 204
+        assert globex.delete(f"/v1/engines/{same}").status_code == 204
