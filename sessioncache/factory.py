@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sessioncache.catalog.reconcile import CatalogRecoveredTier, reconcile
+from sessioncache.catalog.reconcile import BackgroundReconcile, CatalogRecoveredTier, reconcile
 from sessioncache.catalog.repository import Catalog
 from sessioncache.clock import Clock
 from sessioncache.config import Settings
@@ -22,7 +22,7 @@ from sessioncache.shared_expiry import SharedExpiryRefresher
 from sessioncache.store import TieredStore
 from sessioncache.sweeper import sweeper
 from sessioncache.tenancy import NamespaceOwners
-from sessioncache.tiers.base import RecoverableTier, Tier
+from sessioncache.tiers.base import LazyStartTier, RecoverableTier, Tier
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier, shared_memory_available
 from sessioncache.tiers.disk import DiskTier
 from sessioncache.tiers.gpu import GpuTier
@@ -31,10 +31,11 @@ from sessioncache.tiers.redis import RedisTier
 log = logging.getLogger("sessioncache.factory")
 
 
-def build_tiers(settings: Settings) -> list[Tier]:
+def build_tiers(settings: Settings, *, scan: bool = True) -> list[Tier]:
     """The configured tiers, fastest first; a capacity of 0 leaves a tier out. With a Redis
     URL and the write-back policy the shared tier comes last, below the local ones (it gets
-    their victims); with write-through it is last too and also written on every put."""
+    their victims); with write-through it is last too and also written on every put.
+    ``scan=False`` opens the disk tier without reading its files (a fast restart)."""
     tiers: list[Tier] = []
     if settings.gpu_bytes:
         tiers.append(GpuTier(settings.gpu_bytes, device=settings.gpu_device))
@@ -45,7 +46,7 @@ def build_tiers(settings: Settings) -> list[Tier]:
             else CpuTier(settings.cpu_bytes)
         )
     if settings.disk_bytes:
-        tiers.append(DiskTier.open(settings.data_dir / "blocks", settings.disk_bytes))
+        tiers.append(DiskTier.open(settings.data_dir / "blocks", settings.disk_bytes, scan=scan))
     if settings.redis_url:
         tiers.append(
             RedisTier(
@@ -95,7 +96,13 @@ def build_store(
 def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = True) -> CacheNode:
     """Everything one node runs: catalog (migrated when asked), tiers reconciled with it,
     store, sessions restored, the fleet index when Redis is configured, and (``start``) the
-    catalog flusher, the fleet's heartbeat and the background sweep."""
+    catalog flusher, the fleet's heartbeat and the background sweep.
+
+    A started node restarts fast (issue 15): the disk tier's index is the catalog's rows,
+    files unopened, and the files the catalog lacks are adopted by a background pass while
+    the node serves (``/readyz`` says so meanwhile). Unstarted (commands, tests) it walks
+    and reconciles everything before returning, as before."""
+    fast = start
     catalog = Catalog.open(
         settings.catalog_url(),
         schema=settings.database_schema,
@@ -106,10 +113,14 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
     closers: list[Callable[[], None]] = []
     try:
         tiers: list[Tier] = []
-        for tier in build_tiers(settings):
+        for tier in build_tiers(settings, scan=not fast):
             # the catalog restores the LRU order (last access) the files do not record
             tiers.append(
-                CatalogRecoveredTier(tier, catalog) if isinstance(tier, RecoverableTier) else tier
+                CatalogRecoveredTier(
+                    tier, catalog, from_catalog=fast and isinstance(tier, LazyStartTier)
+                )
+                if isinstance(tier, RecoverableTier)
+                else tier
             )
         observers: list[StoreObserver] = [catalog]
         fleet: FleetIndex | None = None
@@ -148,7 +159,12 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         if fleet is not None and shared is not None:
             shared_name = shared.name
             fleet.set_held(lambda: [held for held in store.holdings() if held[1] != shared_name])
-        reconcile(catalog, store, verify=settings.reconcile_verify)
+        background: BackgroundReconcile | None = None
+        if fast:
+            catalog.bind_tiers(store.tiers)
+            background = BackgroundReconcile(store, verify=settings.reconcile_verify)
+        else:
+            reconcile(catalog, store, verify=settings.reconcile_verify)
         sessions = SessionManager(
             store,
             kind_ttls=settings.kind_ttls(),
@@ -170,6 +186,9 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         raise
     sweep = sweeper(sessions, settings.sweep_interval_s)
     on_close: list[Callable[[], None]] = [sweep.stop]
+    if background is not None:
+        background.start()
+        on_close.append(background.close)
     if start:
         catalog.start()
         sweep.start()
@@ -183,7 +202,14 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         on_close.append(refresher.stop)
     on_close.append(catalog.close)
     node = CacheNode(
-        settings, store, sessions, on_close=on_close, fleet=fleet, owners=owners, usage=catalog
+        settings,
+        store,
+        sessions,
+        on_close=on_close,
+        fleet=fleet,
+        owners=owners,
+        usage=catalog,
+        checks=[background] if background is not None else [],
     )
     # the dashboard's charts: the node stops it when it closes
     node.history = StatsHistory(

@@ -1,12 +1,15 @@
 """The block index: what the store knows of every block, apart from where the bytes are copied.
 
 * Block records (``BlockMeta``, one per block, made by ``new_record`` only) and chain links
-  (each parent's children), from which each record's ``children_in`` (children held in the
-  same tier) and ``children_held`` (children held in any tier) are kept.
+  (each record's ``kids``; the children of a parent without a record wait in ``_orphans``),
+  from which each record's ``children_in`` (children held in the same tier) and
+  ``children_held`` (children held in any tier) are kept.
 * Per tier: how many blocks it holds and how many of its bytes are pinned.
 * Pins (``ref``/``unref``: leases, sessions, moves in flight) and leases, reaped by time.
 * The eviction order: every change that may make a block a victim is offered to the
   ``EvictionPolicy`` (``track``); the policy's heaps live under the same lock.
+* The expiry order (``ExpiryIndex``): what ``expired_unpinned`` returns costs in proportion to
+  what has expired, not to how many blocks are held.
 
 Not locked and never doing I/O: its one owner, the ``TieredStore``, calls it with the store's
 lock held, and does every tier call and observer notification itself (see ``store.py``).
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable, Sequence, ValuesView
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence, ValuesView
+from dataclasses import dataclass
 
-from sessioncache.blocks import BlockMeta
+from sessioncache.blocks import BlockMeta, Kids, bumped, counts
+from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.policy import EvictionPolicy
 from sessioncache.tiers.base import LocatedBlock, RecoveredBlock
@@ -41,7 +45,12 @@ class BlockIndex:
         self._num_tiers = num_tiers
         self._policy = policy
         self._blocks: dict[BlockHash, BlockMeta] = {}
-        self._kids: dict[BlockHash, set[BlockHash]] = {}
+        # The children of ids that have no record (forgotten while their children were held).
+        self._orphans: dict[BlockHash, Kids] = {}
+        self._expiry: ExpiryIndex[BlockHash] = ExpiryIndex()
+        self._zeros = counts([0] * num_tiers)
+        # The expiry last computed by ``new_record``: blocks stored together share the float.
+        self._last_expiry: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._leases: dict[str, Lease] = {}
         self.tier_blocks = [0] * num_tiers
         """Blocks held per tier."""
@@ -52,6 +61,7 @@ class BlockIndex:
         # The record of an id, or None: the dict's own bound method (the policy calls it for
         # every heap entry it pops).
         self.get: Callable[[BlockHash], BlockMeta | None] = self._blocks.get
+        policy.bind(self._blocks.get)
 
     # -- records ------------------------------------------------------------------------
 
@@ -78,7 +88,13 @@ class BlockIndex:
         if last_access is None:
             last_access = created
         if expires_at is None:
-            expires_at = last_access + ttl_s
+            at, ttl, value = self._last_expiry
+            if at == last_access and ttl == ttl_s:
+                expires_at = value
+            else:
+                expires_at = last_access + ttl_s
+                self._last_expiry = (last_access, ttl_s, expires_at)
+        kids = self._orphans.pop(block_hash, None)
         meta = BlockMeta(
             block_hash=block_hash,
             parent=parent,
@@ -88,19 +104,25 @@ class BlockIndex:
             created=created,
             last_access=last_access,
             expires_at=expires_at,
-            children_in=[0] * self._num_tiers,
+            children_in=self._zeros,
             # Children still held: a record made anew (its old one was forgotten while they
             # were held) must count them, or ``children_held`` goes negative.
-            children_held=sum(
-                1 for kid in self._kids.get(block_hash, ()) if self._blocks[kid].tiers
-            ),
+            children_held=0
+            if kids is None
+            else sum(1 for kid in _each(kids) if self._blocks[kid].mask),
             ref_cnt=ref_cnt,
             touched_by_op=touched_by_op,
             touch_order=next(self._seq),
         )
+        meta.kids = kids
         self._blocks[block_hash] = meta
+        self._expiry.add(block_hash, expires_at)
         if parent is not None:
-            self._kids.setdefault(parent, set()).add(block_hash)
+            owner = self._blocks.get(parent)
+            if owner is not None:
+                owner.kids = _with(owner.kids, block_hash)
+            else:
+                self._orphans[parent] = _with(self._orphans.get(parent), block_hash)
         return meta
 
     def forget(self, meta: BlockMeta) -> None:
@@ -108,24 +130,30 @@ class BlockIndex:
         if self._blocks.get(meta.block_hash) is not meta:
             return
         del self._blocks[meta.block_hash]
+        if meta.kids is not None:
+            self._orphans[meta.block_hash] = meta.kids
         if meta.parent is not None:
-            kids = self._kids.get(meta.parent)
-            if kids is not None:
-                kids.discard(meta.block_hash)
-                if not kids:
-                    del self._kids[meta.parent]
+            owner = self._blocks.get(meta.parent)
+            if owner is not None:
+                owner.kids = _without(owner.kids, meta.block_hash)
+            else:
+                kids = _without(self._orphans.get(meta.parent), meta.block_hash)
+                if kids is None:
+                    self._orphans.pop(meta.parent, None)
+                else:
+                    self._orphans[meta.parent] = kids
 
     def snapshot(self, block_hash: BlockHash) -> BlockMeta | None:
         """A copy of the record of ``block_hash``, or None."""
         meta = self._blocks.get(block_hash)
         if meta is None:
             return None
-        return replace(meta, tiers=set(meta.tiers), children_in=list(meta.children_in))
+        return meta.copy()
 
     def held(self, block_hash: BlockHash, now: float) -> BlockMeta | None:
         """The record of ``block_hash`` if a tier holds it unexpired."""
         meta = self._blocks.get(block_hash)
-        if meta is None or not meta.tiers or meta.expires_at <= now:
+        if meta is None or not meta.mask or meta.expires_at <= now:
             return None
         return meta
 
@@ -133,11 +161,13 @@ class BlockIndex:
         """The records of the held, unexpired run of ``hashes`` from its start."""
         run: list[BlockMeta] = []
         blocks = self._blocks
+        get = blocks.get
+        append = run.append
         for block_hash in hashes:
-            meta = blocks.get(block_hash)
-            if meta is None or not meta.tiers or meta.expires_at <= now:
+            meta = get(block_hash)
+            if meta is None or not meta.mask or meta.expires_at <= now:
                 break
-            run.append(meta)
+            append(meta)
         return run
 
     def chain_to(self, head: BlockHash) -> list[BlockHash]:
@@ -146,7 +176,7 @@ class BlockIndex:
         cursor: BlockHash | None = head
         while cursor is not None:
             meta = self._blocks.get(cursor)
-            if meta is None or not meta.tiers:
+            if meta is None or not meta.mask:
                 break
             chain.append(cursor)
             cursor = meta.parent
@@ -159,13 +189,27 @@ class BlockIndex:
         return min(parent.tiers) if parent is not None and parent.tiers else 0
 
     def held_count(self) -> int:
-        return sum(1 for m in self._blocks.values() if m.tiers)
+        return sum(1 for m in self._blocks.values() if m.mask)
 
     def pinned_count(self) -> int:
         return sum(1 for m in self._blocks.values() if m.ref_cnt)
 
     def expired_unpinned(self, now: float) -> list[BlockMeta]:
-        return [m for m in self._blocks.values() if m.expires_at <= now and not m.ref_cnt]
+        """The unpinned records expired at ``now``: from the expiry index, at a cost in
+        proportion to the records due (expired, or touched since they were filed)."""
+        return self._expiry.due(now, self._due)
+
+    def _due(self, block_hash: BlockHash, now: float) -> tuple[BlockMeta | None, float | None]:
+        """For ``ExpiryIndex.due``: the record if it is an unpinned expired one; else when to
+        ask again (its expiry, or ``now`` for a pinned one: next sweep), or None (forgotten)."""
+        meta = self._blocks.get(block_hash)
+        if meta is None:
+            return None, None
+        if meta.expires_at > now:
+            return None, meta.expires_at
+        if meta.ref_cnt:
+            return None, now
+        return meta, None
 
     # -- touches ------------------------------------------------------------------------
 
@@ -181,13 +225,17 @@ class BlockIndex:
         op = next(self._ops)
         seq = self._seq
         hits = 1 if hit else 0
+        last_ttl = -1.0
+        expires = 0.0
         for meta in metas:
             meta.hit_count += hits
             if ttl is not None and ttl > meta.ttl_s:
                 meta.ttl_s = ttl
             meta.last_access = now
             meta.touched_by_op = op
-            expires = now + meta.ttl_s
+            if meta.ttl_s != last_ttl:  # one float for the blocks of one TTL
+                last_ttl = meta.ttl_s
+                expires = now + last_ttl
             if expires > meta.expires_at:
                 meta.expires_at = expires
             meta.touch_order = next(seq)
@@ -205,40 +253,45 @@ class BlockIndex:
 
     def add_copy(self, meta: BlockMeta, tier: int) -> bool:
         """``tier`` now holds ``meta``'s payload; False when it already did."""
-        if tier in meta.tiers:
+        bit = 1 << tier
+        if meta.mask & bit:
             return False
-        if not meta.tiers:
+        if not meta.mask:
             self._children_held_changed(meta, +1)
-        meta.tiers.add(tier)
+        meta.mask |= bit
         self.tier_blocks[tier] += 1
         if meta.ref_cnt:
             self.pinned_bytes[tier] += meta.nbytes
-        meta.children_in[tier] = sum(
-            1 for kid in self._kids.get(meta.block_hash, ()) if tier in self._blocks[kid].tiers
-        )
+        if meta.kids is not None:
+            held_here = sum(1 for kid in _each(meta.kids) if self._blocks[kid].mask & bit)
+            if held_here != meta.children_in[tier]:
+                meta.children_in = bumped(
+                    meta.children_in, tier, held_here - meta.children_in[tier]
+                )
+        elif meta.children_in[tier]:
+            meta.children_in = bumped(meta.children_in, tier, -meta.children_in[tier])
         parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        if parent is not None and tier in parent.tiers:
-            parent.children_in[tier] += 1
+        if parent is not None and parent.mask & bit:
+            parent.children_in = bumped(parent.children_in, tier, +1)
         for held in meta.tiers:
             self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
-        if self._policy.queued(tier) > 8 * self.tier_blocks[tier] + 4096:
-            self._policy.rebuild(tier, (m for m in self._blocks.values() if tier in m.tiers))
         return True
 
     def remove_copy(self, meta: BlockMeta, tier: int) -> bool:
         """``tier`` no longer holds ``meta``'s payload (the record goes with its last copy
         unless pinned); False when it did not hold it."""
-        if tier not in meta.tiers:
+        bit = 1 << tier
+        if not meta.mask & bit:
             return False
-        meta.tiers.discard(tier)
+        meta.mask &= ~bit
         self.tier_blocks[tier] -= 1
         if meta.ref_cnt:
             self.pinned_bytes[tier] -= meta.nbytes
         parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        if parent is not None and tier in parent.tiers:
-            parent.children_in[tier] -= 1
+        if parent is not None and parent.mask & bit:
+            parent.children_in = bumped(parent.children_in, tier, -1)
             self._policy.track(parent, tier)
-        if not meta.tiers:
+        if not meta.mask:
             self._children_held_changed(meta, -1)
             if not meta.ref_cnt:
                 self.forget(meta)
@@ -292,22 +345,31 @@ class BlockIndex:
                 last_access=min(found.mtime, now),
                 expires_at=found.expires_at,
             )
-        meta.tiers.add(tier)
-        self.tier_blocks[tier] += 1
+        if not meta.mask >> tier & 1:
+            meta.mask |= 1 << tier
+            self.tier_blocks[tier] += 1
 
     def relink(self) -> None:
         """After ``adopt_recovered``: count each record's held children, per tier and in
         all, and build the eviction order of every tier."""
-        for meta in self._blocks.values():
+        zeros, blocks = self._zeros, self._blocks
+        for meta in blocks.values():
             meta.children_held = 0
-            for kid_hash in self._kids.get(meta.block_hash, ()):
-                kid = self._blocks[kid_hash]
-                if kid.tiers:
+            if meta.kids is None:  # most blocks: a chain's tail, or a single child
+                meta.children_in = zeros
+                continue
+            children_in = [0] * self._num_tiers
+            for kid_hash in _each(meta.kids):
+                kid = blocks[kid_hash]
+                if kid.mask:
                     meta.children_held += 1
-                for index in kid.tiers & meta.tiers:
-                    meta.children_in[index] += 1
+                both = kid.mask & meta.mask
+                for index in range(both.bit_length()):
+                    if both >> index & 1:
+                        children_in[index] += 1
+            meta.children_in = counts(children_in)
         for index in range(self._num_tiers):
-            self._policy.rebuild(index, (m for m in self._blocks.values() if index in m.tiers))
+            self._policy.rebuild(index, (m for m in self._blocks.values() if m.mask >> index & 1))
 
     # -- pins and leases ----------------------------------------------------------------
 
@@ -340,7 +402,7 @@ class BlockIndex:
         pinned: list[BlockHash] = []
         for block_hash in hashes:
             meta = self._blocks.get(block_hash)
-            if meta is None or not meta.tiers:
+            if meta is None or not meta.mask:
                 break
             meta.pins += 1
             self.ref(meta)
@@ -386,3 +448,32 @@ class BlockIndex:
 
     def lease_count(self) -> int:
         return len(self._leases)
+
+
+def _each(kids: Kids) -> Iterator[BlockHash]:
+    """The ids in a ``kids`` field."""
+    if kids is None:
+        return
+    if isinstance(kids, bytes):
+        yield kids
+    else:
+        yield from kids
+
+
+def _with(kids: Kids, kid: BlockHash) -> Kids:
+    """``kids`` and ``kid``: one id stays inline; a second makes a set."""
+    if kids is None or kids == kid:
+        return kid
+    if isinstance(kids, bytes):
+        return {kids, kid}
+    kids.add(kid)
+    return kids
+
+
+def _without(kids: Kids, kid: BlockHash) -> Kids:
+    if kids is None or isinstance(kids, bytes):
+        return None if kids == kid else kids
+    kids.discard(kid)
+    if len(kids) == 1:
+        return next(iter(kids))
+    return kids or None

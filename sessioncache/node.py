@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from sessioncache.attribution import (
     Attribution,
@@ -44,6 +45,12 @@ log = logging.getLogger("sessioncache.node")
 OPEN_TENANT = "default"
 MAX_TRACKED = 100_000
 """Most namespaces and sessions whose token counts a node keeps in memory."""
+
+
+class HealthCheck(Protocol):
+    """Something else the node runs that may keep it from fully serving (a background pass)."""
+
+    def problem(self) -> str | None: ...
 
 
 class UploadRefused(SessionCacheError):
@@ -86,6 +93,7 @@ class CacheNode:
         owners: NamespaceOwners | None = None,
         usage: UsageRecorder | None = None,
         history: StatsHistory | None = None,
+        checks: Sequence[HealthCheck] = (),
     ) -> None:
         self.settings = settings
         self.store = store
@@ -102,6 +110,7 @@ class CacheNode:
         self._session_hits: dict[str, int] = {}
         self._usage = usage
         self.history = history
+        self._checks = list(checks)
         self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
         drops = DropLog(settings.attribution_ring_blocks)
         store.observe(drops)
@@ -459,6 +468,10 @@ class CacheNode:
                 problem = tier.problem()
                 if problem:
                     problems.append(f"{tier.name}: {problem}")
+        for check in self._checks:
+            problem = check.problem()
+            if problem:
+                problems.append(problem)
         return problems
 
     def locations(self, hashes: Sequence[BlockHash]) -> list[dict[str, list[str]]] | None:

@@ -31,6 +31,11 @@ whose block was touched since is pushed back with its current key; one whose blo
 an evictable tail there (pinned, moved, gained a child) is dropped. Whenever a block may have
 become an evictable tail (stored, unpinned, lost its last child in the tier) the store calls
 ``track``.
+
+Stale entries (a block that gained a child or a pin after it was queued: every block of a
+stored chain is its tail for an instant) are dropped by compacting a tier's heaps in place
+whenever they have doubled since the last compaction: memory stays in proportion to the
+candidates, not to every block ever stored, at an amortized constant cost per entry.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
 
 _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
+_MIN_COMPACT = 4096  # entries a tier's heaps may hold before they are first compacted
 
 
 class EvictionPolicy:
@@ -53,6 +59,12 @@ class EvictionPolicy:
         self._expiry: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._lru: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._spare: list[list[_Entry]] = [[] for _ in range(num_tiers)]
+        self._lookup: Callable[[BlockHash], BlockMeta | None] | None = None
+        self._limit = [_MIN_COMPACT] * num_tiers
+
+    def bind(self, lookup: Callable[[BlockHash], BlockMeta | None]) -> None:
+        """Let the policy find records by id, so that it can compact its heaps itself."""
+        self._lookup = lookup
 
     def track(self, meta: BlockMeta, tier: int) -> None:
         """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail or a spare
@@ -60,10 +72,40 @@ class EvictionPolicy:
         op, neg_seq = meta.touched_by_op, -meta.touch_order
         if spare_copy(meta, tier):
             heapq.heappush(self._spare[tier], (meta.last_access, op, neg_seq, meta.block_hash))
+            if self._lookup is not None and self.queued(tier) > self._limit[tier]:
+                self.compact(tier, self._lookup)
         if not meta.evictable_from(tier, last=tier == self._last):
             return
         heapq.heappush(self._expiry[tier], (meta.expires_at, op, neg_seq, meta.block_hash))
         heapq.heappush(self._lru[tier], (meta.last_access, op, neg_seq, meta.block_hash))
+        if self._lookup is not None and self.queued(tier) > self._limit[tier]:
+            self.compact(tier, self._lookup)
+
+    def compact(self, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]) -> None:
+        """Drop ``tier``'s stale and duplicate heap entries (keeping, per block, one whose key
+        is no later than its current one: a popped entry is re-keyed anyway)."""
+        last = tier == self._last
+        heaps = (self._expiry, self._lru, self._spare)
+        for kind, heaps_of in enumerate(heaps):
+            kept: list[_Entry] = []
+            seen: set[BlockHash] = set()
+            for entry in heaps_of[tier]:
+                block_hash = entry[3]
+                if block_hash in seen:
+                    continue
+                meta = lookup(block_hash)
+                if meta is None:
+                    continue
+                if kind == 2:
+                    if not spare_copy(meta, tier):
+                        continue
+                elif not meta.evictable_from(tier, last=last):
+                    continue
+                seen.add(block_hash)
+                kept.append(entry)
+            heapq.heapify(kept)
+            heaps_of[tier] = kept
+        self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
 
     def next_victim(
         self, tier: int, now: float, lookup: Callable[[BlockHash], BlockMeta | None]
@@ -97,7 +139,7 @@ class EvictionPolicy:
             return True
         if tier == self._last and len(victim.tiers) == 1 and victim.block_hash == incoming.parent:
             return False  # the only copy of its own parent
-        entering = not any(t < tier for t in incoming.tiers)  # new or promoted
+        entering = not incoming.mask & ((1 << tier) - 1)  # new or promoted
         return not (entering and not spare_copy(victim, tier) and _colder(incoming, victim))
 
     def queued(self, tier: int) -> int:
@@ -111,12 +153,15 @@ class EvictionPolicy:
         self._spare[tier] = []
         for meta in metas:
             self.track(meta, tier)
+        self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
 
 
 def spare_copy(meta: BlockMeta, tier: int) -> bool:
     """``meta``'s copy in ``tier`` is spare: a faster tier holds the block too, and nothing
     but session pins holds it (a lease or a move in flight may be reading that copy)."""
-    return meta.ref_cnt == meta.pins and tier in meta.tiers and min(meta.tiers) < tier
+    mask = meta.mask
+    # Held in ``tier`` and in a tier before it.
+    return meta.ref_cnt == meta.pins and bool(mask >> tier & 1) and bool(mask & ((1 << tier) - 1))
 
 
 def _colder(a: BlockMeta, b: BlockMeta) -> bool:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, PutResult, TieredStore
@@ -131,6 +132,9 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         # Pinned sessions, least recently active first, with the ids their pins hold.
         self._pins: OrderedDict[str, list[BlockHash]] = OrderedDict()
+        # When sessions expire, and when pinned ones go idle: a sweep visits the due ones only.
+        self._expiring: ExpiryIndex[str] = ExpiryIndex()
+        self._idling: ExpiryIndex[str] = ExpiryIndex()
         self._unpin_listeners: list[Callable[[str, str], None]] = []
 
     def on_unpin(self, listener: Callable[[str, str], None]) -> None:
@@ -181,6 +185,7 @@ class SessionManager:
                 expires_at=now + ttl,
             )
             self._sessions[session.id] = session
+            self._expiring.add(session.id, session.expires_at)
             if self._repo is not None:
                 self._repo.create_session(replace(session))
             return replace(session)
@@ -226,6 +231,7 @@ class SessionManager:
                 session.ttl_s = float(ttl_s)
             session.last_seen = now
             session.expires_at = now + session.ttl_s
+            self._expiring.add(session.id, session.expires_at)  # may be sooner than filed
             self._save(session)
             return replace(session)
 
@@ -307,17 +313,13 @@ class SessionManager:
         """Expire sessions past their TTL, unpin idle ones, then expire blocks."""
         with self._lock:
             now = self._clock.now()
-            expired = [s.id for s in self._sessions.values() if s.expires_at <= now]
+            expired = self._expiring.due(now, self._expired)
             for session_id in expired:
                 self._unpin(session_id, "expired")
                 del self._sessions[session_id]
                 if self._repo is not None:
                     self._repo.delete_session(session_id)
-            idle = [
-                sid
-                for sid in self._pins
-                if self._sessions[sid].last_seen + self._idle_timeout <= now
-            ]
+            idle = self._idling.due(now, self._idle)
             for session_id in idle:
                 self._unpin(session_id, "idle")
         return SweepReport(len(expired), len(idle), self._store.expire())
@@ -336,6 +338,7 @@ class SessionManager:
                     continue
                 session.pinned = False
                 self._sessions[session.id] = session
+                self._expiring.add(session.id, session.expires_at)
                 loaded += 1
                 if session.head is not None and session.last_seen + self._idle_timeout > now:
                     chain = self._store.chain_to(session.head)
@@ -378,7 +381,28 @@ class SessionManager:
             if session is not None and session.expires_at > self._clock.now():
                 session.pinned = False
                 self._sessions[session_id] = session
+                self._expiring.add(session_id, session.expires_at)
         return session
+
+    def _expired(self, session_id: str, now: float) -> tuple[str | None, float | None]:
+        """For ``ExpiryIndex.due``: the id if the session has expired, else when to look again."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return None, None
+        if session.expires_at <= now:
+            return session_id, None
+        return None, session.expires_at
+
+    def _idle(self, session_id: str, now: float) -> tuple[str | None, float | None]:
+        """For ``ExpiryIndex.due``: the id if the pinned session is idle, else when to look
+        again (never, once unpinned: a new pin files it again)."""
+        session = self._sessions.get(session_id)
+        if session is None or session_id not in self._pins:
+            return None, None
+        due = session.last_seen + self._idle_timeout
+        if due <= now:
+            return session_id, None
+        return None, due
 
     def _owned(self, session_id: str, tenant: str | None) -> Session:
         session = self._find(session_id)
@@ -415,6 +439,8 @@ class SessionManager:
             if old:
                 self._store.unpin(old)
         self._pins[session.id] = new
+        if old is None:
+            self._idling.add(session.id, session.last_seen + self._idle_timeout)
         session.pinned = True
 
     def _unpin(self, session_id: str, cause: str) -> None:

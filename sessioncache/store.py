@@ -35,6 +35,7 @@ is always store, then tier.
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 import threading
@@ -64,6 +65,7 @@ from sessioncache.policy import EvictionPolicy
 from sessioncache.tiers.base import (
     CheckedTier,
     RecoverableTier,
+    RecoveredBlock,
     SharedMemoryTier,
     SharedTier,
     SlotLocation,
@@ -246,6 +248,11 @@ class TieredStore:
             ((i, t) for i, t in enumerate(self._tiers) if isinstance(t, SharedMemoryTier)), None
         )
         self._write_through = sorted({self._tier_by_name(name) for name in write_through})
+        # The name of the fastest tier in each tier mask (``BlockMeta.mask``).
+        self._fastest_name = [
+            names[(mask & -mask).bit_length() - 1] if mask else ""
+            for mask in range(1 << len(names))
+        ]
         self._counters = Counters()
         self._adopt_recovered()
 
@@ -329,12 +336,13 @@ class TieredStore:
         self._counters.miss_blocks += len(hashes) - len(matched)
         self._index.touch_chain(matched, now, ttl_s)
         self._notify_touched(matched)
+        fastest = self._fastest_name
         lease = None
         if lease_s is not None and matched:
             lease = self._index.lease(matched, now + lease_s)
         return Match(
-            [m.block_hash for m in matched],
-            [self._tiers[min(m.tiers)].name for m in matched],
+            list(hashes[: len(matched)]),  # the matched run is a prefix of the ids asked
+            [fastest[m.mask] for m in matched],
             lease,
         )
 
@@ -532,6 +540,9 @@ class TieredStore:
         unsaved: BlockHash | None = None
         with self._lock:
             op = self._index.next_op()
+            # One instant for the operation's blocks, as a lookup touches a chain: their
+            # records then share its floats (creation, access and expiry times).
+            at = self._clock.now()
         for i, (block_hash, payload, nbytes) in enumerate(
             zip(hashes, payloads, sizes, strict=True)
         ):
@@ -539,7 +550,7 @@ class TieredStore:
                 # The rest hangs off a dropped block: unreachable, so not worth any room.
                 result.dropped.extend(hashes[i:])
                 break
-            meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)
+            meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op, at)
             prev = block_hash
             if meta is None:
                 result.present.append(block_hash)
@@ -770,6 +781,9 @@ class TieredStore:
         )
         with self._lock:
             op = self._index.next_op()
+            # One instant for the operation's blocks, as a lookup touches a chain: their
+            # records then share its floats (creation, access and expiry times).
+            at = self._clock.now()
         prev = parent
         try:
             for i, block_hash in enumerate(hashes):
@@ -777,7 +791,7 @@ class TieredStore:
                     prev = parents[i]
                 meta = None
                 if not staging.status or staging.status[-1] != DROPPED:
-                    meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op)
+                    meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op, at)
                     if meta is None:
                         staging.status.append(PRESENT)
                         staging.slots.append(None)
@@ -994,15 +1008,17 @@ class TieredStore:
         nbytes: int,
         ttl: float,
         op: int,
+        now: float,
     ) -> BlockMeta | None:
-        """Create the record of a block about to be stored, pinned while in flight; None when
-        it is already held (its TTL is extended) or another caller is storing it."""
+        """Create the record of a block about to be stored (at ``now``, the operation's
+        instant), pinned while in flight; None when it is already held (its TTL is extended)
+        or another caller is storing it."""
         with self._lock:
-            now = self._clock.now()
             meta = self._index.get(block_hash)
             if meta is not None:
-                if meta.tiers:
-                    self._index.touch(meta, now, ttl, op)
+                if meta.mask:
+                    # now, not the operation's instant: a touch never moves a block back
+                    self._index.touch(meta, self._clock.now(), ttl, op)
                     self._notify_touched([meta])
                 return None
             return self._index.new_record(
@@ -1113,8 +1129,63 @@ class TieredStore:
             if expected is not None:
                 self._payload_sizes.setdefault(namespace_root, expected)
 
+    def adopt_found(self, tier_name: str, found: Sequence[RecoveredBlock]) -> int:
+        """Index blocks a durable tier found while the store serves (the background pass of
+        a fast restart: files the catalog lacked), as copies added now: observers hear of
+        them (the catalog writes their rows). Returns how many were new to the store."""
+        index = self._tier_by_name(tier_name)
+        adopted = 0
+        with self._lock:
+            now = self._clock.now()
+            for block in found:
+                meta = self._index.get(block.block_hash)
+                if meta is None:
+                    meta = self._index.new_record(
+                        block.block_hash,
+                        parent=block.parent,
+                        namespace_root=block.namespace_root,
+                        nbytes=block.nbytes,
+                        ttl_s=block.ttl_s if block.ttl_s is not None else self._default_ttl,
+                        created=block.mtime,
+                        last_access=min(block.mtime, now),
+                        expires_at=block.expires_at,
+                    )
+                elif meta.mask >> index & 1:
+                    continue
+                self._payload_sizes.setdefault(block.namespace_root, block.nbytes)
+                self._add_to_tier(meta, index)
+                adopted += 1
+        return adopted
+
+    def forget_copies(self, tier_name: str, hashes: Sequence[BlockHash]) -> int:
+        """Forget the copies in ``tier_name`` of blocks that tier no longer holds (their files
+        are gone), unless pinned (a read under way finds out itself); observers hear of it.
+        Returns how many were forgotten."""
+        index = self._tier_by_name(tier_name)
+        forgotten = 0
+        with self._lock:
+            for block_hash in hashes:
+                meta = self._index.get(block_hash)
+                if meta is None or meta.ref_cnt or not meta.mask >> index & 1:
+                    continue
+                self._drop_from_tier(meta, index, delete=False)
+                forgotten += 1
+        return forgotten
+
     def _adopt_recovered(self) -> None:
-        """Index what durable tiers found on start (their files outlive the process)."""
+        """Index what durable tiers found on start (their files outlive the process).
+
+        The cyclic garbage collector is held off meanwhile: a bulk load of long-lived
+        records would otherwise trigger full collections over a growing heap (quadratic)."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._adopt_all()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _adopt_all(self) -> None:
         now = self._clock.now()
         for index, tier in enumerate(self._tiers):
             if not isinstance(tier, RecoverableTier):

@@ -37,7 +37,7 @@ Optional abilities, each its own small protocol:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -106,6 +106,18 @@ class RecoverableTier(Protocol):
     """A durable tier that rebuilt its index on start and can say what it found."""
 
     def recovered(self) -> Iterator[RecoveredBlock]: ...
+
+
+@runtime_checkable
+class LazyStartTier(Protocol):
+    """A durable tier that can start without reading its files (``DiskTier.open(...,
+    scan=False)``): told what it holds by its owner, it finds the rest in a later pass."""
+
+    def adopt(self, blocks: Iterable[RecoveredBlock]) -> None: ...
+
+    def scan_unindexed(self) -> list[RecoveredBlock]: ...
+
+    def missing(self) -> list[BlockHash]: ...
 
 
 @runtime_checkable

@@ -27,8 +27,11 @@ docs/benchmarks.md, "Tiers").
 
 Start-up (``DiskTier.open``) walks the shard folders, reads each block's header only (the
 payload checksum is verified on every ``get``) and checks the file size; files that fail are
-moved to ``quarantine/``. ``get`` verifies everything and quarantines on any mismatch, returning
-a miss rather than corrupt data.
+moved to ``quarantine/``. That costs a file open per block, minutes on a cold page cache for
+a big disk; ``DiskTier.open(..., scan=False)`` opens empty instead, for an owner that knows
+the blocks from elsewhere (the catalog: ``adopt``) and finds the rest later, while serving
+(``scan_unindexed``: a folder walk that opens only the files it does not know). ``get``
+verifies everything and quarantines on any mismatch, returning a miss rather than corrupt data.
 
 Concurrency: one lock guards the index; all file I/O runs outside it, so puts and gets from
 several threads overlap. Bytes are reserved under the lock before a put's I/O, so concurrent
@@ -46,7 +49,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -94,6 +97,11 @@ class _Entry:
     namespace_root: bytes
     mtime: float
     parent: BlockHash | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _TrustedEntry(_Entry):
+    """A block indexed on its owner's word (``adopt``), its file not seen yet."""
 
 
 def _fsync_dir(path: str) -> None:
@@ -173,6 +181,13 @@ def _read_full(fd: int, buffers: list[memoryview]) -> int:
     return total
 
 
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return float("inf")  # gone: nothing to remove
+
+
 class DiskTier:
     """A byte-bounded, crash-safe block store on a local filesystem (see the module docstring).
 
@@ -211,6 +226,8 @@ class DiskTier:
         self._reserved = 0
         self._ready_dirs: set[str] = set()  # shard folders known to exist durably
         self._recovered: list[RecoveredBlock] = []
+        self._opened_at = time.time()
+        self._missing: list[BlockHash] = []
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -222,11 +239,75 @@ class DiskTier:
         *,
         name: str = "disk",
         fsync: bool = True,
+        scan: bool = True,
     ) -> DiskTier:
-        """Create the folders under ``root`` if needed and rebuild the index from its files."""
+        """Create the folders under ``root`` if needed and rebuild the index from its files
+        (``scan``; else start empty: see ``adopt`` and ``scan_unindexed``)."""
         tier = cls(root, capacity_bytes, name=name, fsync=fsync)
-        tier._prepare()
+        if scan:
+            tier._prepare()
+        else:
+            tier._make_base_dirs()
         return tier
+
+    def adopt(self, blocks: Iterable[RecoveredBlock]) -> None:
+        """Index blocks whose files are taken on trust (their rows in the catalog), without
+        opening them: a missing or bad file is found by its first ``get``, a miss."""
+        with self._lock:
+            for block in blocks:
+                if block.block_hash in self._index or block.block_hash in self._inflight:
+                    continue
+                self._index[block.block_hash] = _TrustedEntry(
+                    block.nbytes, block.namespace_root, block.mtime, block.parent
+                )
+                self._used += block.nbytes
+
+    def scan_unindexed(self) -> list[RecoveredBlock]:
+        """Walk the folders, index the valid files the index does not know (reading their
+        headers; quarantining bad ones) and return them: what ``adopt`` missed. Safe while
+        the tier serves: a block being put or deleted meanwhile is left to that call, and a
+        temp file is removed only if it is older than this tier (a crashed put's). The ids
+        adopted on trust whose files the walk did not see are left in ``missing()``."""
+        found: list[RecoveredBlock] = []
+        seen: set[BlockHash] = set()
+        with os.scandir(self._blocks_dir) as top:
+            for d1 in sorted(top, key=lambda e: e.name):
+                if not d1.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(d1.path) as mid:
+                    for d2 in sorted(mid, key=lambda e: e.name):
+                        if d2.is_dir(follow_symlinks=False):
+                            self._scan_shard(d2.path, found, known=self._index, seen=seen)
+        adopted: list[RecoveredBlock] = []
+        with self._lock:
+            for block in found:
+                if block.block_hash in self._index or block.block_hash in self._inflight:
+                    continue  # put, or being put or deleted, since the walk saw it
+                self._index[block.block_hash] = _Entry(
+                    block.nbytes, block.namespace_root, block.mtime, block.parent
+                )
+                self._used += block.nbytes
+                adopted.append(block)
+            self._missing = [
+                block_hash
+                for block_hash, entry in self._index.items()
+                if type(entry) is _TrustedEntry and block_hash not in seen
+            ]
+        return adopted
+
+    def missing(self) -> list[BlockHash]:
+        """The ids adopted on trust whose files the last ``scan_unindexed`` did not find;
+        they are dropped from the index here, as a read would (their owner forgets them)."""
+        gone: list[BlockHash] = []
+        with self._lock:
+            for block_hash in self._missing:
+                entry = self._index.get(block_hash)
+                if type(entry) is _TrustedEntry and block_hash not in self._inflight:
+                    del self._index[block_hash]
+                    self._used -= entry.nbytes
+                    gone.append(block_hash)
+            self._missing = []
+        return gone
 
     def _make_base_dirs(self) -> None:
         for path in (self._root, self._blocks_dir, self._quarantine_dir):
@@ -274,15 +355,24 @@ class DiskTier:
                 self.capacity_bytes,
             )
 
-    def _scan_shard(self, shard: str, found: list[RecoveredBlock]) -> int:
-        """Index the valid blocks of one shard folder; returns how many were quarantined."""
+    def _scan_shard(
+        self,
+        shard: str,
+        found: list[RecoveredBlock],
+        known: dict[BlockHash, _Entry] | None = None,
+        seen: set[BlockHash] | None = None,
+    ) -> int:
+        """Index the valid blocks of one shard folder; returns how many were quarantined.
+        With ``known`` (the live index: the tier is serving), the ids in it are skipped
+        unopened, and only temp files older than this tier are removed."""
         quarantined = 0
         prefix = shard[-5:].replace(os.sep, "")  # "ab/cd" -> "abcd"
         with os.scandir(shard) as entries:
             for entry in entries:
                 fname = entry.name
                 if fname.startswith(".") and fname.endswith(_TMP_SUFFIX):
-                    self._unlink_quiet(entry.path)
+                    if known is None or _mtime(entry.path) < self._opened_at:
+                        self._unlink_quiet(entry.path)
                     continue
                 if not fname.endswith(_BLOCK_SUFFIX):
                     continue
@@ -293,6 +383,10 @@ class DiskTier:
                     block_hash = BlockHash(b"")
                 if len(stem) != _HEX_LEN or block_hash.hex() != stem or stem[:4] != prefix:
                     logger.warning("disk tier %r: unexpected file %s, ignored", self.name, fname)
+                    continue
+                if known is not None and (block_hash in known or block_hash in self._inflight):
+                    if seen is not None:
+                        seen.add(block_hash)
                     continue
                 try:
                     found.append(self._read_header_of(entry.path, block_hash))

@@ -11,6 +11,12 @@ batch, plus whatever was changed by hand:
 
 Run it at start-up, after building the store (``reconcile(catalog, store)``) and before serving.
 
+A fast restart (issue 15) skips both walks: ``CatalogRecoveredTier(..., from_catalog=True)``
+over a tier opened without its scan (``DiskTier.open(..., scan=False)``) takes the catalog's
+rows as the index, files unopened (each read verifies its file: a bad or missing one is a
+miss, quarantined, and its row dropped), and ``BackgroundReconcile`` then walks the folders while
+the node serves, adopting the files the catalog lacks (verified) with ``TieredStore.adopt_found``.
+
 ``CatalogRecoveredTier`` goes the other way: wrapped around a durable tier before the store is
 built, it fills in what the tier's start-up scan cannot know (a block's last access, TTL and expiry;
 its parent, for a tier whose files do not record it) from the catalog, so that the adopted
@@ -21,6 +27,7 @@ included).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -33,7 +40,7 @@ import xxhash
 from sessioncache.catalog.repository import BlockRecord, Catalog
 from sessioncache.hashing import BlockHash
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
-from sessioncache.tiers.base import RecoverableTier, RecoveredBlock, Tier
+from sessioncache.tiers.base import LazyStartTier, RecoverableTier, RecoveredBlock, Tier
 from sessioncache.tiers.payload import Payload, as_memoryview
 
 log = logging.getLogger("sessioncache.catalog.reconcile")
@@ -172,11 +179,14 @@ class CatalogRecoveredTier:
     Build the store over it: ``TieredStore([..., CatalogRecoveredTier(disk, catalog)])``.
     """
 
-    def __init__(self, tier: Tier, catalog: Catalog) -> None:
+    def __init__(self, tier: Tier, catalog: Catalog, *, from_catalog: bool = False) -> None:
         if not isinstance(tier, RecoverableTier):
             raise TypeError(f"tier {tier.name!r} cannot say what it recovered")
+        if from_catalog and not isinstance(tier, LazyStartTier):
+            raise TypeError(f"tier {tier.name!r} cannot take its index from the catalog")
         self._tier = tier
         self._catalog = catalog
+        self._from_catalog = from_catalog
         # The tier's fixed facts, as the Tier protocol reads them.
         self.name: Final = tier.name
         self.capacity_bytes: Final = tier.capacity_bytes
@@ -189,6 +199,9 @@ class CatalogRecoveredTier:
     def recovered(self) -> Iterator[RecoveredBlock]:
         assert isinstance(self._tier, RecoverableTier)
         self._catalog.flush()
+        if self._from_catalog:
+            yield from self._rows()
+            return
         found = iter(self._tier.recovered())
         while chunk := list(islice(found, _BATCH)):
             rows = self._catalog.lookup_blocks(self._tier.name, [b.block_hash for b in chunk])
@@ -204,6 +217,14 @@ class CatalogRecoveredTier:
                     ttl_s=row.ttl_s,
                     expires_at=row.expires_at,
                 )
+
+    def _rows(self) -> Iterator[RecoveredBlock]:
+        """The catalog's rows of this tier, handed to the tier unopened (``adopt``)."""
+        assert isinstance(self._tier, LazyStartTier)
+        rows = iter(self._catalog.iter_recovered(self.name))
+        while blocks := list(islice(rows, _BATCH)):
+            self._tier.adopt(blocks)
+            yield from blocks
 
     # -- the Tier protocol, delegated -----------------------------------------------------
 
@@ -244,3 +265,86 @@ class CatalogRecoveredTier:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._tier, name)
+
+
+def adopt_unlisted(store: TieredStore, *, verify: bool = True) -> ReconcileReport:
+    """The background half of a fast restart: each durable tier that started from the
+    catalog walks its folders for the files the catalog lacks (a crash lost their rows'
+    write-behind batch), which are verified (``verify``: read back; a bad one is
+    quarantined by the tier) and indexed by the store, whose observers write their rows;
+    the rows whose files the walk did not find are dropped (as their first read would)."""
+    start = time.perf_counter()
+    adopted = quarantined = dropped = 0
+    for tier in store.tiers:
+        inner = tier.inner if isinstance(tier, CatalogRecoveredTier) else tier
+        if not tier.durable or not isinstance(inner, LazyStartTier):
+            continue
+        found = inner.scan_unindexed()
+        good = []
+        for block in found:
+            if verify and tier.get(block.block_hash) is None:
+                quarantined += 1
+                continue
+            good.append(block)
+        adopted += store.adopt_found(tier.name, good)
+        dropped += store.forget_copies(tier.name, inner.missing())
+    report = ReconcileReport(adopted, quarantined, dropped, 0, time.perf_counter() - start)
+    log.info(
+        "background pass: %d files the catalog lacked adopted, %d quarantined, "
+        "%d rows without a file dropped, %.3fs",
+        adopted,
+        quarantined,
+        dropped,
+        report.seconds,
+    )
+    return report
+
+
+class BackgroundReconcile:
+    """``adopt_unlisted`` on a daemon thread, started once; ``problem()`` says it is still
+    running (``/readyz`` shows it), ``wait()`` joins it."""
+
+    def __init__(self, store: TieredStore, *, verify: bool = True) -> None:
+        self._store = store
+        self._verify = verify
+        self._done = threading.Event()
+        self._started = 0.0
+        self.report: ReconcileReport | None = None
+        self.error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="sessioncache-reconcile", daemon=True
+        )
+
+    def start(self) -> None:
+        self._started = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.report = adopt_unlisted(self._store, verify=self._verify)
+        except Exception as exc:  # a failed pass leaves files unadopted, not the node down
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("background pass failed")
+        finally:
+            self._done.set()
+
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._done.is_set()
+
+    def problem(self) -> str | None:
+        if self.running():
+            return (
+                "reconciling: indexing disk files the catalog lacks "
+                f"({time.monotonic() - self._started:.1f}s so far); they miss until then"
+            )
+        if self.error is not None:
+            return f"reconciling failed: {self.error}"
+        return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def close(self, grace_s: float = 60.0) -> None:
+        """Wait for the pass (up to ``grace_s``): its rows go to the catalog, closed next."""
+        if self._started and not self.wait(grace_s):
+            log.warning("background pass still running after %.0fs: closing anyway", grace_s)

@@ -57,7 +57,7 @@ from sessioncache.errors import SessionCacheError
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery
 from sessioncache.sessions import Session
-from sessioncache.tiers.base import Tier
+from sessioncache.tiers.base import RecoveredBlock, Tier
 
 if TYPE_CHECKING:
     from sessioncache.events import StoreObserver
@@ -399,6 +399,30 @@ class Catalog:
         with self.engine.connect() as conn:
             rows = conn.execute(query.order_by(t.c.tier, t.c.block_id)).all()
         return [_record_of(r) for r in rows]
+
+    def iter_recovered(self, tier: str) -> Iterator[RecoveredBlock]:
+        """A tier's rows as the blocks a restart indexes, streamed (no flush): the index of a
+        fast restart, so only the columns it needs, and one object per namespace root and
+        per TTL."""
+        t = blocks_table
+        roots: dict[bytes, bytes] = {}
+        ttls: dict[float, float] = {}  # few distinct TTLs: one float object each
+        columns = (t.c.block_id, t.c.namespace_root, t.c.nbytes, t.c.last_access, t.c.parent)
+        with self.engine.connect() as conn:
+            result = conn.execution_options(yield_per=_CHUNK).execute(
+                select(*columns, t.c.ttl_s, t.c.expires_at).where(t.c.tier == tier)
+            )
+            for block_id, root, nbytes, last_access, parent, ttl_s, expires_at in result.tuples():
+                root, ttl = bytes(root), float(ttl_s)
+                yield RecoveredBlock(
+                    BlockHash(bytes(block_id)),
+                    roots.setdefault(root, root),
+                    int(nbytes),
+                    float(last_access),
+                    BlockHash(bytes(parent)) if parent is not None else None,
+                    ttl_s=ttls.setdefault(ttl, ttl),
+                    expires_at=float(expires_at),
+                )
 
     def iter_block_ids(self, tier: str) -> Iterator[BlockHash]:
         """The ids of a tier's rows, streamed (no flush)."""

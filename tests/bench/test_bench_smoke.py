@@ -87,6 +87,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?m)^sessioncache same-host batch_set_v1 +[\d.]+ .*\n(?s:.*)"
         r"^SGLang HiCacheFile batch_get +[\d.]+ .*\n\{.*\"stream_get\": [\d.]+",
     ),
+    "bench.scale": (
+        [
+            *("--blocks", "1024", "2048", "--chain", "256", "--repeat", "2"),
+            *("--sessions", "200", "--disk-blocks", "200", "--full-walk-max", "200"),
+            *("--catalog-rows", "200"),
+        ],
+        r"(?m)^ +2048( +[\d.]+){8}\n(?s:.*)^ +200 +2( +[\d.]+){4}\n(?s:.*)"
+        r"^sqlite +200 +[\d.]+ .*\n(?s:.*)^sqlite +200 +\d+ ",
+    ),
     "bench.tiers": (
         ["--total-mib", "2", "--threads", "1"],
         r"(?m)^ *disk +32 MiB +1 thr \| put .* GB/s .*\ntotal 2 MiB per run",

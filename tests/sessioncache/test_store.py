@@ -437,3 +437,15 @@ def test_a_block_is_stored_no_faster_than_its_parent(clock: ManualClock):
     put(store, [parent], tier="cpu")
     store.put([child], [data(child)], namespace_root=ROOT, parent=parent)
     assert store.where(child) == ["cpu"]
+
+
+def test_the_eviction_heaps_stay_in_proportion_to_the_candidates():
+    """Every block of a stored chain is its tail for an instant; the stale entries that
+    leaves are compacted away instead of piling up per block held (issue 15)."""
+    store = TieredStore([CpuTier(1 << 30)])
+    chain = 512
+    for number in range(64):
+        ids = [BlockHash(number.to_bytes(8, "big") + i.to_bytes(8, "big")) for i in range(chain)]
+        store.put(ids, [b"\x01" * 64] * chain, namespace_root=b"\x02" * 16)
+    policy = store._policy
+    assert policy.queued(0) <= 3 * 4096 + 64 * 3  # not ~2 entries for each of 32K blocks
