@@ -469,7 +469,11 @@ class TieredStore:
     def counters(self) -> Counters:
         """A snapshot of the event counters."""
         with self._lock:
-            return replace(self._counters)
+            counters = replace(self._counters)
+        if self._shared is not None:
+            # damaged values the shared tier met while locating: never read, still corrupt
+            counters.corrupt_reads += self._shared[1].corrupt_located()
+        return counters
 
     def _read(self, meta: BlockMeta, promote: bool | None) -> torch.Tensor:
         block_hash = meta.block_hash

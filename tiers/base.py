@@ -149,6 +149,11 @@ class SharedTier(Protocol):
 
     def set_expiry_many(self, items: Sequence[tuple[BlockHash, float]]) -> None: ...
 
+    def corrupt_located(self) -> int:
+        """Values ``locate_many`` found damaged since start (deleted, never adopted: the
+        store counts them with its corrupt reads)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class SlotLocation:

@@ -120,6 +120,9 @@ class RedisCounters:
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
+    corrupt_located: int = 0
+    """Values ``locate_many`` found damaged (their header does not describe the block asked
+    for): deleted and never adopted, so no ``get`` ever sees them."""
     stored: int = 0
     unavailable: int = 0
     """Calls answered as a miss / ``TierUnavailable`` because Redis was unreachable."""
@@ -302,6 +305,7 @@ class RedisTier:
             self._note_unavailable(exc, len(hashes))
             return [None] * len(hashes)
         out: list[LocatedBlock | None] = []
+        damaged: list[BlockHash] = []
         for i, block_hash in enumerate(hashes):
             raw, pexp = replies[2 * i], replies[2 * i + 1]
             if not isinstance(raw, bytes) or not raw:
@@ -311,8 +315,17 @@ class RedisTier:
                 header = decode_header(raw)
                 if header.block_hash != block_hash or header.nbytes == 0:
                     raise InvalidBlock("header does not describe this block")
-            except InvalidBlock:
-                out.append(None)  # get() will find it corrupt and delete it
+            except InvalidBlock as exc:
+                # Never adopted, so no get() would ever find it corrupt: count and delete it
+                # here, or it would sit in the shared tier, uncounted, until it expired.
+                logger.warning(
+                    "%s tier: block %s is corrupt (%s); deleting it",
+                    self.name,
+                    block_hash.hex(),
+                    exc,
+                )
+                damaged.append(block_hash)
+                out.append(None)
                 continue
             if pexp == -2:  # gone between the two commands
                 out.append(None)
@@ -327,7 +340,16 @@ class RedisTier:
                     expires,
                 )
             )
+        if damaged:
+            with self._lock:
+                self._counters.corrupt_located += len(damaged)
+            self.delete_many(damaged)
         return out
+
+    def corrupt_located(self) -> int:
+        """How many values ``locate_many`` found damaged and deleted, since start."""
+        with self._lock:
+            return self._counters.corrupt_located
 
     def keys(self) -> list[BlockHash]:
         """Every block under this tier's prefix, from ``SCAN`` over every shard: a snapshot of

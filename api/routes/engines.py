@@ -19,10 +19,10 @@ router = APIRouter(prefix="/v1/engines", tags=["routing"])
 def engine_out(routing: Router, spec: EngineSpec) -> EngineOut:
     status = routing.feeds.status(spec.engine_id)
     if status is None:  # removed meanwhile
-        raise EngineNotFound(f"engine {spec.engine_id!r} is not registered")
+        raise EngineNotFound(f"engine {routing.public_id(spec)!r} is not registered")
     counts, held = routing.index.counts(spec.engine_id)
     return EngineOut(
-        engine_id=spec.engine_id,
+        engine_id=routing.public_id(spec),
         namespace=NamespaceIn(**asdict(spec.namespace)),
         endpoint=spec.endpoint,
         replay_endpoint=spec.replay_endpoint,
@@ -61,7 +61,7 @@ def register_engine(
         tenant,
     )
     routing.register(spec)
-    return engine_out(routing, spec)
+    return engine_out(routing, routing.get(tenant, spec.engine_id))
 
 
 @router.get("", response_model=EnginesOut, responses=ERRORS)

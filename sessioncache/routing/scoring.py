@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from sessioncache.errors import EngineNotFound, InvalidInput
+from sessioncache.errors import EngineExists, EngineNotFound, InvalidInput
 from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
 from sessioncache.node import CacheNode
 from sessioncache.routing.engine_index import EngineIndex
@@ -78,11 +78,31 @@ class Router:
 
     # -- engines -------------------------------------------------------------------------
 
+    def _key(self, tenant: str | None, engine_id: str) -> str:
+        """An engine's id inside the node (feeds, index, ``/metrics``). With API keys each
+        tenant has its own id space (``tenant/id``: an engine id holds no ``/``), so a tenant
+        can neither collide with another's ids nor learn that they exist by registering
+        them; shared engines, and every engine of an open node (one tenant), keep their ids."""
+        if tenant is None or not self.node.auth_enabled:
+            return engine_id
+        return f"{tenant}/{engine_id}"
+
+    def public_id(self, spec: EngineSpec) -> str:
+        """The id the engine was registered under, as its tenant knows it."""
+        if spec.tenant is None or not self.node.auth_enabled:
+            return spec.engine_id
+        return spec.engine_id.rsplit("/", 1)[1]
+
     def register(self, spec: EngineSpec) -> None:
         """Follow ``spec``'s engine; its ids are rooted in its tenant's namespace (unsalted
-        for a shared engine, ``tenant`` None)."""
+        for a shared engine, ``tenant`` None). ``EngineExists`` if the tenant already has an
+        engine of that id, or a shared engine has it (every tenant sees those)."""
         node = self.node
         seed = node.settings.hash_seed
+        taken = self.feeds.spec(spec.engine_id)
+        if spec.tenant is not None and taken is not None and taken.tenant is None:
+            raise EngineExists(f"engine {spec.engine_id!r} is already registered (shared)")
+        internal = replace(spec, engine_id=self._key(spec.tenant, spec.engine_id))
 
         def root_for(lora: str | None) -> bytes:
             ns = spec.namespace if lora is None else replace(spec.namespace, lora=lora)
@@ -90,14 +110,19 @@ class Router:
                 return ns.root(seed)
             return node.namespace_root(spec.tenant, ns)
 
-        self.feeds.add(spec, root_for, seed)
+        try:
+            self.feeds.add(internal, root_for, seed)
+        except EngineExists:
+            raise EngineExists(f"engine {spec.engine_id!r} is already registered") from None
 
     def visible(self, tenant: str) -> list[EngineSpec]:
         """The engines ``tenant`` may see: its own and the shared ones."""
         return [s for s in self.feeds.specs() if s.tenant in (tenant, None)]
 
     def get(self, tenant: str, engine_id: str) -> EngineSpec:
-        spec = self.feeds.spec(engine_id)
+        """The tenant's engine of that id, else the shared one (ids of the two never clash:
+        ``register``); another tenant's is not found, exactly as an id nobody uses."""
+        spec = self.feeds.spec(self._key(tenant, engine_id)) or self.feeds.spec(engine_id)
         if spec is None or spec.tenant not in (tenant, None):
             raise EngineNotFound(f"engine {engine_id!r} is not registered")
         return spec
@@ -111,7 +136,7 @@ class Router:
                 f"engine {engine_id!r} is shared (registered in the settings): it cannot be "
                 "removed through the API"
             )
-        self.feeds.remove(engine_id)
+        self.feeds.remove(spec.engine_id)
 
     def close(self) -> None:
         self.feeds.close()
@@ -179,7 +204,7 @@ class Router:
                 stale = self.feeds.stale(engine_id)
                 out.append(
                     EngineRoute(
-                        engine_id,
+                        self.public_id(by_id[engine_id]),
                         block_tokens,
                         m.matched_blocks,
                         m.matched_blocks * block_tokens,

@@ -202,3 +202,104 @@ def test_secrets_never_in_logs_or_errors(auth_server: Server) -> None:
 
     shown = repr(Settings(api_keys={"sekrit-key": "t"}, admin_token="sekrit-admin"))
     assert "sekrit" not in shown
+
+
+# -- the admin surfaces (/admin/api/*) and the routing endpoints --------------------------------
+
+ADMIN_CALLS = [
+    ("get", "/admin/api/session", None),
+    ("get", "/admin/api/overview", None),
+    ("get", "/admin/api/history", None),
+    ("get", "/admin/api/namespaces", None),
+    ("get", "/admin/api/sessions", None),
+    ("get", "/admin/api/sessions/some-session", None),
+    ("post", "/admin/api/sessions/some-session/extend", {"ttl_s": 60}),
+    ("post", "/admin/api/sessions/some-session/close", None),
+    ("post", "/admin/api/sessions/some-session/purge", None),
+    ("post", "/admin/api/logout", None),
+]
+ENGINE = {"engine_id": "eng-hostile", "namespace": NS, "endpoint": "tcp://127.0.0.1:9"}
+ROUTING_CALLS = [
+    ("get", "/v1/engines", None),
+    ("post", "/v1/engines", ENGINE),
+    ("get", "/v1/engines/eng-hostile", None),
+    ("delete", "/v1/engines/eng-hostile", None),
+    ("post", "/v1/route", {"namespace": NS, "tokens": TOKS}),
+]
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Its own node: wrong admin tokens lock token checks for a minute (admin.auth), which
+    must not leak into the admin server's other tests."""
+    server = start_server(
+        tmp_path_factory.mktemp("guarded") / "data",
+        {"SESSIONCACHE_API_KEYS": json.dumps(KEYS), "SESSIONCACHE_ADMIN_TOKEN": ADMIN_KEY},
+    )
+    yield server
+    server.stop()
+
+
+def test_admin_api_refuses_missing_or_wrong_tokens(guarded_server: Server) -> None:
+    url = guarded_server.url
+    tenant_key = next(iter(KEYS))
+    refusals = (
+        {},
+        bearer("wrong-admin-secret"),
+        bearer(tenant_key),  # a tenant's API key is no admin token
+        {"authorization": f"Basic {ADMIN_KEY}"},  # the right token, the wrong scheme
+        {"cookie": "sessioncache_admin=made-up-session"},
+    )
+    for headers in refusals:
+        for method, path, body in ADMIN_CALLS:
+            r = httpx.request(method, f"{url}{path}", json=body, headers=headers)
+            assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
+            assert r.json()["error"] == "AdminAuthRequired"
+            assert "wrong-admin-secret" not in r.text and tenant_key not in r.text
+    # and the token itself still opens it (fewer wrong tries than the lock-out needs)
+    r = httpx.get(f"{url}/admin/api/overview", headers=bearer(ADMIN_KEY))
+    assert r.status_code == 200
+    r = httpx.post(f"{url}/admin/api/sessions/some-session/close", headers=bearer(ADMIN_KEY))
+    assert r.status_code == 404  # authenticated: an unknown session, not a refusal
+    text = Path(guarded_server.log).read_text()
+    assert "wrong-admin-secret" not in text and ADMIN_KEY not in text
+
+
+def test_routing_endpoints_refuse_missing_or_wrong_keys(guarded_server: Server) -> None:
+    url = guarded_server.url
+    for headers in ({}, bearer("wrong-key"), bearer(ADMIN_KEY), {"authorization": "Basic x"}):
+        for method, path, body in ROUTING_CALLS:
+            r = httpx.request(method, f"{url}{path}", json=body, headers=headers)
+            # the admin token is no tenant key: routing is per tenant
+            assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
+            assert "wrong-key" not in r.text and ADMIN_KEY not in r.text
+    # nothing was registered by the refused calls
+    r = httpx.get(f"{url}/v1/engines", headers=bearer(next(iter(KEYS))))
+    assert r.status_code == 200 and r.json()["engines"] == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/admin/api/login",
+        "/admin/api/sessions/some-session/extend",
+        "/v1/engines",
+        "/v1/route",
+    ],
+)
+def test_admin_and_routing_bodies_are_bounded(guarded_server: Server, path: str) -> None:
+    # 8 MiB limit in tests/support/servers.py: a declared length over it, then a streamed one
+    big = b'{"token": "' + b"a" * (9 << 20) + b'"}'
+    headers = {"content-type": "application/json", **bearer(ADMIN_KEY)}
+    r = httpx.post(f"{guarded_server.url}{path}", content=big, headers=headers, timeout=30)
+    assert r.status_code == 413 and r.json()["error"] == "BodyTooLarge", r.text
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"token": "'
+        for _ in range(9):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(f"{guarded_server.url}{path}", content=chunks(), headers=headers, timeout=30)
+    assert r.status_code == 413, r.text
+    assert httpx.get(f"{guarded_server.url}/healthz").status_code == 200

@@ -1,7 +1,8 @@
 """Disk-tier files damaged while the node is down (flipped bytes, truncation): on every read
 path (REST by id, REST batch, stream) the damaged block is detected, counted in ``/metrics``,
 moved to ``quarantine/`` and never served; the intact ones are served byte-exact. (The tier
-itself, and the Redis tier's damaged values, are covered in tests/tiers/.)"""
+itself is covered in tests/tiers/; the shared Redis tier's damaged values, through a node, in
+tests/faults/test_redis_corruption.py.)"""
 
 from __future__ import annotations
 

@@ -242,6 +242,9 @@ class SlowSharedTier(CpuTier):
         self.entered = threading.Event()
         self.release = threading.Event()
 
+    def corrupt_located(self) -> int:
+        return 0
+
     def locate_many(self, hashes: Sequence[BlockHash]) -> list[None]:
         self.entered.set()
         self.release.wait(10)

@@ -404,3 +404,29 @@ def test_redis_killed_mid_load_and_restarted(tmp_path: Path) -> None:
     # a dead Redis costs milliseconds: no call (a put and a get) took anywhere near a second
     assert slowest[0] < 1.0, slowest[0]
     assert tier.status().failures >= 1 and tier.status().recoveries >= 1
+
+
+@pytest.mark.parametrize("damage", ["header-bit", "other-id", "cut-in-header"])
+def test_a_damaged_header_met_by_locate_is_counted_and_deleted(
+    tier: RedisTier, raw: redis.Redis, damage: str
+) -> None:
+    # a lookup adopts shared blocks from their headers alone: no get() would ever read a
+    # value whose header is damaged, so locate_many itself counts and deletes it
+    tier.put(bid(1), payload(1), NS)
+    tier.put(bid(2), payload(2), NS)
+    key = tier.key(bid(1))
+    value = raw.get(key)
+    assert isinstance(value, bytes)
+    if damage == "header-bit":
+        raw.setrange(key, 20, bytes([value[20] ^ 0x80]))  # inside the block id
+    elif damage == "other-id":
+        other = raw.get(tier.key(bid(2)))
+        assert isinstance(other, bytes)
+        raw.set(key, other)
+    else:
+        raw.set(key, value[: HEADER_SIZE // 2])
+    found = tier.locate_many([bid(1), bid(2)])
+    assert found[0] is None and found[1] is not None
+    assert raw.exists(key) == 0 and tier.counters().corrupt_located == 1
+    assert tier.corrupt_located() == 1
+    assert tier.locate_many([bid(1)]) == [None] and tier.corrupt_located() == 1  # gone: a miss

@@ -7,6 +7,11 @@
     python samehost_client.py stage SOCKET SEED BLOCKS
         stages the chain of SEED's tokens (slots reserved), fills half of the slots, commits
         nothing, then stalls
+    python samehost_client.py commit-half SOCKET SEED BLOCKS
+        stages the chain, fills and commits its first half (published), then writes the
+        second half's slots only half way (torn blocks) and stalls before their COMMIT
+    python samehost_client.py stage-keyed SOCKET SEED BLOCKS
+        the same as ``stage`` for keyed blocks (one key per block, from SEED)
 
 Prints ``stalled`` once it stalls; payloads are ``conftest.pattern`` of each id.
 """
@@ -17,11 +22,13 @@ import sys
 import time
 
 import numpy as np
+import xxhash
 
 from sessioncache.dataplane import frames
+from sessioncache.dataplane.client import key_bytes
 from sessioncache.dataplane.frames import Op, StoreHead
 from sessioncache.dataplane.samehost import SameHostClient
-from sessioncache.hashing import tokens_to_le_bytes
+from sessioncache.hashing import block_key, tokens_to_le_bytes
 from tests.sessioncache.dataplane.conftest import BLOCK, NS, pattern, tokens
 
 
@@ -40,16 +47,31 @@ def main() -> None:
         for i in range(blocks // 2):
             np.copyto(out[i], client._segment(found.slots[i]))
     else:
-        head = StoreHead(root, None, NS.block_tokens, blocks, BLOCK)
-        body = client._call(
-            Op.STAGE, lambda rid: frames.encode_stage(rid, head, tokens_to_le_bytes(toks))
-        )
+        if mode == "stage-keyed":
+            keys = [block_key(f"killed-{seed}-{i}") for i in range(blocks)]
+            ids = client.key_ids(root, keys)
+            head = StoreHead(root, None, frames.KEY_WORDS, blocks, BLOCK, 0, True, False)
+            section = key_bytes(keys)
+        else:
+            head = StoreHead(root, None, NS.block_tokens, blocks, BLOCK)
+            section = tokens_to_le_bytes(toks)
+        body = client._call(Op.STAGE, lambda rid: frames.encode_stage(rid, head, section))
         staged = frames.decode_stage_ok(body, BLOCK)
         assert staged.status == [frames.STORED] * blocks, staged.status
+        assert staged.ids == ids
         client._ensure_segments(s.segment for s in staged.slots if s is not None)
-        for block_id, slot in list(zip(ids, staged.slots, strict=True))[: blocks // 2]:
+        half = blocks // 2
+        for block_id, slot in list(zip(ids, staged.slots, strict=True))[:half]:
             assert slot is not None
             np.copyto(client._segment(slot), pattern(block_id))
+        if mode == "commit-half":
+            sums = [xxhash.xxh3_64_intdigest(pattern(h)) for h in ids[:half]]
+            commit = frames.Commit(staged.staging, 0, [BLOCK] * half, sums)
+            body = client._call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
+            assert frames.decode_commit_ok(body).status == [frames.STORED] * half
+            for block_id, slot in list(zip(ids, staged.slots, strict=True))[half:]:
+                assert slot is not None
+                client._segment(slot)[: BLOCK // 2] = pattern(block_id)[: BLOCK // 2]
     print("stalled", flush=True)
     time.sleep(600)
 

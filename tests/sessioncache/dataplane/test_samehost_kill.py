@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from sessioncache.dataplane.samehost import SameHostClient
+from sessioncache.hashing import block_key
 from tests.sessioncache.dataplane.conftest import BLOCK, NS, pattern, rest, tokens, wait_until
 from tests.support.servers import Server, start_server
 
@@ -111,6 +112,82 @@ def test_client_killed_mid_staged_store(open_server: Server):
         assert client.locate(root, ids).matched == 0
         # the ids are free again: a new store of them goes through
         assert client.store(root, toks, [pattern(h) for h in ids]).stored == 12
+
+
+def test_client_killed_between_commits_publishes_only_what_it_committed(open_server: Server):
+    # a staging committed in two COMMITs: the first went through, the second half's slots
+    # were being written (torn: half their bytes) when the client died
+    wait_until(lambda: settled(open_server))
+    used = cpu_used(open_server)
+    blocks = rest(open_server, "/v1/stats")["blocks"]
+    child = stalled_client("commit-half", socket_path(open_server), 42, 12)
+    try:
+        assert cpu_used(open_server) == used + 12 * BLOCK
+        assert rest(open_server, "/v1/stats")["blocks"] == blocks + 6  # the committed half
+    finally:
+        kill_9(child)
+    # the uncommitted slots are freed, the committed blocks stay published
+    wait_until(lambda: settled(open_server) and cpu_used(open_server) == used + 6 * BLOCK)
+    assert rest(open_server, "/v1/stats")["blocks"] == blocks + 6
+    with SameHostClient.connect(socket_path(open_server)) as client:
+        root = client.resolve(NS)
+        toks = tokens(42, 12)
+        ids = client.block_hashes(root, toks)
+        found = client.locate(root, ids)
+        assert found.matched == found.located == 6  # nothing of the torn half
+        out = np.zeros((6, BLOCK), np.uint8)
+        client.load_into(found, list(out), verify=True)
+        assert all(np.array_equal(row, pattern(h)) for row, h in zip(out, ids[:6], strict=True))
+        assert client.exists(root, ids) == [True] * 6 + [False] * 6
+        ack = client.store(root, toks, [pattern(h) for h in ids])
+        assert ack.tally("present") == 6 and ack.stored == 6
+
+
+def test_keyed_client_killed_mid_staged_store(open_server: Server):
+    wait_until(lambda: settled(open_server))
+    used = cpu_used(open_server)
+    blocks = rest(open_server, "/v1/stats")["blocks"]
+    child = stalled_client("stage-keyed", socket_path(open_server), 43, 8)
+    try:
+        assert cpu_used(open_server) == used + 8 * BLOCK
+    finally:
+        kill_9(child)
+    wait_until(lambda: settled(open_server) and cpu_used(open_server) == used)
+    assert rest(open_server, "/v1/stats")["blocks"] == blocks
+    with SameHostClient.connect(socket_path(open_server)) as client:
+        root = client.resolve(NS)
+        keys = [block_key(f"killed-43-{i}") for i in range(8)]
+        ids = client.key_ids(root, keys)
+        assert client.exists(root, ids) == [False] * 8
+        assert client.locate(root, ids, keyed=True).matched == 0
+
+
+def test_several_clients_killed_at_once(open_server: Server):
+    # a load holding a lease, a staged store, a half-committed one and a keyed staging, all
+    # mid-way when they die together: every lease and every uncommitted slot comes back
+    wait_until(lambda: settled(open_server))
+    used = cpu_used(open_server)
+    children = [
+        stalled_client("load", socket_path(open_server), 60, 8),
+        stalled_client("stage", socket_path(open_server), 61, 8),
+        stalled_client("commit-half", socket_path(open_server), 62, 8),
+        stalled_client("stage-keyed", socket_path(open_server), 63, 8),
+    ]
+    try:
+        assert rest(open_server, "/v1/stats")["leases"] == 1
+        assert rest(open_server, "/v1/dataplane")["same_host_connections"] == 4
+    finally:
+        for child in children:
+            child.send_signal(signal.SIGKILL)
+        for child in children:
+            assert child.wait(10) == -signal.SIGKILL
+    # what stays: the loaded chain (stored before the lease) and the committed half
+    wait_until(lambda: settled(open_server) and cpu_used(open_server) == used + 12 * BLOCK)
+    with SameHostClient.connect(socket_path(open_server)) as client:
+        root = client.resolve(NS)
+        for seed, held in ((60, 8), (61, 0), (62, 4)):
+            ids = client.block_hashes(root, tokens(seed, 8))
+            assert client.exists(root, ids) == [True] * held + [False] * (8 - held), seed
 
 
 def test_node_killed_and_restarted_leaves_no_segment_and_keeps_acknowledged_blocks(
