@@ -167,8 +167,14 @@ def test_kill_9_under_load_on_every_path(tmp_path: Path) -> None:
                 w.client.close()
         assert not os.path.exists(f"/proc/{old}")
         server = start_server(data)
-        # every acknowledged block of every round so far: present and byte-exact
+        # every acknowledged block of every round so far: present and byte-exact, once the
+        # restart's background pass has adopted the files whose catalog rows were still queued
+        # when the node died (the node serves the catalog's blocks at once, the rest after it)
         with httpx.Client(base_url=server.url, timeout=30) as client:
+            deadline = time.monotonic() + 60
+            while client.get("/readyz", params={"strict": "true"}).status_code != 200:
+                assert time.monotonic() < deadline, client.get("/readyz").text
+                time.sleep(0.1)
             for path, ids in acked.items():
                 for bid in set(ids):
                     r = client.get(f"/v1/blocks/{bid.hex()}")
