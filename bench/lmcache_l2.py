@@ -9,11 +9,12 @@ Everything runs on this host, in two regimes, each on fresh backends (a new
 - ``fresh``: each backend grows its memory from nothing during the run, as a node or a Redis
   does in its first minutes: the node makes new 64 MiB memfd segments (ahead of need, in the
   background: ``SESSIONCACHE_CPU_SPARE_CHUNKS``), Redis's allocator faults in new pages;
-- ``warm``: each backend's memory is already made, as it is once a node or a Redis has run a
-  while (a full tier reuses evicted slots; a full Redis reuses freed memory): the node starts
-  with ``SESSIONCACHE_CPU_PREALLOCATE=true``, and Redis is filled with as many bytes as the run
-  stores and then emptied with ``FLUSHALL`` (its allocator keeps the pages: RSS stays, checked
-  and printed). ``fs`` is not run warm (the page cache is the kernel's either way).
+- ``warm``: each backend is as it is once it has run a while: the node's tier made
+  (``SESSIONCACHE_CPU_PREALLOCATE=true``; a full tier reuses the slots it evicts), Redis full
+  (filled with as many bytes as the run stores, in values with a TTL, under a ``maxmemory``
+  just above them with ``volatile-lru``: each value the run stores evicts a filler value, and
+  the allocator may reuse its memory; see ``warm_redis``). ``fs`` is not run warm (the page
+  cache is the kernel's either way).
 
 Ours runs twice per regime: through shared memory (``data_path`` ``same_host``, what an
 LMCache server next to the node gets) and over the block stream (``stream``, what a remote
@@ -119,22 +120,31 @@ class Backend:
 
 
 def warm_redis(port: int, nbytes: int, size: int) -> str:
-    """Store ``nbytes`` in values of ``size`` bytes, then FLUSHALL: Redis's allocator keeps
-    the pages it faulted in, so the run reuses them. Returns the RSS before and after."""
+    """Make Redis full, as it is once it has run a while: ``nbytes`` of filler values of
+    ``size`` bytes, each with a TTL, and ``maxmemory`` just above what they take with the
+    ``volatile-lru`` policy, so that every value the run stores evicts a filler value (and
+    only those: the run's keys have no TTL) and the allocator may reuse its memory. (Emptying
+    Redis instead does not keep it warm: FLUSHALL purges large values' pages, measured.)
+    Returns what it did, for the record."""
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port)
     value = b"\xa5" * size
-    for first in range(0, nbytes // size, 16):
+    count = nbytes // size
+    for first in range(0, count, 16):
         pipe = client.pipeline(transaction=False)
-        for i in range(first, min(first + 16, nbytes // size)):
-            pipe.set(f"warm:{i}", value)
+        for i in range(first, min(first + 16, count)):
+            pipe.set(f"warm:{i}", value, ex=24 * 3600)
         pipe.execute()
-    full = int(client.info("memory")["used_memory_rss"])
-    client.flushall()
-    after = int(client.info("memory")["used_memory_rss"])
+    used = int(client.info("memory")["used_memory"])
+    limit = used + 4 * size + (8 << 20)  # room for the run's key names and buffers only
+    client.config_set("maxmemory-policy", "volatile-lru")
+    client.config_set("maxmemory", str(limit))
+    rss = int(client.info("memory")["used_memory_rss"])
     client.close()
-    return f"redis RSS {full / MB:.0f} MiB filled, {after / MB:.0f} MiB after FLUSHALL"
+    return (
+        f"redis full: {count} filler values, maxmemory {limit / MB:.0f} MiB, RSS {rss / MB:.0f} MiB"
+    )
 
 
 def lmcache_bench(spec: dict[str, Any], keys: int, size_kb: int, rounds: int, out: Path) -> dict:
