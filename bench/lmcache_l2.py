@@ -82,12 +82,21 @@ class Backend:
     or ``lmcache fs``; ``warm``: its memory made before the run (module docstring)."""
 
     def __init__(
-        self, name: str, work: Path, size_kb: int, *, cpu_bytes: int, warm: bool, fill: int
+        self,
+        name: str,
+        work: Path,
+        size_kb: int,
+        *,
+        cpu_bytes: int,
+        warm: bool,
+        fill: int,
+        margin: int,
     ) -> None:
         self.name = name
         self.warm = warm
         self.size = size_kb * 1024
         self.fill = fill
+        self.margin = margin
         self.dir = work / f"{name.split()[1]}-{size_kb}k{'-warm' if warm else ''}"
         self.cpu_bytes = cpu_bytes
         self.process: subprocess.Popen[bytes] | None = None
@@ -108,7 +117,7 @@ class Backend:
         if "resp" in self.name:
             self.process, port = start_redis(self.dir)
             if self.warm:
-                self.note = warm_redis(port, self.fill, self.size)
+                self.note = warm_redis(port, self.fill, self.size, self.margin)
             return {"type": "resp", "host": "127.0.0.1", "port": port}
         return {"type": "fs", "base_path": str(self.dir)}
 
@@ -119,9 +128,9 @@ class Backend:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def warm_redis(port: int, nbytes: int, size: int) -> str:
+def warm_redis(port: int, nbytes: int, size: int, margin: int) -> str:
     """Make Redis full, as it is once it has run a while: ``nbytes`` of filler values of
-    ``size`` bytes, each with a TTL, and ``maxmemory`` just above what they take with the
+    ``size`` bytes, each with a TTL, and ``maxmemory`` ``margin`` above what they take with the
     ``volatile-lru`` policy, so that every value the run stores evicts a filler value (and
     only those: the run's keys have no TTL) and the allocator may reuse its memory. (Emptying
     Redis instead does not keep it warm: FLUSHALL purges large values' pages, measured.)
@@ -137,7 +146,9 @@ def warm_redis(port: int, nbytes: int, size: int) -> str:
             pipe.set(f"warm:{i}", value, ex=24 * 3600)
         pipe.execute()
     used = int(client.info("memory")["used_memory"])
-    limit = used + 4 * size + (8 << 20)  # room for the run's key names and buffers only
+    # The margin leaves room for the client's pipelined query buffers (they count as used
+    # memory): without it Redis evicts every filler value at once and then refuses writes.
+    limit = used + margin
     client.config_set("maxmemory-policy", "volatile-lru")
     client.config_set("maxmemory", str(limit))
     rss = int(client.info("memory")["used_memory_rss"])
@@ -226,6 +237,7 @@ def main() -> None:
                         cpu_bytes=max(1 << 30, 2 * per_run),
                         warm=warm,
                         fill=fill,
+                        margin=2 * args.keys * size_kb * 1024 + (16 << 20),
                     )
                     with backend as spec:
                         out = work / f"{size_kb}-{regime}-{NAMES.index(name)}.json"

@@ -43,7 +43,7 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"\( *[\d.]+\) +[\d.]+x +[\d.]+x\n"
         r"(?s:.*)^ +64k fresh +lmcache fs .*\n"
         r"(?s:.*)^ +64k warm +sessioncache same_host .*\n"
-        r"(?s:.*)^64k warm: redis full: \\d+ filler values, maxmemory \d+ MiB, RSS \d+ MiB\n"
+        r"(?s:.*)^64k warm: redis full: \d+ filler values, maxmemory \d+ MiB, RSS \d+ MiB\n"
         r"\{\"64k\": ",
     ),
     "bench.load": (
