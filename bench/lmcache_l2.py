@@ -2,16 +2,27 @@
 ``resp`` (Redis) and ``fs`` (filesystem) adapters, in the same run, with the same key count and
 payload sizes: store and load GB/s, and ours over theirs.
 
-Everything runs on this host, and every run on a fresh backend: a new ``sessioncache serve``
-(CPU tier in shared memory, no disk tier), a new private ``redis-server`` (no persistence) for
-``resp``, an empty temporary directory for ``fs``; so each grows its memory from nothing (a
-Redis emptied by FLUSHALL would reuse memory its allocator had already faulted in). Ours runs
-twice: through shared memory (``data_path`` ``same_host``, what an LMCache server next to the
-node gets) and over the block stream (``stream``, what a remote one gets, here over
-loopback).
+Everything runs on this host, in two regimes, each on fresh backends (a new
+``sessioncache serve`` with its CPU tier in shared memory and no disk tier, a new private
+``redis-server`` without persistence, an empty temporary directory for ``fs``):
 
-Run: ``python -m bench.lmcache_l2 [--keys 64] [--sizes-kb 256 2048] [--rounds 5] [--json]``.
-Needs the ``lmcache`` extra (``pip install '.[lmcache]'``) and ``redis-server`` on the PATH.
+- ``fresh``: each backend grows its memory from nothing during the run, as a node or a Redis
+  does in its first minutes: the node makes new 64 MiB memfd segments (ahead of need, in the
+  background: ``SESSIONCACHE_CPU_SPARE_CHUNKS``), Redis's allocator faults in new pages;
+- ``warm``: each backend is as it is once it has run a while: the node's tier made
+  (``SESSIONCACHE_CPU_PREALLOCATE=true``; a full tier reuses the slots it evicts), Redis full
+  (filled with as many bytes as the run stores, in values with a TTL, under a ``maxmemory``
+  just above them with ``volatile-lru``: each value the run stores evicts a filler value, and
+  the allocator may reuse its memory; see ``warm_redis``). ``fs`` is not run warm (the page
+  cache is the kernel's either way).
+
+Ours runs twice per regime: through shared memory (``data_path`` ``same_host``, what an
+LMCache server next to the node gets) and over the block stream (``stream``, what a remote
+one gets, here over loopback). Ratios compare ours to ``resp`` in the same regime.
+
+Run: ``python -m bench.lmcache_l2 [--keys 64] [--sizes-kb 256 2048] [--rounds 5]
+[--regimes fresh warm] [--json]``. Needs the ``lmcache`` extra (``pip install '.[lmcache]'``)
+and ``redis-server`` on the PATH.
 """
 
 from __future__ import annotations
@@ -66,17 +77,35 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
 
 
 class Backend:
-    """The store one run benchmarks, started fresh, and the ``--l2-adapter`` JSON naming it."""
+    """The store one run benchmarks, started fresh, and the ``--l2-adapter`` JSON naming it.
+    ``name`` is ``sessioncache same_host``, ``sessioncache stream``, ``lmcache resp (redis)``
+    or ``lmcache fs``; ``warm``: its memory made before the run (module docstring)."""
 
-    def __init__(self, name: str, work: Path, size_kb: int, *, cpu_bytes: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        work: Path,
+        size_kb: int,
+        *,
+        cpu_bytes: int,
+        warm: bool,
+        fill: int,
+        margin: int,
+    ) -> None:
         self.name = name
-        self.dir = work / f"{name.split()[1]}-{size_kb}k"
+        self.warm = warm
+        self.size = size_kb * 1024
+        self.fill = fill
+        self.margin = margin
+        self.dir = work / f"{name.split()[1]}-{size_kb}k{'-warm' if warm else ''}"
         self.cpu_bytes = cpu_bytes
         self.process: subprocess.Popen[bytes] | None = None
+        self.note = ""
 
     def __enter__(self) -> dict[str, Any]:
         if self.name.startswith("sessioncache"):
-            self.process, url = start(self.dir, cpu_bytes=self.cpu_bytes)
+            env = {"SESSIONCACHE_CPU_PREALLOCATE": "true"} if self.warm else {}
+            self.process, url = start(self.dir, cpu_bytes=self.cpu_bytes, extra_env=env)
             path = self.name.split()[1]
             return {
                 "type": "native_plugin",
@@ -87,6 +116,8 @@ class Backend:
         self.dir.mkdir(parents=True)
         if "resp" in self.name:
             self.process, port = start_redis(self.dir)
+            if self.warm:
+                self.note = warm_redis(port, self.fill, self.size, self.margin)
             return {"type": "resp", "host": "127.0.0.1", "port": port}
         return {"type": "fs", "base_path": str(self.dir)}
 
@@ -95,6 +126,36 @@ class Backend:
             self.process.terminate()
             self.process.wait(30)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def warm_redis(port: int, nbytes: int, size: int, margin: int) -> str:
+    """Make Redis full, as it is once it has run a while: ``nbytes`` of filler values of
+    ``size`` bytes, each with a TTL, and ``maxmemory`` ``margin`` above what they take with the
+    ``volatile-lru`` policy, so that every value the run stores evicts a filler value (and
+    only those: the run's keys have no TTL) and the allocator may reuse its memory. (Emptying
+    Redis instead does not keep it warm: FLUSHALL purges large values' pages, measured.)
+    Returns what it did, for the record."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    value = b"\xa5" * size
+    count = nbytes // size
+    for first in range(0, count, 16):
+        pipe = client.pipeline(transaction=False)
+        for i in range(first, min(first + 16, count)):
+            pipe.set(f"warm:{i}", value, ex=24 * 3600)
+        pipe.execute()
+    used = int(client.info("memory")["used_memory"])
+    # The margin leaves room for the client's pipelined query buffers (they count as used
+    # memory): without it Redis evicts every filler value at once and then refuses writes.
+    limit = used + margin
+    client.config_set("maxmemory-policy", "volatile-lru")
+    client.config_set("maxmemory", str(limit))
+    rss = int(client.info("memory")["used_memory_rss"])
+    client.close()
+    return (
+        f"redis full: {count} filler values, maxmemory {limit / MB:.0f} MiB, RSS {rss / MB:.0f} MiB"
+    )
 
 
 def lmcache_bench(spec: dict[str, Any], keys: int, size_kb: int, rounds: int, out: Path) -> dict:
@@ -140,45 +201,71 @@ def rates(metrics: dict[str, Any]) -> dict[str, float]:
     return got
 
 
+NAMES = ("sessioncache same_host", "sessioncache stream", "lmcache resp (redis)", "lmcache fs")
+RESP = "lmcache resp (redis)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=64, help="keys per submit")
     parser.add_argument("--sizes-kb", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per operation")
+    parser.add_argument(
+        "--regimes", nargs="+", choices=["fresh", "warm"], default=["fresh", "warm"]
+    )
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-l2-"))
     per_run = args.keys * (args.rounds + 1) * max(args.sizes_kb) * 1024
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    names = ("sessioncache same_host", "sessioncache stream", "lmcache resp (redis)", "lmcache fs")
+    results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    notes: list[str] = []
     try:
         for size_kb in args.sizes_kb:
             results[f"{size_kb}k"] = {}
-            for name in names:
-                # Every run starts on a fresh backend (a new node, a new redis-server, an empty
-                # directory): each then grows its memory from nothing, as the others do.
-                with Backend(name, work, size_kb, cpu_bytes=max(1 << 30, 2 * per_run)) as spec:
-                    out = work / f"{size_kb}-{names.index(name)}.json"
-                    metrics = lmcache_bench(spec, args.keys, size_kb, args.rounds, out)
-                results[f"{size_kb}k"][name] = rates(metrics)
+            for regime in args.regimes:
+                got = results[f"{size_kb}k"][regime] = {}
+                warm = regime == "warm"
+                for name in NAMES:
+                    if warm and name == "lmcache fs":
+                        continue
+                    fill = args.keys * (args.rounds + 1) * size_kb * 1024
+                    backend = Backend(
+                        name,
+                        work,
+                        size_kb,
+                        cpu_bytes=max(1 << 30, 2 * per_run),
+                        warm=warm,
+                        fill=fill,
+                        margin=2 * args.keys * size_kb * 1024 + (16 << 20),
+                    )
+                    with backend as spec:
+                        out = work / f"{size_kb}-{regime}-{NAMES.index(name)}.json"
+                        metrics = lmcache_bench(spec, args.keys, size_kb, args.rounds, out)
+                    if backend.note:
+                        notes.append(f"{size_kb}k {regime}: {backend.note}")
+                    got[name] = rates(metrics)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     print(
         f"lmcache bench l2, {args.keys} keys per submit, GB/s of the best of {args.rounds} "
-        "rounds (average in parentheses); ratios of the best rounds"
+        "rounds (average in parentheses); ratios of the best rounds, over resp in the same "
+        "regime"
     )
-    header = ("size", "adapter", "store", "(avg)", "load", "(avg)", "store/resp", "load/resp")
-    print("{:>6} {:<24} {:>6} {:>7} {:>6} {:>7} {:>11} {:>10}".format(*header))
-    for size, by_name in results.items():
-        resp = by_name["lmcache resp (redis)"]
-        for name, got in by_name.items():
-            print(
-                f"{size:>6} {name:<24} {got['store']:6.2f} ({got['store_avg']:5.2f}) "
-                f"{got['load']:6.2f} ({got['load_avg']:5.2f}) "
-                f"{got['store'] / resp['store']:10.2f}x {got['load'] / resp['load']:9.2f}x"
-            )
+    header = ("size", "regime", "adapter", "store", "(avg)", "load", "(avg)", "store/resp")
+    print("{:>6} {:<6} {:<24} {:>6} {:>7} {:>6} {:>7} {:>11} load/resp".format(*header))
+    for size, by_regime in results.items():
+        for regime, by_name in by_regime.items():
+            resp = by_name[RESP]
+            for name, got in by_name.items():
+                print(
+                    f"{size:>6} {regime:<6} {name:<24} {got['store']:6.2f} "
+                    f"({got['store_avg']:5.2f}) {got['load']:6.2f} ({got['load_avg']:5.2f}) "
+                    f"{got['store'] / resp['store']:10.2f}x {got['load'] / resp['load']:9.2f}x"
+                )
+    for note in notes:
+        print(note)
     if args.json:
         print(json.dumps(results))
 

@@ -55,9 +55,13 @@ def free_port() -> int:
 
 
 def start(
-    data_dir: Path, cpu_bytes: int = 1 << 30, tree: Path | None = None
+    data_dir: Path,
+    cpu_bytes: int = 1 << 30,
+    tree: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A server of this tree, or of the source tree ``tree`` (another commit's checkout)."""
+    """A server of this tree, or of the source tree ``tree`` (another commit's checkout);
+    ``extra_env``: more settings (``SESSIONCACHE_*``)."""
     port = free_port()
     env = {
         **os.environ,
@@ -65,6 +69,7 @@ def start(
         "SESSIONCACHE_DISK_BYTES": "0",
         "SESSIONCACHE_DURABLE_UPLOADS": "false",
         "SESSIONCACHE_STREAM_PORT": "0",
+        **(extra_env or {}),
     }
     if tree is not None:
         env["PYTHONPATH"] = str(tree)

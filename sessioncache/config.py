@@ -63,6 +63,18 @@ class Settings(BaseSettings):
         json_schema_extra={"doc_default": "current CUDA device, else `cpu`"},
     )
     cpu_bytes: int = Field(4 * GiB, ge=0, description="CPU tier capacity; 0 leaves it out")
+    cpu_spare_chunks: int = Field(
+        2,
+        ge=0,
+        description="64 MiB chunks of the CPU tier made (and faulted in) ahead of need by a "
+        "background thread, within its capacity, so that a store that needs new memory "
+        "does not wait for the kernel to make it; 0: made by the store that needs it",
+    )
+    cpu_preallocate: bool = Field(
+        False,
+        description="make the whole CPU tier at start (the node serves once it is made): "
+        "no store ever waits for new memory, at the cost of holding `cpu_bytes` from boot",
+    )
     shm: bool = Field(
         default_factory=lambda: sys.platform == "linux",
         description="the CPU tier in shared memory (memfd segments), which engines on this "

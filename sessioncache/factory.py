@@ -40,10 +40,11 @@ def build_tiers(settings: Settings, *, scan: bool = True) -> list[Tier]:
     if settings.gpu_bytes:
         tiers.append(GpuTier(settings.gpu_bytes, device=settings.gpu_device))
     if settings.cpu_bytes:
+        spare, prealloc = settings.cpu_spare_chunks, settings.cpu_preallocate
         tiers.append(
-            SharedCpuTier(settings.cpu_bytes)
+            SharedCpuTier(settings.cpu_bytes, spare_chunks=spare, preallocate=prealloc)
             if shared_cpu_tier(settings)
-            else CpuTier(settings.cpu_bytes)
+            else CpuTier(settings.cpu_bytes, spare_chunks=spare, preallocate=prealloc)
         )
     if settings.disk_bytes:
         tiers.append(DiskTier.open(settings.data_dir / "blocks", settings.disk_bytes, scan=scan))

@@ -28,7 +28,7 @@ import torch
 from sessioncache.errors import PayloadSizeError
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import SlotLocation, StagedSlot
-from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Slot
+from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Memory, _Slot
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """A segment's size is fixed once made: a peer holding its descriptor cannot truncate it
@@ -56,6 +56,8 @@ class CpuTier(SlabTier):
         name: str = "cpu",
         pin_memory: bool | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        spare_chunks: int = 0,
+        preallocate: bool = False,
     ) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
@@ -65,7 +67,11 @@ class CpuTier(SlabTier):
             torch.device("cpu"),
             pin_memory=pin_memory,
             chunk_bytes=chunk_bytes,
+            spare_chunks=spare_chunks,
+            preallocate=preallocate,
         )
+        if type(self) is CpuTier:
+            self._start_spares(preallocate)
 
 
 class SharedCpuTier(CpuTier):
@@ -77,16 +83,31 @@ class SharedCpuTier(CpuTier):
     """
 
     def __init__(
-        self, capacity_bytes: int, *, name: str = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES
+        self,
+        capacity_bytes: int,
+        *,
+        name: str = "cpu",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        spare_chunks: int = 0,
+        preallocate: bool = False,
     ) -> None:
         if not shared_memory_available():
             raise RuntimeError("a shared-memory CPU tier needs Linux (memfd_create)")
-        super().__init__(capacity_bytes, name=name, pin_memory=False, chunk_bytes=chunk_bytes)
+        super().__init__(
+            capacity_bytes,
+            name=name,
+            pin_memory=False,
+            chunk_bytes=chunk_bytes,
+            spare_chunks=spare_chunks,
+            preallocate=preallocate,
+        )
         self._segment_ids = itertools.count(1)
         self._fds: dict[int, int] = {}
-        # A tier dropped without ``close`` still gives its descriptors back.
+        # A tier dropped without ``close`` still gives its descriptors back (its spares' too).
         weakref.finalize(self, _close_all, self._fds)
+        weakref.finalize(self, self._spares.close)
         self._reserved: dict[SlotLocation, _Slot] = {}
+        self._start_spares(preallocate)
 
     # -- segments -----------------------------------------------------------------------
 
@@ -99,28 +120,34 @@ class SharedCpuTier(CpuTier):
         with self._lock:
             return os.dup(self._fds[segment])
 
-    def _new_chunk(self, slots: int, payload_size: int) -> _Chunk:
+    def _make_memory(self, nbytes: int, ahead: bool) -> _Memory:
+        # Called by a put (lock held) or by the spares' thread (no lock): touches only the
+        # id counter (``itertools.count`` is atomic) and new objects.
         segment = next(self._segment_ids)
-        size = slots * payload_size
         fd = os.memfd_create(
             f"sessioncache-{self.name}-{segment}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         )
         try:
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             # Populated now (as a pinned allocation would be): no page faults on the data path.
             memory = mmap.mmap(
                 fd,
-                size,
+                nbytes,
                 flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         except BaseException:
             os.close(fd)
             raise
-        tensor = torch.frombuffer(memory, dtype=torch.uint8).view(slots, payload_size)
-        self._fds[segment] = fd
-        return _Chunk(tensor, segment=segment)
+        return _Memory(torch.frombuffer(memory, dtype=torch.uint8), fd, segment)
+
+    @staticmethod
+    def _drop_memory(memory: _Memory) -> None:
+        os.close(memory.fd)  # the mapping goes with the tensor
+
+    def _adopt(self, memory: _Memory) -> None:
+        self._fds[memory.segment] = memory.fd  # live from now on: peers may ask for it
 
     def _retire_chunk(self, chunk: _Chunk) -> None:
         # The mapping goes with the tensor's last reference; the pages with the last mapping
@@ -128,6 +155,7 @@ class SharedCpuTier(CpuTier):
         fd = self._fds.pop(chunk.segment, None)
         if fd is not None:
             os.close(fd)
+        super()._retire_chunk(chunk)
 
     # -- where blocks lie ----------------------------------------------------------------
 

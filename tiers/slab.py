@@ -9,6 +9,9 @@ KV layout) there is a single payload size and a single slab.
 ``get`` returns a view into the slot: zero-copy, valid until the block is deleted from the tier
 (the store leases blocks across a load so that this cannot happen under a reader).
 
+A tier may make its next chunks ahead of need (``spare_chunks``) or all of them at once
+(``preallocate``): see ``tiers.spares``. A chunk is then a view of a spare's memory.
+
 Only the host path runs in the tests (they have no GPU): slabs on ``torch.device("cpu")``,
 unpinned. The CUDA-only lines are the pinned allocation (``pin_memory``, CPU tier with CUDA)
 and the ``copy_`` into a device slot in ``put`` (GPU tier on CUDA); see ``tiers.gpu``.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import torch
@@ -26,8 +29,18 @@ import torch
 from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.payload import Payload, as_byte_tensor, as_memoryview, checked_nbytes
+from sessioncache.tiers.spares import SparePool
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class _Memory(NamedTuple):
+    """Memory a chunk is carved from: a flat uint8 tensor, and for a shared-memory tier the
+    descriptor and id of its segment."""
+
+    tensor: torch.Tensor
+    fd: int = -1
+    segment: int = -1
 
 
 @dataclass(slots=True)
@@ -35,6 +48,7 @@ class _Chunk:
     tensor: torch.Tensor  # shape (slots, payload_size), dtype uint8
     used: int = 0
     segment: int = -1  # shared-memory tiers: the chunk's segment id (see ``tiers.cpu``)
+    memory_bytes: int = 0  # of the memory it is carved from (a spare's may be bigger)
 
 
 @dataclass(slots=True)
@@ -66,7 +80,15 @@ class SlabTier:
         *,
         pin_memory: bool = False,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        spare_chunks: int = 0,
+        preallocate: bool = False,
     ) -> None:
+        """``spare_chunks``: chunks of ``chunk_bytes`` made ahead of need by a background
+        thread, within the capacity; ``preallocate``: make every chunk that fits now (the
+        constructor returns once they are made), e.g. so that a node's first stores do not
+        pay for its memory."""
+        if spare_chunks < 0:
+            raise ValueError(f"spare_chunks must be >= 0, got {spare_chunks}")
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if chunk_bytes <= 0:
@@ -82,6 +104,25 @@ class SlabTier:
         self._pending: set[BlockHash] = set()
         self._used = 0
         self._allocated = 0
+        self._spares: SparePool[_Memory] = SparePool(
+            self._make_memory,
+            type(self)._drop_memory,
+            chunk_bytes=chunk_bytes,
+            capacity_bytes=capacity_bytes,
+            target=capacity_bytes // chunk_bytes if preallocate else spare_chunks,
+            name=f"sessioncache-{name}",
+        )
+
+    def _start_spares(self, preallocate: bool) -> None:
+        """Make the spares the constructor asked for (call at the end of ``__init__``)."""
+        if preallocate:
+            self._spares.fill()
+        # else the first chunk made starts the refill: a tier never used holds no memory
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes made ahead of need (spare chunks), not in the tier's allocation yet."""
+        return self._spares.spare_count * self._chunk_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -170,18 +211,38 @@ class SlabTier:
             self._slabs.clear()
             self._used = 0
             self._allocated = 0
+            self._spares.close()
 
     # -- chunk memory (a subclass may allocate it elsewhere; called with the lock held) ----
 
     def _new_chunk(self, slots: int, payload_size: int) -> _Chunk:
-        """A chunk of ``slots`` slots of ``payload_size`` bytes."""
-        tensor = torch.empty(
-            (slots, payload_size), dtype=torch.uint8, device=self.device, pin_memory=self._pin
-        )
-        return _Chunk(tensor)
+        """A chunk of ``slots`` slots of ``payload_size`` bytes: a spare's memory (made ahead)
+        when one is ready, else new memory."""
+        size = slots * payload_size
+        memory, held = self._spares.take(size)
+        self._adopt(memory)
+        tensor = memory.tensor[:size].view(slots, payload_size)
+        return _Chunk(tensor, segment=memory.segment, memory_bytes=held)
+
+    def _adopt(self, memory: _Memory) -> None:
+        """``memory`` becomes a chunk of the tier (called with the lock held)."""
+
+    def _make_memory(self, nbytes: int, ahead: bool) -> _Memory:
+        """New memory of ``nbytes`` (called from the spares' thread too: no lock held there).
+        Host memory made ``ahead`` (a spare) is faulted in here (zeroed), not by the first put
+        into it; pinned memory is, by its allocation."""
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self._pin)
+        if ahead and self.device.type == "cpu" and not self._pin:
+            np.copyto(tensor.numpy(), 0)  # one thread: torch's fill_ would take every core
+        return _Memory(tensor)
+
+    @staticmethod
+    def _drop_memory(memory: _Memory) -> None:
+        """Give up memory never handed to a chunk (a spare); the tensor is dropped after this."""
 
     def _retire_chunk(self, chunk: _Chunk) -> None:
         """``chunk`` leaves the tier (reclaimed or closed); its tensor is dropped after this."""
+        self._spares.give_back(chunk.memory_bytes)
 
     # -- allocation (call with the lock held) -------------------------------------------
 

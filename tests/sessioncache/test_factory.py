@@ -40,3 +40,18 @@ def test_the_cpu_tier_is_in_shared_memory_unless_turned_off(tmp_path: Path):
     assert [type(t) for t in plain] == [CpuTier]
     for tier in (*shared, *plain):
         tier.close()
+
+
+def test_the_cpu_tier_is_preallocated_when_asked(tmp_path: Path):
+    from sessioncache.factory import build_tiers
+
+    settings = Settings(
+        data_dir=tmp_path, cpu_bytes=(128 << 20) + 4096, disk_bytes=0, cpu_preallocate=True
+    )
+    for shm in (True, False):
+        (tier,) = build_tiers(settings.model_copy(update={"shm": shm}))
+        assert tier.spare_bytes == 128 << 20  # type: ignore[attr-defined]  # two 64 MiB chunks
+        tier.close()
+    (lazy,) = build_tiers(Settings(data_dir=tmp_path, cpu_bytes=128 << 20, disk_bytes=0))
+    assert lazy.spare_bytes == 0  # type: ignore[attr-defined]  # made ahead of need only
+    lazy.close()

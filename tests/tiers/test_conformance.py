@@ -48,6 +48,13 @@ FACTORIES: dict[str, Callable[[Path], TierFactory]] = {
     "cpu": lambda _: lambda capacity: CpuTier(capacity, chunk_bytes=4096),
     # the CPU tier in memfd segments (the same-host path): the same contract
     "cpu-shm": lambda _: lambda capacity: SharedCpuTier(capacity, chunk_bytes=4096),
+    # chunks made ahead of need (by a background thread) or all at start: the same contract
+    "cpu-shm-spares": lambda _: (
+        lambda capacity: SharedCpuTier(capacity, chunk_bytes=4096, spare_chunks=2)
+    ),
+    "cpu-preallocated": lambda _: (
+        lambda capacity: CpuTier(capacity, chunk_bytes=4096, preallocate=True)
+    ),
     "disk": _disk,
     "redis": _redis,
 }
