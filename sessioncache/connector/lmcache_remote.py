@@ -218,6 +218,10 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         return []  # the node indexes blocks by id; LMCache's keys are not kept
 
     async def close(self) -> None:
+        # waiting for the I/O thread blocks: off LMCache's event loop
+        await asyncio.get_running_loop().run_in_executor(None, self._close_sync)
+
+    def _close_sync(self) -> None:
         self._io.shutdown(wait=True)
         self.client.close()
 
