@@ -412,7 +412,7 @@ class Catalog:
             result = conn.execution_options(yield_per=_CHUNK).execute(
                 select(*columns, t.c.ttl_s, t.c.expires_at).where(t.c.tier == tier)
             )
-            for block_id, root, nbytes, last_access, parent, ttl_s, expires_at in result.tuples():
+            for block_id, root, nbytes, last_access, parent, ttl_s, expires_at in result:
                 root, ttl = bytes(root), float(ttl_s)
                 yield RecoveredBlock(
                     BlockHash(bytes(block_id)),
