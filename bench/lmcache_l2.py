@@ -39,17 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.lookup import start
+from bench.lookup import free_port, start
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20  # lmcache's "MB/s" is MiB/s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:

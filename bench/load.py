@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import httpx
 import numpy as np
 import xxhash
 
+from bench.lookup import free_port
 from sessioncache.dataplane import StreamClient, discover
 from sessioncache.dataplane.samehost import SameHostClient
 from sessioncache.hashing import Namespace
@@ -47,12 +47,6 @@ TRACES = Path("/work/shared/traces/agent-sessions")
 BLOCK_TOKENS = 64
 NS = Namespace("load-model", block_tokens=BLOCK_TOKENS, kv_dtype="bf16", kv_layout="x")
 NS_JSON = {"model": NS.model, "block_tokens": BLOCK_TOKENS, "kv_dtype": "bf16", "kv_layout": "x"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sessions(folder: Path, max_blocks: int) -> list[list[list[int]]]:

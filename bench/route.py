@@ -27,10 +27,7 @@ import argparse
 import base64
 import json
 import multiprocessing
-import os
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +38,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from bench.lookup import start as start_node
 from sessioncache.hashing import Namespace, block_hashes_from_bytes
 from sessioncache.routing.engine_index import EngineIndex
 from sessioncache.routing.events import decode_batch
@@ -51,39 +49,10 @@ BATCH_BLOCKS = 256
 """Blocks per BlockStored (vLLM sends one per request and step: a prefill chunk's blocks)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "SESSIONCACHE_CPU_BYTES": str(64 << 20),
-        "SESSIONCACHE_DISK_BYTES": "0",
-        "SESSIONCACHE_STREAM_PORT": "0",
-        "SESSIONCACHE_ENGINE_STALE_S": "3600",
-    }
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "sessioncache.cli", "serve"),
-            *("--port", str(port), "--data-dir", str(data_dir)),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/healthz").status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    # engines idle between the ingest and the routes: never stale within a run
+    env = {"SESSIONCACHE_ENGINE_STALE_S": "3600"}
+    return start_node(data_dir, cpu_bytes=64 << 20, extra_env=env)
 
 
 def rss_bytes(pid: int) -> int:

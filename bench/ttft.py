@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ import numpy as np
 import torch
 import transformers
 
+from bench.lookup import free_port
 from sessioncache.connector import SessionCacheClient
 from sessioncache.connector.transfer import KVTransfer
 from sessioncache.connector.transformers import (
@@ -85,12 +85,6 @@ def build_model(args: argparse.Namespace) -> Any:
         max_position_embeddings=max(8192, args.prefix_tokens + (args.turns + 1) * args.turn_tokens),
     )
     return transformers.LlamaForCausalLM(config).to(torch.float32).eval()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
