@@ -123,7 +123,7 @@ def bench_index(sizes: Sequence[int], chain: int, repeat: int) -> list[dict[str,
         # The ids are the store's keys (counted); the lists holding them here are not.
         ram = (rss_bytes() - before - sum(sys.getsizeof(ids) for ids in chains)) / n
         times, floor = [], []
-        blocks = store._index._blocks
+        blocks = store._index._table.slot_of
         for r in range(repeat):
             ids = chains[(r * 7919) % len(chains)]
             t0 = time.perf_counter()

@@ -1,10 +1,9 @@
-"""Per-block metadata kept by the store: one small record per cached block.
+"""Per-block metadata kept by the store, as the rest of the code reads it.
 
-A store holds millions of these, so the record is compact (issue 15): plain ``__slots__``,
-the tiers holding the block as a bit mask (``tiers`` reads it as a shared frozenset), the
-per-tier child counts as a shared tuple (``children_in``), and the ids of its children inline
-(one id, or a set for a branching block) rather than in a separate map of sets. A touch only
-rebinds fields: it allocates nothing but the new expiry (shared by one touch's blocks).
+The records themselves are a struct of arrays (``sessioncache/table.py``: a block is a slot);
+a ``BlockMeta`` is a small handle on one slot whose attributes read and write that slot's
+fields, made when code asks for a block and dropped after. One made with ``BlockMeta(...)``
+owns a table of its own (a detached record: snapshots, tests).
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ from collections.abc import Iterable
 from functools import cache
 
 from sessioncache.hashing import BlockHash
-
-Kids = BlockHash | set[BlockHash] | None
-"""A block's children: none, one id, or a set of ids (a block with several children)."""
+from sessioncache.table import F_CHECKSUM, F_PARENT, BlockTable
 
 
 @cache
@@ -31,31 +28,9 @@ def tier_mask(tiers: Iterable[int]) -> int:
     return mask
 
 
-_COUNTS: dict[tuple[int, ...], tuple[int, ...]] = {}
-_INTERN_BELOW = 64  # counts this small are shared; a record with bigger ones keeps its own tuple
-_INTERNED_MAX = 1 << 16
-
-
-def counts(values: Iterable[int]) -> tuple[int, ...]:
-    """``values`` as a tuple, shared between records when its values are small."""
-    key = tuple(values)
-    shared = _COUNTS.get(key)
-    if shared is not None:
-        return shared
-    if len(_COUNTS) < _INTERNED_MAX and max(key, default=0) < _INTERN_BELOW:
-        _COUNTS[key] = key
-    return key
-
-
-def bumped(values: tuple[int, ...], tier: int, delta: int) -> tuple[int, ...]:
-    """``values`` with ``values[tier] += delta``."""
-    changed = list(values)
-    changed[tier] += delta
-    return counts(changed)
-
-
 class BlockMeta:
-    """What the store knows of one block, wherever its payload lives.
+    """What the store knows of one block, wherever its payload lives: a handle on the block's
+    slot in a ``BlockTable`` (see the module docstring).
 
     ``tiers`` holds the indices of the tiers that have the payload (a promoted block is in
     several; stored as the bit mask ``mask``); ``children_in[t]`` counts this block's children
@@ -64,30 +39,10 @@ class BlockMeta:
     dropped while a child of it is held anywhere. ``ref_cnt`` counts pins: leases, live
     sessions and in-flight moves; a block with ``ref_cnt > 0`` is never a victim. ``pins``
     counts the live sessions' among them: those keep the block in the store, not its spare
-    copies (see ``EvictionPolicy``). ``kids`` are the ids of its children (held or not) that
-    have records, kept by the ``BlockIndex``.
+    copies (see ``EvictionPolicy``).
     """
 
-    __slots__ = (
-        "block_hash",
-        "checksum",
-        "children_held",
-        "children_in",
-        "created",
-        "expires_at",
-        "hit_count",
-        "kids",
-        "last_access",
-        "mask",
-        "namespace_root",
-        "nbytes",
-        "parent",
-        "pins",
-        "ref_cnt",
-        "touch_order",
-        "touched_by_op",
-        "ttl_s",
-    )
+    __slots__ = ("_table", "block_hash", "slot")
 
     def __init__(
         self,
@@ -109,41 +64,204 @@ class BlockMeta:
         touch_order: int = 0,
         checksum: int | None = None,
     ) -> None:
+        per_tier = list(children_in)
+        table = BlockTable(max(len(per_tier), 1))
+        slot = table.new(
+            block_hash,
+            parent,
+            namespace_root,
+            nbytes,
+            ttl_s,
+            created,
+            last_access,
+            expires_at,
+            ref_cnt=ref_cnt,
+            pins=pins,
+            children_held=children_held,
+            hit_count=hit_count,
+            touch_order=touch_order,
+            touched_by_op=touched_by_op,
+            mask=tier_mask(tiers),
+            checksum=checksum,
+        )
+        if per_tier:
+            table.set_children_in(slot, per_tier)
+        self._table = table
+        self.slot = slot
         self.block_hash = block_hash
-        self.parent = parent
-        self.namespace_root = namespace_root
-        self.nbytes = nbytes
-        self.ttl_s = ttl_s
-        self.created = created
-        self.last_access = last_access
-        self.expires_at = expires_at
-        self.children_in: tuple[int, ...] = counts(children_in)
-        self.mask = tier_mask(tiers)
-        self.ref_cnt = ref_cnt
-        self.pins = pins
-        self.children_held = children_held
-        self.hit_count = hit_count
-        self.touched_by_op = touched_by_op
-        self.touch_order = touch_order
-        self.checksum = checksum
-        self.kids: Kids = None
+
+    @classmethod
+    def at(cls, table: BlockTable, slot: int, block_hash: BlockHash) -> BlockMeta:
+        """The handle on ``slot`` of ``table``, the record of ``block_hash``."""
+        meta = cls.__new__(cls)
+        meta._table = table
+        meta.slot = slot
+        meta.block_hash = block_hash
+        return meta
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, BlockMeta)
+            and other._table is self._table
+            and other.slot == self.slot
+            and other.block_hash == self.block_hash
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.slot, self.block_hash))
+
+    # -- fields -------------------------------------------------------------------------
+
+    @property
+    def parent(self) -> BlockHash | None:
+        t = self._table
+        return t.parents[self.slot] if t.flags[self.slot] & F_PARENT else None
+
+    @property
+    def namespace_root(self) -> bytes:
+        return self._table.namespace_root(self.slot)
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes[self.slot]
+
+    @property
+    def ttl_s(self) -> float:
+        return self._table.ttl[self.slot]
+
+    @ttl_s.setter
+    def ttl_s(self, value: float) -> None:
+        self._table.ttl[self.slot] = value
+
+    @property
+    def created(self) -> float:
+        return self._table.created[self.slot]
+
+    @property
+    def last_access(self) -> float:
+        return self._table.last[self.slot]
+
+    @last_access.setter
+    def last_access(self, value: float) -> None:
+        self._table.last[self.slot] = value
+
+    @property
+    def expires_at(self) -> float:
+        return self._table.expires[self.slot]
+
+    @expires_at.setter
+    def expires_at(self, value: float) -> None:
+        self._table.expires[self.slot] = value
+
+    @property
+    def mask(self) -> int:
+        return self._table.mask[self.slot]
+
+    @mask.setter
+    def mask(self, value: int) -> None:
+        self._table.mask[self.slot] = value
+
+    @property
+    def ref_cnt(self) -> int:
+        return self._table.ref[self.slot]
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        self._table.ref[self.slot] = value
+
+    @property
+    def pins(self) -> int:
+        return self._table.pins[self.slot]
+
+    @pins.setter
+    def pins(self, value: int) -> None:
+        self._table.pins[self.slot] = value
+
+    @property
+    def children_held(self) -> int:
+        return self._table.held[self.slot]
+
+    @children_held.setter
+    def children_held(self, value: int) -> None:
+        self._table.held[self.slot] = value
+
+    @property
+    def children_in(self) -> tuple[int, ...]:
+        return self._table.children_in_of(self.slot)
+
+    @children_in.setter
+    def children_in(self, values: Iterable[int]) -> None:
+        self._table.set_children_in(self.slot, values)
+
+    @property
+    def hit_count(self) -> int:
+        return self._table.hits[self.slot]
+
+    @hit_count.setter
+    def hit_count(self, value: int) -> None:
+        self._table.hits[self.slot] = value
+
+    @property
+    def touch_order(self) -> int:
+        return self._table.order[self.slot]
+
+    @touch_order.setter
+    def touch_order(self, value: int) -> None:
+        self._table.order[self.slot] = value
+
+    @property
+    def touched_by_op(self) -> int:
+        return self._table.op[self.slot]
+
+    @touched_by_op.setter
+    def touched_by_op(self, value: int) -> None:
+        self._table.op[self.slot] = value
+
+    @property
+    def checksum(self) -> int | None:
+        t = self._table
+        return t.checksum[self.slot] if t.flags[self.slot] & F_CHECKSUM else None
+
+    @checksum.setter
+    def checksum(self, value: int | None) -> None:
+        t, slot = self._table, self.slot
+        if value is None:
+            t.flags[slot] &= ~F_CHECKSUM
+        else:
+            t.checksum[slot] = value
+            t.flags[slot] |= F_CHECKSUM
 
     @property
     def tiers(self) -> frozenset[int]:
-        return tier_set(self.mask)
+        return tier_set(self._table.mask[self.slot])
 
     @tiers.setter
     def tiers(self, tiers: Iterable[int]) -> None:
-        self.mask = tier_mask(tiers)
+        self._table.mask[self.slot] = tier_mask(tiers)
+
+    # -- derived ------------------------------------------------------------------------
 
     def copy(self) -> BlockMeta:
-        """A detached copy (its ``kids`` copied too)."""
-        other = BlockMeta.__new__(BlockMeta)
-        for name in BlockMeta.__slots__:
-            setattr(other, name, getattr(self, name))
-        if isinstance(self.kids, set):
-            other.kids = set(self.kids)
-        return other
+        """A detached copy, in a table of its own."""
+        return BlockMeta(
+            self.block_hash,
+            self.parent,
+            self.namespace_root,
+            self.nbytes,
+            self.ttl_s,
+            self.created,
+            self.last_access,
+            self.expires_at,
+            self.children_in,
+            self.tiers,
+            ref_cnt=self.ref_cnt,
+            pins=self.pins,
+            children_held=self.children_held,
+            hit_count=self.hit_count,
+            touched_by_op=self.touched_by_op,
+            touch_order=self.touch_order,
+            checksum=self.checksum,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -154,16 +272,34 @@ class BlockMeta:
 
     def lru_key(self) -> tuple[float, int, int]:
         """Sort key of LRU order: older first; of one operation's blocks, the deepest first."""
-        return (self.last_access, self.touched_by_op, -self.touch_order)
+        t, slot = self._table, self.slot
+        return (t.last[slot], t.op[slot], -t.order[slot])
 
     def expired(self, now: float) -> bool:
-        return self.expires_at <= now
+        return self._table.expires[self.slot] <= now
 
     def evictable_from(self, tier: int, *, last: bool = False) -> bool:
         """Unpinned, held in ``tier``, and the tail of its chain there; from the ``last``
         tier (where a victim is dropped, not demoted) also not the last copy of a parent
         whose child is held elsewhere."""
-        mask = self.mask
-        if self.ref_cnt or not mask >> tier & 1 or self.children_in[tier]:
+        t, slot = self._table, self.slot
+        mask = t.mask[slot]
+        if t.ref[slot] or not mask >> tier & 1 or t.children_in[slot * t.num_tiers + tier]:
             return False
-        return not last or not self.children_held or mask & (mask - 1) != 0
+        return not last or not t.held[slot] or mask & (mask - 1) != 0
+
+    def candidacy(
+        self, tier: int, *, last: bool = False
+    ) -> tuple[bool, bool, float, float, int, int]:
+        """What the eviction policy files the block by in ``tier``, read at once: whether its
+        copy there is spare (``policy.spare_copy``), whether it is an evictable tail there
+        (``evictable_from``), its last access, its expiry, and its LRU tie-breakers (the
+        operation that touched it, minus its touch order)."""
+        t, slot = self._table, self.slot
+        mask, ref = t.mask[slot], t.ref[slot]
+        held_here = mask >> tier & 1
+        spare = ref == t.pins[slot] and bool(held_here) and bool(mask & ((1 << tier) - 1))
+        tail = not (ref or not held_here or t.children_in[slot * t.num_tiers + tier]) and (
+            not last or not t.held[slot] or mask & (mask - 1) != 0
+        )
+        return spare, tail, t.last[slot], t.expires[slot], t.op[slot], -t.order[slot]

@@ -1,9 +1,10 @@
 """The block index: what the store knows of every block, apart from where the bytes are copied.
 
-* Block records (``BlockMeta``, one per block, made by ``new_record`` only) and chain links
-  (each record's ``kids``; the children of a parent without a record wait in ``_orphans``),
-  from which each record's ``children_in`` (children held in the same tier) and
-  ``children_held`` (children held in any tier) are kept.
+* Block records (a slot each in a ``BlockTable``, made by ``new_record`` only, read through
+  ``BlockMeta`` handles) and chain links (each slot's kid list; the children of a parent
+  without a record wait in ``_orphans``), from which each record's ``children_in`` (children
+  held in the same tier) and ``children_held`` (children held in any tier) are kept.
+* The lookup of a chain (``held_run``, ``touch_run``): whole runs of slots at once.
 * Per tier: how many blocks it holds and how many of its bytes are pinned.
 * Pins (``ref``/``unref``: leases, sessions, moves in flight) and leases, reaped by time.
 * The eviction order: every change that may make a block a victim is offered to the
@@ -19,14 +20,26 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable, Iterator, Sequence, ValuesView
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sessioncache.blocks import BlockMeta, Kids, bumped, counts
+import numpy as np
+import numpy.typing as npt
+
+from sessioncache.blocks import BlockMeta, tier_set
 from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.policy import EvictionPolicy
+from sessioncache.table import F_LIVE, F_PARENT, NO_SLOT, BlockTable
 from sessioncache.tiers.base import LocatedBlock, RecoveredBlock
+
+Slots = npt.NDArray[np.int64]
+"""Slots of the ``BlockTable``, in chain order."""
+
+_NO_SLOTS: Slots = np.empty(0, np.int64)
+# A lookup compares the blocks of one put (consecutive slots) at once; after this many runs
+# of them the rest of a (scattered) chain is found id by id.
+_MAX_RUNS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,29 +57,33 @@ class BlockIndex:
     def __init__(self, num_tiers: int, policy: EvictionPolicy) -> None:
         self._num_tiers = num_tiers
         self._policy = policy
-        self._blocks: dict[BlockHash, BlockMeta] = {}
-        # The children of ids that have no record (forgotten while their children were held).
-        self._orphans: dict[BlockHash, Kids] = {}
+        self._table = BlockTable(num_tiers)
+        # The first child slot of ids that have no record (forgotten while their children
+        # were held); the rest of each list through the table's kid links.
+        self._orphans: dict[BlockHash, int] = {}
         self._expiry: ExpiryIndex[BlockHash] = ExpiryIndex()
-        self._zeros = counts([0] * num_tiers)
-        # The expiry last computed by ``new_record``: blocks stored together share the float.
-        self._last_expiry: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._leases: dict[str, Lease] = {}
         self.tier_blocks = [0] * num_tiers
         """Blocks held per tier."""
         self.pinned_bytes = [0] * num_tiers
         """Bytes of pinned blocks per tier."""
-        self._seq = itertools.count(1)  # one per block touch: orders a chain's blocks
+        self._order = 1  # the next touch order: orders a chain's blocks
         self._ops = itertools.count(1)  # one per operation: orders same-instant touches
-        # The record of an id, or None: the dict's own bound method (the policy calls it for
-        # every heap entry it pops).
-        self.get: Callable[[BlockHash], BlockMeta | None] = self._blocks.get
-        policy.bind(self._blocks.get)
+        policy.bind(self.get)
 
     # -- records ------------------------------------------------------------------------
 
-    def records(self) -> ValuesView[BlockMeta]:
-        return self._blocks.values()
+    def get(self, block_hash: BlockHash) -> BlockMeta | None:
+        """The record of an id, or None."""
+        slot = self._table.slot_of.get(block_hash)
+        return None if slot is None else BlockMeta.at(self._table, slot, block_hash)
+
+    def records(self) -> list[BlockMeta]:
+        table = self._table
+        return [BlockMeta.at(table, slot, key) for key, slot in table.slot_of.items()]
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     def new_record(
         self,
@@ -88,111 +105,170 @@ class BlockIndex:
         if last_access is None:
             last_access = created
         if expires_at is None:
-            at, ttl, value = self._last_expiry
-            if at == last_access and ttl == ttl_s:
-                expires_at = value
-            else:
-                expires_at = last_access + ttl_s
-                self._last_expiry = (last_access, ttl_s, expires_at)
-        kids = self._orphans.pop(block_hash, None)
-        meta = BlockMeta(
-            block_hash=block_hash,
-            parent=parent,
-            namespace_root=namespace_root,
-            nbytes=nbytes,
-            ttl_s=ttl_s,
-            created=created,
-            last_access=last_access,
-            expires_at=expires_at,
-            children_in=self._zeros,
-            # Children still held: a record made anew (its old one was forgotten while they
-            # were held) must count them, or ``children_held`` goes negative.
-            children_held=0
-            if kids is None
-            else sum(1 for kid in _each(kids) if self._blocks[kid].mask),
+            expires_at = last_access + ttl_s
+        table = self._table
+        first = self._orphans.pop(block_hash, NO_SLOT)
+        # Children still held: a record made anew (its old one was forgotten while they were
+        # held) must count them, or ``children_held`` goes negative.
+        held = 0 if first == NO_SLOT else sum(1 for k in table.kids_from(first) if table.mask[k])
+        slot = table.new(
+            block_hash,
+            parent,
+            namespace_root,
+            nbytes,
+            ttl_s,
+            created,
+            last_access,
+            expires_at,
             ref_cnt=ref_cnt,
+            children_held=held,
             touched_by_op=touched_by_op,
-            touch_order=next(self._seq),
+            touch_order=self._next_order(1),
         )
-        meta.kids = kids
-        self._blocks[block_hash] = meta
+        table.first_kid[slot] = first
         self._expiry.add(block_hash, expires_at)
         if parent is not None:
-            owner = self._blocks.get(parent)
+            owner = table.slot_of.get(parent)
             if owner is not None:
-                owner.kids = _with(owner.kids, block_hash)
+                table.first_kid[owner] = table.push_kid(table.first_kid[owner], slot)
             else:
-                self._orphans[parent] = _with(self._orphans.get(parent), block_hash)
-        return meta
+                self._orphans[parent] = table.push_kid(self._orphans.get(parent, NO_SLOT), slot)
+        return BlockMeta.at(table, slot, block_hash)
+
+    def _next_order(self, n: int) -> int:
+        order = self._order
+        self._order = order + n
+        return order
 
     def forget(self, meta: BlockMeta) -> None:
         """Drop ``meta``'s record (held nowhere, unpinned) and its link to its parent."""
-        if self._blocks.get(meta.block_hash) is not meta:
+        table, slot = self._table, meta.slot
+        if table.slot_of.get(meta.block_hash) != slot:
             return
-        del self._blocks[meta.block_hash]
-        if meta.kids is not None:
-            self._orphans[meta.block_hash] = meta.kids
-        if meta.parent is not None:
-            owner = self._blocks.get(meta.parent)
+        first = table.first_kid[slot]
+        if first != NO_SLOT:
+            self._orphans[meta.block_hash] = first
+            table.first_kid[slot] = NO_SLOT
+        parent = meta.parent
+        if parent is not None:
+            owner = table.slot_of.get(parent)
             if owner is not None:
-                owner.kids = _without(owner.kids, meta.block_hash)
+                table.first_kid[owner] = table.drop_kid(table.first_kid[owner], slot)
             else:
-                kids = _without(self._orphans.get(meta.parent), meta.block_hash)
-                if kids is None:
-                    self._orphans.pop(meta.parent, None)
+                head = table.drop_kid(self._orphans.get(parent, NO_SLOT), slot)
+                if head == NO_SLOT:
+                    self._orphans.pop(parent, None)
                 else:
-                    self._orphans[meta.parent] = kids
+                    self._orphans[parent] = head
+        table.free(slot)
 
     def snapshot(self, block_hash: BlockHash) -> BlockMeta | None:
         """A copy of the record of ``block_hash``, or None."""
-        meta = self._blocks.get(block_hash)
-        if meta is None:
-            return None
-        return meta.copy()
+        meta = self.get(block_hash)
+        return None if meta is None else meta.copy()
 
     def held(self, block_hash: BlockHash, now: float) -> BlockMeta | None:
         """The record of ``block_hash`` if a tier holds it unexpired."""
-        meta = self._blocks.get(block_hash)
-        if meta is None or not meta.mask or meta.expires_at <= now:
+        table = self._table
+        slot = table.slot_of.get(block_hash)
+        if slot is None or not table.mask[slot] or table.expires[slot] <= now:
             return None
-        return meta
+        return BlockMeta.at(table, slot, block_hash)
 
     def held_prefix(self, hashes: Sequence[BlockHash], now: float) -> list[BlockMeta]:
         """The records of the held, unexpired run of ``hashes`` from its start."""
-        run: list[BlockMeta] = []
-        blocks = self._blocks
-        get = blocks.get
-        append = run.append
-        for block_hash in hashes:
-            meta = get(block_hash)
-            if meta is None or not meta.mask or meta.expires_at <= now:
+        table = self._table
+        slots = self.held_run(hashes, now).tolist()
+        return [BlockMeta.at(table, slot, h) for slot, h in zip(slots, hashes, strict=False)]
+
+    def held_run(self, hashes: Sequence[BlockHash], now: float) -> Slots:
+        """The slots of the held, unexpired run of ``hashes`` from its start.
+
+        The blocks of one put lie in consecutive slots, so the slots of a run are guessed from
+        its first block (one dict lookup) and checked by comparing the ids themselves, a run
+        at a time; a cost per block in array operations, not Python steps."""
+        table = self._table
+        n = len(hashes)
+        slot_of = table.slot_of
+        first = slot_of.get(hashes[0]) if n else None
+        if first is None:
+            return _NO_SLOTS
+        if n == 1:
+            if not table.mask[first] or table.expires[first] <= now:
+                return _NO_SLOTS
+            return np.array([first], np.int64)
+        query = np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(n, 2)
+        ids = table.id_view()
+        live = table.column("flags")
+        size = len(live)
+        slots: Slots = np.empty(n, np.int64)
+        pos, slot, runs = 0, first, 0
+        while True:
+            m = min(n - pos, size - slot)
+            same = (ids[slot : slot + m] == query[pos : pos + m]).all(axis=1)
+            same &= (live[slot : slot + m] & F_LIVE).astype(bool)
+            run = m if same.all() else max(int(same.argmin()), 1)
+            slots[pos : pos + run] = np.arange(slot, slot + run)
+            pos += run
+            runs += 1
+            if pos == n:
                 break
-            append(meta)
-        return run
+            if runs == _MAX_RUNS:  # scattered: the rest id by id
+                for h in hashes[pos:]:
+                    found = slot_of.get(h)
+                    if found is None:
+                        break
+                    slots[pos] = found
+                    pos += 1
+                break
+            found = slot_of.get(hashes[pos])
+            if found is None:
+                break
+            slot = found
+        slots = slots[:pos]
+        ok = (table.column("mask")[slots] != 0) & (table.column("expires")[slots] > now)
+        if not ok.all():
+            slots = slots[: int(ok.argmin())]
+        return slots
+
+    def metas(self, slots: Slots, hashes: Sequence[BlockHash]) -> list[BlockMeta]:
+        """The records of ``slots``, the slots of ``hashes[:len(slots)]``."""
+        table = self._table
+        return [BlockMeta.at(table, s, h) for s, h in zip(slots.tolist(), hashes, strict=False)]
+
+    def masks(self, slots: Slots) -> list[int]:
+        """The tier masks of ``slots``."""
+        masks: list[int] = self._table.column("mask")[slots].tolist()
+        return masks
 
     def chain_to(self, head: BlockHash) -> list[BlockHash]:
         """The held chain ending at ``head``, root first (empty when ``head`` is not held)."""
+        table = self._table
         chain: list[BlockHash] = []
         cursor: BlockHash | None = head
         while cursor is not None:
-            meta = self._blocks.get(cursor)
-            if meta is None or not meta.mask:
+            slot = table.slot_of.get(cursor)
+            if slot is None or not table.mask[slot]:
                 break
             chain.append(cursor)
-            cursor = meta.parent
+            cursor = table.parents[slot] if table.flags[slot] & F_PARENT else None
         chain.reverse()
         return chain
 
     def parent_tier(self, meta: BlockMeta) -> int:
         """The fastest tier holding ``meta``'s parent (0 for a root, or a parent not held)."""
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        return min(parent.tiers) if parent is not None and parent.tiers else 0
+        parent = meta.parent
+        slot = self._table.slot_of.get(parent) if parent is not None else None
+        if slot is None:
+            return 0
+        mask = self._table.mask[slot]
+        return (mask & -mask).bit_length() - 1 if mask else 0
 
     def held_count(self) -> int:
-        return sum(1 for m in self._blocks.values() if m.mask)
+        return int(np.count_nonzero(self._table.column("mask")))
 
     def pinned_count(self) -> int:
-        return sum(1 for m in self._blocks.values() if m.ref_cnt)
+        return int(np.count_nonzero(self._table.column("ref")))
 
     def expired_unpinned(self, now: float) -> list[BlockMeta]:
         """The unpinned records expired at ``now``: from the expiry index, at a cost in
@@ -202,14 +278,16 @@ class BlockIndex:
     def _due(self, block_hash: BlockHash, now: float) -> tuple[BlockMeta | None, float | None]:
         """For ``ExpiryIndex.due``: the record if it is an unpinned expired one; else when to
         ask again (its expiry, or ``now`` for a pinned one: next sweep), or None (forgotten)."""
-        meta = self._blocks.get(block_hash)
-        if meta is None:
+        table = self._table
+        slot = table.slot_of.get(block_hash)
+        if slot is None:
             return None, None
-        if meta.expires_at > now:
-            return None, meta.expires_at
-        if meta.ref_cnt:
+        expires = table.expires[slot]
+        if expires > now:
+            return None, expires
+        if table.ref[slot]:
             return None, now
-        return meta, None
+        return BlockMeta.at(table, slot, block_hash), None
 
     # -- touches ------------------------------------------------------------------------
 
@@ -217,95 +295,107 @@ class BlockIndex:
         """A new operation number (blocks touched by one operation share it)."""
         return next(self._ops)
 
+    def touch_run(self, slots: Slots, now: float, ttl: float | None, *, hit: bool = True) -> None:
+        """``touch`` of each of ``slots`` (root first) in one operation, a field at a time;
+        ``hit``: a lookup's match, counted in each block's ``hit_count``."""
+        n = len(slots)
+        if not n:
+            return
+        table = self._table
+        op = next(self._ops)
+        if hit:
+            table.column("hits")[slots] += 1
+        ttls = table.column("ttl")
+        if ttl is not None:
+            ttls[slots] = np.maximum(ttls[slots], ttl)
+        table.column("last")[slots] = now
+        table.column("op")[slots] = op
+        expires = table.column("expires")
+        expires[slots] = np.maximum(expires[slots], now + ttls[slots])
+        table.column("order")[slots] = np.arange(self._next_order(n), self._order)
+
     def touch_chain(
         self, metas: Sequence[BlockMeta], now: float, ttl: float | None, *, hit: bool = True
     ) -> None:
-        """``touch`` of each of ``metas`` (root first) in one operation, inlined for speed;
-        ``hit``: a lookup's match, counted in each block's ``hit_count``."""
-        op = next(self._ops)
-        seq = self._seq
-        hits = 1 if hit else 0
-        last_ttl = -1.0
-        expires = 0.0
-        for meta in metas:
-            meta.hit_count += hits
-            if ttl is not None and ttl > meta.ttl_s:
-                meta.ttl_s = ttl
-            meta.last_access = now
-            meta.touched_by_op = op
-            if meta.ttl_s != last_ttl:  # one float for the blocks of one TTL
-                last_ttl = meta.ttl_s
-                expires = now + last_ttl
-            if expires > meta.expires_at:
-                meta.expires_at = expires
-            meta.touch_order = next(seq)
+        """``touch_run`` of records."""
+        self.touch_run(np.array([m.slot for m in metas], np.int64), now, ttl, hit=hit)
 
     def touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
         """Slide ``meta``'s expiry (its TTL raised to at least ``ttl``) and LRU position."""
-        if ttl is not None and ttl > meta.ttl_s:
-            meta.ttl_s = ttl
-        meta.last_access = now
-        meta.touched_by_op = op
-        meta.expires_at = max(meta.expires_at, now + meta.ttl_s)
-        meta.touch_order = next(self._seq)
+        table, slot = self._table, meta.slot
+        if ttl is not None and ttl > table.ttl[slot]:
+            table.ttl[slot] = ttl
+        table.last[slot] = now
+        table.op[slot] = op
+        table.expires[slot] = max(table.expires[slot], now + table.ttl[slot])
+        table.order[slot] = self._next_order(1)
 
     # -- copies -------------------------------------------------------------------------
 
     def add_copy(self, meta: BlockMeta, tier: int) -> bool:
         """``tier`` now holds ``meta``'s payload; False when it already did."""
+        table, slot = self._table, meta.slot
         bit = 1 << tier
-        if meta.mask & bit:
+        mask = table.mask[slot]
+        if mask & bit:
             return False
-        if not meta.mask:
+        if not mask:
             self._children_held_changed(meta, +1)
-        meta.mask |= bit
+        mask |= bit
+        table.mask[slot] = mask
         self.tier_blocks[tier] += 1
-        if meta.ref_cnt:
-            self.pinned_bytes[tier] += meta.nbytes
-        if meta.kids is not None:
-            held_here = sum(1 for kid in _each(meta.kids) if self._blocks[kid].mask & bit)
-            if held_here != meta.children_in[tier]:
-                meta.children_in = bumped(
-                    meta.children_in, tier, held_here - meta.children_in[tier]
-                )
-        elif meta.children_in[tier]:
-            meta.children_in = bumped(meta.children_in, tier, -meta.children_in[tier])
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        if parent is not None and parent.mask & bit:
-            parent.children_in = bumped(parent.children_in, tier, +1)
-        for held in meta.tiers:
+        if table.ref[slot]:
+            self.pinned_bytes[tier] += table.nbytes[slot]
+        table.children_in[slot * self._num_tiers + tier] = sum(
+            1 for kid in table.kids(slot) if table.mask[kid] & bit
+        )
+        parent = meta.parent
+        owner = table.slot_of.get(parent) if parent is not None else None
+        if owner is not None and table.mask[owner] & bit:
+            table.children_in[owner * self._num_tiers + tier] += 1
+        for held in tier_set(mask):
             self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
         return True
 
     def remove_copy(self, meta: BlockMeta, tier: int) -> bool:
         """``tier`` no longer holds ``meta``'s payload (the record goes with its last copy
         unless pinned); False when it did not hold it."""
+        table, slot = self._table, meta.slot
         bit = 1 << tier
-        if not meta.mask & bit:
+        mask = table.mask[slot]
+        if not mask & bit:
             return False
-        meta.mask &= ~bit
+        mask &= ~bit
+        table.mask[slot] = mask
         self.tier_blocks[tier] -= 1
-        if meta.ref_cnt:
-            self.pinned_bytes[tier] -= meta.nbytes
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
-        if parent is not None and parent.mask & bit:
-            parent.children_in = bumped(parent.children_in, tier, -1)
-            self._policy.track(parent, tier)
-        if not meta.mask:
+        if table.ref[slot]:
+            self.pinned_bytes[tier] -= table.nbytes[slot]
+        parent = meta.parent
+        owner = table.slot_of.get(parent) if parent is not None else None
+        if owner is not None and table.mask[owner] & bit:
+            assert parent is not None
+            table.children_in[owner * self._num_tiers + tier] -= 1
+            self._policy.track(BlockMeta.at(table, owner, parent), tier)
+        if not mask:
             self._children_held_changed(meta, -1)
-            if not meta.ref_cnt:
+            if not table.ref[slot]:
                 self.forget(meta)
         return True
 
     def _children_held_changed(self, meta: BlockMeta, delta: int) -> None:
         """``meta`` gained its first or lost its last copy: its parent's ``children_held``."""
-        parent = self._blocks.get(meta.parent) if meta.parent is not None else None
+        parent = meta.parent
         if parent is None:
             return
-        parent.children_held += delta
-        if parent.children_held == 0:
-            for tier in parent.tiers:
-                self._policy.track(parent, tier)
+        table = self._table
+        owner = table.slot_of.get(parent)
+        if owner is None:
+            return
+        table.held[owner] += delta
+        if table.held[owner] == 0:
+            record = BlockMeta.at(table, owner, parent)
+            for tier in tier_set(table.mask[owner]):
+                self._policy.track(record, tier)
 
     # -- adoption: blocks a tier holds that this index did not make --------------------
 
@@ -315,7 +405,7 @@ class BlockIndex:
         """The record of a block the fleet's shared tier holds unexpired (``remote``), made
         or with its expiry raised to the shared one; the caller adds the copy."""
         assert remote.expires_at is not None
-        meta = self._blocks.get(block_hash)
+        meta = self.get(block_hash)
         if meta is None:
             return self.new_record(
                 block_hash,
@@ -333,9 +423,10 @@ class BlockIndex:
         self, found: RecoveredBlock, tier: int, now: float, default_ttl: float
     ) -> None:
         """Index a block a durable tier found on start; ``relink`` once all are in."""
-        meta = self._blocks.get(found.block_hash)
-        if meta is None:
-            meta = self.new_record(
+        table = self._table
+        slot = table.slot_of.get(found.block_hash)
+        if slot is None:
+            slot = self.new_record(
                 found.block_hash,
                 parent=found.parent,
                 namespace_root=found.namespace_root,
@@ -344,77 +435,84 @@ class BlockIndex:
                 created=found.mtime,
                 last_access=min(found.mtime, now),
                 expires_at=found.expires_at,
-            )
-        if not meta.mask >> tier & 1:
-            meta.mask |= 1 << tier
+            ).slot
+        if not table.mask[slot] >> tier & 1:
+            table.mask[slot] |= 1 << tier
             self.tier_blocks[tier] += 1
 
     def relink(self) -> None:
         """After ``adopt_recovered``: count each record's held children, per tier and in
         all, and build the eviction order of every tier."""
-        zeros, blocks = self._zeros, self._blocks
-        for meta in blocks.values():
-            meta.children_held = 0
-            if meta.kids is None:  # most blocks: a chain's tail, or a single child
-                meta.children_in = zeros
-                continue
-            children_in = [0] * self._num_tiers
-            for kid_hash in _each(meta.kids):
-                kid = blocks[kid_hash]
-                if kid.mask:
-                    meta.children_held += 1
-                both = kid.mask & meta.mask
-                for index in range(both.bit_length()):
-                    if both >> index & 1:
-                        children_in[index] += 1
-            meta.children_in = counts(children_in)
-        for index in range(self._num_tiers):
-            self._policy.rebuild(index, (m for m in self._blocks.values() if m.mask >> index & 1))
+        table, tiers = self._table, self._num_tiers
+        mask, held, children_in = table.mask, table.held, table.children_in
+        for slot in table.slots():
+            held[slot] = 0
+            base = slot * tiers
+            for tier in range(tiers):
+                children_in[base + tier] = 0
+            for kid in table.kids(slot):
+                kid_mask = mask[kid]
+                if kid_mask:
+                    held[slot] += 1
+                both = kid_mask & mask[slot]
+                for tier in range(both.bit_length()):
+                    if both >> tier & 1:
+                        children_in[base + tier] += 1
+        records = self.records()
+        for tier in range(tiers):
+            self._policy.rebuild(tier, (m for m in records if m.mask >> tier & 1))
 
     # -- pins and leases ----------------------------------------------------------------
 
     def ref(self, meta: BlockMeta) -> None:
-        if meta.ref_cnt == 0:
-            for tier in meta.tiers:
-                self.pinned_bytes[tier] += meta.nbytes
-        meta.ref_cnt += 1
+        table, slot = self._table, meta.slot
+        if table.ref[slot] == 0:
+            for tier in tier_set(table.mask[slot]):
+                self.pinned_bytes[tier] += table.nbytes[slot]
+        table.ref[slot] += 1
 
     def unref(self, meta: BlockMeta) -> None:
-        if meta.ref_cnt <= 0:
+        table, slot = self._table, meta.slot
+        ref = table.ref[slot]
+        if ref <= 0:
             return
-        meta.ref_cnt -= 1
-        if meta.ref_cnt == 0:
-            for tier in meta.tiers:
-                self.pinned_bytes[tier] -= meta.nbytes
+        ref -= 1
+        table.ref[slot] = ref
+        tiers = tier_set(table.mask[slot])
+        if ref == 0:
+            for tier in tiers:
+                self.pinned_bytes[tier] -= table.nbytes[slot]
                 self._policy.track(meta, tier)
-        elif meta.ref_cnt == meta.pins and len(meta.tiers) > 1:
-            for tier in meta.tiers:
+        elif ref == table.pins[slot] and len(tiers) > 1:
+            for tier in tiers:
                 self._policy.track(meta, tier)  # only session pins left: copies are spare
 
     def unref_all(self, hashes: Sequence[BlockHash]) -> None:
         for block_hash in hashes:
-            meta = self._blocks.get(block_hash)
+            meta = self.get(block_hash)
             if meta is not None:
                 self.unref(meta)
 
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """A session pin on the longest held prefix of ``hashes``; returns the pinned ids."""
+        table = self._table
         pinned: list[BlockHash] = []
         for block_hash in hashes:
-            meta = self._blocks.get(block_hash)
-            if meta is None or not meta.mask:
+            meta = self.get(block_hash)
+            if meta is None or not table.mask[meta.slot]:
                 break
-            meta.pins += 1
+            table.pins[meta.slot] += 1
             self.ref(meta)
             pinned.append(block_hash)
         return pinned
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
         """Undo ``pin`` for the same ids."""
+        table = self._table
         for block_hash in hashes:
-            meta = self._blocks.get(block_hash)
-            if meta is not None and meta.pins:
-                meta.pins -= 1
+            slot = table.slot_of.get(block_hash)
+            if slot is not None and table.pins[slot]:
+                table.pins[slot] -= 1
         self.unref_all(hashes)
 
     def lease(self, metas: Sequence[BlockMeta], expires_at: float) -> Lease:
@@ -448,32 +546,3 @@ class BlockIndex:
 
     def lease_count(self) -> int:
         return len(self._leases)
-
-
-def _each(kids: Kids) -> Iterator[BlockHash]:
-    """The ids in a ``kids`` field."""
-    if kids is None:
-        return
-    if isinstance(kids, bytes):
-        yield kids
-    else:
-        yield from kids
-
-
-def _with(kids: Kids, kid: BlockHash) -> Kids:
-    """``kids`` and ``kid``: one id stays inline; a second makes a set."""
-    if kids is None or kids == kid:
-        return kid
-    if isinstance(kids, bytes):
-        return {kids, kid}
-    kids.add(kid)
-    return kids
-
-
-def _without(kids: Kids, kid: BlockHash) -> Kids:
-    if kids is None or isinstance(kids, bytes):
-        return None if kids == kid else kids
-    kids.discard(kid)
-    if len(kids) == 1:
-        return next(iter(kids))
-    return kids or None

@@ -69,15 +69,17 @@ class EvictionPolicy:
     def track(self, meta: BlockMeta, tier: int) -> None:
         """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail or a spare
         copy there."""
-        op, neg_seq = meta.touched_by_op, -meta.touch_order
-        if spare_copy(meta, tier):
-            heapq.heappush(self._spare[tier], (meta.last_access, op, neg_seq, meta.block_hash))
+        spare, tail, last_access, expires_at, op, neg_seq = meta.candidacy(
+            tier, last=tier == self._last
+        )
+        if spare:
+            heapq.heappush(self._spare[tier], (last_access, op, neg_seq, meta.block_hash))
             if self._lookup is not None and self.queued(tier) > self._limit[tier]:
                 self.compact(tier, self._lookup)
-        if not meta.evictable_from(tier, last=tier == self._last):
+        if not tail:
             return
-        heapq.heappush(self._expiry[tier], (meta.expires_at, op, neg_seq, meta.block_hash))
-        heapq.heappush(self._lru[tier], (meta.last_access, op, neg_seq, meta.block_hash))
+        heapq.heappush(self._expiry[tier], (expires_at, op, neg_seq, meta.block_hash))
+        heapq.heappush(self._lru[tier], (last_access, op, neg_seq, meta.block_hash))
         if self._lookup is not None and self.queued(tier) > self._limit[tier]:
             self.compact(tier, self._lookup)
 

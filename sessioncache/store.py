@@ -60,7 +60,7 @@ from sessioncache.errors import (
 )
 from sessioncache.events import DropObserver, StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.index import BlockIndex, Lease
+from sessioncache.index import BlockIndex, Lease, Slots
 from sessioncache.policy import EvictionPolicy
 from sessioncache.tiers.base import (
     CheckedTier,
@@ -294,7 +294,7 @@ class TieredStore:
         with self._lock:
             now = self._clock.now()
             self._index.reap_leases(now)
-            matched = self._index.held_prefix(hashes, now)
+            matched = self._index.held_run(hashes, now)
             short = len(matched) < len(hashes) and self._shared is not None
             if not short:
                 return self._finish_lookup(hashes, matched, now, lease_s, ttl_s)
@@ -304,7 +304,7 @@ class TieredStore:
         with self._lock:
             now = self._clock.now()
             return self._finish_lookup(
-                hashes, self._index.held_prefix(hashes, now), now, lease_s, ttl_s
+                hashes, self._index.held_run(hashes, now), now, lease_s, ttl_s
             )
 
     def touch(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> int:
@@ -317,32 +317,36 @@ class TieredStore:
         with self._lock:
             now = self._clock.now()
             self._index.reap_leases(now)  # as a lookup does: leases over unpin on time
-            matched = self._index.held_prefix(hashes, now)
-            self._index.touch_chain(matched, now, ttl_s, hit=False)
-            self._notify_touched(matched)
+            matched = self._index.held_run(hashes, now)
+            self._index.touch_run(matched, now, ttl_s, hit=False)
+            if self._observers:
+                self._notify_touched(self._index.metas(matched, hashes))
             return len(matched)
 
     def _finish_lookup(
         self,
         hashes: Sequence[BlockHash],
-        matched: list[BlockMeta],
+        matched: Slots,
         now: float,
         lease_s: float | None,
         ttl_s: float | None,
     ) -> Match:
         """Count, touch and lease a lookup's match (lock held)."""
+        n = len(matched)
         self._counters.lookups += 1
-        self._counters.hit_blocks += len(matched)
-        self._counters.miss_blocks += len(hashes) - len(matched)
-        self._index.touch_chain(matched, now, ttl_s)
-        self._notify_touched(matched)
-        fastest = self._fastest_name
+        self._counters.hit_blocks += n
+        self._counters.miss_blocks += len(hashes) - n
+        self._index.touch_run(matched, now, ttl_s)
         lease = None
-        if lease_s is not None and matched:
-            lease = self._index.lease(matched, now + lease_s)
+        if self._observers or (lease_s is not None and n):
+            metas = self._index.metas(matched, hashes)
+            self._notify_touched(metas)
+            if lease_s is not None and n:
+                lease = self._index.lease(metas, now + lease_s)
+        fastest = self._fastest_name
         return Match(
-            list(hashes[: len(matched)]),  # the matched run is a prefix of the ids asked
-            [fastest[m.mask] for m in matched],
+            list(hashes[:n]),  # the matched run is a prefix of the ids asked
+            [fastest[mask] for mask in self._index.masks(matched)],
             lease,
         )
 
