@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from sessioncache.blocks import BlockMeta
+from sessioncache.events import Touched
 from sessioncache.hashing import HASH_BYTES, BlockHash
 
 Reason = Literal["diverged", "evicted", "expired", "new"]
@@ -81,7 +82,7 @@ class DropLog:
     def block_removed(self, block_hash: BlockHash, tier: str, durable: bool) -> None:
         pass
 
-    def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
+    def blocks_touched(self, touched: Touched) -> None:
         pass
 
     def block_dropped(self, meta: BlockMeta, tier: str, now: float) -> None:

@@ -8,10 +8,30 @@ batches these into SQL write-behind; metrics bump counters).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class Touched:
+    """Blocks a lookup, get or put refreshed, a list per field (read from the store's table a
+    column at a time; a chain's touch is one of these, not an object per block): item ``i`` of
+    each list is block ``hashes[i]``'s value after the touch."""
+
+    hashes: Sequence[BlockHash]
+    masks: list[int]
+    """The tiers holding each block, a bit each (``BlockMeta.mask``)."""
+    last_access: list[float]
+    expires_at: list[float]
+    hit_count: list[int]
+    ref_cnt: list[int]
+    ttl_s: list[float]
+
+    def __len__(self) -> int:
+        return len(self.masks)
 
 
 class StoreObserver(Protocol):
@@ -21,7 +41,7 @@ class StoreObserver(Protocol):
     def block_removed(self, block_hash: BlockHash, tier: str, durable: bool) -> None:
         """The payload left ``tier`` (evicted, demoted, expired, deleted or found corrupt)."""
 
-    def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
+    def blocks_touched(self, touched: Touched) -> None:
         """A lookup, get or put refreshed these blocks' access time, expiry or hit count."""
 
 

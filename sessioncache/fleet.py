@@ -53,6 +53,7 @@ import redis.exceptions as rex
 from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
 from sessioncache.errors import InvalidInput
+from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import Client, LinkStatus, RedisLink, TierUnavailable
 
@@ -570,5 +571,13 @@ class FleetObserver:
         if tier not in self._exclude:
             self._fleet.withdraw([block_hash], tier)
 
-    def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
-        self._fleet.touch([(m.block_hash, m.expires_at) for m in metas if m.tiers])
+    def blocks_touched(self, touched: Touched) -> None:
+        self._fleet.touch(
+            [
+                (h, expires)
+                for h, mask, expires in zip(
+                    touched.hashes, touched.masks, touched.expires_at, strict=False
+                )
+                if mask
+            ]
+        )

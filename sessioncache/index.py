@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sessioncache.blocks import BlockMeta, tier_set
+from sessioncache.events import Touched
 from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.policy import EvictionPolicy
@@ -235,6 +236,19 @@ class BlockIndex:
         """The records of ``slots``, the slots of ``hashes[:len(slots)]``."""
         table = self._table
         return [BlockMeta.at(table, s, h) for s, h in zip(slots.tolist(), hashes, strict=False)]
+
+    def touched(self, slots: Slots, hashes: Sequence[BlockHash]) -> Touched:
+        """What observers hear of a touch of ``slots``, the slots of ``hashes[:len(slots)]``."""
+        col = self._table.column
+        return Touched(
+            hashes[: len(slots)],
+            col("mask")[slots].tolist(),
+            col("last")[slots].tolist(),
+            col("expires")[slots].tolist(),
+            col("hits")[slots].tolist(),
+            col("ref")[slots].tolist(),
+            col("ttl")[slots].tolist(),
+        )
 
     def masks(self, slots: Slots) -> list[int]:
         """The tier masks of ``slots``."""

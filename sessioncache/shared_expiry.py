@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 
 from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
+from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import SharedTier
 
@@ -50,14 +50,18 @@ class SharedExpiryRefresher:
     def block_removed(self, block_hash: BlockHash, tier: str, durable: bool) -> None:
         pass
 
-    def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
+    def blocks_touched(self, touched: Touched) -> None:
         index = self._shared_index
         if index is None:
             return
+        bit = 1 << index
         with self._lock:
-            for meta in metas:
-                if index in meta.tiers and len(self._pending) < self._max:
-                    self._pending[meta.block_hash] = meta.expires_at
+            pending = self._pending
+            for h, mask, expires in zip(
+                touched.hashes, touched.masks, touched.expires_at, strict=False
+            ):
+                if mask & bit and len(pending) < self._max:
+                    pending[h] = expires
 
     def flush(self) -> int:
         with self._lock:

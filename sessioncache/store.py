@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import xxhash
 
@@ -319,8 +320,7 @@ class TieredStore:
             self._index.reap_leases(now)  # as a lookup does: leases over unpin on time
             matched = self._index.held_run(hashes, now)
             self._index.touch_run(matched, now, ttl_s, hit=False)
-            if self._observers:
-                self._notify_touched(self._index.metas(matched, hashes))
+            self._notify_touched(matched, hashes)
             return len(matched)
 
     def _finish_lookup(
@@ -337,12 +337,10 @@ class TieredStore:
         self._counters.hit_blocks += n
         self._counters.miss_blocks += len(hashes) - n
         self._index.touch_run(matched, now, ttl_s)
+        self._notify_touched(matched, hashes)
         lease = None
-        if self._observers or (lease_s is not None and n):
-            metas = self._index.metas(matched, hashes)
-            self._notify_touched(metas)
-            if lease_s is not None and n:
-                lease = self._index.lease(metas, now + lease_s)
+        if lease_s is not None and n:
+            lease = self._index.lease(self._index.metas(matched, hashes), now + lease_s)
         fastest = self._fastest_name
         return Match(
             list(hashes[:n]),  # the matched run is a prefix of the ids asked
@@ -1023,7 +1021,7 @@ class TieredStore:
                 if meta.mask:
                     # now, not the operation's instant: a touch never moves a block back
                     self._index.touch(meta, self._clock.now(), ttl, op)
-                    self._notify_touched([meta])
+                    self._notify_touched(np.array([meta.slot]), [meta.block_hash])
                 return None
             return self._index.new_record(
                 block_hash,
@@ -1056,10 +1054,12 @@ class TieredStore:
             for drop_observer in self._drop_observers:
                 drop_observer.block_dropped(meta, self._tiers[tier].name, now)
 
-    def _notify_touched(self, metas: Sequence[BlockMeta]) -> None:
-        if metas:
+    def _notify_touched(self, slots: Slots, hashes: Sequence[BlockHash]) -> None:
+        """Tell observers of a touch of ``slots``, the slots of ``hashes[:len(slots)]``."""
+        if len(slots) and self._observers:
+            touched = self._index.touched(slots, hashes)
             for observer in self._observers:
-                observer.blocks_touched(metas)
+                observer.blocks_touched(touched)
 
     @contextmanager
     def _pinned_for_read(self, block_hash: BlockHash) -> Iterator[BlockMeta]:
@@ -1069,7 +1069,7 @@ class TieredStore:
             if meta is None:
                 raise BlockNotFound(f"block {block_hash.hex()} is not held")
             self._index.touch(meta, now, None, self._index.next_op())
-            self._notify_touched([meta])
+            self._notify_touched(np.array([meta.slot]), [block_hash])
             self._index.ref(meta)
         try:
             yield meta

@@ -54,6 +54,7 @@ from sessioncache.catalog.models import (
 from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import SessionCacheError
+from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery
 from sessioncache.sessions import Session
@@ -274,22 +275,27 @@ class Catalog:
         if size >= self._max_pending:
             self._flusher.wake()
 
-    def blocks_touched(self, metas: Sequence[BlockMeta]) -> None:
+    def blocks_touched(self, touched: Touched) -> None:
         durable = self._durable_indices
+        # a block counts when a durable tier holds it (all of them before ``bind``)
+        wanted = -1 if durable is None else sum(1 << i for i in durable)
         key = ("blocks_touched", self._bucket(self._clock.now()))
         with self._qlock:
             touches = self._pending.touches
-            for meta in metas:
-                if durable is None or not durable.isdisjoint(meta.tiers):
-                    touches[meta.block_hash] = (
-                        meta.last_access,
-                        meta.expires_at,
-                        meta.hit_count,
-                        meta.ref_cnt,
-                        meta.ttl_s,
-                    )
+            for h, mask, last, expires, hits, ref, ttl in zip(
+                touched.hashes,
+                touched.masks,
+                touched.last_access,
+                touched.expires_at,
+                touched.hit_count,
+                touched.ref_cnt,
+                touched.ttl_s,
+                strict=False,
+            ):
+                if mask & wanted:
+                    touches[h] = (last, expires, hits, ref, ttl)
             usage = self._pending.usage
-            usage[key] = usage.get(key, 0) + len(metas)
+            usage[key] = usage.get(key, 0) + len(touched)
             size = len(self._pending.blocks) + len(touches)
         if size >= self._max_pending:
             self._flusher.wake()
