@@ -250,10 +250,15 @@ class BlockIndex:
             col("ttl")[slots].tolist(),
         )
 
-    def masks(self, slots: Slots) -> list[int]:
-        """The tier masks of ``slots``."""
-        masks: list[int] = self._table.column("mask")[slots].tolist()
-        return masks
+    def names(self, slots: Slots, name_of_mask: Sequence[str]) -> list[str]:
+        """``name_of_mask[mask]`` of each of ``slots``' tier masks."""
+        masks = self._table.column("mask")[slots]
+        if not len(masks):
+            return []
+        first = int(masks[0])
+        if (masks == first).all():  # one tier holds the whole run: the usual case
+            return [name_of_mask[first]] * len(masks)
+        return [name_of_mask[mask] for mask in masks.tolist()]
 
     def chain_to(self, head: BlockHash) -> list[BlockHash]:
         """The held chain ending at ``head``, root first (empty when ``head`` is not held)."""

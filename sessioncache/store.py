@@ -341,10 +341,9 @@ class TieredStore:
         lease = None
         if lease_s is not None and n:
             lease = self._index.lease(self._index.metas(matched, hashes), now + lease_s)
-        fastest = self._fastest_name
         return Match(
             list(hashes[:n]),  # the matched run is a prefix of the ids asked
-            [fastest[mask] for mask in self._index.masks(matched)],
+            self._index.names(matched, self._fastest_name),
             lease,
         )
 
