@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -47,6 +50,22 @@ class ExpiryIndex(Generic[K]):
             keys = self._buckets[number] = []
             heapq.heappush(self._order, number)
         keys.append(key)
+
+    def add_many(self, keys: Sequence[K], ats: npt.NDArray[np.float64]) -> None:
+        """``add`` of each of ``keys`` at the time of the same index in ``ats``, a bucket at a
+        time (a restart files every block it finds)."""
+        where = np.flatnonzero(np.isfinite(ats))
+        numbers = np.floor(ats[where] / self._width).astype(np.int64)
+        order = np.argsort(numbers, kind="stable")
+        numbers, where = numbers[order], where[order]
+        bounds = (np.flatnonzero(np.diff(numbers)) + 1).tolist()
+        for begin, end in zip([0, *bounds], [*bounds, len(numbers)], strict=True):
+            number = int(numbers[begin])
+            filed = self._buckets.get(number)
+            if filed is None:
+                filed = self._buckets[number] = []
+                heapq.heappush(self._order, number)
+            filed.extend([keys[i] for i in where[begin:end].tolist()])
 
     def due(
         self, now: float, check: Callable[[K, float], tuple[V | None, float | None]]

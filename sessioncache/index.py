@@ -19,6 +19,7 @@ lock held, and does every tier call and observer notification itself (see ``stor
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -439,47 +440,114 @@ class BlockIndex:
         return meta
 
     def adopt_recovered(
-        self, found: RecoveredBlock, tier: int, now: float, default_ttl: float
+        self, found: Sequence[RecoveredBlock], tier: int, now: float, default_ttl: float
     ) -> None:
-        """Index a block a durable tier found on start; ``relink`` once all are in."""
+        """Index blocks a durable tier found on start (``tier`` holds them), the new ones a
+        column at a time in consecutive slots; ``relink`` once all are in."""
         table = self._table
-        slot = table.slot_of.get(found.block_hash)
-        if slot is None:
-            slot = self.new_record(
-                found.block_hash,
-                parent=found.parent,
-                namespace_root=found.namespace_root,
-                nbytes=found.nbytes,
-                ttl_s=found.ttl_s if found.ttl_s is not None else default_ttl,
-                created=found.mtime,
-                last_access=min(found.mtime, now),
-                expires_at=found.expires_at,
-            ).slot
-        if not table.mask[slot] >> tier & 1:
-            table.mask[slot] |= 1 << tier
-            self.tier_blocks[tier] += 1
+        slot_of, mask = table.slot_of, table.mask
+        bit = 1 << tier
+        fresh: dict[BlockHash, RecoveredBlock] = {}
+        for block in found:
+            slot = slot_of.get(block.block_hash)
+            if slot is None:
+                fresh.setdefault(block.block_hash, block)
+            elif not mask[slot] & bit:
+                mask[slot] |= bit
+                self.tier_blocks[tier] += 1
+        if not fresh:
+            return
+        blocks = list(fresh.values())
+        hashes = list(fresh)
+        n = len(blocks)
+        created = np.fromiter((b.mtime for b in blocks), np.float64, n)
+        ttl = np.fromiter(
+            (default_ttl if b.ttl_s is None else b.ttl_s for b in blocks), np.float64, n
+        )
+        last = np.minimum(created, now)
+        expires = np.fromiter(
+            (math.nan if b.expires_at is None else b.expires_at for b in blocks), np.float64, n
+        )
+        expires = np.where(np.isnan(expires), last + ttl, expires)
+        table.new_many(
+            hashes,
+            [b.parent for b in blocks],
+            [b.namespace_root for b in blocks],
+            np.fromiter((b.nbytes for b in blocks), np.int64, n),
+            ttl,
+            created,
+            last,
+            expires,
+            bit,
+            self._next_order(n),
+        )
+        self.tier_blocks[tier] += n
+        self._expiry.add_many(hashes, expires)
 
     def relink(self) -> None:
-        """After ``adopt_recovered``: count each record's held children, per tier and in
-        all, and build the eviction order of every tier."""
+        """After ``adopt_recovered``: every kid list (and the orphans), each record's held
+        children, per tier and in all, and the eviction order of every tier, made anew from
+        the records' parents, a column at a time."""
         table, tiers = self._table, self._num_tiers
-        mask, held, children_in = table.mask, table.held, table.children_in
-        for slot in table.slots():
-            held[slot] = 0
-            base = slot * tiers
-            for tier in range(tiers):
-                children_in[base + tier] = 0
-            for kid in table.kids(slot):
-                kid_mask = mask[kid]
-                if kid_mask:
-                    held[slot] += 1
-                both = kid_mask & mask[slot]
-                for tier in range(both.bit_length()):
-                    if both >> tier & 1:
-                        children_in[base + tier] += 1
-        records = self.records()
+        size = table.size
+        slot_of, parents = table.slot_of, table.parents
+        live = np.fromiter(slot_of.values(), np.int64, len(slot_of))
+        # each record's parent slot: -1 without a parent, -2 for a parent without a record
+        owner = np.fromiter(
+            (
+                -1 if (parent := parents[slot]) is None else slot_of.get(parent, -2)
+                for slot in live.tolist()
+            ),
+            np.int64,
+            len(live),
+        )
+        col = table.column
+        first, after, before = col("first_kid"), col("next_kid"), col("prev_kid")
+        first[:] = after[:] = before[:] = NO_SLOT
+        linked = owner >= 0
+        order = np.argsort(owner[linked], kind="stable")
+        kids, owners = live[linked][order], owner[linked][order]
+        same = owners[1:] == owners[:-1]  # kids[i + 1] follows kids[i] in one list
+        after[kids[:-1][same]] = kids[1:][same]
+        before[kids[1:][same]] = kids[:-1][same]
+        heads = np.ones(len(kids), bool)
+        heads[1:] = ~same
+        first[owners[heads]] = kids[heads]
+        self._orphans.clear()
+        for slot in live[owner == -2].tolist():
+            parent = parents[slot]
+            assert parent is not None
+            self._orphans[parent] = table.push_kid(self._orphans.get(parent, NO_SLOT), slot)
+        masks = col("mask").astype(np.int64)
+        kid_masks = masks[kids]
+        col("held")[:] = np.bincount(owners[kid_masks != 0], minlength=size)
+        children_in = col("children_in").reshape(size, tiers)
+        both = kid_masks & masks[owners]
         for tier in range(tiers):
-            self._policy.rebuild(tier, (m for m in records if m.mask >> tier & 1))
+            here = (both >> tier & 1).astype(bool)
+            children_in[:, tier] = np.bincount(owners[here], minlength=size)
+        for tier in range(tiers):
+            candidate = self._candidates(tier, masks, children_in[:, tier]).tolist()
+            self._policy.rebuild(
+                tier,
+                [BlockMeta.at(table, s, key) for key, s in slot_of.items() if candidate[s]],
+            )
+
+    def _candidates(
+        self, tier: int, masks: npt.NDArray[np.int64], children_here: npt.NDArray[np.int32]
+    ) -> npt.NDArray[np.bool_]:
+        """Which slots the policy may queue in ``tier`` (``BlockMeta.candidacy``: a spare copy
+        or an evictable tail there), for all slots at once."""
+        col = self._table.column
+        ref, pins, held = col("ref"), col("pins"), col("held")
+        here = (masks >> tier & 1).astype(bool)
+        spare = (ref == pins) & here & ((masks & ((1 << tier) - 1)) != 0)
+        tail = (ref == 0) & here & (children_here == 0)
+        if tier == self._num_tiers - 1:
+            tail &= (held == 0) | ((masks & (masks - 1)) != 0)
+        live = (col("flags") & F_LIVE).astype(bool)
+        result: npt.NDArray[np.bool_] = (spare | tail) & live
+        return result
 
     # -- pins and leases ----------------------------------------------------------------
 

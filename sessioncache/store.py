@@ -42,6 +42,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import NamedTuple
 
 import numpy as np
@@ -81,6 +82,7 @@ DEFAULT_TTL_S = 3 * 24 * 3600.0
 """Blocks stored without a TTL live three days past their last access (the agent default)."""
 
 _PLACE_ATTEMPTS = 8
+_ADOPT_CHUNK = 65536  # blocks found on start, indexed a batch at a time
 
 
 class Match(NamedTuple):
@@ -1194,10 +1196,12 @@ class TieredStore:
             if not isinstance(tier, RecoverableTier):
                 continue
             adopted = 0
-            for found in tier.recovered():
-                self._index.adopt_recovered(found, index, now, self._default_ttl)
-                self._payload_sizes.setdefault(found.namespace_root, found.nbytes)
-                adopted += 1
+            found = iter(tier.recovered())
+            while chunk := list(islice(found, _ADOPT_CHUNK)):
+                self._index.adopt_recovered(chunk, index, now, self._default_ttl)
+                for block in chunk:
+                    self._payload_sizes.setdefault(block.namespace_root, block.nbytes)
+                adopted += len(chunk)
             if adopted:
                 log.info("adopted %d blocks found in tier %s", adopted, tier.name)
         self._index.relink()  # chain links need every record in place first

@@ -26,7 +26,7 @@ lock held.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -209,6 +209,57 @@ class BlockTable:
         self.slot_of[block_hash] = slot
         return slot
 
+    def new_many(
+        self,
+        block_hashes: Sequence[BlockHash],
+        parents: Sequence[BlockHash | None],
+        namespace_roots: Sequence[bytes],
+        nbytes: npt.NDArray[np.int64],
+        ttl_s: npt.NDArray[np.float64],
+        created: npt.NDArray[np.float64],
+        last_access: npt.NDArray[np.float64],
+        expires_at: npt.NDArray[np.float64],
+        mask: int,
+        touch_order: int,
+    ) -> int:
+        """``new`` of many ids not in the table (no duplicates), unpinned, in consecutive new
+        slots, a column at a time; touch orders from ``touch_order`` on. No kids are linked
+        (see ``BlockIndex.relink``). Returns the first slot."""
+        n = len(block_hashes)
+        start = self._size
+        if start + n > self._capacity:
+            self._grow(max(2 * self._capacity, start + n))
+        end = start + n
+        self._size = end
+        self.parents.extend(parents)
+        roots = []
+        for root in namespace_roots:
+            number = self._root_number.get(root)
+            if number is None:
+                number = self._root_number[root] = len(self.root_list)
+                self.root_list.append(root)
+            roots.append(number)
+        has_parent = np.fromiter((p is not None for p in parents), bool, n)
+        a = self._arrays
+        a["ids"][2 * start : 2 * end] = np.frombuffer(b"".join(block_hashes), np.uint64)
+        a["root"][start:end] = roots
+        a["nbytes"][start:end] = nbytes
+        a["ttl"][start:end] = ttl_s
+        a["created"][start:end] = created
+        a["last"][start:end] = last_access
+        a["expires"][start:end] = expires_at
+        a["mask"][start:end] = mask
+        a["flags"][start:end] = F_LIVE | np.where(has_parent, F_PARENT, 0)
+        for name in ("ref", "pins", "held", "hits", "op", "checksum"):
+            a[name][start:end] = 0
+        a["order"][start:end] = np.arange(touch_order, touch_order + n)
+        for name in ("first_kid", "next_kid", "prev_kid"):
+            a[name][start:end] = NO_SLOT
+        t = self.num_tiers
+        a["children_in"][start * t : end * t] = 0
+        self.slot_of.update(zip(block_hashes, range(start, end), strict=True))
+        return start
+
     def free(self, slot: int) -> None:
         """Forget the record in ``slot`` (its id no longer maps to it): held nowhere and
         unpinned from now on; its other fields stay readable until the slot is reused, so that
@@ -270,7 +321,8 @@ class BlockTable:
 
     def column(self, name: str) -> npt.NDArray[Any]:
         """A NumPy view of a column's valid slots (see the module docstring)."""
-        return self._arrays[name][: self._size]
+        width = self.num_tiers if name == "children_in" else 1
+        return self._arrays[name][: self._size * width]
 
     def id_view(self) -> npt.NDArray[np.uint64]:
         """The ids, ``(slots, 2)`` words (a view; see ``column``)."""

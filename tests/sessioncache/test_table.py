@@ -198,3 +198,46 @@ def test_whole_run_lookup_agrees_with_a_block_by_block_walk(rnd: random.Random) 
         assert store.lookup(probe).hashes == held
     slots = np.array([store._index._table.slot_of[h] for h in store._index._table.slot_of])
     assert len(set(slots.tolist())) == len(slots)
+
+
+def _links(store: TieredStore) -> tuple[dict[bytes, tuple[object, ...]], dict[bytes, set[int]]]:
+    index = store._index
+    table = index._table
+    state = {
+        key: (
+            table.held[slot],
+            table.children_in_of(slot),
+            sorted(table.kids(slot)),
+        )
+        for key, slot in table.slot_of.items()
+    }
+    orphans = {parent: set(table.kids_from(first)) for parent, first in index._orphans.items()}
+    return state, orphans
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_relink_rebuilds_exactly_the_links_and_counts_kept_as_blocks_come_and_go(
+    rnd: random.Random,
+) -> None:
+    clock = ManualClock()
+    store = TieredStore([CpuTier(30 * SIZE), CpuTier(60 * SIZE, name="cpu2")], clock=clock)
+    trunk = ids(1, 12)
+    branches = [ids(10 + i, rnd.randint(1, 8)) for i in range(4)]
+    for _ in range(30):
+        action = rnd.random()
+        if action < 0.4:
+            cut = rnd.randrange(len(trunk))
+            put(store, trunk[cut:], parent=trunk[cut - 1] if cut else None)
+        elif action < 0.7:
+            branch = rnd.choice(branches)
+            put(store, branch, parent=rnd.choice(trunk))  # a branch off the trunk
+        elif action < 0.85:
+            store.delete([rnd.choice(trunk + [b for br in branches for b in br])])
+        else:
+            block = rnd.choice(trunk)
+            if store.contains(block):
+                store.get(block)  # promotes it from the second tier
+    before = _links(store)
+    store._index.relink()
+    assert _links(store) == before
