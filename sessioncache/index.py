@@ -30,7 +30,7 @@ import numpy.typing as npt
 from sessioncache.blocks import BlockMeta, tier_set
 from sessioncache.events import Touched
 from sessioncache.expiry import ExpiryIndex
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.policy import EvictionPolicy
 from sessioncache.table import F_LIVE, F_PARENT, NO_SLOT, BlockTable
 from sessioncache.tiers.base import LocatedBlock, RecoveredBlock
@@ -38,7 +38,24 @@ from sessioncache.tiers.base import LocatedBlock, RecoveredBlock
 Slots = npt.NDArray[np.int64]
 """Slots of the ``BlockTable``, in chain order."""
 
+
+class Run:
+    """The slots of a matched run of blocks, in chain order (``BlockIndex.held_run``)."""
+
+    __slots__ = ("at", "slots")
+
+    def __init__(self, slots: Slots, at: Slots | slice | None = None) -> None:
+        self.slots = slots
+        self.at: Slots | slice = slots if at is None else at
+        """What indexes the table's columns: a slice when the slots are consecutive (the
+        blocks of one put: most runs), cheaper than gathering by the slot array."""
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
 _NO_SLOTS: Slots = np.empty(0, np.int64)
+_NO_RUN = Run(_NO_SLOTS)
 # A lookup compares the blocks of one put (consecutive slots) at once; after this many runs
 # of them the rest of a (scattered) chain is found id by id.
 _MAX_RUNS = 16
@@ -180,10 +197,10 @@ class BlockIndex:
     def held_prefix(self, hashes: Sequence[BlockHash], now: float) -> list[BlockMeta]:
         """The records of the held, unexpired run of ``hashes`` from its start."""
         table = self._table
-        slots = self.held_run(hashes, now).tolist()
+        slots = self.held_run(hashes, now).slots.tolist()
         return [BlockMeta.at(table, slot, h) for slot, h in zip(slots, hashes, strict=False)]
 
-    def held_run(self, hashes: Sequence[BlockHash], now: float) -> Slots:
+    def held_run(self, hashes: Sequence[BlockHash], now: float) -> Run:
         """The slots of the held, unexpired run of ``hashes`` from its start.
 
         The blocks of one put lie in consecutive slots, so the slots of a run are guessed from
@@ -194,66 +211,72 @@ class BlockIndex:
         slot_of = table.slot_of
         first = slot_of.get(hashes[0]) if n else None
         if first is None:
-            return _NO_SLOTS
+            return _NO_RUN
         if n == 1:
             if not table.mask[first] or table.expires[first] <= now:
-                return _NO_SLOTS
-            return np.array([first], np.int64)
-        query = np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(n, 2)
-        ids = table.id_view()
-        live = table.column("flags")
-        size = len(live)
+                return _NO_RUN
+            return Run(np.array([first], np.int64))
+        joined = b"".join(hashes)
+        id_bytes, width = table.id_bytes, HASH_BYTES
+        mask, expires = table.column("mask"), table.column("expires")
+        size = len(mask)
         slots: Slots = np.empty(n, np.int64)
         pos, slot, runs = 0, first, 0
         while True:
             m = min(n - pos, size - slot)
-            same = (ids[slot : slot + m] == query[pos : pos + m]).all(axis=1)
-            same &= (live[slot : slot + m] & F_LIVE).astype(bool)
-            run = m if same.all() else max(int(same.argmin()), 1)
+            at, start = slot * width, pos * width
+            if bytes(id_bytes[at : at + m * width]) == joined[start : start + m * width]:
+                run = m  # one compare of the whole guess: the usual case
+            else:  # the guess stops at the first id that differs
+                ids = table.id_view()[slot : slot + m]
+                query = np.frombuffer(joined, np.uint64, 2 * m, start).reshape(m, 2)
+                run = int((ids == query).all(axis=1).argmin())
+            held = (mask[slot : slot + run] != 0) & (expires[slot : slot + run] > now)
+            stopped = not held.all()
+            if stopped:
+                run = int(held.argmin())
             slots[pos : pos + run] = np.arange(slot, slot + run)
             pos += run
             runs += 1
             if pos == n:
                 break
+            found = slot_of.get(hashes[pos])
+            if found is None or (stopped and found == slot + run):
+                break  # not held, or its own record is not (a freed slot keeps its old id)
             if runs == _MAX_RUNS:  # scattered: the rest id by id
-                for h in hashes[pos:]:
-                    found = slot_of.get(h)
-                    if found is None:
-                        break
+                while table.mask[found] and table.expires[found] > now:
                     slots[pos] = found
                     pos += 1
-                break
-            found = slot_of.get(hashes[pos])
-            if found is None:
+                    if pos == n or (found := slot_of.get(hashes[pos])) is None:
+                        break
                 break
             slot = found
-        slots = slots[:pos]
-        ok = (table.column("mask")[slots] != 0) & (table.column("expires")[slots] > now)
-        if not ok.all():
-            slots = slots[: int(ok.argmin())]
-        return slots
+        if runs == 1:
+            return Run(slots[:pos], slice(first, first + pos))
+        return Run(slots[:pos])
 
-    def metas(self, slots: Slots, hashes: Sequence[BlockHash]) -> list[BlockMeta]:
-        """The records of ``slots``, the slots of ``hashes[:len(slots)]``."""
+    def metas(self, run: Run, hashes: Sequence[BlockHash]) -> list[BlockMeta]:
+        """The records of ``run``, the slots of ``hashes[:len(run)]``."""
         table = self._table
-        return [BlockMeta.at(table, s, h) for s, h in zip(slots.tolist(), hashes, strict=False)]
+        slots = run.slots.tolist()
+        return [BlockMeta.at(table, s, h) for s, h in zip(slots, hashes, strict=False)]
 
-    def touched(self, slots: Slots, hashes: Sequence[BlockHash]) -> Touched:
-        """What observers hear of a touch of ``slots``, the slots of ``hashes[:len(slots)]``."""
-        col = self._table.column
+    def touched(self, run: Run, hashes: Sequence[BlockHash]) -> Touched:
+        """What observers hear of a touch of ``run``, the slots of ``hashes[:len(run)]``."""
+        col, at = self._table.column, run.at
         return Touched(
-            hashes[: len(slots)],
-            col("mask")[slots].tolist(),
-            col("last")[slots].tolist(),
-            col("expires")[slots].tolist(),
-            col("hits")[slots].tolist(),
-            col("ref")[slots].tolist(),
-            col("ttl")[slots].tolist(),
+            hashes[: len(run)],
+            col("mask")[at].tolist(),
+            col("last")[at].tolist(),
+            col("expires")[at].tolist(),
+            col("hits")[at].tolist(),
+            col("ref")[at].tolist(),
+            col("ttl")[at].tolist(),
         )
 
-    def names(self, slots: Slots, name_of_mask: Sequence[str]) -> list[str]:
-        """``name_of_mask[mask]`` of each of ``slots``' tier masks."""
-        masks = self._table.column("mask")[slots]
+    def names(self, run: Run, name_of_mask: Sequence[str]) -> list[str]:
+        """``name_of_mask[mask]`` of each of ``run``'s tier masks."""
+        masks = self._table.column("mask")[run.at]
         if not len(masks):
             return []
         first = int(masks[0])
@@ -315,30 +338,30 @@ class BlockIndex:
         """A new operation number (blocks touched by one operation share it)."""
         return next(self._ops)
 
-    def touch_run(self, slots: Slots, now: float, ttl: float | None, *, hit: bool = True) -> None:
-        """``touch`` of each of ``slots`` (root first) in one operation, a field at a time;
-        ``hit``: a lookup's match, counted in each block's ``hit_count``."""
-        n = len(slots)
+    def touch_run(self, run: Run, now: float, ttl: float | None, *, hit: bool = True) -> None:
+        """``touch`` of each block of ``run`` (root first) in one operation, a field at a
+        time; ``hit``: a lookup's match, counted in each block's ``hit_count``."""
+        n = len(run)
         if not n:
             return
-        table = self._table
+        col, at = self._table.column, run.at
         op = next(self._ops)
         if hit:
-            table.column("hits")[slots] += 1
-        ttls = table.column("ttl")
+            col("hits")[at] += 1
+        ttls = col("ttl")
         if ttl is not None:
-            ttls[slots] = np.maximum(ttls[slots], ttl)
-        table.column("last")[slots] = now
-        table.column("op")[slots] = op
-        expires = table.column("expires")
-        expires[slots] = np.maximum(expires[slots], now + ttls[slots])
-        table.column("order")[slots] = np.arange(self._next_order(n), self._order)
+            ttls[at] = np.maximum(ttls[at], ttl)
+        col("last")[at] = now
+        col("op")[at] = op
+        expires = col("expires")
+        expires[at] = np.maximum(expires[at], now + ttls[at])
+        col("order")[at] = np.arange(self._next_order(n), self._order)
 
     def touch_chain(
         self, metas: Sequence[BlockMeta], now: float, ttl: float | None, *, hit: bool = True
     ) -> None:
         """``touch_run`` of records."""
-        self.touch_run(np.array([m.slot for m in metas], np.int64), now, ttl, hit=hit)
+        self.touch_run(Run(np.array([m.slot for m in metas], np.int64)), now, ttl, hit=hit)
 
     def touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
         """Slide ``meta``'s expiry (its TTL raised to at least ``ttl``) and LRU position."""

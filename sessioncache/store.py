@@ -62,7 +62,7 @@ from sessioncache.errors import (
 )
 from sessioncache.events import DropObserver, StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.index import BlockIndex, Lease, Slots
+from sessioncache.index import BlockIndex, Lease, Run
 from sessioncache.policy import EvictionPolicy
 from sessioncache.tiers.base import (
     CheckedTier,
@@ -328,7 +328,7 @@ class TieredStore:
     def _finish_lookup(
         self,
         hashes: Sequence[BlockHash],
-        matched: Slots,
+        matched: Run,
         now: float,
         lease_s: float | None,
         ttl_s: float | None,
@@ -1022,7 +1022,7 @@ class TieredStore:
                 if meta.mask:
                     # now, not the operation's instant: a touch never moves a block back
                     self._index.touch(meta, self._clock.now(), ttl, op)
-                    self._notify_touched(np.array([meta.slot]), [meta.block_hash])
+                    self._notify_touched(Run(np.array([meta.slot])), [meta.block_hash])
                 return None
             return self._index.new_record(
                 block_hash,
@@ -1055,10 +1055,10 @@ class TieredStore:
             for drop_observer in self._drop_observers:
                 drop_observer.block_dropped(meta, self._tiers[tier].name, now)
 
-    def _notify_touched(self, slots: Slots, hashes: Sequence[BlockHash]) -> None:
-        """Tell observers of a touch of ``slots``, the slots of ``hashes[:len(slots)]``."""
-        if len(slots) and self._observers:
-            touched = self._index.touched(slots, hashes)
+    def _notify_touched(self, run: Run, hashes: Sequence[BlockHash]) -> None:
+        """Tell observers of a touch of ``run``, the slots of ``hashes[:len(run)]``."""
+        if len(run) and self._observers:
+            touched = self._index.touched(run, hashes)
             for observer in self._observers:
                 observer.blocks_touched(touched)
 
@@ -1070,7 +1070,7 @@ class TieredStore:
             if meta is None:
                 raise BlockNotFound(f"block {block_hash.hex()} is not held")
             self._index.touch(meta, now, None, self._index.next_op())
-            self._notify_touched(np.array([meta.slot]), [block_hash])
+            self._notify_touched(Run(np.array([meta.slot])), [block_hash])
             self._index.ref(meta)
         try:
             yield meta

@@ -98,6 +98,11 @@ class BlockTable:
         """Slots in use or freed (the columns' valid length)."""
         return self._size
 
+    @property
+    def id_bytes(self) -> memoryview:
+        """The ids, 16 bytes per slot (all slots up to the capacity)."""
+        return self._id_bytes
+
     def key(self, slot: int) -> BlockHash:
         """The id of ``slot`` (of a freed slot: its last one)."""
         return BlockHash(bytes(self._id_bytes[slot * HASH_BYTES : (slot + 1) * HASH_BYTES]))
