@@ -194,12 +194,6 @@ class BlockIndex:
             return None
         return BlockMeta.at(table, slot, block_hash)
 
-    def held_prefix(self, hashes: Sequence[BlockHash], now: float) -> list[BlockMeta]:
-        """The records of the held, unexpired run of ``hashes`` from its start."""
-        table = self._table
-        slots = self.held_run(hashes, now).slots.tolist()
-        return [BlockMeta.at(table, slot, h) for slot, h in zip(slots, hashes, strict=False)]
-
     def held_run(self, hashes: Sequence[BlockHash], now: float) -> Run:
         """The slots of the held, unexpired run of ``hashes`` from its start.
 
@@ -356,12 +350,6 @@ class BlockIndex:
         expires = col("expires")
         expires[at] = np.maximum(expires[at], now + ttls[at])
         col("order")[at] = np.arange(self._next_order(n), self._order)
-
-    def touch_chain(
-        self, metas: Sequence[BlockMeta], now: float, ttl: float | None, *, hit: bool = True
-    ) -> None:
-        """``touch_run`` of records."""
-        self.touch_run(Run(np.array([m.slot for m in metas], np.int64)), now, ttl, hit=hit)
 
     def touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
         """Slide ``meta``'s expiry (its TTL raised to at least ``ttl``) and LRU position."""
