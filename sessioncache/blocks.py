@@ -65,7 +65,7 @@ class BlockMeta:
         checksum: int | None = None,
     ) -> None:
         per_tier = list(children_in)
-        table = BlockTable(max(len(per_tier), 1))
+        table = BlockTable(max(len(per_tier), 1), detached=True)
         slot = table.new(
             block_hash,
             parent,
@@ -98,6 +98,13 @@ class BlockMeta:
         meta.slot = slot
         meta.block_hash = block_hash
         return meta
+
+    @property
+    def live(self) -> bool:
+        """Whether the slot still holds this block's record. A handle kept past the record's
+        end (forgotten, its slot reused by another block) reads as held nowhere and is
+        ignored by the index, as a detached record was."""
+        return self._table.slot_of.get(self.block_hash) == self.slot
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -155,7 +162,8 @@ class BlockMeta:
 
     @property
     def mask(self) -> int:
-        return self._table.mask[self.slot]
+        t, slot = self._table, self.slot
+        return t.mask[slot] if t.slot_of.get(self.block_hash) == slot else 0
 
     @mask.setter
     def mask(self, value: int) -> None:
@@ -233,7 +241,7 @@ class BlockMeta:
 
     @property
     def tiers(self) -> frozenset[int]:
-        return tier_set(self._table.mask[self.slot])
+        return tier_set(self.mask)
 
     @tiers.setter
     def tiers(self, tiers: Iterable[int]) -> None:

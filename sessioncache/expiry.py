@@ -55,6 +55,8 @@ class ExpiryIndex(Generic[K]):
         """``add`` of each of ``keys`` at the time of the same index in ``ats``, a bucket at a
         time (a restart files every block it finds)."""
         where = np.flatnonzero(np.isfinite(ats))
+        if not len(where):
+            return
         numbers = np.floor(ats[where] / self._width).astype(np.int64)
         order = np.argsort(numbers, kind="stable")
         numbers, where = numbers[order], where[order]

@@ -164,12 +164,8 @@ class BlockIndex:
         table, slot = self._table, meta.slot
         if table.slot_of.get(meta.block_hash) != slot:
             return
-        first = table.first_kid[slot]
-        if first != NO_SLOT:
-            self._orphans[meta.block_hash] = first
-            table.first_kid[slot] = NO_SLOT
         parent = meta.parent
-        if parent is not None:
+        if parent is not None:  # first: a block that names itself its parent is its own kid
             owner = table.slot_of.get(parent)
             if owner is not None:
                 table.first_kid[owner] = table.drop_kid(table.first_kid[owner], slot)
@@ -179,6 +175,10 @@ class BlockIndex:
                     self._orphans.pop(parent, None)
                 else:
                     self._orphans[parent] = head
+        first = table.first_kid[slot]
+        if first != NO_SLOT:
+            self._orphans[meta.block_hash] = first
+            table.first_kid[slot] = NO_SLOT
         table.free(slot)
 
     def snapshot(self, block_hash: BlockHash) -> BlockMeta | None:
@@ -301,6 +301,15 @@ class BlockIndex:
         mask = self._table.mask[slot]
         return (mask & -mask).bit_length() - 1 if mask else 0
 
+    def held_columns(
+        self,
+    ) -> tuple[list[bytes], npt.NDArray[np.uint32], npt.NDArray[np.int64]]:
+        """The namespace roots by number, and copies of the root numbers and payload sizes of
+        the records a tier holds."""
+        col = self._table.column
+        held = np.flatnonzero(col("mask"))
+        return list(self._table.root_list), col("root")[held], col("nbytes")[held]
+
     def held_count(self) -> int:
         return int(np.count_nonzero(self._table.column("mask")))
 
@@ -341,7 +350,10 @@ class BlockIndex:
         col, at = self._table.column, run.at
         op = next(self._ops)
         if hit:
-            col("hits")[at] += 1
+            if isinstance(at, slice):
+                col("hits")[at] += 1
+            else:  # ids may repeat in one lookup (keyed blocks): each counts
+                np.add.at(col("hits"), at, 1)
         ttls = col("ttl")
         if ttl is not None:
             ttls[at] = np.maximum(ttls[at], ttl)
@@ -354,6 +366,8 @@ class BlockIndex:
     def touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
         """Slide ``meta``'s expiry (its TTL raised to at least ``ttl``) and LRU position."""
         table, slot = self._table, meta.slot
+        if table.slot_of.get(meta.block_hash) != slot:
+            return  # a handle past its record's end (``BlockMeta.live``)
         if ttl is not None and ttl > table.ttl[slot]:
             table.ttl[slot] = ttl
         table.last[slot] = now
@@ -364,8 +378,11 @@ class BlockIndex:
     # -- copies -------------------------------------------------------------------------
 
     def add_copy(self, meta: BlockMeta, tier: int) -> bool:
-        """``tier`` now holds ``meta``'s payload; False when it already did."""
+        """``tier`` now holds ``meta``'s payload; False when it already did (or the record is
+        gone: ``BlockMeta.live``)."""
         table, slot = self._table, meta.slot
+        if table.slot_of.get(meta.block_hash) != slot:
+            return False
         bit = 1 << tier
         mask = table.mask[slot]
         if mask & bit:
@@ -390,8 +407,10 @@ class BlockIndex:
 
     def remove_copy(self, meta: BlockMeta, tier: int) -> bool:
         """``tier`` no longer holds ``meta``'s payload (the record goes with its last copy
-        unless pinned); False when it did not hold it."""
+        unless pinned); False when it did not hold it (or the record is gone)."""
         table, slot = self._table, meta.slot
+        if table.slot_of.get(meta.block_hash) != slot:
+            return False
         bit = 1 << tier
         mask = table.mask[slot]
         if not mask & bit:
@@ -564,6 +583,8 @@ class BlockIndex:
 
     def ref(self, meta: BlockMeta) -> None:
         table, slot = self._table, meta.slot
+        if table.slot_of.get(meta.block_hash) != slot:
+            return
         if table.ref[slot] == 0:
             for tier in tier_set(table.mask[slot]):
                 self.pinned_bytes[tier] += table.nbytes[slot]
@@ -571,6 +592,8 @@ class BlockIndex:
 
     def unref(self, meta: BlockMeta) -> None:
         table, slot = self._table, meta.slot
+        if table.slot_of.get(meta.block_hash) != slot:
+            return
         ref = table.ref[slot]
         if ref <= 0:
             return

@@ -640,23 +640,20 @@ class TieredStore:
     def namespace_usage(self) -> dict[bytes, NamespaceUsage]:
         """Blocks and payload bytes held per namespace root, for the dashboard and scrapes.
 
-        The lock is held only to copy the record list; the pass over it, several times
-        longer, runs outside, so a scrape does not stall the data path for it. A record's
-        root and size never change;
-        whether it is still held may have changed by the time it is read: figures of a
-        moment, as any scrape's."""
+        The lock is held only to copy two columns of the held records; the counting runs
+        outside, so a scrape does not stall the data path for it: figures of a moment, as
+        any scrape's."""
         with self._lock:
-            records = list(self._index.records())
-        out: dict[bytes, NamespaceUsage] = {}
-        for meta in records:
-            if not meta.tiers:
-                continue
-            usage = out.get(meta.namespace_root)
-            if usage is None:
-                usage = out[meta.namespace_root] = NamespaceUsage()
-            usage.blocks += 1
-            usage.bytes += meta.nbytes
-        return out
+            root_list, roots, nbytes = self._index.held_columns()
+        numbers, inverse = np.unique(roots, return_inverse=True)
+        blocks = np.bincount(inverse, minlength=len(numbers))
+        sizes = np.bincount(inverse, weights=nbytes, minlength=len(numbers))
+        return {
+            root_list[number]: NamespaceUsage(count, int(size))
+            for number, count, size in zip(
+                numbers.tolist(), blocks.tolist(), sizes.tolist(), strict=True
+            )
+        }
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -709,6 +706,8 @@ class TieredStore:
                 if location is None:
                     break
             with self._lock:
+                if not meta.live:  # the lease lapsed and the record went meanwhile
+                    break
                 checksum = meta.checksum
                 self._counters.loaded_bytes += meta.nbytes  # the engine maps and reads it
             if checksum is None:
@@ -717,6 +716,8 @@ class TieredStore:
                     break
                 checksum = _xxh3(as_memoryview(view))
                 with self._lock:
+                    if not meta.live:
+                        break
                     meta.checksum = checksum
             located.append(LocatedSlot(block_hash, location, checksum))
         return located
@@ -957,6 +958,9 @@ class TieredStore:
                     except TierFull:
                         continue  # another thread took the room: evict again
                     with self._lock:
+                        if not meta.live:  # its record went meanwhile (a lapsed lease)
+                            self._tiers[tier].delete(meta.block_hash)
+                            return None
                         self._add_to_tier(meta, tier)
                     return tier
                 if not self._evict_one(tier, meta):

@@ -71,7 +71,10 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
 class BlockTable:
     """Block records as parallel arrays indexed by slot (see the module docstring)."""
 
-    def __init__(self, num_tiers: int, capacity: int = 64) -> None:
+    def __init__(self, num_tiers: int, capacity: int = 64, *, detached: bool = False) -> None:
+        """``detached``: a table of one slot in plain lists (a ``BlockMeta`` of its own: made
+        in microseconds, where NumPy arrays take tens); it cannot grow nor give ``column``
+        views."""
         self.num_tiers = num_tiers
         self.slot_of: dict[BlockHash, int] = {}
         """The slot of each id that has a record."""
@@ -88,7 +91,14 @@ class BlockTable:
         # items through memoryviews of them, which give plain ints and floats.
         self._capacity = 0
         self._arrays: dict[str, npt.NDArray[Any]] = {}
-        self._grow(capacity)
+        if detached:
+            for name, code in _COLUMNS:
+                setattr(self, name, [0.0 if code == "d" else 0])
+            self.children_in = [0] * num_tiers  # type: ignore[assignment]
+            self._id_bytes = memoryview(bytearray(HASH_BYTES))
+            self._capacity = 1
+        else:
+            self._grow(capacity)
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -316,7 +326,7 @@ class BlockTable:
 
     def children_in_of(self, slot: int) -> tuple[int, ...]:
         t = self.num_tiers
-        return tuple(self.children_in[slot * t : (slot + 1) * t].tolist())
+        return tuple(self.children_in[slot * t : (slot + 1) * t])
 
     def set_children_in(self, slot: int, values: Iterable[int]) -> None:
         t = self.num_tiers
