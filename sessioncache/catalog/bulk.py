@@ -11,12 +11,15 @@ keys), one object per distinct namespace root, the numbers as numpy arrays.
 
 from __future__ import annotations
 
+import queue
 import sqlite3
-from collections.abc import Iterator, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import closing
+from typing import Any, TypeVar
 
 import numpy as np
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, Engine, select
 
 from sessioncache.catalog.models import blocks_table
 from sessioncache.tiers.base import RecoveredBatch
@@ -25,6 +28,71 @@ BATCH_ROWS = 10_000
 
 _COLUMNS = ("block_id", "namespace_root", "nbytes", "last_access", "parent", "ttl_s", "expires_at")
 _Row = tuple[bytes, bytes, int, float, bytes | None, float, float]
+_T = TypeVar("_T")
+PREFETCH = 4
+
+
+def read_recovered_prefetched(
+    engine: Engine, tier: str, batch_rows: int = BATCH_ROWS, depth: int = PREFETCH
+) -> Iterator[RecoveredBatch]:
+    """``read_recovered`` on a connection of its own, read by a worker thread up to ``depth``
+    batches ahead of the consumer: the database's work (a server process; SQLite's page reads
+    and decoding, done without the GIL) overlaps with the consumer's."""
+
+    def produce() -> Generator[RecoveredBatch, None, None]:
+        with engine.connect() as conn:
+            yield from read_recovered(conn, tier, batch_rows)
+
+    return prefetched(produce, depth)
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_DONE = object()
+
+
+def prefetched(produce: Callable[[], Generator[_T, None, None]], depth: int) -> Iterator[_T]:
+    """``produce()``'s items, made on a worker thread up to ``depth`` ahead; its exception is
+    raised here, and closing this iterator stops and closes the producer."""
+    items: queue.Queue[Any] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def hand_over(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            with closing(produce()) as made:
+                for item in made:
+                    if not hand_over(item):
+                        return
+        except BaseException as exc:  # handed to the consumer, raised there
+            hand_over(_Failed(exc))
+            return
+        hand_over(_DONE)
+
+    worker = threading.Thread(target=run, name="sessioncache-catalog-read", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = items.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failed):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        worker.join()
 
 
 def read_recovered(

@@ -413,8 +413,7 @@ class Catalog:
     ) -> Iterator[RecoveredBatch]:
         """``iter_recovered`` column by column, up to ``batch_rows`` rows a batch, read on the
         driver's cursor (see ``catalog/bulk.py``)."""
-        with self.engine.connect() as conn:
-            yield from bulk.read_recovered(conn, tier, batch_rows)
+        return bulk.read_recovered_prefetched(self.engine, tier, batch_rows)
 
     def iter_block_ids(self, tier: str) -> Iterator[BlockHash]:
         """The ids of a tier's rows, streamed (no flush)."""

@@ -3,10 +3,13 @@ its columnar form, ``iter_recovered_batches``): every column exact, other tiers 
 
 from __future__ import annotations
 
+import itertools
 import random
+import threading
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from sessioncache.catalog import BlockRecord, bulk
 from sessioncache.hashing import BlockHash
@@ -127,3 +130,41 @@ def test_batch_of_blocks_round_trips_unrecorded_ttl_and_expiry():
     batch = RecoveredBatch.of(blocks)
     assert list(batch.blocks()) == blocks
     assert list(RecoveredBatch.of([]).blocks()) == []
+
+
+def test_prefetched_hands_over_items_and_the_producers_error():
+    def produce():
+        yield from range(10)
+        raise ValueError("the read failed")
+
+    got = []
+    with pytest.raises(ValueError, match="the read failed"):
+        for item in bulk.prefetched(produce, depth=2):
+            got.append(item)
+    assert got == list(range(10))
+
+
+def test_closing_prefetched_early_stops_and_closes_the_producer():
+    closed = threading.Event()
+
+    def produce():
+        try:
+            yield from itertools.count()
+        finally:
+            closed.set()
+
+    items = bulk.prefetched(produce, depth=2)
+    assert [next(items) for _ in range(5)] == [0, 1, 2, 3, 4]
+    items.close()
+    assert closed.is_set()
+    assert not any(t.name == "sessioncache-catalog-read" for t in threading.enumerate())
+
+
+def test_abandoned_read_releases_its_connection(make_catalog):
+    catalog = make_catalog()
+    catalog.upsert_blocks(records(300))
+    batches = catalog.iter_recovered_batches("disk", batch_rows=10)
+    assert len(next(batches)) == 10
+    batches.close()
+    assert catalog.engine.pool.checkedout() == 0
+    assert len(list(catalog.iter_recovered("disk"))) == 300
