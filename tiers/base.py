@@ -89,9 +89,11 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecoveredBlock:
-    """A block a durable tier found on start: enough for the store to re-index it."""
+    """A block a durable tier found on start: enough for the store to re-index it. Read-only
+    by convention, not frozen: a restart makes one per block by the hundred thousand, and a
+    frozen dataclass's ``__init__`` (``object.__setattr__`` per field) costs 4x as much."""
 
     block_hash: BlockHash
     namespace_root: bytes
