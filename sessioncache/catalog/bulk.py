@@ -11,11 +11,13 @@ keys), one object per distinct namespace root, the numbers as numpy arrays.
 
 from __future__ import annotations
 
+import logging
 import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,9 +26,13 @@ from sqlalchemy import Connection, Engine, select
 from sessioncache.catalog.models import blocks_table
 from sessioncache.tiers.base import RecoveredBatch
 
+log = logging.getLogger("sessioncache.catalog")
+
 BATCH_ROWS = 10_000
 
 _COLUMNS = ("block_id", "namespace_root", "nbytes", "last_access", "parent", "ttl_s", "expires_at")
+_SHARED = ("namespace_root", "nbytes", "ttl_s")
+_NARROW = ("block_id", "last_access", "parent", "expires_at")
 _Row = tuple[bytes, bytes, int, float, bytes | None, float, float]
 _T = TypeVar("_T")
 PREFETCH = 4
@@ -99,31 +105,58 @@ def read_recovered(
     conn: Connection, tier: str, batch_rows: int = BATCH_ROWS
 ) -> Iterator[RecoveredBatch]:
     """The rows of ``tier`` in batches of up to ``batch_rows`` (in no particular order)."""
-    roots: dict[bytes, bytes] = {}
-    for rows in _raw_rows(conn, tier, batch_rows):
-        if rows:
-            yield batch_of(rows, roots)
-
-
-def _raw_rows(conn: Connection, tier: str, batch_rows: int) -> Iterator[Sequence[_Row]]:
     driver: Any = conn.connection.driver_connection
-    sql = f"SELECT {', '.join(_COLUMNS)} FROM {blocks_table.name} WHERE tier = "
+    roots: dict[bytes, bytes] = {}
+    query: Callable[[str, tuple[Any, ...], int], Iterator[Sequence[tuple[Any, ...]]]]
     if isinstance(driver, sqlite3.Connection):
-        # ``+tier``: a scan of the table, not a search of the (tier, expires_at) index, whose
-        # order is not the table's (a random read per row on a cold page cache).
-        cursor = driver.execute(sql.replace("tier =", "+tier =") + "?", (tier,))
-        try:
-            while rows := cursor.fetchmany(batch_rows):
-                yield rows
-        finally:
-            cursor.close()
+        query, mark, plus = partial(_sqlite_query, driver), "?", "+"
     elif conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg":
-        with driver.cursor(name="sessioncache_recovered", binary=True) as cur:
-            cur.execute(sql + "%s", (tier,))
-            while rows := cur.fetchmany(batch_rows):
-                yield rows
+        query, mark, plus = partial(_psycopg_query, driver), "%s", ""
     else:
-        yield from sqlalchemy_rows(conn, tier, batch_rows)
+        for rows in sqlalchemy_rows(conn, tier, batch_rows):
+            yield batch_of(rows, roots)
+        return
+    # ``+column`` (SQLite): a scan of the table, not a search of an index whose order is not
+    # the table's (a random read per row on a cold page cache).
+    table, where = blocks_table.name, f"WHERE {plus}tier = {mark}"
+    probe = f"SELECT {', '.join(_SHARED)} FROM {table} {where} LIMIT 1"
+    first = [row for rows in query(probe, (tier,), 1) for row in rows]
+    if not first:
+        return
+    # The rows of the first row's (root, size, TTL), most of them as a rule, are read
+    # without those three columns: fewer values for the driver to make, with the GIL held.
+    # Then the others, whole.
+    root, nbytes, ttl_s = first[0]
+    root = roots.setdefault(bytes(root), bytes(root))
+    same = " AND ".join(f"{plus}{c} = {mark}" for c in _SHARED)
+    params = (tier, root, nbytes, ttl_s)
+    narrow = f"SELECT {', '.join(_NARROW)} FROM {table} {where} AND {same}"
+    for rows in query(narrow, params, batch_rows):
+        yield _narrow_batch_of(rows, root, int(nbytes), float(ttl_s))
+    rest = f"SELECT {', '.join(_COLUMNS)} FROM {table} {where} AND NOT ({same})"
+    for rows in query(rest, params, batch_rows):
+        yield batch_of(rows, roots)
+
+
+def _sqlite_query(
+    driver: sqlite3.Connection, sql: str, params: tuple[Any, ...], batch_rows: int
+) -> Iterator[Sequence[tuple[Any, ...]]]:
+    cursor = driver.execute(sql, params)
+    try:
+        while rows := cursor.fetchmany(batch_rows):
+            yield rows
+    finally:
+        cursor.close()
+
+
+def _psycopg_query(
+    driver: Any, sql: str, params: tuple[Any, ...], batch_rows: int
+) -> Iterator[Sequence[tuple[Any, ...]]]:
+    # A server-side cursor: the result streams in batches; binary: numbers arrive unparsed.
+    with driver.cursor(name="sessioncache_recovered", binary=True) as cur:
+        cur.execute(sql, params)
+        while rows := cur.fetchmany(batch_rows):
+            yield rows
 
 
 def sqlalchemy_rows(conn: Connection, tier: str, batch_rows: int) -> Iterator[Sequence[_Row]]:
@@ -160,5 +193,26 @@ def batch_of(rows: Sequence[_Row], roots: dict[bytes, bytes] | None = None) -> R
         nbytes=np.array(nbytes, dtype=np.int64),
         mtime=np.array(last_access, dtype=np.float64),
         ttl_s=np.array(ttl_s, dtype=np.float64),
+        expires_at=np.array(expires_at, dtype=np.float64),
+    )
+
+
+def _narrow_batch_of(
+    rows: Sequence[tuple[Any, ...]], root: bytes, nbytes: int, ttl_s: float
+) -> RecoveredBatch:
+    """Rows ``(block_id, last_access, parent, expires_at)`` of one root, size and TTL."""
+    ids, last_access, parents, expires_at = zip(*rows, strict=True)
+    if type(ids[0]) is not bytes:
+        ids = tuple(bytes(b) for b in ids)
+    if type(next((p for p in parents if p is not None), b"")) is not bytes:
+        parents = tuple(None if p is None else bytes(p) for p in parents)
+    n = len(ids)
+    return RecoveredBatch(
+        ids=list(ids),
+        namespace_roots=[root] * n,
+        parents=list(parents),
+        nbytes=np.full(n, nbytes, dtype=np.int64),
+        mtime=np.array(last_access, dtype=np.float64),
+        ttl_s=np.full(n, ttl_s, dtype=np.float64),
         expires_at=np.array(expires_at, dtype=np.float64),
     )

@@ -403,8 +403,8 @@ class Catalog:
 
     def iter_recovered(self, tier: str) -> Iterator[RecoveredBlock]:
         """A tier's rows as the blocks a restart indexes, streamed (no flush): the index of a
-        fast restart, so only the columns it needs, and one object per namespace root and
-        per TTL."""
+        fast restart, so only the columns it needs, one object per namespace root, and per
+        TTL and size in a batch."""
         for batch in self.iter_recovered_batches(tier):
             yield from batch.blocks()
 
