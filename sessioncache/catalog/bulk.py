@@ -1,12 +1,18 @@
 """The block rows of a tier read in bulk, as ``RecoveredBatch`` columns: the index of a fast
 restart (issue 15), hundreds of thousands of rows read before the node serves.
 
-The rows are read on the driver's own cursor (``sqlite3``; psycopg 3, through a server-side
-cursor in binary format so that the result streams in batches and numbers arrive unparsed from
-text), not through SQLAlchemy's result rows, whose per-row processing cost several times the
-read itself. Any other driver takes the SQLAlchemy path. Each batch is turned into columns at
-once: the ids as the driver made them (the bytes objects the tier and the store then share as
-keys), one object per distinct namespace root, the numbers as numpy arrays.
+* The rows are read on the driver's own cursor (``sqlite3``; psycopg 3 through a server-side
+  cursor in binary format, so that the result streams in batches and numbers arrive unparsed
+  from text), not through SQLAlchemy's result rows, whose per-row processing cost several
+  times the read itself. Any other driver takes the SQLAlchemy path.
+* The driver makes a Python object per value with the GIL held, so fewer values is faster:
+  the rows sharing the first row's namespace root, size and TTL (most of them, as a rule: one
+  model, one block size, few TTLs) are read without those three columns, the others whole.
+* A worker thread reads a few batches ahead of the consumer (``read_recovered_prefetched``):
+  the database's own work (a server process; SQLite's page reads) overlaps with the store's.
+* Each batch is turned into columns at once: the ids as the driver made them (the bytes
+  objects the tier and the store then share as keys), one object per distinct namespace root,
+  the numbers as numpy arrays.
 """
 
 from __future__ import annotations

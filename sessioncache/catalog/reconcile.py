@@ -13,9 +13,11 @@ Run it at start-up, after building the store (``reconcile(catalog, store)``) and
 
 A fast restart (issue 15) skips both walks: ``CatalogRecoveredTier(..., from_catalog=True)``
 over a tier opened without its scan (``DiskTier.open(..., scan=False)``) takes the catalog's
-rows as the index, files unopened (each read verifies its file: a bad or missing one is a
-miss, quarantined, and its row dropped), and ``BackgroundReconcile`` then walks the folders while
-the node serves, adopting the files the catalog lacks (verified) with ``TieredStore.adopt_found``.
+rows as the index (read in columnar batches, ``Catalog.iter_recovered_batches``, handed to the
+tier with ``adopt_batch`` and to the store one by one or, ``recovered_batches()``, in bulk),
+files unopened (each read verifies its file: a bad or missing one is a miss, quarantined, and
+its row dropped), and ``BackgroundReconcile`` then walks the folders while the node serves,
+adopting the files the catalog lacks (verified) with ``TieredStore.adopt_found``.
 
 ``CatalogRecoveredTier`` goes the other way: wrapped around a durable tier before the store is
 built, it fills in what the tier's start-up scan cannot know (a block's last access, TTL and expiry;

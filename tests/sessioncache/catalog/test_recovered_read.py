@@ -11,9 +11,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sessioncache.catalog import BlockRecord, bulk
+from sessioncache.catalog import BlockRecord, CatalogRecoveredTier, bulk
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock
+from sessioncache.tiers.base import BatchRecoverableTier, RecoveredBatch, RecoveredBlock
+from sessioncache.tiers.disk import DiskTier
 
 ROOTS = [b"\x01" * 16, b"\x00" * 15 + b"\x02"]
 
@@ -182,3 +183,32 @@ def test_rows_of_many_sizes_and_ttls_are_all_read(make_catalog):
     assert sum(len(b) for b in batches) == len(rows)
     got = [block for batch in batches for block in batch.blocks()]
     assert {b.block_hash: b for b in got} == expected(rows)
+
+
+def test_catalog_recovered_tier_hands_batches_to_the_tier_and_its_owner(make_catalog, tmp_path):
+    catalog = make_catalog()
+    rows = records(40)
+    catalog.upsert_blocks(rows)
+    disk = DiskTier.open(tmp_path / "disk", 1 << 50, scan=False)
+    tier = CatalogRecoveredTier(disk, catalog, from_catalog=True)
+    assert isinstance(tier, BatchRecoverableTier)
+    batches = list(tier.recovered_batches())
+    got = [block for batch in batches for block in batch.blocks()]
+    assert {b.block_hash: b for b in got} == expected(rows)
+    assert sorted(disk.keys()) == sorted(r.block_id for r in rows)
+    assert disk.used_bytes == sum(r.nbytes for r in rows)
+
+
+def test_catalog_recovered_tier_batches_a_scanned_tier_too(make_catalog, tmp_path):
+    catalog = make_catalog()
+    disk = DiskTier.open(tmp_path / "disk", 1 << 30)
+    for i in range(1, 6):
+        disk.put(bid(i), bytes([i]) * 64, ROOTS[0], parent=bid(i - 1) if i > 1 else None)
+    rows = [r for r in records(3) if r.namespace_root == ROOTS[0]]  # rows for some files
+    catalog.upsert_blocks([replace(r, nbytes=64) for r in rows])
+    disk = DiskTier.open(tmp_path / "disk", 1 << 30)
+    tier = CatalogRecoveredTier(disk, catalog)
+    one_by_one = {b.block_hash: b for b in tier.recovered()}
+    batched = [b for batch in tier.recovered_batches() for b in batch.blocks()]
+    assert {b.block_hash: b for b in batched} == one_by_one
+    assert len(one_by_one) == 5
