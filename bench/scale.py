@@ -15,7 +15,8 @@ Sections (``--only`` picks some):
 * ``restart``: a disk tier with each of ``--disk-blocks`` 64-byte blocks written through a node
   with a catalog (SQLite, and PostgreSQL when ``--postgres`` is given), then the node is closed,
   the page cache dropped when permitted, and a new node opened: seconds until it serves a
-  lookup, and the blocks read back byte-exact.
+  lookup, and the blocks read back byte-exact; then the parts before the store's index, each
+  timed alone: the catalog read, the disk tier's adoption, the per-block objects.
 * ``catalog``: the catalog's write-behind of block rows, rows per second, on each database.
 
 Each section prints, per size, the figure and its ratio to the smallest size's, measured in the
@@ -310,6 +311,7 @@ def bench_restart(
                 sample = ids[:: max(1, n // 1000)]
                 assert all(node.store.get_bytes(b) == PAYLOAD for b in sample)
                 node.close()
+                parts = restart_parts(data, db_url, db_schema, n)
                 full = math.nan
                 if n <= full_max:
                     drop_page_cache()
@@ -328,9 +330,42 @@ def bench_restart(
                     "background_s": background,
                     "full_walk_s": full,
                     "cache_dropped": float(dropped),
+                    **parts,
                 }
             )
     return rows
+
+
+def restart_parts(data: Path, url: str, schema: str | None, n: int) -> dict[str, float]:
+    """The parts of a fast restart before the store's index, each timed alone (page cache
+    dropped, collector off as during the store's bulk load): the catalog's rows read into
+    columns, the disk tier's adoption of them, and the ``RecoveredBlock`` objects the store
+    is handed one by one; and the disk tier's index bytes per block (its dict; the ids are
+    the store's keys too)."""
+    from sessioncache.catalog.repository import Catalog
+    from sessioncache.tiers.disk import DiskTier
+
+    catalog = Catalog.open(url, schema=schema)
+    disk = DiskTier.open(data / "blocks", 1 << 40, scan=False)
+    drop_page_cache()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        batches = list(catalog.iter_recovered_batches("disk"))
+        read = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for batch in batches:
+            disk.adopt_batch(batch)
+        adopt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        blocks = sum(1 for batch in batches for _ in batch.blocks())
+        objects = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    assert blocks == n == len(disk.keys())
+    disk_bytes = sys.getsizeof(disk._index) / n
+    catalog.close()
+    return {"read_s": read, "adopt_s": adopt, "objects_s": objects, "disk_b": disk_bytes}
 
 
 def _create_schema(url: str, schema: str) -> None:
@@ -476,6 +511,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"{row['background_s']:>14.2f}{row['full_walk_s']:>13.2f}"
                 f"{row['serving_s'] / row['full_walk_s']:>8.3f}  "
                 f"{'dropped' if row['cache_dropped'] else 'NOT dropped (no permission)'}"
+            )
+        print(
+            "\nrestart, its parts before the store's index, each timed alone (s; "
+            "rest = serving - the three)"
+        )
+        print(
+            f"{'db':<12}{'blocks':>10}{'catalog read':>14}{'disk adopt':>12}"
+            f"{'block objs':>12}{'rest':>8}{'disk B/blk':>12}"
+        )
+        for row in rows:
+            parts = row["read_s"] + row["adopt_s"] + row["objects_s"]
+            print(
+                f"{row['db']!s:<12}{int(row['blocks']):>10}{row['read_s']:>14.2f}"
+                f"{row['adopt_s']:>12.2f}{row['objects_s']:>12.2f}"
+                f"{row['serving_s'] - parts:>8.2f}{row['disk_b']:>12.1f}"
             )
     if "catalog" in args.only:
         print("\ncatalog write-behind (block rows added, then one flush)")

@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import Final
 
@@ -60,7 +61,7 @@ import xxhash
 
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.tiers.base import RecoveredBlock
+from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
@@ -89,19 +90,20 @@ _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Entry:
-    """One held block. Entries are compared by identity to detect concurrent replacement."""
+    """One held block: what ``get`` checks its file against. Compared by identity to detect
+    concurrent replacement, so each put makes its own."""
 
     nbytes: int
     namespace_root: bytes
-    mtime: float
-    parent: BlockHash | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _TrustedEntry(_Entry):
-    """A block indexed on its owner's word (``adopt``), its file not seen yet."""
+    """A block indexed on its owner's word (``adopt``), its file not seen yet. One object is
+    shared by every adopted block of a size and namespace (a restart adopts them by the
+    hundred thousand): the identity check still tells a put's entry (always new) from it."""
 
 
 def _fsync_dir(path: str) -> None:
@@ -228,6 +230,7 @@ class DiskTier:
         self._recovered: list[RecoveredBlock] = []
         self._opened_at = time.time()
         self._missing: list[BlockHash] = []
+        self._trusted: dict[tuple[int, bytes], _TrustedEntry] = {}
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -253,14 +256,43 @@ class DiskTier:
     def adopt(self, blocks: Iterable[RecoveredBlock]) -> None:
         """Index blocks whose files are taken on trust (their rows in the catalog), without
         opening them: a missing or bad file is found by its first ``get``, a miss."""
+        self._adopt_trusted([(b.block_hash, b.nbytes, b.namespace_root) for b in blocks])
+
+    def adopt_batch(self, batch: RecoveredBatch) -> None:
+        """``adopt`` column by column."""
+        ids, roots, sizes = batch.ids, batch.namespace_roots, batch.nbytes
+        if not ids:
+            return
+        root, nbytes = roots[0], int(sizes[0])
+        if roots.count(root) == len(roots) and (sizes == nbytes).all():
+            # One size and namespace (the usual case): one entry, and the index filled by
+            # C loops unless an id is already known.
+            with self._lock:
+                index, inflight = self._index, self._inflight
+                if index.keys().isdisjoint(ids) and inflight.keys().isdisjoint(ids):
+                    entry = self._trusted.get((nbytes, root))
+                    if entry is None:
+                        entry = self._trusted[nbytes, root] = _TrustedEntry(nbytes, root)
+                    size = len(index)
+                    index.update(zip(ids, repeat(entry)))
+                    self._used += nbytes * (len(index) - size)
+                    return
+        self._adopt_trusted(zip(ids, sizes.tolist(), roots, strict=True))
+
+    def _adopt_trusted(self, blocks: Iterable[tuple[BlockHash, int, bytes]]) -> None:
+        trusted = self._trusted
         with self._lock:
-            for block in blocks:
-                if block.block_hash in self._index or block.block_hash in self._inflight:
+            index, inflight = self._index, self._inflight
+            used = 0
+            for block_hash, nbytes, root in blocks:
+                if block_hash in index or block_hash in inflight:
                     continue
-                self._index[block.block_hash] = _TrustedEntry(
-                    block.nbytes, block.namespace_root, block.mtime, block.parent
-                )
-                self._used += block.nbytes
+                entry = trusted.get((nbytes, root))
+                if entry is None:
+                    entry = trusted[nbytes, root] = _TrustedEntry(nbytes, root)
+                index[block_hash] = entry
+                used += nbytes
+            self._used += used
 
     def scan_unindexed(self) -> list[RecoveredBlock]:
         """Walk the folders, index the valid files the index does not know (reading their
@@ -283,9 +315,7 @@ class DiskTier:
             for block in found:
                 if block.block_hash in self._index or block.block_hash in self._inflight:
                     continue  # put, or being put or deleted, since the walk saw it
-                self._index[block.block_hash] = _Entry(
-                    block.nbytes, block.namespace_root, block.mtime, block.parent
-                )
+                self._index[block.block_hash] = _Entry(block.nbytes, block.namespace_root)
                 self._used += block.nbytes
                 adopted.append(block)
             self._missing = [
@@ -331,9 +361,7 @@ class DiskTier:
                 self._ready_dirs.add(d1.path)
         with self._lock:
             for block in found:
-                self._index[block.block_hash] = _Entry(
-                    block.nbytes, block.namespace_root, block.mtime, block.parent
-                )
+                self._index[block.block_hash] = _Entry(block.nbytes, block.namespace_root)
                 self._used += block.nbytes
             self._recovered = found
         logger.info(
@@ -531,7 +559,6 @@ class DiskTier:
                     _write_all(fd, [memoryview(header), view])
                 if self._fsync:
                     os.fdatasync(fd)
-                mtime = os.fstat(fd).st_mtime
             finally:
                 os.close(fd)
             os.rename(tmp, final)
@@ -548,7 +575,7 @@ class DiskTier:
             for path in new_dirs:
                 _fsync_dir(os.path.dirname(path))
         self._ready_dirs.update(new_dirs)
-        return _Entry(n, namespace_root, mtime, parent)
+        return _Entry(n, namespace_root)
 
     def _ensure_dir(self, path: str) -> None:
         """Create ``path`` if needed and make it and its entry in the parent durable."""

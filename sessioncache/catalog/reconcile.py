@@ -13,9 +13,11 @@ Run it at start-up, after building the store (``reconcile(catalog, store)``) and
 
 A fast restart (issue 15) skips both walks: ``CatalogRecoveredTier(..., from_catalog=True)``
 over a tier opened without its scan (``DiskTier.open(..., scan=False)``) takes the catalog's
-rows as the index, files unopened (each read verifies its file: a bad or missing one is a
-miss, quarantined, and its row dropped), and ``BackgroundReconcile`` then walks the folders while
-the node serves, adopting the files the catalog lacks (verified) with ``TieredStore.adopt_found``.
+rows as the index (read in columnar batches, ``Catalog.iter_recovered_batches``, handed to the
+tier with ``adopt_batch`` and to the store one by one or, ``recovered_batches()``, in bulk),
+files unopened (each read verifies its file: a bad or missing one is a miss, quarantined, and
+its row dropped), and ``BackgroundReconcile`` then walks the folders while the node serves,
+adopting the files the catalog lacks (verified) with ``TieredStore.adopt_found``.
 
 ``CatalogRecoveredTier`` goes the other way: wrapped around a durable tier before the store is
 built, it fills in what the tier's start-up scan cannot know (a block's last access, TTL and expiry;
@@ -40,7 +42,13 @@ import xxhash
 from sessioncache.catalog.repository import BlockRecord, Catalog
 from sessioncache.hashing import BlockHash
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
-from sessioncache.tiers.base import LazyStartTier, RecoverableTier, RecoveredBlock, Tier
+from sessioncache.tiers.base import (
+    LazyStartTier,
+    RecoverableTier,
+    RecoveredBatch,
+    RecoveredBlock,
+    Tier,
+)
 from sessioncache.tiers.payload import Payload, as_memoryview
 
 log = logging.getLogger("sessioncache.catalog.reconcile")
@@ -200,7 +208,8 @@ class CatalogRecoveredTier:
         assert isinstance(self._tier, RecoverableTier)
         self._catalog.flush()
         if self._from_catalog:
-            yield from self._rows()
+            for batch in self.recovered_batches():
+                yield from batch.blocks()
             return
         found = iter(self._tier.recovered())
         while chunk := list(islice(found, _BATCH)):
@@ -218,13 +227,20 @@ class CatalogRecoveredTier:
                     expires_at=row.expires_at,
                 )
 
-    def _rows(self) -> Iterator[RecoveredBlock]:
-        """The catalog's rows of this tier, handed to the tier unopened (``adopt``)."""
+    def recovered_batches(self) -> Iterator[RecoveredBatch]:
+        """``recovered()`` column by column, for a bulk adoption. From the catalog: its rows
+        as read, each batch handed to the tier unopened (``adopt_batch``) before it is
+        yielded; otherwise ``recovered()``'s blocks in batches."""
+        if not self._from_catalog:
+            found = iter(self.recovered())
+            while chunk := list(islice(found, _BATCH)):
+                yield RecoveredBatch.of(chunk)
+            return
         assert isinstance(self._tier, LazyStartTier)
-        rows = iter(self._catalog.iter_recovered(self.name))
-        while blocks := list(islice(rows, _BATCH)):
-            self._tier.adopt(blocks)
-            yield from blocks
+        self._catalog.flush()
+        for batch in self._catalog.iter_recovered_batches(self.name):
+            self._tier.adopt_batch(batch)
+            yield batch
 
     # -- the Tier protocol, delegated -----------------------------------------------------
 

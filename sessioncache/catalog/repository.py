@@ -44,6 +44,7 @@ from sqlalchemy.engine import URL
 
 from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
+from sessioncache.catalog import bulk
 from sessioncache.catalog.db import make_engine
 from sessioncache.catalog.models import (
     blocks_table,
@@ -58,7 +59,7 @@ from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery
 from sessioncache.sessions import Session
-from sessioncache.tiers.base import RecoveredBlock, Tier
+from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock, Tier
 
 if TYPE_CHECKING:
     from sessioncache.events import StoreObserver
@@ -408,27 +409,17 @@ class Catalog:
 
     def iter_recovered(self, tier: str) -> Iterator[RecoveredBlock]:
         """A tier's rows as the blocks a restart indexes, streamed (no flush): the index of a
-        fast restart, so only the columns it needs, and one object per namespace root and
-        per TTL."""
-        t = blocks_table
-        roots: dict[bytes, bytes] = {}
-        ttls: dict[float, float] = {}  # few distinct TTLs: one float object each
-        columns = (t.c.block_id, t.c.namespace_root, t.c.nbytes, t.c.last_access, t.c.parent)
-        with self.engine.connect() as conn:
-            result = conn.execution_options(yield_per=_CHUNK).execute(
-                select(*columns, t.c.ttl_s, t.c.expires_at).where(t.c.tier == tier)
-            )
-            for block_id, root, nbytes, last_access, parent, ttl_s, expires_at in result:
-                root, ttl = bytes(root), float(ttl_s)
-                yield RecoveredBlock(
-                    BlockHash(bytes(block_id)),
-                    roots.setdefault(root, root),
-                    int(nbytes),
-                    float(last_access),
-                    BlockHash(bytes(parent)) if parent is not None else None,
-                    ttl_s=ttls.setdefault(ttl, ttl),
-                    expires_at=float(expires_at),
-                )
+        fast restart, so only the columns it needs, one object per namespace root, and per
+        TTL and size in a batch."""
+        for batch in self.iter_recovered_batches(tier):
+            yield from batch.blocks()
+
+    def iter_recovered_batches(
+        self, tier: str, batch_rows: int = bulk.BATCH_ROWS
+    ) -> Iterator[RecoveredBatch]:
+        """``iter_recovered`` column by column, up to ``batch_rows`` rows a batch, read on the
+        driver's cursor (see ``catalog/bulk.py``)."""
+        return bulk.read_recovered_prefetched(self.engine, tier, batch_rows)
 
     def iter_block_ids(self, tier: str) -> Iterator[BlockHash]:
         """The ids of a tier's rows, streamed (no flush)."""

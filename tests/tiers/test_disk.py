@@ -21,7 +21,7 @@ import xxhash
 import sessioncache.tiers.disk as disk_mod
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.base import RecoverableTier, RecoveredBlock, Tier
+from sessioncache.tiers.base import RecoverableTier, RecoveredBatch, RecoveredBlock, Tier
 from sessioncache.tiers.disk import HEADER_SIZE, DiskTier, decode_header
 
 NS = b"N" * 16
@@ -517,3 +517,51 @@ def test_kill_9_keeps_every_acknowledged_put(root: Path) -> None:
     assert len(held - {bytes.fromhex(x) for x in acked}) <= 1
     assert not any(p.name.endswith(".tmp") for p in all_files(root))
     assert tier.used_bytes == sum(r.nbytes for r in tier.recovered())
+
+
+# ------------------------------------------------------------------ adopted on trust (restart)
+
+
+def test_adopt_batch_indexes_unopened_files_and_checks_each_on_get(root: Path) -> None:
+    ids = [bid(f"adopt-{i}") for i in range(6)]
+    writer = DiskTier.open(root, 16 * MIB)
+    for h in ids[:5]:
+        writer.put(h, payload_for(h, 4096), NS)
+    writer.close()
+    tier = DiskTier.open(root, 16 * MIB, scan=False)
+    tier.put(ids[0], payload_for(ids[0], 4096), NS)  # already held: left as it is
+    block_file(root, ids[1]).write_bytes(b"garbage")  # a bad file, found by its read
+    batch = RecoveredBatch.of(
+        [RecoveredBlock(h, NS, 4096, 1.0, None, ttl_s=60.0, expires_at=61.0) for h in ids]
+    )
+    tier.adopt_batch(batch)  # ids[5] has a row but no file
+    assert tier.used_bytes == 6 * 4096
+    assert sorted(tier.keys()) == sorted(ids)
+    assert tier.get(ids[2]) is not None
+    assert bytes(tier.get(ids[3]).numpy()) == payload_for(ids[3], 4096)
+    assert tier.get(ids[1]) is None  # quarantined, and only it dropped
+    assert len(quarantined(root)) == 1
+    assert tier.get(ids[5]) is None
+    assert sorted(tier.keys()) == sorted([ids[0], ids[2], ids[3], ids[4]])
+    assert tier.used_bytes == 4 * 4096
+    # a delete and a re-put of an adopted id: a fresh entry, read back as written
+    assert tier.delete(ids[4]) == 4096
+    tier.put(ids[4], payload_for(ids[4], 4096), NS)
+    assert bytes(tier.get(ids[4]).numpy()) == payload_for(ids[4], 4096)
+
+
+def test_adopted_blocks_without_files_are_missing_after_the_walk(root: Path) -> None:
+    ids = [bid(f"walk-{i}") for i in range(4)]
+    writer = DiskTier.open(root, 16 * MIB)
+    for h in ids[:2]:
+        writer.put(h, payload_for(h, 512), NS)
+    writer.put(ids[3], payload_for(ids[3], 512), NS2)  # a file without a row
+    tier = DiskTier.open(root, 16 * MIB, scan=False)
+    tier.adopt_batch(RecoveredBatch.of([RecoveredBlock(h, NS, 512, 1.0) for h in ids[:3]]))
+    tier.adopt([RecoveredBlock(ids[0], NS, 512, 1.0)])  # known: no double count
+    assert tier.used_bytes == 3 * 512
+    found = tier.scan_unindexed()
+    assert [b.block_hash for b in found] == [ids[3]] and found[0].namespace_root == NS2
+    assert tier.missing() == [ids[2]]
+    assert sorted(tier.keys()) == sorted([ids[0], ids[1], ids[3]])
+    assert tier.used_bytes == 3 * 512
