@@ -19,7 +19,6 @@ lock held, and does every tier call and observer notification itself (see ``stor
 from __future__ import annotations
 
 import itertools
-import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.policy import EvictionPolicy
 from sessioncache.table import F_LIVE, F_PARENT, NO_SLOT, BlockTable
-from sessioncache.tiers.base import LocatedBlock, RecoveredBlock
+from sessioncache.tiers.base import LocatedBlock, RecoveredBatch
 
 Slots = npt.NDArray[np.int64]
 """Slots of the ``BlockTable``, in chain order."""
@@ -470,40 +469,46 @@ class BlockIndex:
         return meta
 
     def adopt_recovered(
-        self, found: Sequence[RecoveredBlock], tier: int, now: float, default_ttl: float
+        self, found: RecoveredBatch, tier: int, now: float, default_ttl: float
     ) -> None:
         """Index blocks a durable tier found on start (``tier`` holds them), the new ones a
         column at a time in consecutive slots; ``relink`` once all are in."""
         table = self._table
         slot_of, mask = table.slot_of, table.mask
         bit = 1 << tier
-        fresh: dict[BlockHash, RecoveredBlock] = {}
-        for block in found:
-            slot = slot_of.get(block.block_hash)
+        fresh: list[int] = []  # rows of ids without a record
+        seen: set[BlockHash] = set()
+        for row, block_hash in enumerate(found.ids):
+            slot = slot_of.get(block_hash)
             if slot is None:
-                fresh.setdefault(block.block_hash, block)
+                if block_hash not in seen:
+                    seen.add(block_hash)
+                    fresh.append(row)
             elif not mask[slot] & bit:
                 mask[slot] |= bit
                 self.tier_blocks[tier] += 1
         if not fresh:
             return
-        blocks = list(fresh.values())
-        hashes = list(fresh)
-        n = len(blocks)
-        created = np.fromiter((b.mtime for b in blocks), np.float64, n)
-        ttl = np.fromiter(
-            (default_ttl if b.ttl_s is None else b.ttl_s for b in blocks), np.float64, n
-        )
+        n = len(fresh)
+        if n == len(found):  # the usual case: every row new
+            hashes, parents, roots = found.ids, found.parents, found.namespace_roots
+            rows: slice | list[int] = slice(None)
+        else:
+            rows = fresh
+            hashes = [found.ids[i] for i in fresh]
+            parents = [found.parents[i] for i in fresh]
+            roots = [found.namespace_roots[i] for i in fresh]
+        created = found.mtime[rows]
+        ttl = found.ttl_s[rows]
+        ttl = np.where(np.isnan(ttl), default_ttl, ttl)
         last = np.minimum(created, now)
-        expires = np.fromiter(
-            (math.nan if b.expires_at is None else b.expires_at for b in blocks), np.float64, n
-        )
+        expires = found.expires_at[rows]
         expires = np.where(np.isnan(expires), last + ttl, expires)
         table.new_many(
             hashes,
-            [b.parent for b in blocks],
-            [b.namespace_root for b in blocks],
-            np.fromiter((b.nbytes for b in blocks), np.int64, n),
+            parents,
+            roots,
+            found.nbytes[rows],
             ttl,
             created,
             last,

@@ -65,8 +65,10 @@ from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index import BlockIndex, Lease, Run
 from sessioncache.policy import EvictionPolicy
 from sessioncache.tiers.base import (
+    BatchRecoverableTier,
     CheckedTier,
     RecoverableTier,
+    RecoveredBatch,
     RecoveredBlock,
     SharedMemoryTier,
     SharedTier,
@@ -1200,15 +1202,27 @@ class TieredStore:
             if not isinstance(tier, RecoverableTier):
                 continue
             adopted = 0
-            found = iter(tier.recovered())
-            while chunk := list(islice(found, _ADOPT_CHUNK)):
-                self._index.adopt_recovered(chunk, index, now, self._default_ttl)
-                for block in chunk:
-                    self._payload_sizes.setdefault(block.namespace_root, block.nbytes)
-                adopted += len(chunk)
+            for batch in _batches(tier):
+                self._index.adopt_recovered(batch, index, now, self._default_ttl)
+                sizes = self._payload_sizes
+                for root, nbytes in zip(batch.namespace_roots, batch.nbytes.tolist(), strict=True):
+                    if root not in sizes:
+                        sizes[root] = nbytes
+                adopted += len(batch)
             if adopted:
                 log.info("adopted %d blocks found in tier %s", adopted, tier.name)
         self._index.relink()  # chain links need every record in place first
+
+
+def _batches(tier: RecoverableTier) -> Iterator[RecoveredBatch]:
+    """What ``tier`` found on start, in batches: its own when it has them (a fast restart's
+    catalog rows), else its blocks gathered."""
+    if isinstance(tier, BatchRecoverableTier):
+        yield from tier.recovered_batches()
+        return
+    found = iter(tier.recovered())
+    while chunk := list(islice(found, _ADOPT_CHUNK)):
+        yield RecoveredBatch.of(chunk)
 
 
 def _xxh3(data: memoryview) -> int:

@@ -17,7 +17,7 @@ from sessioncache.hashing import BlockHash
 from sessioncache.index import BlockIndex
 from sessioncache.policy import EvictionPolicy
 from sessioncache.store import TieredStore
-from sessioncache.tiers.base import RecoveredBlock
+from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 
 ROOT = b"\x07" * 16
@@ -107,7 +107,8 @@ def test_blocks_that_never_expire_are_adopted_on_restart() -> None:
     ExpiryIndex().add_many(["a"], np.array([math.inf]))
     index = BlockIndex(1, EvictionPolicy(1))
     [x] = ids(1, 1)
-    index.adopt_recovered([RecoveredBlock(x, ROOT, 64, 0.0, expires_at=math.inf)], 0, 0.0, 1.0)
+    found = RecoveredBatch.of([RecoveredBlock(x, ROOT, 64, 0.0, expires_at=math.inf)])
+    index.adopt_recovered(found, 0, 0.0, 1.0)
     index.relink()
     assert index.held(x, 1e12) is not None
 
