@@ -97,7 +97,7 @@ CASES: dict[str, tuple[list[str], str]] = {
             *("--catalog-rows", "200"),
         ],
         # tiny sizes: the RAM delta (and its ratio) may come out negative
-        r"(?m)^ +2048( +-?[\d.]+){8}\n(?s:.*)^ +200 +2( +[\d.]+){4}\n(?s:.*)"
+        r"(?m)^ +2048( +-?[\d.]+){12}\n(?s:.*)^ +200 +2( +[\d.]+){4}\n(?s:.*)"
         r"^sqlite +200 +[\d.]+ .*\n(?s:.*)^sqlite +200 +\d+ ",
     ),
     "bench.tiers": (
