@@ -151,6 +151,8 @@ def bench_index(sizes: Sequence[int], chain: int, repeat: int) -> list[dict[str,
             match = store.lookup(ids)
             times.append(time.perf_counter() - t0)
             assert match.num_blocks == chain
+        for r in range(repeat):  # apart: its random probes would disturb the lookups' caches
+            ids = chains[(r * 7919) % len(chains)]
             t0 = time.perf_counter()
             found = [blocks.get(h) for h in ids]
             floor.append(time.perf_counter() - t0)
