@@ -24,12 +24,13 @@ hit and miss tokens).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -41,6 +42,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 
 from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
@@ -66,6 +68,31 @@ if TYPE_CHECKING:
     from sessioncache.sessions import SessionRepository
 
 log = logging.getLogger("sessioncache.catalog")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_READ_ATTEMPTS = 3
+
+
+def _retried_on_disconnect(read: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``read`` again, on a new connection, when the one it was given turned out dead (its
+    backend terminated, a failover) after the pool's pre-ping passed: the pool drops such a
+    connection, and a read or an idempotent write (an upsert, a delete) is safe to repeat.
+    Any other error is raised at once."""
+
+    @functools.wraps(read)
+    def retried(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        for attempt in range(1, _READ_ATTEMPTS + 1):
+            try:
+                return read(*args, **kwargs)
+            except DBAPIError as exc:
+                if not exc.connection_invalidated or attempt == _READ_ATTEMPTS:
+                    raise
+                log.info("catalog connection lost during %s; retrying", read.__name__)
+        raise AssertionError("unreachable")
+
+    return retried
+
 
 DEFAULT_FLUSH_INTERVAL_S = 0.2
 DEFAULT_MAX_PENDING = 10_000
@@ -311,6 +338,7 @@ class Catalog:
             usage = self._pending.usage
             usage[key] = usage.get(key, 0) + int(amount)
 
+    @_retried_on_disconnect
     def usage(
         self,
         since: float,
@@ -332,6 +360,7 @@ class Catalog:
 
     # -- SessionRepository --------------------------------------------------------------
 
+    @_retried_on_disconnect
     def create_session(self, session: Session) -> None:
         """Insert (or overwrite) the session's row; durable when this returns."""
         with self._qlock:
@@ -348,6 +377,7 @@ class Catalog:
         if size >= self._max_pending:
             self._flusher.wake()
 
+    @_retried_on_disconnect
     def delete_session(self, session_id: str) -> None:
         """Delete the session's row; durable when this returns."""
         with self._qlock:
@@ -355,6 +385,7 @@ class Catalog:
         with self._write_lock, self.engine.begin() as conn:
             conn.execute(delete(sessions_table).where(sessions_table.c.id == session_id))
 
+    @_retried_on_disconnect
     def load_sessions(self) -> list[Session]:
         """Every stored session (pending saves are flushed first)."""
         self.flush()
@@ -363,6 +394,7 @@ class Catalog:
             rows = conn.execute(select(t).order_by(t.c.created, t.c.id)).all()
         return [_session_of(r) for r in rows]
 
+    @_retried_on_disconnect
     def load_session(self, session_id: str) -> Session | None:
         """One stored session, e.g. opened through another node sharing this catalog."""
         t = sessions_table
@@ -370,6 +402,7 @@ class Catalog:
             row = conn.execute(select(t).where(t.c.id == session_id)).first()
         return _session_of(row) if row is not None else None
 
+    @_retried_on_disconnect
     def query_sessions(self, query: SessionQuery, *, now: float) -> SessionPage:
         """One page of the unexpired sessions, searched and sorted in SQL (``SessionSearch``;
         pending saves are flushed first, so last-seen times are current)."""
@@ -397,6 +430,7 @@ class Catalog:
 
     # -- block rows (synchronous: reconciliation, tools, tests) -------------------------
 
+    @_retried_on_disconnect
     def block_records(self, tier: str | None = None) -> list[BlockRecord]:
         """The stored block rows (of one tier), as written so far (no flush)."""
         t = blocks_table
@@ -431,6 +465,7 @@ class Catalog:
             for (block_id,) in result:
                 yield BlockHash(bytes(block_id))
 
+    @_retried_on_disconnect
     def lookup_blocks(
         self, tier: str, block_ids: Sequence[BlockHash]
     ) -> dict[BlockHash, BlockRecord]:
@@ -446,6 +481,7 @@ class Catalog:
                     found[record.block_id] = record
         return found
 
+    @_retried_on_disconnect
     def count_blocks(self, tier: str | None = None) -> int:
         query = select(func.count()).select_from(blocks_table)
         if tier is not None:
@@ -475,6 +511,7 @@ class Catalog:
         with self._write_lock, self.engine.begin() as conn:
             conn.execute(self._stmts.upsert_namespace_description, [params])
 
+    @_retried_on_disconnect
     def namespaces(self) -> dict[bytes, dict[str, Any] | None]:
         t = namespaces_table
         with self.engine.connect() as conn:
