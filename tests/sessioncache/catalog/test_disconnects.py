@@ -38,11 +38,10 @@ def terminate_next_select() -> Iterator[Callable[[Catalog, str], list[int]]]:
     admin.dispose()
 
 
+@pytest.mark.parametrize("db", ["postgresql"], indirect=True)  # backends are PostgreSQL's
 def test_a_session_read_survives_its_backend_being_terminated(
     migrated: Database, terminate_next_select: Callable[[Catalog, str], list[int]]
 ) -> None:
-    if migrated.kind != "postgresql":
-        pytest.skip("backends are PostgreSQL's")
     catalog = migrated.catalog()
     catalog.create_session(Session("s-1", "default", "agent", 60.0, 1.0, 1.0, 61.0))
     killed = terminate_next_select(catalog, "FROM sessions")
@@ -50,11 +49,10 @@ def test_a_session_read_survives_its_backend_being_terminated(
     assert killed and session is not None and session.id == "s-1"
 
 
+@pytest.mark.parametrize("db", ["postgresql"], indirect=True)
 def test_a_session_write_survives_its_backend_being_terminated(
     migrated: Database, terminate_next_select: Callable[[Catalog, str], list[int]]
 ) -> None:
-    if migrated.kind != "postgresql":
-        pytest.skip("backends are PostgreSQL's")
     catalog = migrated.catalog()
     killed = terminate_next_select(catalog, "INSERT INTO sessions")
     catalog.create_session(Session("s-2", "default", "agent", 60.0, 1.0, 1.0, 61.0))
