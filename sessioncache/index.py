@@ -52,6 +52,10 @@ class Run:
     def __len__(self) -> int:
         return len(self.slots)
 
+    @classmethod
+    def one(cls, slot: int) -> Run:
+        return cls(np.array([slot], np.int64))
+
 
 _NO_SLOTS: Slots = np.empty(0, np.int64)
 _NO_RUN = Run(_NO_SLOTS)
@@ -99,9 +103,6 @@ class BlockIndex:
     def records(self) -> list[BlockMeta]:
         table = self._table
         return [BlockMeta.at(table, slot, key) for key, slot in table.slot_of.items()]
-
-    def __len__(self) -> int:
-        return len(self._table)
 
     def new_record(
         self,
@@ -161,7 +162,7 @@ class BlockIndex:
     def forget(self, meta: BlockMeta) -> None:
         """Drop ``meta``'s record (held nowhere, unpinned) and its link to its parent."""
         table, slot = self._table, meta.slot
-        if table.slot_of.get(meta.block_hash) != slot:
+        if not meta.live:
             return
         parent = meta.parent
         if parent is not None:  # first: a block that names itself its parent is its own kid
@@ -208,7 +209,7 @@ class BlockIndex:
         if n == 1:
             if not table.mask[first] or table.expires[first] <= now:
                 return _NO_RUN
-            return Run(np.array([first], np.int64))
+            return Run.one(first)
         joined = b"".join(hashes)
         id_bytes, width = table.id_bytes, HASH_BYTES
         mask, expires = table.column("mask"), table.column("expires")
@@ -365,7 +366,7 @@ class BlockIndex:
     def touch(self, meta: BlockMeta, now: float, ttl: float | None, op: int) -> None:
         """Slide ``meta``'s expiry (its TTL raised to at least ``ttl``) and LRU position."""
         table, slot = self._table, meta.slot
-        if table.slot_of.get(meta.block_hash) != slot:
+        if not meta.live:
             return  # a handle past its record's end (``BlockMeta.live``)
         if ttl is not None and ttl > table.ttl[slot]:
             table.ttl[slot] = ttl
@@ -380,7 +381,7 @@ class BlockIndex:
         """``tier`` now holds ``meta``'s payload; False when it already did (or the record is
         gone: ``BlockMeta.live``)."""
         table, slot = self._table, meta.slot
-        if table.slot_of.get(meta.block_hash) != slot:
+        if not meta.live:
             return False
         bit = 1 << tier
         mask = table.mask[slot]
@@ -408,7 +409,7 @@ class BlockIndex:
         """``tier`` no longer holds ``meta``'s payload (the record goes with its last copy
         unless pinned); False when it did not hold it (or the record is gone)."""
         table, slot = self._table, meta.slot
-        if table.slot_of.get(meta.block_hash) != slot:
+        if not meta.live:
             return False
         bit = 1 << tier
         mask = table.mask[slot]
@@ -588,7 +589,7 @@ class BlockIndex:
 
     def ref(self, meta: BlockMeta) -> None:
         table, slot = self._table, meta.slot
-        if table.slot_of.get(meta.block_hash) != slot:
+        if not meta.live:
             return
         if table.ref[slot] == 0:
             for tier in tier_set(table.mask[slot]):
@@ -597,7 +598,7 @@ class BlockIndex:
 
     def unref(self, meta: BlockMeta) -> None:
         table, slot = self._table, meta.slot
-        if table.slot_of.get(meta.block_hash) != slot:
+        if not meta.live:
             return
         ref = table.ref[slot]
         if ref <= 0:

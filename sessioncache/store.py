@@ -1028,7 +1028,7 @@ class TieredStore:
                 if meta.mask:
                     # now, not the operation's instant: a touch never moves a block back
                     self._index.touch(meta, self._clock.now(), ttl, op)
-                    self._notify_touched(Run(np.array([meta.slot])), [meta.block_hash])
+                    self._notify_touched(Run.one(meta.slot), [meta.block_hash])
                 return None
             return self._index.new_record(
                 block_hash,
@@ -1076,7 +1076,7 @@ class TieredStore:
             if meta is None:
                 raise BlockNotFound(f"block {block_hash.hex()} is not held")
             self._index.touch(meta, now, None, self._index.next_op())
-            self._notify_touched(Run(np.array([meta.slot])), [block_hash])
+            self._notify_touched(Run.one(meta.slot), [block_hash])
             self._index.ref(meta)
         try:
             yield meta

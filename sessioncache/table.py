@@ -291,10 +291,7 @@ class BlockTable:
     # -- chain links --------------------------------------------------------------------
 
     def kids(self, slot: int) -> Iterator[int]:
-        kid = self.first_kid[slot]
-        while kid != NO_SLOT:
-            yield kid
-            kid = self.next_kid[kid]
+        return self.kids_from(self.first_kid[slot])
 
     def kids_from(self, first: int) -> Iterator[int]:
         kid = first
