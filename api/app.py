@@ -71,7 +71,7 @@ def create_app(
     app.state.dataplane = stream
     app.state.same_host = same_host
     app.state.router = routing
-    app.state.registry = metrics.install(app, node)
+    app.state.registry = metrics.install(app, node, node.store)
     app.state.registry.register(metrics.EngineCollector(routing))
     errors.install(app)
     app.state.admin_auth = AdminAuth.from_settings(node.settings)

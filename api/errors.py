@@ -17,10 +17,11 @@ from sessioncache.errors import (
     LeaseNotFound,
     PayloadSizeError,
     SessionCacheError,
+    SessionNotFound,
+    StoreRefused,
     UnknownTier,
+    UploadRefused,
 )
-from sessioncache.node import UploadRefused
-from sessioncache.sessions import SessionNotFound
 
 STATUS: list[tuple[type[SessionCacheError], int]] = [
     (PayloadSizeError, 422),
@@ -30,6 +31,7 @@ STATUS: list[tuple[type[SessionCacheError], int]] = [
     (LeaseNotFound, 404),
     (SessionNotFound, 404),
     (UploadRefused, 403),
+    (StoreRefused, 403),
     (EngineNotFound, 404),
     (EngineExists, 409),
     (DurableStoreFailed, 507),

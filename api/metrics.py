@@ -15,18 +15,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessioncache.node import CacheNode
 from sessioncache.routing.scoring import Router
+from sessioncache.store import TieredStore
 from sessioncache.tiers.base import CheckedTier
 
 
 class StoreCollector(Collector):
     """Reads the node's store counters and tier figures at every scrape (exact, no drift)."""
 
-    def __init__(self, node: CacheNode) -> None:
+    def __init__(self, node: CacheNode, store: TieredStore) -> None:
         self._node = node
+        self._store = store
 
     def collect(self) -> Iterator[Any]:
-        node = self._node
-        counters = node.store.counters()
+        node, store = self._node, self._store
+        counters = store.counters()
         tokens = node.token_counts()
         hit = CounterMetricFamily("sessioncache_hit_tokens", "Prompt tokens found in the cache")
         hit.add_metric([], tokens.hit)
@@ -67,7 +69,7 @@ class StoreCollector(Collector):
         cap = GaugeMetricFamily("sessioncache_tier_capacity_bytes", "Capacity", labels=["tier"])
         pinned = GaugeMetricFamily("sessioncache_tier_pinned_bytes", "Pinned", labels=["tier"])
         blocks = GaugeMetricFamily("sessioncache_tier_blocks", "Blocks held", labels=["tier"])
-        for tier in node.store.stats_tiers():
+        for tier in store.stats_tiers():
             used.add_metric([tier.name], tier.used_bytes)
             cap.add_metric([tier.name], tier.capacity_bytes)
             pinned.add_metric([tier.name], tier.pinned_bytes)
@@ -79,7 +81,7 @@ class StoreCollector(Collector):
         up = GaugeMetricFamily(
             "sessioncache_tier_up", "1 when the tier can serve (0: degraded)", labels=["tier"]
         )
-        for t in node.store.tiers:
+        for t in store.tiers:
             up.add_metric([t.name], 0 if isinstance(t, CheckedTier) and t.problem() else 1)
         yield up
         degraded = GaugeMetricFamily(
@@ -97,10 +99,10 @@ class StoreCollector(Collector):
                 )
                 live.add_metric([], len(node.fleet.nodes()))
                 yield live
-        yield from namespace_families(node)
+        yield from namespace_families(node, store)
 
 
-def namespace_families(node: CacheNode) -> Iterator[Any]:
+def namespace_families(node: CacheNode, store: TieredStore) -> Iterator[Any]:
     """Blocks, bytes and hit/miss tokens per namespace root, labelled with its tenant and
     model (the dashboard's namespaces and tenants tables; sum by tenant for tenants)."""
     labels = ["tenant", "model", "namespace"]
@@ -108,7 +110,7 @@ def namespace_families(node: CacheNode) -> Iterator[Any]:
     held = GaugeMetricFamily("sessioncache_namespace_bytes", "Payload bytes held", labels=labels)
     hit = CounterMetricFamily("sessioncache_namespace_hit_tokens", "Hit tokens", labels=labels)
     miss = CounterMetricFamily("sessioncache_namespace_miss_tokens", "Miss tokens", labels=labels)
-    usage = node.store.namespace_usage()
+    usage = store.namespace_usage()
     tokens = node.namespace_tokens()
     for root in usage.keys() | tokens.keys():
         described = node.describe_root(root)
@@ -206,9 +208,9 @@ class EngineCollector(Collector):
         yield from (blocks, stale, events, gaps, dropped)
 
 
-def install(app: FastAPI, node: CacheNode) -> CollectorRegistry:
+def install(app: FastAPI, node: CacheNode, store: TieredStore) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(StoreCollector(node))
+    registry.register(StoreCollector(node, store))
     latency = Histogram(
         "sessioncache_request_seconds",
         "Request latency by route",

@@ -39,6 +39,7 @@ import json
 import multiprocessing
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench import compare
 from bench.lookup import start
 from bench.transfer import http_transfers, redis_set_get
 from sessioncache.dataplane import StreamClient
@@ -202,7 +204,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of GB/s")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if args.compare_tree is not None:
+        compare.compare(
+            "bench.dataplane",
+            compare.forwarded(sys.argv[1:]),
+            args.compare_tree,
+            rounds=args.compare_rounds,
+            lower_is_better=lambda key: False,
+            label=args.compare_label,
+        )
+        return
     n, size = args.blocks, int(args.block_mib * MiB)
     gb = n * size / 1e9
     data = blocks_of(n, size)

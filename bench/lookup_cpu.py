@@ -37,6 +37,8 @@ from sessioncache.api.app import create_app
 from sessioncache.config import Settings
 from sessioncache.factory import open_node
 from sessioncache.hashing import Namespace, block_hashes_from_bytes
+from sessioncache.operations import lookups, stores
+from sessioncache.operations.caller import Caller
 
 
 async def asgi_call(app: Any, method: str, path: str, body: bytes) -> tuple[int, bytes]:
@@ -128,9 +130,9 @@ def main() -> None:
         node = open_node(settings, start=False)
         app = create_app(node)
         tb = np.random.default_rng(0).integers(0, 128_000, args.tokens).astype("<u4").tobytes()
-        plan = node.plan_store("default", ns, tb)
+        plan = stores.plan_upload(node, Caller("default"), ns, tb)
         for h in plan.missing:
-            node.upload("default", h, b"\0" * 64)
+            stores.upload(node, Caller("default"), h, b"\0" * 64)
         root = node.namespace_root("default", ns)
         seed = settings.hash_seed
         ids = block_hashes_from_bytes(root, tb, args.block_tokens, seed)
@@ -142,7 +144,7 @@ def main() -> None:
         )
         # the next turn of a session that stored the prompt: an eighth more, new
         node.sessions.open("bench-turn", tenant="default")
-        node.plan_store("default", ns, tb, session_id="bench-turn")
+        stores.plan_upload(node, Caller("default"), ns, tb, session_id="bench-turn")
         more = np.random.default_rng(2).integers(0, 128_000, args.tokens // 8)
         turn = tb + more.astype("<u4").tobytes()
         turn_json: dict[str, Any] = {
@@ -168,10 +170,18 @@ def main() -> None:
         print(f"{'stage':44s} {'best':>8} {'median':>8}")
         bt = args.block_tokens
         report("hash the prompt", timed(lambda: block_hashes_from_bytes(root, tb, bt, seed), n))
-        report("CacheNode.lookup (tokens)", timed(lambda: node.lookup("default", ns, tb), n))
+        report(
+            "CacheNode.lookup (tokens)",
+            timed(lambda: lookups.lookup_tokens(node, Caller("default"), ns, tb), n),
+        )
         if hasattr(node, "lookup_ids"):  # absent before lookups by id (to measure "before")
-            report("CacheNode.lookup_ids", timed(lambda: node.lookup_ids("default", ns, ids), n))
-            report("  of which chain_prefix", timed(lambda: node.chain_prefix(root, ids), n))
+            report(
+                "CacheNode.lookup_ids",
+                timed(lambda: lookups.lookup_ids(node, Caller("default"), ns, ids), n),
+            )
+            report(
+                "  of which chain_prefix", timed(lambda: lookups.chain_prefix(node, root, ids), n)
+            )
         report("TieredStore.lookup", timed(lambda: node.store.lookup(ids), n))
         if hasattr(node, "attribution"):  # absent before miss attribution
             attribution_costs(node, ns, tb, n)
@@ -255,7 +265,7 @@ def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:
     grown = tb + rng.integers(0, 128_000, len(tb) // 32).astype("<u4").tobytes()
     cold = rng.integers(0, 128_000, len(tb) // 4).astype("<u4").tobytes()
     node.sessions.open("bench-session", tenant="default")
-    node.plan_store("default", ns, tb, session_id="bench-session")
+    stores.plan_upload(node, Caller("default"), ns, tb, session_id="bench-session")
     drops = node.attribution.drops
     if not sum(drops.size().values()):  # a full ring: as after a day of evictions
         meta = node.store.meta(node.hashes("default", ns, tb)[0])
@@ -269,7 +279,12 @@ def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:
     matched = len(tb) // 4 // bt
     cold_hashes = node.hashes("default", ns, cold)
     print(f"attribution: session turn of {len(hashes)} blocks, {len(hashes) - matched} new")
-    whole = timed(lambda: node.lookup("default", ns, grown, session_id="bench-session"), n)
+    whole = timed(
+        lambda: lookups.lookup_tokens(
+            node, Caller("default"), ns, grown, session_id="bench-session"
+        ),
+        n,
+    )
     part = timed(
         lambda: node.attribution.lookup(
             root, hashes, matched, bt, len(grown) // 4, tokens=grown, session=session
@@ -278,7 +293,7 @@ def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:
     )
     report("CacheNode.lookup (tokens, session turn)", whole)
     report("  of which Attribution.lookup", part)
-    cold_whole = timed(lambda: node.lookup("default", ns, cold), n)
+    cold_whole = timed(lambda: lookups.lookup_tokens(node, Caller("default"), ns, cold), n)
     cold_part = timed(lambda: node.attribution.lookup(root, cold_hashes, 0, bt, len(cold) // 4), n)
     report(f"CacheNode.lookup (tokens, {len(cold_hashes)} new)", cold_whole)
     report("  of which Attribution.lookup", cold_part)

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import transformers
 
+from bench import compare
 from bench.lookup import free_port
 from sessioncache.connector import SessionCacheClient
 from sessioncache.connector.transfer import KVTransfer
@@ -232,7 +233,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--cases", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if args.compare_tree is not None:
+        compare.compare(
+            "bench.ttft",
+            compare.forwarded(sys.argv[1:]),
+            args.compare_tree,
+            rounds=args.compare_rounds,
+            lower_is_better=lambda key: key.endswith("_s") or "diff" in key,
+            label=args.compare_label,
+        )
+        return
 
     model = build_model(args)
     shape = KVShape.of(model)

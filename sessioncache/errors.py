@@ -37,6 +37,27 @@ class LeaseNotFound(SessionCacheError, KeyError):
         return str(self.args[0]) if self.args else "lease not found"
 
 
+class AuthRefused(SessionCacheError):
+    """The node refused the connection: no HELLO first, an unknown API key, or a peer that is
+    not on this host while the node runs without API keys."""
+
+
+class StoreRefused(SessionCacheError):
+    """A store under a namespace root not resolved on this connection, or hanging off a
+    parent that is not held under that root (nobody plants blocks in a chain not their own)."""
+
+
+class SessionNotFound(SessionCacheError, KeyError):
+    """No open session with that id (for that tenant)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "session not found"
+
+
+class UploadRefused(SessionCacheError):
+    """A payload for an id that was not handed out to this caller (or whose slot expired)."""
+
+
 class TierFull(SessionCacheError):
     """A tier has no room for a payload; the store catches this and evicts or demotes."""
 

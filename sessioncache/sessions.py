@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
@@ -55,13 +55,6 @@ read it alike): no '/', no whitespace, no control character."""
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 
 MAX_SESSION_ID_LEN = 128
-
-
-class SessionNotFound(SessionCacheError, KeyError):
-    """No open session with that id (for that tenant)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "session not found"
 
 
 @dataclass(slots=True)

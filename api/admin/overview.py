@@ -13,22 +13,21 @@ from typing import Any
 from sessioncache.api.metrics import Collectable, latency_quantiles
 from sessioncache.node import CacheNode
 from sessioncache.sessions import Session
+from sessioncache.store import TieredStore
 from sessioncache.tiers.base import CheckedTier
 
 MAX_CHAIN = 4096
 """Most blocks a session's detail draws (the strip of a longer chain is cut)."""
 
 
-def overview(node: CacheNode, request_latency: Collectable) -> dict[str, Any]:
-    stats = node.store.stats()
+def overview(node: CacheNode, store: TieredStore, request_latency: Collectable) -> dict[str, Any]:
+    stats = store.stats()
     tokens = node.token_counts()
     asked = tokens.hit + tokens.miss
     rate = node.settings.prefill_tokens_per_s
     recent = node.history.recent_rates() if node.history is not None else None
     count, (p50, p95, p99) = latency_quantiles(request_latency)
-    down = {
-        t.name for t in node.store.tiers if isinstance(t, CheckedTier) and t.problem() is not None
-    }
+    down = {t.name for t in store.tiers if isinstance(t, CheckedTier) and t.problem() is not None}
     return {
         "at": time.time(),
         "blocks": stats.blocks,
@@ -80,9 +79,9 @@ def history(node: CacheNode, since: float | None = None) -> dict[str, Any]:
     }
 
 
-def namespaces(node: CacheNode) -> dict[str, Any]:
+def namespaces(node: CacheNode, store: TieredStore) -> dict[str, Any]:
     """Blocks, bytes and hit rate per namespace root, and the same summed per tenant."""
-    usage = node.store.namespace_usage()
+    usage = store.namespace_usage()
     tokens = node.namespace_tokens()
     rows: list[dict[str, Any]] = []
     tenants: dict[str, dict[str, Any]] = {}
@@ -121,8 +120,8 @@ def namespaces(node: CacheNode) -> dict[str, Any]:
     }
 
 
-def session_row(node: CacheNode, session: Session, hit_tokens: int) -> dict[str, Any]:
-    chain = node.store.chain_tiers(session.head) if session.head is not None else []
+def session_row(store: TieredStore, session: Session, hit_tokens: int) -> dict[str, Any]:
+    chain = store.chain_tiers(session.head) if session.head is not None else []
     return {
         "id": session.id,
         "tenant": session.tenant,
@@ -139,13 +138,13 @@ def session_row(node: CacheNode, session: Session, hit_tokens: int) -> dict[str,
     }
 
 
-def session_detail(node: CacheNode, session: Session) -> dict[str, Any]:
+def session_detail(node: CacheNode, store: TieredStore, session: Session) -> dict[str, Any]:
     """The session's row and its chain, root first, each block with the tiers holding it."""
-    chain = node.store.chain_tiers(session.head) if session.head is not None else []
+    chain = store.chain_tiers(session.head) if session.head is not None else []
     hits = node.session_hit_tokens([session.id])[session.id]
     return {
-        **session_row(node, session, hits),
-        "tiers": node.store.tier_names(),
+        **session_row(store, session, hits),
+        "tiers": store.tier_names(),
         "chain_truncated": len(chain) > MAX_CHAIN,
         "chain": [
             {

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from sessioncache.api.admin import overview
 from sessioncache.api.admin.auth import COOKIE, CSRF_HEADER, Admin, AdminAuth
-from sessioncache.api.deps import NodeDep, SessionsDep
+from sessioncache.api.deps import NodeDep, SessionsDep, StoreDep
 from sessioncache.api.errors import AdminAuthRequired, AdminForbidden
 from sessioncache.session_query import SessionQuery, SortKey
 
@@ -140,8 +140,10 @@ def session(admin: AdminDep, auth: AuthDep) -> dict[str, Any]:
 
 
 @router.get("/api/overview")
-def get_overview(request: Request, node: NodeDep, admin: AdminDep) -> dict[str, Any]:
-    return overview.overview(node, request.app.state.request_latency)
+def get_overview(
+    request: Request, node: NodeDep, store: StoreDep, admin: AdminDep
+) -> dict[str, Any]:
+    return overview.overview(node, store, request.app.state.request_latency)
 
 
 @router.get("/api/history")
@@ -152,8 +154,8 @@ def get_history(
 
 
 @router.get("/api/namespaces")
-def get_namespaces(node: NodeDep, admin: AdminDep) -> dict[str, Any]:
-    return overview.namespaces(node)
+def get_namespaces(node: NodeDep, store: StoreDep, admin: AdminDep) -> dict[str, Any]:
+    return overview.namespaces(node, store)
 
 
 # -- sessions ---------------------------------------------------------------------------
@@ -162,6 +164,7 @@ def get_namespaces(node: NodeDep, admin: AdminDep) -> dict[str, Any]:
 @router.get("/api/sessions")
 def list_sessions(
     node: NodeDep,
+    store: StoreDep,
     sessions: SessionsDep,
     admin: AdminDep,
     q: Annotated[str, Query(max_length=200)] = "",
@@ -186,15 +189,15 @@ def list_sessions(
         "total": page_.total,
         "offset": offset,
         "limit": limit,
-        "sessions": [overview.session_row(node, s, hits[s.id]) for s in page_.sessions],
+        "sessions": [overview.session_row(store, s, hits[s.id]) for s in page_.sessions],
     }
 
 
 @router.get("/api/sessions/{session_id}")
 def get_session(
-    session_id: str, node: NodeDep, sessions: SessionsDep, admin: AdminDep
+    session_id: str, node: NodeDep, store: StoreDep, sessions: SessionsDep, admin: AdminDep
 ) -> dict[str, Any]:
-    return overview.session_detail(node, sessions.get(session_id))
+    return overview.session_detail(node, store, sessions.get(session_id))
 
 
 class ExtendIn(BaseModel):
@@ -203,11 +206,16 @@ class ExtendIn(BaseModel):
 
 @router.post("/api/sessions/{session_id}/extend")
 def extend_session(
-    session_id: str, body: ExtendIn, node: NodeDep, sessions: SessionsDep, admin: MutationDep
+    session_id: str,
+    body: ExtendIn,
+    node: NodeDep,
+    store: StoreDep,
+    sessions: SessionsDep,
+    admin: MutationDep,
 ) -> dict[str, Any]:
     extended = sessions.extend(session_id, ttl_s=body.ttl_s)
     hits = node.session_hit_tokens([session_id])[session_id]
-    return overview.session_row(node, extended, hits)
+    return overview.session_row(store, extended, hits)
 
 
 @router.post("/api/sessions/{session_id}/close", status_code=204)
@@ -218,11 +226,11 @@ def close_session(session_id: str, sessions: SessionsDep, admin: MutationDep) ->
 
 @router.post("/api/sessions/{session_id}/purge")
 def purge_session(
-    session_id: str, node: NodeDep, sessions: SessionsDep, admin: MutationDep
+    session_id: str, store: StoreDep, sessions: SessionsDep, admin: MutationDep
 ) -> dict[str, int]:
     """Close and drop the session's chain from every tier now (blocks another live session
     pins, or a lease holds, stay)."""
     session = sessions.get(session_id)
-    chain = node.store.chain_to(session.head) if session.head is not None else []
+    chain = store.chain_to(session.head) if session.head is not None else []
     sessions.close(session_id)
-    return {"dropped_blocks": node.store.delete(chain[::-1])}  # tail first
+    return {"dropped_blocks": store.delete(chain[::-1])}  # tail first

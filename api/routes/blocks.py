@@ -18,6 +18,8 @@ from sessioncache.buffers import BufferPool
 from sessioncache.errors import BlockNotFound, InvalidInput
 from sessioncache.hashing import BlockHash, from_hex
 from sessioncache.node import CacheNode
+from sessioncache.operations import lookups, stores
+from sessioncache.operations.caller import Caller
 from sessioncache.wire import BATCH_MEDIA_TYPE, batch_head, batch_record
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
@@ -84,7 +86,7 @@ async def put_block(
     ) as body:
         if not body:
             raise InvalidInput("empty payload")
-        stored = await anyio.to_thread.run_sync(node.upload, tenant, bid, body)
+        stored = await anyio.to_thread.run_sync(stores.upload, node, Caller(tenant), bid, body)
     return UploadResponse(hash=block_hash, stored=stored, durable=node.durable_uploads)
 
 
@@ -99,15 +101,16 @@ async def put_block(
 )
 def get_block(block_hash: BlockIdPath, node: NodeDep, tenant: TenantDep) -> Response:
     """One block's raw payload."""
-    data = node.read_bytes(tenant, from_hex(block_hash))
+    data = lookups.read_bytes(node, Caller(tenant), from_hex(block_hash))
     return Response(content=data, media_type="application/octet-stream")
 
 
 def _records(node: CacheNode, tenant: str, ids: list[BlockHash]) -> Iterator[bytes]:
+    caller = Caller(tenant)
     yield batch_head(len(ids))
     for bid in ids:
         try:
-            payload: bytes | None = node.read_bytes(tenant, bid)
+            payload: bytes | None = lookups.read_bytes(node, caller, bid)
         except BlockNotFound:
             payload = None
         yield batch_record(bid, payload)

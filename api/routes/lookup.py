@@ -21,6 +21,8 @@ from sessioncache.api.schemas import (
 from sessioncache.attribution import MissReport
 from sessioncache.hashing import HASH_BYTES, BlockHash, Namespace
 from sessioncache.node import CacheNode
+from sessioncache.operations import lookups
+from sessioncache.operations.caller import Caller
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 
@@ -62,13 +64,14 @@ async def lookup(body: LookupRequest, node: NodeDep, tenant: TenantDep) -> Respo
 def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: str) -> Response:
     lease_s = body.lease_ms / 1000 if body.lease_ms is not None else None
     ids = body.block_ids()
+    caller = Caller(tenant)
     if ids is None:
-        result = node.lookup(
-            tenant, namespace, body.token_bytes(), session_id=body.session_id, lease_s=lease_s
+        result = lookups.lookup_tokens(
+            node, caller, namespace, body.token_bytes(), session_id=body.session_id, lease_s=lease_s
         )
     else:
-        result = node.lookup_ids(
-            tenant, namespace, ids, session_id=body.session_id, lease_s=lease_s
+        result = lookups.lookup_ids(
+            node, caller, namespace, ids, session_id=body.session_id, lease_s=lease_s
         )
     match = result.match
     lease = match.lease
@@ -148,4 +151,4 @@ def blocks_json(hashes: Sequence[BlockHash], runs: list[tuple[str, int]]) -> str
 @router.delete("/leases/{lease_id}", status_code=204, responses={404: {"model": ErrorOut}})
 def release_lease(lease_id: LeaseIdPath, node: NodeDep, tenant: TenantDep) -> None:
     """End a lease of the caller's: an unknown one and another tenant's are both 404."""
-    node.release_for(tenant, lease_id)
+    lookups.release_by_id(node, Caller(tenant), lease_id)

@@ -6,6 +6,8 @@ from fastapi import APIRouter
 
 from sessioncache.api.deps import NodeDep, TenantDep
 from sessioncache.api.schemas import ERRORS, StoreRequest, StoreResponse
+from sessioncache.operations import stores
+from sessioncache.operations.caller import Caller
 
 router = APIRouter(prefix="/v1", tags=["store"])
 
@@ -14,8 +16,9 @@ router = APIRouter(prefix="/v1", tags=["store"])
 def plan_store(body: StoreRequest, node: NodeDep, tenant: TenantDep) -> StoreResponse:
     """Every full block's id, and those still missing: upload each of the missing with
     ``PUT /v1/blocks/{hash}`` (only ids handed out here to this caller are accepted)."""
-    plan = node.plan_store(
-        tenant,
+    plan = stores.plan_upload(
+        node,
+        Caller(tenant),
         body.namespace.to_namespace(),
         body.token_bytes(),
         session_id=body.session_id,

@@ -328,12 +328,13 @@ class SessionCacheL2:
         self, client: SameHostClient, root: bytes, ids: list[bytes], views: list[memoryview]
     ) -> list[bool]:
         """Copy each held block from shared memory straight into its view. A LOCATE answers
-        the held run from the first id asked: after a miss, locate again past it."""
+        the held run from the first id asked: after a miss, locate again past it. Not counted:
+        LMCache asked its question (EXISTS) before this fetch."""
         got = [False] * len(ids)
         pos = 0
         while pos < len(ids):
             found: SameHostLookup = client.locate(
-                root, ids[pos:], lease_ms=self.settings.lease_ms, keyed=True
+                root, ids[pos:], lease_ms=self.settings.lease_ms, keyed=True, counted=False
             )
             n = found.located
             if n:

@@ -307,7 +307,9 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             from sessioncache.dataplane.samehost import SameHostClient
 
             assert isinstance(stream, SameHostClient)
-            located = stream.locate(conn.root, ids, lease_ms=self.options.lease_ms, keyed=True)
+            located = stream.locate(
+                conn.root, ids, lease_ms=self.options.lease_ms, keyed=True, counted=False
+            )
             n = len(located.slots)
             if n:
                 stream.load_into(located, out[:n])
@@ -331,7 +333,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         parent = None
         if after is not None:
             (parent,) = self._ids(conn, [after])
-            if not stream.exists(conn.root, [parent])[0]:
+            if not stream.exists(conn.root, [parent], counted=False)[0]:
                 parent = None  # evicted meanwhile: the batch starts a chain of its own
         ack = stream.store_keyed(
             conn.root,

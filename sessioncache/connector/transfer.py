@@ -9,9 +9,9 @@ Three paths, fastest first (docs/dataplane.md):
 * ``rest``: the HTTP API (batch GET, two-phase store), which every node serves.
 
 ``KVTransfer(client)`` picks the first path that connects (``path="auto"``); the ``path``
-argument or ``SESSIONCACHE_DATA_PATH`` forces one. Lookups that name a session go through the
-REST API, the control plane (the session's TTL, chain pins and head live there); the bytes then
-move over the data path. One ``KVTransfer`` holds one data-plane connection: use one per thread.
+argument or ``SESSIONCACHE_DATA_PATH`` forces one. A session named in a load or a store travels
+with it on every path (its TTL, chain pins, head and token totals; no REST call on the side).
+One ``KVTransfer`` holds one data-plane connection: use one per thread.
 """
 
 from __future__ import annotations
@@ -139,10 +139,15 @@ class KVTransfer:
         else:
             root = self._root(conn)
             parent = conn.block_hashes(root, head[: first_block * bt])[-1] if first_block else None
-            ack = conn.store(root, head[first_block * bt :], payloads, parent=parent, ttl_s=ttl_s)
+            ack = conn.store(
+                root,
+                head[first_block * bt :],
+                payloads,
+                parent=parent,
+                ttl_s=ttl_s,
+                session_id=session_id,
+            )
             kept = len(payloads) - ack.tally("dropped")
-            if session_id is not None:  # the session learns its chain on the control plane
-                self.client.lookup_by_id(head, session_id=session_id)
         nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads[:kept])
         return Transferred(path, kept, nbytes, time.perf_counter() - start)
 
@@ -182,24 +187,18 @@ class KVTransfer:
         ids = conn.block_hashes(root, tokens)[: len(out)]
         if not ids:
             return 0
-        if session_id is not None:
-            # The control plane first (the session's TTL and pins), then the bytes by id.
-            matched = self.client.lookup_by_id(tokens, session_id=session_id).matched_blocks
-            ids = ids[:matched]
-            if not ids:
-                return 0
         if path == "same_host":
             from sessioncache.dataplane.samehost import SameHostClient
 
             assert isinstance(conn, SameHostClient)
-            located = conn.locate(root, ids, lease_ms=self.lease_ms)
+            located = conn.locate(root, ids, lease_ms=self.lease_ms, session_id=session_id)
             n = len(located.slots)
             if n:
                 conn.load_into(located, out[:n])
             elif located.lease is not None:
                 conn.release_checked(located)
             return n
-        found = conn.lookup(root, ids, lease_ms=self.lease_ms)
+        found = conn.lookup(root, ids, lease_ms=self.lease_ms, session_id=session_id)
         if found.matched:
             conn.load_into(found, out[: found.matched], release=True)
         return found.matched

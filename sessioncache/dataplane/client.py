@@ -74,6 +74,8 @@ class StreamLookup(NamedTuple):
     """Each matched block's fastest tier."""
     lease: bytes | None
     """The lease pinning the match (None without ``lease_ms`` or without a match)."""
+    miss: protocol.Miss | None = None
+    """Why the rest missed (``explain=True``), as the REST API's ``LookupResult.miss``."""
 
     @property
     def matched(self) -> int:
@@ -338,14 +340,15 @@ class StreamClient:
         self._namespace(root)
         return list(keyed_block_ids(root, keys, self.seed))
 
-    def exists(self, root: bytes, ids: Sequence[bytes]) -> list[bool]:
+    def exists(self, root: bytes, ids: Sequence[bytes], *, counted: bool = True) -> list[bool]:
         """For each id, whether the node holds it under ``root`` (each on its own, keyed or
-        chained; nothing touched nor leased)."""
+        chained; nothing touched nor leased). ``counted``: the question of a prompt (its ids
+        count as hit or miss tokens); False for a probe."""
         self._namespace(root)
         out: list[bool] = []
         per = self.limits.max_ids
         for first in range(0, len(ids), per):
-            request = frames.Exists(root, list(ids[first : first + per]))
+            request = frames.Exists(root, list(ids[first : first + per]), counted)
             body = self._call(Op.EXISTS, functools.partial(frames.encode_exists, exists=request))
             held = frames.decode_exists_ok(body)
             if len(held) != len(request.ids):
@@ -360,23 +363,48 @@ class StreamClient:
         *,
         lease_ms: int | None = None,
         keyed: bool = False,
+        session_id: str | None = None,
+        counted: bool = True,
+        explain: bool = False,
     ) -> StreamLookup:
         """The longest held prefix of ``ids`` (a chain under ``root``; with ``keyed``, keyed
         ids each held under ``root``) the caller may read; with ``lease_ms`` it stays pinned
-        that long (``release`` it, or load with ``release=True``)."""
+        that long (``release`` it, or load with ``release=True``). ``session_id``: on behalf
+        of that open session (its TTL, chain pins, head and totals, as over REST).
+        ``counted=False``: a probe, left out of the hit and miss tokens. ``explain``: the
+        answer's ``miss`` says why the rest missed."""
         self._namespace(root)
         if not ids:
             return StreamLookup(root, [], [], [], None)
         if len(ids) > self.limits.max_ids:
             raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
-        request = Lookup(root, list(ids), lease_ms or 0, keyed)
+        request = Lookup(root, list(ids), lease_ms or 0, keyed, session_id, counted, explain)
         body = self._call(Op.LOOKUP, lambda rid: frames.encode_lookup(rid, request))
         ok = frames.decode_lookup_ok(body)
         n = len(ok.nbytes)
         if n > len(ids):
             raise ProtocolError(f"LOOKUP_OK: {n} blocks matched of {len(ids)} asked")
-        tiers = [self.tiers[t] if t < len(self.tiers) else "?" for t in ok.tiers]
-        return StreamLookup(root, [bytes(h) for h in ids[:n]], ok.nbytes, tiers, ok.lease)
+        tiers = [self._tier(t) for t in ok.tiers]
+        miss = self._miss(ok.miss) if ok.miss is not None else None
+        return StreamLookup(root, [bytes(h) for h in ids[:n]], ok.nbytes, tiers, ok.lease, miss)
+
+    def _tier(self, index: int) -> str:
+        if index >= len(self.tiers):
+            self._fail(f"tier {index} of a node that named {len(self.tiers)}")
+        return self.tiers[index]
+
+    def _miss(self, miss: frames.Miss) -> protocol.Miss:
+        first = miss.reason is not None
+        return protocol.Miss(
+            reason=frames.MISS_REASONS[miss.reason] if miss.reason is not None else None,
+            tokens=dict(zip(frames.MISS_REASONS, miss.tokens, strict=True)),
+            block=miss.block if first else None,
+            token=miss.token if first else None,
+            offset=miss.offset,
+            tier=self._tier(miss.tier) if miss.tier is not None else None,
+            ago_s=miss.ago_s,
+            pressure=frames.MISS_PRESSURES[miss.pressure] if miss.pressure is not None else None,
+        )
 
     def release(self, lease: StreamLookup | bytes) -> None:
         """Release a lookup's lease (``LeaseNotFound`` once released or expired)."""
@@ -395,16 +423,18 @@ class StreamClient:
         start: int = 0,
         release: bool = False,
         each: bool = False,
+        session_id: str | None = None,
     ) -> list[bool]:
         """Receive blocks straight into ``out`` (one exactly block-sized buffer each); returns
         which were found. ``source`` is a lookup (its lease, from block ``start``; without a
         lease, its ids), a lease id, or a list of ids (their held prefix is leased while it
         is sent; past it, blocks are missing; with ``each``, every held id is sent, as keyed
-        blocks want). ``release`` ends the lease after the load."""
+        blocks want). ``release`` ends the lease after the load. ``session_id``: a load by
+        ids on behalf of that session (a lease's lookup named its own)."""
         views = [as_buffer(o, writable=True) for o in out]
         if not views:
             return []
-        return self._load(source, len(views), start, release, views, each=each)
+        return self._load(source, len(views), start, release, views, each=each, session=session_id)
 
     def load(
         self, source: StreamLookup | bytes | Sequence[bytes], *, blocks: int | None = None
@@ -435,6 +465,7 @@ class StreamClient:
         got: list[bytes | None] | None = None,
         *,
         each: bool = False,
+        session: str | None = None,
     ) -> list[bool]:
         if isinstance(source, StreamLookup) and source.lease is not None:
             request: LoadLease | LoadIds = LoadLease(source.lease, start, n, release)
@@ -444,7 +475,7 @@ class StreamClient:
             ids = source.hashes if isinstance(source, StreamLookup) else source
             if len(ids) - start < n:
                 raise InvalidInput(f"{n} buffers for {len(ids) - start} ids")
-            request = LoadIds(list(ids[start : start + n]), each)
+            request = LoadIds(list(ids[start : start + n]), each, session)
         if n > self.limits.max_ids:
             raise InvalidInput(f"{n} blocks; the node sends {self.limits.max_ids} at most")
         with self._lock:
@@ -489,14 +520,19 @@ class StreamClient:
         *,
         parent: bytes | None = None,
         ttl_s: float | None = None,
+        session_id: str | None = None,
     ) -> StoreAck:
         """Store a chain segment under ``root``: one payload per full block of ``tokens``
         (exactly), continuing from ``parent`` (a held block of this root; default: the root
         itself). The node derives the ids; each block is published only once its whole
-        payload arrived. More blocks than one request carries go in several."""
+        payload arrived. More blocks than one request carries go in several.
+        ``session_id``: on behalf of that open session (its TTL at least; its chain, pins and
+        head end at the last block kept)."""
         namespace = self._namespace(root)
         token_bytes = store_tokens(namespace, tokens, len(payloads))
-        return self._store(root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s)
+        return self._store(
+            root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s, session=session_id
+        )
 
     def store_keyed(
         self,
@@ -537,6 +573,7 @@ class StreamClient:
         *,
         keyed: bool = False,
         linked: bool = True,
+        session: str | None = None,
     ) -> StoreAck:
         step = 4 * block_tokens
         if not payloads:
@@ -547,7 +584,7 @@ class StreamClient:
         acks: list[StoreAck] = []
         per = self.limits.max_ids
         for first in range(0, len(views), per):
-            if acks and acks[-1].status[-1] == "dropped":
+            if linked and acks and acks[-1].status[-1] == "dropped":
                 # the rest would hang off a dropped block: the node would refuse it
                 head = StoreHead(
                     root, acks[-1].hashes[-1], block_tokens, 0, size, ttl_ms, keyed, linked
@@ -556,7 +593,9 @@ class StreamClient:
                 acks.append(StoreAck(list(rest), ["dropped"] * len(rest), False))
                 break
             part = views[first : first + per]
-            head = StoreHead(root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked)
+            head = StoreHead(
+                root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked, session
+            )
             segment = token_bytes[first * step : (first + len(part)) * step]
             ours = segment_ids(head, segment, self.seed)
             body = self._call(
@@ -565,15 +604,19 @@ class StreamClient:
             ok = frames.decode_store_ok(body)
             if ok.ids != ours:
                 raise IdMismatch("STORE: the node derived other ids than the client")
-            acks.append(
-                StoreAck(ok.ids, [STATUS_NAMES[s] if s < 3 else "?" for s in ok.status], ok.durable)
-            )
+            acks.append(StoreAck(ok.ids, self._status(ok.status), ok.durable))
             parent = ok.ids[-1] if linked else None
         return StoreAck(
             [h for a in acks for h in a.hashes],
             [s for a in acks for s in a.status],
             any(a.durable for a in acks),
         )
+
+    def _status(self, codes: Sequence[int]) -> list[str]:
+        """Block status codes as names (an unknown code breaks the stream: another version)."""
+        if any(c >= len(STATUS_NAMES) for c in codes):
+            self._fail(f"unknown block status in {list(codes)[:8]}")
+        return [STATUS_NAMES[c] for c in codes]
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ so a ``BlockNotFound`` on the node is a ``sessioncache.errors.BlockNotFound`` in
        8  REFUSED          StoreRefused         a store under a root or parent not the caller's
        9  BUSY             Busy                 the node serves its maximum of connections
       10  STORAGE_FULL     DurableStoreFailed   a durable store the durable tier could not take
+      11  SESSION_NOT_FOUND SessionNotFound     a session named in a request is not open
 
 No import here needs torch: the client side stays light.
 """
@@ -24,28 +25,26 @@ from __future__ import annotations
 from enum import IntEnum
 
 from sessioncache.errors import (
+    AuthRefused as AuthRefused,
+)
+from sessioncache.errors import (
     BlockNotFound,
     DurableStoreFailed,
     InvalidInput,
     LeaseNotFound,
     PayloadSizeError,
     SessionCacheError,
+    SessionNotFound,
+    UploadRefused,
+)
+from sessioncache.errors import (
+    StoreRefused as StoreRefused,
 )
 
 
 class FrameError(InvalidInput):
     """A frame that breaks the framing (bad magic or version, unknown opcode, a length over
     the limits or not matching its body, a body cut short); the connection is closed."""
-
-
-class AuthRefused(SessionCacheError):
-    """The node refused the connection: no HELLO first, an unknown API key, or a peer that is
-    not on this host while the node runs without API keys."""
-
-
-class StoreRefused(SessionCacheError):
-    """A store under a namespace root not resolved on this connection, or hanging off a
-    parent that is not held under that root (nobody plants blocks in a chain not their own)."""
 
 
 class Busy(SessionCacheError):
@@ -71,6 +70,7 @@ class ErrorCode(IntEnum):
     REFUSED = 8
     BUSY = 9
     STORAGE_FULL = 10
+    SESSION_NOT_FOUND = 11
 
 
 _CLASSES: dict[ErrorCode, type[SessionCacheError]] = {
@@ -84,6 +84,7 @@ _CLASSES: dict[ErrorCode, type[SessionCacheError]] = {
     ErrorCode.REFUSED: StoreRefused,
     ErrorCode.BUSY: Busy,
     ErrorCode.STORAGE_FULL: DurableStoreFailed,
+    ErrorCode.SESSION_NOT_FOUND: SessionNotFound,
 }
 
 # Most specific first: PayloadSizeError and FrameError are InvalidInputs too.
@@ -95,8 +96,10 @@ _ORDER: list[tuple[type[BaseException], ErrorCode]] = [
     (BlockNotFound, ErrorCode.BLOCK_NOT_FOUND),
     (LeaseNotFound, ErrorCode.LEASE_NOT_FOUND),
     (StoreRefused, ErrorCode.REFUSED),
+    (UploadRefused, ErrorCode.REFUSED),
     (Busy, ErrorCode.BUSY),
     (DurableStoreFailed, ErrorCode.STORAGE_FULL),
+    (SessionNotFound, ErrorCode.SESSION_NOT_FOUND),
 ]
 
 

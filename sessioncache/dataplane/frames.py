@@ -4,7 +4,7 @@ Every frame is a fixed 24-byte little-endian header and a body of ``body_len`` b
 
     offset  size  field
          0     4  magic        b"SCDP"
-         4     1  version      1
+         4     1  version      2 (``VERSION``; see "Versions" in docs/dataplane.md)
          5     1  opcode       ``Op``
          6     2  flags        per opcode (``F_*``)
          8     8  request id   chosen by the client, echoed in every frame of the answer
@@ -34,7 +34,10 @@ from sessioncache.errors import InvalidInput
 from sessioncache.hashing import HASH_BYTES, Namespace
 
 MAGIC = b"SCDP"
-VERSION = 1
+VERSION = 2
+"""The frame version both ends of this release speak (docs/dataplane.md, "Versions")."""
+VERSIONS = frozenset({VERSION})
+"""The versions a node serves; a HELLO of another is refused with a closing ERROR."""
 HEADER = struct.Struct("<4sBBHQQ")
 HEADER_SIZE = HEADER.size  # 24
 
@@ -117,6 +120,19 @@ F_LOAD_EACH = 0x4
 it, everything after the first missing block is missing)."""
 KEY_WORDS = HASH_BYTES // 4
 """``block_tokens`` of a keyed STORE or STAGE: a 16-byte key is four ``u32`` words."""
+F_SESSION = 0x100
+"""LOOKUP, LOAD, LOCATE, STORE, STAGE: the body starts with a session section
+(``len:u16`` and that many bytes of UTF-8, the id of an open session of the caller's), then
+the op's own body. The request acts on behalf of that session (its TTL, chain pins, head,
+token totals), as the REST API's ``session_id`` does."""
+SESSION_OPS = frozenset({Op.LOOKUP, Op.LOAD, Op.LOCATE, Op.STORE, Op.STAGE})
+MAX_SESSION_BYTES = 512
+"""Longest session section body (a session id is at most 128 characters)."""
+F_UNCOUNTED = 0x80
+"""LOOKUP, LOCATE, EXISTS: not a prompt's question (a probe, or a fetch of blocks an earlier
+request counted): its tokens are left out of the hit and miss totals (docs/metrics.md)."""
+F_LOOKUP_EXPLAIN = 0x2
+"""LOOKUP: LOOKUP_OK ends with a miss section saying why the rest missed (``Miss``)."""
 F_BLOCK_MISSING = 0x1
 """BLOCK: the block is not held (or not the caller's); empty body."""
 F_ERROR_CLOSING = 0x1
@@ -131,6 +147,7 @@ this release (a same-host reader whose answer lacks it discards what it copied).
 # block status in STORE_OK and COMMIT_OK (STAGE_OK: STORED means "staged, fill the slot")
 STORED, PRESENT, DROPPED, REJECTED = 0, 1, 2, 3
 STATUS_NAMES = ("stored", "present", "dropped", "rejected")
+STATUS_CODES = {name: code for code, name in enumerate(STATUS_NAMES)}
 
 
 class Limits(NamedTuple):
@@ -153,8 +170,68 @@ class Header(NamedTuple):
     body_len: int
 
 
-def encode_header(opcode: Op, request_id: int, body_len: int, flags: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, opcode, flags, request_id, body_len)
+def encode_header(
+    opcode: Op, request_id: int, body_len: int, flags: int = 0, *, version: int = VERSION
+) -> bytes:
+    return HEADER.pack(MAGIC, version, opcode, flags, request_id, body_len)
+
+
+class VersionError(FrameError):
+    """A frame of a version this end does not speak (the other end is of another release)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(
+            f"frame version {version}; this end speaks version "
+            f"{'/'.join(map(str, sorted(VERSIONS)))}: the client and the node must come from "
+            "releases that share a frame version (docs/dataplane.md, Versions)"
+        )
+        self.version = version
+
+
+# -- the session section --------------------------------------------------------------------
+
+_SESSION = struct.Struct("<H")
+
+
+def session_section(session_id: str | None) -> bytes:
+    """The session section that starts a request's body (empty without a session)."""
+    if session_id is None:
+        return b""
+    data = session_id.encode("utf-8")
+    if not 0 < len(data) <= MAX_SESSION_BYTES:
+        raise InvalidInput(f"a session id is 1 to {MAX_SESSION_BYTES} bytes of UTF-8")
+    return _SESSION.pack(len(data)) + data
+
+
+SESSION_LEN = _SESSION.size
+
+
+def session_len(prefix: bytes) -> int:
+    """The length of a session id from its section's 2-byte prefix."""
+    (n,) = _SESSION.unpack(prefix)
+    if not 0 < n <= MAX_SESSION_BYTES:
+        raise FrameError(f"a session section of {n} bytes; 1 to {MAX_SESSION_BYTES}")
+    return int(n)
+
+
+def decode_session(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput("the session id is not UTF-8") from None
+
+
+def _with_session(
+    opcode: Op, request_id: int, flags: int, body: bytes, session_id: str | None, extra: int = 0
+) -> bytes:
+    """A request's header and body, the session section first when there is one; ``extra``
+    bytes of body (payloads) follow, sent by the caller."""
+    section = session_section(session_id)
+    if section:
+        flags |= F_SESSION
+    return (
+        encode_header(opcode, request_id, len(section) + len(body) + extra, flags) + section + body
+    )
 
 
 def decode_header(data: bytes | bytearray | memoryview, *, requests: bool) -> Header:
@@ -165,8 +242,8 @@ def decode_header(data: bytes | bytearray | memoryview, *, requests: bool) -> He
     magic, version, opcode, flags, request_id, body_len = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r}: not a sessioncache data-plane frame")
-    if version != VERSION:
-        raise FrameError(f"frame version {version}; this end speaks version {VERSION}")
+    if version not in VERSIONS:
+        raise VersionError(version)
     try:
         op = Op(opcode)
     except ValueError:
@@ -180,6 +257,9 @@ def max_body(header: Header, limits: Limits) -> int:
     """The longest body a frame of this opcode may have under ``limits``."""
     ids = HASH_BYTES * limits.max_ids
     op = header.opcode
+    if header.flags & F_SESSION and op in SESSION_OPS:
+        bare = header._replace(flags=header.flags & ~F_SESSION)
+        return SESSION_LEN + MAX_SESSION_BYTES + max_body(bare, limits)
     if op in (Op.HELLO, Op.RESOLVE, Op.HELLO_OK):
         return limits.max_json
     if op == Op.LOOKUP:
@@ -197,7 +277,7 @@ def max_body(header: Header, limits: Limits) -> int:
     if op == Op.RESOLVE_OK:
         return HASH_BYTES
     if op == Op.LOOKUP_OK:
-        return _LOOKUP_OK.size + 9 * limits.max_ids
+        return _LOOKUP_OK.size + 9 * limits.max_ids + _MISS.size
     if op == Op.BLOCK:
         return limits.max_block_bytes
     if op == Op.STORE_OK:
@@ -275,26 +355,42 @@ def _json_frame(opcode: Op, request_id: int, body: dict[str, Any]) -> bytes:
 
 
 class Hello(NamedTuple):
-    """HELLO (JSON ``{"api_key": str | null, "client": str}``): the first frame of a
-    connection. The node maps the key to a tenant exactly as the REST API does."""
+    """HELLO (JSON ``{"api_key": str | null, "client": str, "versions": [int]}``): the first
+    frame of a connection. The node maps the key to a tenant exactly as the REST API does, and
+    answers in the highest of ``versions`` it speaks (or refuses, closing)."""
 
     api_key: str | None
     client: str = ""
+    versions: tuple[int, ...] = (VERSION,)
 
 
 def encode_hello(request_id: int, hello: Hello) -> bytes:
-    return _json_frame(Op.HELLO, request_id, {"api_key": hello.api_key, "client": hello.client})
+    body = {"api_key": hello.api_key, "client": hello.client, "versions": list(hello.versions)}
+    return _json_frame(Op.HELLO, request_id, body)
 
 
 def decode_hello(data: bytes) -> Hello:
     body = _json_body(data, "HELLO")
     key = body.get("api_key")
     client = body.get("client", "")
+    versions = body.get("versions", [VERSION])
     if key is not None and not isinstance(key, str):
         raise FrameError("HELLO: api_key must be a string or null")
     if not isinstance(client, str):
         raise FrameError("HELLO: client must be a string")
-    return Hello(key, client)
+    if not isinstance(versions, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in versions
+    ):
+        raise FrameError("HELLO: versions must be a list of integers")
+    return Hello(key, client, tuple(versions))
+
+
+def negotiate(hello: Hello) -> int:
+    """The version a node answers a HELLO in: the highest both ends speak."""
+    common = VERSIONS.intersection(hello.versions)
+    if not common:
+        raise VersionError(max(hello.versions, default=0))
+    return max(common)
 
 
 class HelloOk(NamedTuple):
@@ -306,6 +402,7 @@ class HelloOk(NamedTuple):
     auth: bool
     tiers: tuple[str, ...]
     limits: Limits
+    version: int = VERSION
 
 
 def encode_hello_ok(request_id: int, ok: HelloOk) -> bytes:
@@ -313,7 +410,7 @@ def encode_hello_ok(request_id: int, ok: HelloOk) -> bytes:
         Op.HELLO_OK,
         request_id,
         {
-            "version": VERSION,
+            "version": ok.version,
             "tenant": ok.tenant,
             "auth": ok.auth,
             "tiers": list(ok.tiers),
@@ -327,12 +424,14 @@ def decode_hello_ok(data: bytes) -> HelloOk:
     try:
         limits = Limits(**{name: int(body[name]) for name in Limits._fields})
         tiers = tuple(str(t) for t in body["tiers"])
-        tenant, auth = body["tenant"], body["auth"]
+        tenant, auth, version = body["tenant"], body["auth"], int(body["version"])
     except (KeyError, TypeError, ValueError) as exc:
         raise FrameError(f"HELLO_OK: missing or bad field: {exc}") from None
     if not isinstance(tenant, str) or not isinstance(auth, bool):
         raise FrameError("HELLO_OK: bad tenant or auth")
-    return HelloOk(tenant, auth, tiers, limits)
+    if version not in VERSIONS:
+        raise VersionError(version)
+    return HelloOk(tenant, auth, tiers, limits, version)
 
 
 def namespace_json(namespace: Namespace) -> dict[str, Any]:
@@ -391,22 +490,43 @@ class Lookup(NamedTuple):
     lease_ms: int = 0
     keyed: bool = False
     """``F_LOOKUP_KEYED``: keyed ids, each held under the root on its own."""
+    session_id: str | None = None
+    """``F_SESSION``: on behalf of this session."""
+    counted: bool = True
+    """Without ``F_UNCOUNTED``: a prompt's question, counted in the token totals."""
+    explain: bool = False
+    """``F_LOOKUP_EXPLAIN``: the answer says why the rest missed."""
+
+    @property
+    def flags(self) -> int:
+        flags = F_LOOKUP_KEYED if self.keyed else 0
+        flags |= 0 if self.counted else F_UNCOUNTED
+        return flags | (F_LOOKUP_EXPLAIN if self.explain else 0)
 
 
 def encode_lookup(request_id: int, lookup: Lookup) -> bytes:
-    ids = join_ids(lookup.ids)
-    body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + ids
-    flags = F_LOOKUP_KEYED if lookup.keyed else 0
-    return encode_header(Op.LOOKUP, request_id, len(body), flags) + body
+    body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + join_ids(lookup.ids)
+    return _with_session(Op.LOOKUP, request_id, lookup.flags, body, lookup.session_id)
 
 
-def decode_lookup(data: bytes, limits: Limits, flags: int = 0) -> Lookup:
+def decode_lookup(
+    data: bytes, limits: Limits, flags: int = 0, session_id: str | None = None
+) -> Lookup:
+    """A LOOKUP's body (after its session section, whose id the server read already)."""
     if len(data) < _LOOKUP.size:
         raise FrameError("LOOKUP: body shorter than its fixed part")
     root, lease_ms, count = _LOOKUP.unpack_from(data)
     ids = split_ids(data, _LOOKUP.size, count)
     _check_count(count, limits, "LOOKUP")
-    return Lookup(root, ids, lease_ms, bool(flags & F_LOOKUP_KEYED))
+    return Lookup(
+        root,
+        ids,
+        lease_ms,
+        bool(flags & F_LOOKUP_KEYED),
+        session_id,
+        not flags & F_UNCOUNTED,
+        bool(flags & F_LOOKUP_EXPLAIN),
+    )
 
 
 class Exists(NamedTuple):
@@ -416,16 +536,19 @@ class Exists(NamedTuple):
 
     root: bytes
     ids: list[bytes]
+    counted: bool = True
+    """Without ``F_UNCOUNTED``: a prompt's question (LMCache's lookup), counted."""
 
 
 def encode_exists(request_id: int, *, exists: Exists) -> bytes:
     body = _LOOKUP.pack(exists.root, 0, len(exists.ids)) + join_ids(exists.ids)
-    return encode_header(Op.EXISTS, request_id, len(body)) + body
+    flags = 0 if exists.counted else F_UNCOUNTED
+    return encode_header(Op.EXISTS, request_id, len(body), flags) + body
 
 
-def decode_exists(data: bytes, limits: Limits) -> Exists:
+def decode_exists(data: bytes, limits: Limits, flags: int = 0) -> Exists:
     lookup = decode_lookup(data, limits)
-    return Exists(lookup.root, lookup.ids)
+    return Exists(lookup.root, lookup.ids, not flags & F_UNCOUNTED)
 
 
 def encode_exists_ok(request_id: int, held: Sequence[bool]) -> bytes:
@@ -452,20 +575,76 @@ class LookupOk(NamedTuple):
     lease_ms: int
     nbytes: list[int]
     tiers: list[int]
+    miss: Miss | None = None
+    """With ``F_LOOKUP_EXPLAIN`` asked: why the rest missed."""
 
 
 _NO_LEASE = bytes(HASH_BYTES)
+MISS_REASONS = ("diverged", "evicted", "expired", "new")
+"""Reason codes of a miss section, in order (``attribution.REASONS``)."""
+MISS_PRESSURES = ("capacity", "pin_budget")
+_NONE = 0xFF
+_NO_INDEX = 0xFFFFFFFF
+# flags (1: a first cause), reason, pressure, tier, block, token, offset, ago_s; then tokens
+_MISS = struct.Struct(f"<BBBBIIId{len(MISS_REASONS)}Q")
+
+
+class Miss(NamedTuple):
+    """The miss section of a LOOKUP_OK (``F_LOOKUP_EXPLAIN``): ``has_first:u8 reason:u8
+    pressure:u8 tier:u8 block:u32 token:u32 offset:u32 ago_s:f64``, then one ``u64`` of
+    missed tokens per reason of ``MISS_REASONS``. Absent values are ``0xff`` (codes, tier),
+    ``0xffffffff`` (offset) and NaN (``ago_s``). ``tier`` indexes HELLO_OK's tiers. The REST
+    API's ``miss`` object, in binary (docs/prompt-stability.md)."""
+
+    reason: int | None
+    block: int | None
+    token: int | None
+    offset: int | None
+    tier: int | None
+    ago_s: float | None
+    pressure: int | None
+    tokens: tuple[int, ...]
+
+
+def _encode_miss(miss: Miss) -> bytes:
+    first = miss.reason is not None
+    return _MISS.pack(
+        1 if first else 0,
+        miss.reason if miss.reason is not None else _NONE,
+        miss.pressure if miss.pressure is not None else _NONE,
+        miss.tier if miss.tier is not None else _NONE,
+        miss.block or 0,
+        miss.token or 0,
+        miss.offset if miss.offset is not None else _NO_INDEX,
+        miss.ago_s if miss.ago_s is not None else float("nan"),
+        *miss.tokens,
+    )
+
+
+def _decode_miss(data: bytes, offset: int) -> Miss:
+    first, reason, pressure, tier, block, token, off, ago, *tokens = _MISS.unpack_from(data, offset)
+    return Miss(
+        reason if first else None,
+        block if first else None,
+        token if first else None,
+        off if first and off != _NO_INDEX else None,
+        tier if first and tier != _NONE else None,
+        ago if first and ago == ago else None,  # NaN: none
+        pressure if first and pressure != _NONE else None,
+        tuple(tokens),
+    )
 
 
 def encode_lookup_ok(request_id: int, ok: LookupOk) -> bytes:
     n = len(ok.nbytes)
-    body = b"".join(
-        [
-            _LOOKUP_OK.pack(ok.lease or _NO_LEASE, ok.lease_ms, n),
-            struct.pack(f"<{n}Q", *ok.nbytes),
-            bytes(ok.tiers),
-        ]
-    )
+    parts = [
+        _LOOKUP_OK.pack(ok.lease or _NO_LEASE, ok.lease_ms, n),
+        struct.pack(f"<{n}Q", *ok.nbytes),
+        bytes(ok.tiers),
+    ]
+    if ok.miss is not None:
+        parts.append(_encode_miss(ok.miss))
+    body = b"".join(parts)
     return encode_header(Op.LOOKUP_OK, request_id, len(body)) + body
 
 
@@ -473,11 +652,13 @@ def decode_lookup_ok(data: bytes) -> LookupOk:
     if len(data) < _LOOKUP_OK.size:
         raise FrameError("LOOKUP_OK: body shorter than its fixed part")
     lease, lease_ms, n = _LOOKUP_OK.unpack_from(data)
-    if len(data) != _LOOKUP_OK.size + 9 * n:
+    end = _LOOKUP_OK.size + 9 * n
+    if len(data) not in (end, end + _MISS.size):
         raise FrameError(f"LOOKUP_OK: {len(data)} bytes of body for {n} blocks")
     nbytes = list(struct.unpack_from(f"<{n}Q", data, _LOOKUP_OK.size))
-    tiers = list(data[_LOOKUP_OK.size + 8 * n :])
-    return LookupOk(None if lease == _NO_LEASE else lease, lease_ms, nbytes, tiers)
+    tiers = list(data[_LOOKUP_OK.size + 8 * n : end])
+    miss = _decode_miss(data, end) if len(data) > end else None
+    return LookupOk(None if lease == _NO_LEASE else lease, lease_ms, nbytes, tiers, miss)
 
 
 # -- LOAD ----------------------------------------------------------------------------------
@@ -494,6 +675,7 @@ class LoadLease(NamedTuple):
     start: int
     blocks: int
     release: bool = False
+    session_id: str | None = None
 
 
 class LoadIds(NamedTuple):
@@ -503,6 +685,8 @@ class LoadIds(NamedTuple):
     ids: list[bytes]
     each: bool = False
     """``F_LOAD_EACH``: every id on its own (a held block after a missing one is sent)."""
+    session_id: str | None = None
+    """``F_SESSION``: on behalf of this session (its TTL, chain pins and head)."""
 
 
 def encode_load(request_id: int, load: LoadLease | LoadIds) -> bytes:
@@ -512,22 +696,24 @@ def encode_load(request_id: int, load: LoadLease | LoadIds) -> bytes:
     else:
         flags = F_LOAD_EACH if load.each else 0
         body = _COUNT.pack(len(load.ids)) + join_ids(load.ids)
-    return encode_header(Op.LOAD, request_id, len(body), flags) + body
+    return _with_session(Op.LOAD, request_id, flags, body, load.session_id)
 
 
-def decode_load(data: bytes, flags: int, limits: Limits) -> LoadLease | LoadIds:
+def decode_load(
+    data: bytes, flags: int, limits: Limits, session_id: str | None = None
+) -> LoadLease | LoadIds:
     if flags & F_LOAD_BY_LEASE:
         if len(data) != _LOAD_LEASE.size:
             raise FrameError(f"LOAD by lease: the body is {_LOAD_LEASE.size} bytes")
         lease, start, count = _LOAD_LEASE.unpack(data)
         _check_count(count, limits, "LOAD")
-        return LoadLease(lease, start, count, bool(flags & F_LOAD_RELEASE))
+        return LoadLease(lease, start, count, bool(flags & F_LOAD_RELEASE), session_id)
     if len(data) < _COUNT.size:
         raise FrameError("LOAD: body shorter than its count")
     (count,) = _COUNT.unpack_from(data)
     ids = split_ids(data, _COUNT.size, count)
     _check_count(count, limits, "LOAD")
-    return LoadIds(ids, bool(flags & F_LOAD_EACH))
+    return LoadIds(ids, bool(flags & F_LOAD_EACH), session_id)
 
 
 def block_header(request_id: int, nbytes: int, *, missing: bool = False) -> bytes:
@@ -558,6 +744,8 @@ class StoreHead(NamedTuple):
     """``F_STORE_KEYED``: the token section holds block keys (``block_tokens`` = ``KEY_WORDS``)."""
     linked: bool = True
     """``F_STORE_LINKED`` for keyed blocks (a chain segment always is)."""
+    session_id: str | None = None
+    """``F_SESSION``: on behalf of this session (its TTL, chain pins and head)."""
 
     @property
     def flags(self) -> int:
@@ -586,6 +774,7 @@ def _head(
     count: int,
     nbytes: int,
     ttl_ms: int,
+    session_id: str | None = None,
 ) -> StoreHead:
     keyed = bool(flags & F_STORE_KEYED)
     if keyed and block_tokens != KEY_WORDS:
@@ -601,6 +790,7 @@ def _head(
         ttl_ms,
         keyed,
         bool(flags & F_STORE_LINKED) or not keyed,
+        session_id,
     )
 
 
@@ -620,13 +810,19 @@ def encode_store_head(request_id: int, head: StoreHead, token_bytes: bytes) -> b
         head.ttl_ms,
         0,
     )
-    return encode_header(Op.STORE, request_id, head.body_len, flags) + fixed + token_bytes
+    payloads = head.blocks * head.block_nbytes
+    return _with_session(
+        Op.STORE, request_id, flags, fixed + token_bytes, head.session_id, payloads
+    )
 
 
-def decode_store_head(fixed: bytes, header: Header, limits: Limits) -> StoreHead:
-    """The fixed part of a STORE, checked against the header's ``body_len`` and ``limits``."""
+def decode_store_head(
+    fixed: bytes, header: Header, limits: Limits, session_id: str | None = None
+) -> StoreHead:
+    """The fixed part of a STORE, checked against ``limits`` and the header's ``body_len``
+    (what follows the session section)."""
     root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
-    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms)
+    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms, session_id)
     if head.body_len != header.body_len:
         raise FrameError(
             f"STORE: body_len {header.body_len} but its head describes {head.body_len} bytes"
@@ -706,11 +902,13 @@ class ErrorFrame(NamedTuple):
     closing: bool = False
 
 
-def encode_error(request_id: int, error: ErrorFrame) -> bytes:
+def encode_error(request_id: int, error: ErrorFrame, *, version: int = VERSION) -> bytes:
+    """An ERROR frame; ``version``: the peer's, when refusing a peer of another version (an
+    ERROR's layout is the same in every version, so its peer can read why)."""
     message = error.message.encode("utf-8", "replace")[:MAX_MESSAGE]
     body = _ERROR.pack(error.code) + message
     flags = F_ERROR_CLOSING if error.closing else 0
-    return encode_header(Op.ERROR, request_id, len(body), flags) + body
+    return encode_header(Op.ERROR, request_id, len(body), flags, version=version) + body
 
 
 def decode_error(data: bytes, flags: int) -> ErrorFrame:
@@ -789,14 +987,15 @@ def decode_segments_ok(data: bytes) -> SegmentsOk:
 def encode_locate(request_id: int, lookup: Lookup) -> bytes:
     """LOCATE: a LOOKUP's body and flags (``lease_ms`` must be positive); answered by
     LOCATE_OK."""
-    ids = join_ids(lookup.ids)
-    body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + ids
-    flags = F_LOOKUP_KEYED if lookup.keyed else 0
-    return encode_header(Op.LOCATE, request_id, len(body), flags) + body
+    body = _LOOKUP.pack(lookup.root, lookup.lease_ms, len(lookup.ids)) + join_ids(lookup.ids)
+    flags = lookup.flags & ~F_LOOKUP_EXPLAIN
+    return _with_session(Op.LOCATE, request_id, flags, body, lookup.session_id)
 
 
-def decode_locate(data: bytes, limits: Limits, flags: int = 0) -> Lookup:
-    lookup = decode_lookup(data, limits, flags)
+def decode_locate(
+    data: bytes, limits: Limits, flags: int = 0, session_id: str | None = None
+) -> Lookup:
+    lookup = decode_lookup(data, limits, flags & ~F_LOOKUP_EXPLAIN, session_id)
     if lookup.lease_ms == 0:
         raise InvalidInput("LOCATE: a lease is required (lease_ms > 0): it guards the slots")
     return lookup
@@ -864,21 +1063,22 @@ def encode_stage(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
         head.ttl_ms,
         0,
     )
-    body_len = _STORE.size + len(token_bytes)
-    return encode_header(Op.STAGE, request_id, body_len, flags) + fixed + token_bytes
+    return _with_session(Op.STAGE, request_id, flags, fixed + token_bytes, head.session_id)
 
 
-def decode_stage_head(fixed: bytes, header: Header, limits: Limits) -> StoreHead:
+def decode_stage_head(
+    fixed: bytes, header: Header, limits: Limits, session_id: str | None = None
+) -> StoreHead:
     """The fixed part of a STAGE, checked as a STORE's (its body has no payloads)."""
     root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
-    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms)
+    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms, session_id)
     if _STORE.size + head.token_bytes != header.body_len:
         raise FrameError(
             f"STAGE: body_len {header.body_len} but its head describes "
             f"{_STORE.size + head.token_bytes} bytes"
         )
     as_store = header._replace(body_len=head.body_len)
-    return decode_store_head(fixed, as_store, limits)
+    return decode_store_head(fixed, as_store, limits, session_id)
 
 
 class StageOk(NamedTuple):

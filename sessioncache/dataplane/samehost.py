@@ -62,7 +62,6 @@ from sessioncache.dataplane.errors import StreamClosed
 from sessioncache.dataplane.frames import (
     HEADER_SIZE,
     MAX_FDS,
-    STATUS_NAMES,
     STORED,
     Commit,
     Lookup,
@@ -328,11 +327,14 @@ class SameHostClient(StreamClient):
         *,
         lease_ms: int = DEFAULT_LEASE_MS,
         keyed: bool = False,
+        session_id: str | None = None,
+        counted: bool = True,
     ) -> SameHostLookup:
         """Lease the longest held prefix of ``ids`` the caller may read and learn where its
         blocks lie in shared memory (blocks held only lower are copied there first; the
         located run may stop before the leased one where that was not possible). ``keyed``:
-        the ids are keyed ids, each held under ``root`` on its own."""
+        the ids are keyed ids, each held under ``root`` on its own. ``session_id`` and
+        ``counted`` as for ``StreamClient.lookup``."""
         self._namespace(root)
         if not ids:
             return SameHostLookup(root, [], 0, [], None, time.monotonic())
@@ -340,7 +342,7 @@ class SameHostClient(StreamClient):
             raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
         if lease_ms <= 0:
             raise InvalidInput("a LOCATE needs a lease (lease_ms > 0): it guards the slots")
-        request = Lookup(root, list(ids), lease_ms, keyed)
+        request = Lookup(root, list(ids), lease_ms, keyed, session_id, counted)
         start = time.monotonic()
         body = self._call(Op.LOCATE, lambda rid: frames.encode_locate(rid, request))
         ok = frames.decode_locate_ok(body)
@@ -377,6 +379,7 @@ class SameHostClient(StreamClient):
         release: bool | None = None,
         verify: bool = False,
         each: bool = False,
+        session_id: str | None = None,
     ) -> list[bool]:
         """Copy located blocks ``start ..`` of a ``locate`` answer into ``out`` (one exactly
         block-sized buffer each: numpy arrays, CPU tensors pinned or not, CUDA tensors,
@@ -386,7 +389,9 @@ class SameHostClient(StreamClient):
         ``verify`` checks every copy against its XXH3-64 (``ChecksumMismatch``). Other
         sources are loaded over the socket, as ``StreamClient.load_into`` does."""
         if not isinstance(source, SameHostLookup):
-            return super().load_into(source, out, start=start, release=bool(release), each=each)
+            return super().load_into(
+                source, out, start=start, release=bool(release), each=each, session_id=session_id
+            )
         release = True if release is None else release
         slots = source.slots[start : start + len(out)]
         self._ensure_segments(s.segment for s in slots)
@@ -432,14 +437,18 @@ class SameHostClient(StreamClient):
         *,
         parent: bytes | None = None,
         ttl_s: float | None = None,
+        session_id: str | None = None,
     ) -> StoreAck:
         """Store a chain segment under ``root`` through shared memory: one payload per full
         block of ``tokens`` (exactly), continuing from ``parent`` (a held block of this root;
         default: the root). Payloads are numpy arrays, tensors (CUDA too) or buffers of one
-        size. Each block is published only if its slot holds exactly its bytes."""
+        size. Each block is published only if its slot holds exactly its bytes.
+        ``session_id`` as for ``StreamClient.store``."""
         namespace = self._namespace(root)
         token_bytes = store_tokens(namespace, tokens, len(payloads))
-        return self._stage_store(root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s)
+        return self._stage_store(
+            root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s, session=session_id
+        )
 
     def store_keyed(
         self,
@@ -478,6 +487,7 @@ class SameHostClient(StreamClient):
         *,
         keyed: bool = False,
         linked: bool = True,
+        session: str | None = None,
     ) -> StoreAck:
         step = 4 * block_tokens
         if not payloads:
@@ -494,9 +504,18 @@ class SameHostClient(StreamClient):
         durable = False
         per = self.limits.max_ids
         for first in range(0, len(payloads), per):
+            if linked and status and status[-1] in ("dropped", "rejected"):
+                # the rest would hang off a block the node does not hold: it would refuse it
+                head = StoreHead(root, ids[-1], block_tokens, 0, size, ttl_ms, keyed, linked)
+                rest = segment_ids(head, token_bytes[first * step :], self.seed)
+                ids += rest
+                status += ["dropped"] * len(rest)
+                break
             part = payloads[first : first + per]
             segment = token_bytes[first * step : (first + len(part)) * step]
-            head = StoreHead(root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked)
+            head = StoreHead(
+                root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked, session
+            )
             ours = segment_ids(head, segment, self.seed)
             body = self._call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
             staged = frames.decode_stage_ok(body, size)
@@ -506,7 +525,7 @@ class SameHostClient(StreamClient):
                 raise IdMismatch("STAGE: the node derived other ids than the client")
             codes = self._fill_and_commit(staged, part)
             ids += staged.ids
-            status += [STATUS_NAMES[c] if c < len(STATUS_NAMES) else "?" for c in codes]
+            status += self._status(codes)
             durable = durable or staged.durable
             parent = staged.ids[-1] if linked else None
         return StoreAck(ids, status, durable)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import struct
 from collections.abc import Sequence
@@ -30,32 +29,25 @@ from concurrent.futures import Executor
 
 from sessioncache.buffers import BufferPool
 from sessioncache.config import Settings
-from sessioncache.dataplane import frames, ops
-from sessioncache.dataplane.errors import AuthRefused, StoreRefused, StreamClosed
-from sessioncache.dataplane.frames import (
-    DROPPED,
-    MAX_FDS,
-    PRESENT,
-    STORED,
-    Header,
-    Limits,
-    Op,
-    SegmentsOk,
-    Slot,
+from sessioncache.dataplane import frames
+from sessioncache.dataplane.errors import AuthRefused, StreamClosed
+from sessioncache.dataplane.frames import MAX_FDS, Header, Limits, Op, SegmentsOk, Slot
+from sessioncache.dataplane.server import (
+    Connection,
+    StreamServer,
+    lookup_request,
+    status_codes,
+    store_request,
 )
-from sessioncache.dataplane.server import Connection, StreamServer
 from sessioncache.dataplane.transport import SocketTransport, Transport, UnixListener
 from sessioncache.errors import InvalidInput
-from sessioncache.hashing import BlockHash
 from sessioncache.node import OPEN_TENANT, CacheNode
-from sessioncache.store import PRESENT as STAGE_PRESENT
-from sessioncache.store import STAGED, Staging
+from sessioncache.operations import lookups, stores
+from sessioncache.operations.caller import Caller
 from sessioncache.tiers.base import SharedMemoryTier
 
 log = logging.getLogger("sessioncache.dataplane.samehost")
 
-MAX_STAGINGS = 1024
-"""Stagings one connection may hold open at once."""
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -69,7 +61,9 @@ def peer_credentials(transport: Transport) -> tuple[int, int, int] | None:
 
 
 class SameHostConnection(Connection):
-    """One same-host peer: a stream connection with the shared-memory ops (module doc)."""
+    """One same-host peer: a stream connection with the shared-memory ops (module doc). It
+    adds only what shared memory needs: descriptor passing, peer credentials, and the slots
+    the operation layer's stagings name; the caller's stagings go with it (``Caller``)."""
 
     def __init__(
         self,
@@ -97,73 +91,33 @@ class SameHostConnection(Connection):
         )
         self.tier = tier
         self.trusted = trusted
-        self.stagings: dict[bytes, Staging] = {}
         self.credentials = peer_credentials(transport)
 
     def run(self) -> None:
-        """Serve the peer; then abort every staging it left open (never raises)."""
-        try:
-            if not self.node.auth_enabled and (
-                self.credentials is None or self.credentials[1] != os.geteuid()
-            ):
-                # Open mode trusts its one tenant: only with the node's own user at the other end.
-                self._send_error(
-                    0,
-                    AuthRefused(
-                        "this node runs without API keys: same-host peers of its own uid only"
-                    ),
-                    closing=True,
-                )
-                self.transport.close()
-                return
-            super().run()
-        finally:
-            aborted = 0
-            for staging in self.stagings.values():
-                try:
-                    aborted += self.node.store.abort(staging)
-                except Exception:
-                    log.exception("same-host connection %s: abort failed", self.transport.peer)
-            self.stagings.clear()
-            if aborted:
-                log.info(
-                    "same-host connection %s gone: freed its %d staged slots",
-                    self.transport.peer,
-                    aborted,
-                )
+        """Serve the peer (never raises); whatever it held goes when it ends."""
+        if not self.node.auth_enabled and (
+            self.credentials is None or self.credentials[1] != os.geteuid()
+        ):
+            # Open mode trusts its one tenant: only with the node's own user at the other end.
+            self._send_error(
+                0,
+                AuthRefused("this node runs without API keys: same-host peers of its own uid only"),
+                closing=True,
+            )
+            self.transport.close()
+            return
+        super().run()
 
-    def _hello(self, header: Header) -> None:
-        if self.peer is not None:
-            raise InvalidInput("HELLO twice on one connection")
-        hello = frames.decode_hello(self._body())
-        peer = ops.authenticate(self.node, hello.api_key)
-        if peer.tenant not in self.trusted:
+    def _admit(self, caller: Caller) -> None:
+        if caller.tenant not in self.trusted:
             raise AuthRefused(
-                f"tenant {peer.tenant!r} is not trusted with the same-host path (it maps every "
+                f"tenant {caller.tenant!r} is not trusted with the same-host path (it maps every "
                 "tenant's blocks): see SESSIONCACHE_SHM_TRUSTED_TENANTS"
             )
-        self.peer = peer
-        ok = ops.hello_ok(self.node, peer, self.limits)
-        self.transport.send([frames.encode_hello_ok(header.request_id, ok)])
-
-    def _dispatch_more(self, header: Header) -> None:
-        op = header.opcode
-        if op == Op.SEGMENTS:
-            self._segments(header)
-        elif op == Op.LOCATE:
-            self._locate(header)
-        elif op == Op.STAGE:
-            self._stage(header)
-        elif op == Op.COMMIT:
-            self._commit(header)
-        elif op == Op.ABORT:
-            self._abort(header)
-        else:
-            super()._dispatch_more(header)
 
     # -- SEGMENTS ------------------------------------------------------------------------
 
-    def _segments(self, header: Header) -> None:
+    def _segments(self, header: Header, session: str | None) -> None:
         wanted = frames.decode_segments(self._body())
         live = self.tier.segments()
         alive = set(live)
@@ -201,85 +155,66 @@ class SameHostConnection(Connection):
 
     # -- LOCATE --------------------------------------------------------------------------
 
-    def _locate(self, header: Header) -> None:
-        assert self.peer is not None
-        request = frames.decode_locate(self._body(), self.limits, header.flags)
-        held, key = ops.leased_lookup(self.node, self.peer, request)
-        slots: list[Slot] = []
-        if key is not None:
-            lease = self.peer.leases[key]
-            for found in self.node.store.locate(lease.hashes):
-                where = found.location
-                slots.append(Slot(where.segment, where.offset, where.nbytes, found.checksum))
+    def _locate(self, header: Header, session: str | None) -> None:
+        request = frames.decode_locate(self._body(), self.limits, header.flags, session)
+        found, located = lookups.locate(self.node, self._caller, lookup_request(request))
+        slots = [
+            Slot(f.location.segment, f.location.offset, f.location.nbytes, f.checksum)
+            for f in located
+        ]
         ok = frames.LocateOk(
-            key, request.lease_ms if key is not None else 0, len(held.nbytes), slots
+            found.key,
+            request.lease_ms if found.key is not None else 0,
+            found.match.num_blocks,
+            slots,
         )
         self.transport.send([frames.encode_locate_ok(header.request_id, ok)])
 
     # -- STAGE, COMMIT, ABORT ------------------------------------------------------------
 
-    def _stage(self, header: Header) -> None:
-        assert self.peer is not None
-        head = frames.decode_stage_head(self._body(frames.STORE_FIXED), header, self.limits)
-        tokens = self._body(head.token_bytes)
-        if len(self.stagings) >= MAX_STAGINGS:
-            raise InvalidInput(f"this connection holds {MAX_STAGINGS} stagings: commit or abort")
-        plan = ops.plan_store(self.node, self.peer, head, tokens)
-        staging = self.node.store.stage(
-            plan.ids,
-            namespace_root=head.root,
-            nbytes=head.block_nbytes,
-            parent=BlockHash(head.parent) if head.parent is not None else None,
-            ttl_s=plan.ttl_s,
-            durable=plan.durable,
-            parents=None if head.linked else plan.parents,
-        )
-        key = secrets.token_bytes(16)
-        self.stagings[key] = staging
-        codes = {STAGED: STORED, STAGE_PRESENT: PRESENT}
+    def _stage(self, header: Header, session: str | None) -> None:
+        fixed = self._body(frames.STORE_FIXED)
+        head = frames.decode_stage_head(fixed, header, self.limits, session)
+        request = store_request(head, self._body(head.token_bytes))
+        staged = stores.stage(self.node, self._caller, request)
         ok = frames.StageOk(
-            key,
-            plan.durable,
-            list(plan.ids),
-            [codes.get(status, DROPPED) for status in staging.status],
+            staged.key,
+            staged.plan.durable,
+            list(staged.plan.ids),
+            status_codes(staged.status),
             [
                 Slot(where.segment, where.offset, where.nbytes) if where is not None else None
-                for where in staging.locations
+                for where in staged.staging.locations
             ],
         )
         self.transport.send([frames.encode_stage_ok(header.request_id, ok)])
 
-    def _staging(self, key: bytes) -> Staging:
-        staging = self.stagings.get(key)
-        if staging is None:
-            raise StoreRefused(f"no open staging {key.hex()} on this connection")
-        return staging
-
-    def _commit(self, header: Header) -> None:
+    def _commit(self, header: Header, session: str | None) -> None:
         commit = frames.decode_commit(self._body(), self.limits)
-        staging = self._staging(commit.staging)
-        if commit.start != staging.claimed:
-            raise InvalidInput(
-                f"COMMIT from block {commit.start}; the staging is committed up to "
-                f"{staging.claimed}"
-            )
-        result = self.node.store.commit(staging, commit.checksums, commit.nbytes)
-        if not staging.open:
-            del self.stagings[commit.staging]
+        staged, status = stores.commit(
+            self.node, self._caller, commit.staging, commit.start, commit.checksums, commit.nbytes
+        )
         end = commit.start + len(commit.checksums)
-        status = {h: STORED for h in result.stored}
-        status.update((h, PRESENT) for h in result.present)
-        status.update((h, frames.REJECTED) for h in result.rejected)
-        ids = staging.hashes[commit.start : end]
-        ok = frames.StoreOk(staging.durable, list(ids), [status.get(h, DROPPED) for h in ids])
+        ok = frames.StoreOk(
+            staged.staging.durable,
+            list(staged.staging.hashes[commit.start : end]),
+            status_codes(status),
+        )
         self.transport.send([frames.encode_commit_ok(header.request_id, ok)])
 
-    def _abort(self, header: Header) -> None:
-        key = frames.decode_abort(self._body())
-        staging = self.stagings.pop(key, None)
-        if staging is not None:
-            self.node.store.abort(staging)
+    def _abort(self, header: Header, session: str | None) -> None:
+        stores.abort(self.node, self._caller, frames.decode_abort(self._body()))
         self.transport.send([frames.encode_abort_ok(header.request_id)])
+
+
+SameHostConnection.HANDLERS = {
+    **Connection.HANDLERS,
+    Op.SEGMENTS: "_segments",
+    Op.LOCATE: "_locate",
+    Op.STAGE: "_stage",
+    Op.COMMIT: "_commit",
+    Op.ABORT: "_abort",
+}
 
 
 class SameHostServer(StreamServer):

@@ -23,10 +23,12 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from typing import ClassVar
 
+from sessioncache.attribution import REASONS, MissReport
 from sessioncache.buffers import BufferPool
 from sessioncache.config import Settings
-from sessioncache.dataplane import frames, ops
+from sessioncache.dataplane import frames
 from sessioncache.dataplane.errors import (
     AuthRefused,
     ErrorCode,
@@ -34,7 +36,7 @@ from sessioncache.dataplane.errors import (
     StreamClosed,
     code_for,
 )
-from sessioncache.dataplane.frames import Header, Limits, Op
+from sessioncache.dataplane.frames import Header, Limits, Op, StoreHead, VersionError
 from sessioncache.dataplane.transport import (
     Listener,
     TcpListener,
@@ -43,7 +45,12 @@ from sessioncache.dataplane.transport import (
     recv_exact,
 )
 from sessioncache.errors import InvalidInput, SessionCacheError
-from sessioncache.node import CacheNode, UploadRefused
+from sessioncache.hashing import BlockHash
+from sessioncache.node import CacheNode
+from sessioncache.operations import caller as callers
+from sessioncache.operations import lookups, stores
+from sessioncache.operations.caller import Caller
+from sessioncache.operations.messages import LookupRequest, StoreRequest
 
 log = logging.getLogger("sessioncache.dataplane")
 
@@ -54,8 +61,46 @@ class _Refused(Exception):
     """Ends a connection after its closing ERROR frame was sent."""
 
 
+def store_request(head: StoreHead, units: bytes) -> StoreRequest:
+    """The operation layer's request for a STORE's or STAGE's head and token section."""
+    return StoreRequest(
+        head.root,
+        head.parent,
+        head.block_tokens,
+        head.blocks,
+        head.block_nbytes,
+        units,
+        head.ttl_ms / 1000 if head.ttl_ms else None,
+        head.keyed,
+        head.linked,
+        head.session_id,
+    )
+
+
+def lookup_request(request: frames.Lookup) -> LookupRequest:
+    return LookupRequest(
+        request.root,
+        [BlockHash(h) for h in request.ids],
+        lease_s=request.lease_ms / 1000 if request.lease_ms else None,
+        session_id=request.session_id,
+        keyed=request.keyed,
+        counted=request.counted,
+    )
+
+
+def status_codes(status: list[str]) -> list[int]:
+    return [frames.STATUS_CODES[s] for s in status]
+
+
 class Connection:
-    """One peer: the HELLO, then requests answered one by one (see the module docstring)."""
+    """One peer: the HELLO, then requests answered one by one (see the module docstring).
+
+    ``HANDLERS`` names each opcode's handler, a method called with the request's header
+    (``body_len``: what follows the session section) and the session it names: it decodes
+    the body, calls the operation layer with the connection's ``Caller``, and encodes the
+    answer."""
+
+    HANDLERS: ClassVar[dict[Op, str]] = {}
 
     def __init__(
         self,
@@ -77,17 +122,18 @@ class Connection:
         self.buffers = buffers
         self.putter = putter
         self.load_lease_s = load_lease_s
-        self.peer: ops.Peer | None = None
+        self.caller: Caller | None = None
         self._header = bytearray(frames.HEADER_SIZE)
         self._left = 0  # body bytes of the current request not read yet
         self._scratch: memoryview | None = None
+        self._tier_index = {name: i for i, name in enumerate(node.store.tier_names())}
 
     # -- the loop ------------------------------------------------------------------------
 
     def run(self) -> None:
         """Serve until the peer leaves or breaks the framing; never raises."""
         try:
-            ops.admit(self.node, self.transport.local)
+            callers.admit(self.node, self.transport.local)
             while True:
                 header = self._next_header()
                 if header is None:
@@ -101,15 +147,24 @@ class Connection:
             log.exception("data-plane connection %s failed", self.transport.peer)
             self._send_error(0, RuntimeError("internal error"), closing=True)
         finally:
-            if self.peer is not None:
-                released = ops.drop_peer(self.node, self.peer)
-                if released:
-                    log.info(
-                        "data-plane connection %s gone: released its %d leases",
-                        self.transport.peer,
-                        released,
-                    )
+            self._drop()
             self.transport.close()
+
+    def _drop(self) -> None:
+        if self.caller is None:
+            return
+        try:
+            released, freed = callers.drop(self.node, self.caller)
+        except Exception:
+            log.exception("data-plane connection %s: cleanup failed", self.transport.peer)
+            return
+        if released or freed:
+            log.info(
+                "data-plane connection %s gone: released its %d leases, freed %d staged slots",
+                self.transport.peer,
+                released,
+                freed,
+            )
 
     def _next_header(self) -> Header | None:
         """The next request's header, or None when the peer closed between requests."""
@@ -123,6 +178,10 @@ class Connection:
             recv_exact(self.transport, view[first:])
             header = frames.decode_header(self._header, requests=True)
             frames.check_body(header, self.limits)
+        except VersionError as exc:
+            # answered in the peer's version: an ERROR's layout is the same in all of them
+            self._send_error(0, exc, closing=True, version=exc.version)
+            raise _Refused(str(exc)) from None
         except FrameError as exc:
             self._send_error(0, exc, closing=True)
             raise _Refused(str(exc)) from None
@@ -132,9 +191,15 @@ class Connection:
     def _answer(self, header: Header) -> None:
         rid = header.request_id
         try:
-            if self.peer is None and header.opcode != Op.HELLO:
+            if self.caller is None and header.opcode != Op.HELLO:
                 raise AuthRefused("the first frame of a connection must be HELLO")
-            self._dispatch(header)
+            session = self._session(header)
+            handler = self.HANDLERS.get(header.opcode)
+            if handler is None:
+                raise InvalidInput(
+                    f"{header.opcode.name} is served on the node's same-host Unix socket only"
+                )
+            getattr(self, handler)(header._replace(body_len=self._left), session)
             if self._left:
                 raise FrameError(f"{self._left} bytes of body left unread")
         except StreamClosed:
@@ -150,73 +215,110 @@ class Connection:
                 self._left = 0
             self._send_error(rid, exc)
 
-    def _dispatch(self, header: Header) -> None:
-        op = header.opcode
-        if op == Op.HELLO:
-            self._hello(header)
-        elif op == Op.RESOLVE:
-            self._resolve(header)
-        elif op == Op.LOOKUP:
-            self._lookup(header)
-        elif op == Op.LOAD:
-            self._load(header)
-        elif op == Op.STORE:
-            self._store(header)
-        elif op == Op.RELEASE:
-            self._release(header)
-        elif op == Op.EXISTS:
-            self._exists(header)
-        else:
-            self._dispatch_more(header)
+    def _session(self, header: Header) -> str | None:
+        """The session a request names in its session section (``F_SESSION``), read off."""
+        if not header.flags & frames.F_SESSION or header.opcode not in frames.SESSION_OPS:
+            return None
+        n = frames.session_len(self._body(frames.SESSION_LEN))
+        return frames.decode_session(self._body(n))
 
-    def _dispatch_more(self, header: Header) -> None:
-        """Requests beyond the stream's own (the same-host server serves its ops here)."""
-        raise InvalidInput(
-            f"{header.opcode.name} is served on the node's same-host Unix socket only"
-        )
+    @property
+    def _caller(self) -> Caller:
+        assert self.caller is not None  # _answer lets only HELLO through without one
+        return self.caller
 
     # -- the ops ---------------------------------------------------------------------------
 
-    def _hello(self, header: Header) -> None:
-        if self.peer is not None:
+    def _hello(self, header: Header, session: str | None) -> None:
+        if self.caller is not None:
             raise InvalidInput("HELLO twice on one connection")
         hello = frames.decode_hello(self._body())
-        self.peer = ops.authenticate(self.node, hello.api_key)
-        ok = ops.hello_ok(self.node, self.peer, self.limits)
+        try:
+            version = frames.negotiate(hello)
+        except VersionError as exc:
+            raise FrameError(str(exc)) from None
+        caller = callers.authenticate(self.node, hello.api_key)
+        self._admit(caller)
+        self.caller = caller
+        node = self.node
+        ok = frames.HelloOk(
+            caller.tenant, node.auth_enabled, tuple(node.store.tier_names()), self.limits, version
+        )
         self.transport.send([frames.encode_hello_ok(header.request_id, ok)])
 
-    def _resolve(self, header: Header) -> None:
-        assert self.peer is not None
+    def _admit(self, caller: Caller) -> None:
+        """Whether the caller may use this carrier (every tenant may use the stream)."""
+
+    def _resolve(self, header: Header, session: str | None) -> None:
         namespace = frames.decode_resolve(self._body())
-        root = ops.resolve(self.node, self.peer, namespace)
+        root = lookups.resolve(self.node, self._caller, namespace)
         self.transport.send([frames.encode_resolve_ok(header.request_id, root)])
 
-    def _lookup(self, header: Header) -> None:
-        assert self.peer is not None
-        request = frames.decode_lookup(self._body(), self.limits, header.flags)
-        ok = ops.lookup(self.node, self.peer, request)
+    def _lookup(self, header: Header, session: str | None) -> None:
+        request = frames.decode_lookup(self._body(), self.limits, header.flags, session)
+        found = lookups.lookup(self.node, self._caller, lookup_request(request))
+        n = found.match.num_blocks
+        ok = frames.LookupOk(
+            found.key,
+            request.lease_ms if found.key is not None else 0,
+            [found.nbytes] * n,
+            [self._tier_index[t] for t in found.match.tiers],
+            self._miss(found.miss) if request.explain else None,
+        )
         self.transport.send([frames.encode_lookup_ok(header.request_id, ok)])
 
-    def _exists(self, header: Header) -> None:
-        assert self.peer is not None
-        request = frames.decode_exists(self._body(), self.limits)
-        held = ops.exists(self.node, self.peer, request)
+    def _miss(self, miss: MissReport | None) -> frames.Miss:
+        tokens = tuple(miss.tokens.get(r, 0) for r in REASONS) if miss else (0,) * len(REASONS)
+        first = miss.first if miss is not None else None
+        if first is None:
+            return frames.Miss(None, None, None, None, None, None, None, tokens)
+        return frames.Miss(
+            REASONS.index(first.reason),
+            first.block,
+            first.token,
+            first.offset,
+            self._tier_index.get(first.tier) if first.tier is not None else None,
+            first.ago_s,
+            frames.MISS_PRESSURES.index(first.pressure) if first.pressure else None,
+            tokens,
+        )
+
+    def _exists(self, header: Header, session: str | None) -> None:
+        request = frames.decode_exists(self._body(), self.limits, header.flags)
+        ids = [BlockHash(h) for h in request.ids]
+        held = lookups.exists(self.node, self._caller, request.root, ids, counted=request.counted)
         self.transport.send([frames.encode_exists_ok(header.request_id, held)])
 
-    def _release(self, header: Header) -> None:
-        assert self.peer is not None
+    def _release(self, header: Header, session: str | None) -> None:
         key = frames.decode_release(self._body())
         if header.flags & frames.F_RELEASE_CHECK:
-            live = ops.release_checked(self.node, self.peer, key)
+            live = lookups.release_checked(self.node, self._caller, key)
             self.transport.send([frames.encode_release_ok(header.request_id, live=live)])
             return
-        ops.release(self.node, self.peer, key)
+        lookups.release(self.node, self._caller, key)
         self.transport.send([frames.encode_release_ok(header.request_id)])
 
-    def _load(self, header: Header) -> None:
-        assert self.peer is not None
-        request = frames.decode_load(self._body(), header.flags, self.limits)
-        plan = ops.plan_load(self.node, self.peer, request, lease_s=self.load_lease_s)
+    def _load(self, header: Header, session: str | None) -> None:
+        caller = self._caller
+        request = frames.decode_load(self._body(), header.flags, self.limits, session)
+        if isinstance(request, frames.LoadLease):
+            plan = lookups.plan_load_lease(
+                self.node,
+                caller,
+                request.lease,
+                request.start,
+                request.blocks,
+                release=request.release,
+            )
+        else:
+            plan = lookups.plan_load_ids(
+                self.node,
+                caller,
+                [BlockHash(h) for h in request.ids],
+                lease_s=self.load_lease_s,
+                each=request.each,
+                session_id=session,
+            )
         rid = header.request_id
         send = self.transport.send
         try:
@@ -224,7 +326,7 @@ class Connection:
                 if block_hash is None:
                     send([frames.block_header(rid, 0, missing=True)])
                     continue
-                view, left = ops.read_block(self.node, plan, block_hash)
+                view, left = lookups.read_block(self.node, plan, block_hash)
                 if view is None:
                     send([frames.block_header(rid, 0, missing=True)])
                     continue
@@ -235,19 +337,20 @@ class Connection:
                 send([frames.block_header(rid, 0, missing=True) * plan.missing])
         finally:
             self.transport.set_timeout(self.timeout_s)
-            ops.finish_load(self.node, self.peer, plan)
+            lookups.finish_load(self.node, caller, plan)
 
-    def _store(self, header: Header) -> None:
-        assert self.peer is not None
-        head = frames.decode_store_head(self._body(frames.STORE_FIXED), header, self.limits)
-        tokens = self._body(head.token_bytes)
-        plan = ops.plan_store(self.node, self.peer, head, tokens)
+    def _store(self, header: Header, session: str | None) -> None:
+        caller = self._caller
+        fixed = self._body(frames.STORE_FIXED)
+        head = frames.decode_store_head(fixed, header, self.limits, session)
+        request = store_request(head, self._body(head.token_bytes))
+        plan = stores.plan_store(self.node, caller, request)
         size = head.block_nbytes
         # Two buffers: block i is stored (copied into its tier) by a worker while block i + 1
         # is received; the puts stay in chain order, one at a time.
         with self.buffers.borrow(size) as one, self.buffers.borrow(size) as two:
             buffers = (one, two)
-            pending: Future[int] | None = None
+            pending: Future[str] | None = None
             try:
                 for index in range(head.blocks):
                     buf = buffers[index % 2]
@@ -255,17 +358,19 @@ class Connection:
                     if pending is not None:
                         self._stored(pending, index - 1, head.blocks)
                         pending = None
-                    pending = self.putter.submit(ops.store_block, self.node, plan, index, buf)
+                    pending = self.putter.submit(stores.store_block, self.node, plan, index, buf)
                 self._stored(pending, head.blocks - 1, head.blocks)
                 pending = None
             finally:
                 if pending is not None:
                     wait([pending])  # its buffer goes back to the pool only once it is done
-        ok = frames.StoreOk(plan.durable, list(plan.ids), plan.status)
+        kept = plan.status.index(stores.DROPPED) if stores.DROPPED in plan.status else head.blocks
+        stores.complete(self.node, caller, plan, kept)
+        ok = frames.StoreOk(plan.durable, list(plan.ids), status_codes(plan.status))
         self.transport.send([frames.encode_store_ok(header.request_id, ok)])
 
     @staticmethod
-    def _stored(put: Future[int] | None, index: int, blocks: int) -> None:
+    def _stored(put: Future[str] | None, index: int, blocks: int) -> None:
         """Wait for block ``index``'s put; its error says which block it was."""
         try:
             if put is not None:
@@ -297,15 +402,33 @@ class Connection:
             self._scratch = memoryview(bytearray(_SCRATCH))
         return self._scratch
 
-    def _send_error(self, rid: int, exc: BaseException, *, closing: bool = False) -> None:
-        code = ErrorCode.REFUSED if isinstance(exc, UploadRefused) else code_for(exc)
+    def _send_error(
+        self,
+        rid: int,
+        exc: BaseException,
+        *,
+        closing: bool = False,
+        version: int = frames.VERSION,
+    ) -> None:
+        code = code_for(exc)
         message = str(exc) if isinstance(exc, SessionCacheError) else "internal error"
         message = "; ".join([message, *getattr(exc, "__notes__", ())])
         if code in (ErrorCode.MALFORMED, ErrorCode.AUTH):
             log.info("data-plane connection %s refused: %s", self.transport.peer, message)
-        frame = frames.encode_error(rid, frames.ErrorFrame(code, message, closing))
+        frame = frames.encode_error(rid, frames.ErrorFrame(code, message, closing), version=version)
         with contextlib.suppress(StreamClosed):
             self.transport.send([frame])
+
+
+Connection.HANDLERS = {
+    Op.HELLO: "_hello",
+    Op.RESOLVE: "_resolve",
+    Op.LOOKUP: "_lookup",
+    Op.LOAD: "_load",
+    Op.STORE: "_store",
+    Op.RELEASE: "_release",
+    Op.EXISTS: "_exists",
+}
 
 
 class StreamServer:

@@ -39,11 +39,11 @@ from typing import Any, Final, Protocol
 
 from sessioncache.attribution import DropLog
 from sessioncache.clock import ManualClock
-from sessioncache.errors import SessionCacheError
+from sessioncache.errors import SessionCacheError, SessionNotFound
 from sessioncache.hashing import BlockHash
 from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.trace import Request, Trace
-from sessioncache.sessions import SessionManager, SessionNotFound
+from sessioncache.sessions import SessionManager
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
 from sessioncache.tiers.accounting import AccountingTier, zero_payload
 

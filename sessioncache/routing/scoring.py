@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from sessioncache.errors import EngineExists, EngineNotFound, InvalidInput
 from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
 from sessioncache.node import CacheNode
+from sessioncache.operations import lookups
 from sessioncache.routing.engine_index import EngineIndex
 from sessioncache.routing.events import MEDIA
 from sessioncache.routing.subscriber import EngineFeeds, EngineSpec
@@ -217,7 +218,7 @@ class Router:
         out.sort(key=lambda r: (-r.score, -r.matched_tokens, r.engine_id))
 
         own = chain(namespace.block_tokens, False)
-        cached = node.chain_prefix(own_root, own)
+        cached = lookups.chain_prefix(node, own_root, own)
         cached_tokens = cached * namespace.block_tokens
         return RouteAnswer(
             prompt_tokens,

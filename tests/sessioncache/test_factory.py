@@ -8,6 +8,8 @@ from sessioncache.catalog import Catalog
 from sessioncache.config import Settings
 from sessioncache.factory import open_node
 from sessioncache.hashing import Namespace, tokens_to_le_bytes
+from sessioncache.operations import lookups, stores
+from sessioncache.operations.caller import Caller
 
 NS = Namespace("factory-model", 4, "bf16", "x")
 
@@ -17,10 +19,12 @@ def test_lookups_record_hit_and_miss_tokens_in_the_catalog_usage(tmp_path: Path)
     node = open_node(settings, start=False)
     try:
         tokens = tokens_to_le_bytes(list(range(12)))
-        plan = node.plan_store("default", NS, tokens)
+        plan = stores.plan_upload(node, Caller("default"), NS, tokens)
         for h in plan.missing[:2]:
-            node.upload("default", h, b"\x01" * 64)
-        node.lookup("default", NS, tokens + tokens_to_le_bytes([7]))  # 8 hit, 5 missed
+            stores.upload(node, Caller("default"), h, b"\x01" * 64)
+        lookups.lookup_tokens(
+            node, Caller("default"), NS, tokens + tokens_to_le_bytes([7])
+        )  # 8 hit, 5 missed
     finally:
         node.close()
     with Catalog.open(settings.catalog_url()) as catalog:

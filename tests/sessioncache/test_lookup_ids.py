@@ -12,6 +12,8 @@ from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import BlockHash, Namespace
 from sessioncache.node import CacheNode
+from sessioncache.operations import lookups, stores
+from sessioncache.operations.caller import Caller
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
@@ -29,14 +31,14 @@ def node(tmp_path: Path) -> CacheNode:
 
 def store_prompt(node: CacheNode, tenant: str, ns: Namespace, seed: int, blocks: int):
     token_bytes = np.random.default_rng(seed).integers(0, 1000, blocks * 4).astype("<u4").tobytes()
-    plan = node.plan_store(tenant, ns, token_bytes)
+    plan = stores.plan_upload(node, Caller(tenant), ns, token_bytes)
     for h in plan.missing:
-        assert node.upload(tenant, h, b"p" * 32)
+        assert stores.upload(node, Caller(tenant), h, b"p" * 32)
     return plan.hashes
 
 
 def matched(node: CacheNode, ids: list[BlockHash], tenant: str = "acme", ns: Namespace = NS):
-    return node.lookup_ids(tenant, ns, ids).match.num_blocks
+    return lookups.lookup_ids(node, Caller(tenant), ns, ids).match.num_blocks
 
 
 def test_the_callers_chain_matches_and_nothing_else(node: CacheNode):
@@ -50,7 +52,7 @@ def test_the_callers_chain_matches_and_nothing_else(node: CacheNode):
     assert matched(node, [*ids[:3], *theirs[3:]]) == 3
     assert matched(node, [*ids[:3], ids[4], ids[3], *ids[5:]]) == 3
     assert matched(node, ids[2:]) == 0
-    assert node.chain_prefix(node.namespace_root("acme", NS), [*ids, *ids]) == 8
+    assert lookups.chain_prefix(node, node.namespace_root("acme", NS), [*ids, *ids]) == 8
 
 
 def test_a_foreign_id_is_not_touched_leased_or_counted(node: CacheNode):
@@ -59,7 +61,7 @@ def test_a_foreign_id_is_not_touched_leased_or_counted(node: CacheNode):
     before = node.store.meta(theirs[2])
     assert before is not None
     hits = node.store.counters().hit_blocks
-    result = node.lookup_ids("acme", NS, [*ids[:2], *theirs[2:]], lease_s=10)
+    result = lookups.lookup_ids(node, Caller("acme"), NS, [*ids[:2], *theirs[2:]], lease_s=10)
     assert result.match.num_blocks == 2 and result.match.lease is not None
     assert result.match.lease.hashes == tuple(ids[:2])
     assert node.store.counters().hit_blocks == hits + 2
@@ -82,9 +84,14 @@ def test_a_hole_in_the_held_run(node: CacheNode):
 def test_id_lookups_obey_max_tokens(tmp_path: Path):
     store = TieredStore([CpuTier(1 << 20)])
     node = CacheNode(Settings(data_dir=tmp_path, max_tokens=40), store, SessionManager(store))
-    assert node.lookup_ids("default", NS, [BlockHash(bytes(16))] * 10).match.num_blocks == 0
+    assert (
+        lookups.lookup_ids(
+            node, Caller("default"), NS, [BlockHash(bytes(16))] * 10
+        ).match.num_blocks
+        == 0
+    )
     with pytest.raises(InvalidInput, match="11 blocks of 4 tokens exceed the limit of 40"):
-        node.lookup_ids("default", NS, [BlockHash(bytes(16))] * 11)
+        lookups.lookup_ids(node, Caller("default"), NS, [BlockHash(bytes(16))] * 11)
 
 
 def test_which_lookups_wait_on_io(node: CacheNode):

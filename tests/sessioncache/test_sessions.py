@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from sessioncache.clock import ManualClock
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
-from sessioncache.sessions import DAY_S, SessionManager, SessionNotFound
+from sessioncache.sessions import DAY_S, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
 

@@ -77,7 +77,7 @@ def test_restart_serves_catalog_rows_and_adopts_files_it_lacks(tmp_path: Path):
         with pytest.raises(BlockNotFound):
             node.store.get_bytes(chain[-1])
         assert not node.store.contains(chain[-1])
-        catalog = node._usage
+        catalog = node.accounting.usage
         assert catalog is not None
         catalog.flush()  # type: ignore[attr-defined]
         rows = {r.block_id for r in catalog.block_records("disk")}  # type: ignore[attr-defined]

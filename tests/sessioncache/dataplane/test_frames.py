@@ -51,7 +51,7 @@ def test_header_layout_is_the_documented_one():
     frame = frames.encode_header(Op.LOOKUP, 0x0102030405060708, 42, flags=3)
     assert len(frame) == HEADER_SIZE == 24
     assert frame[:4] == b"SCDP"
-    assert struct.unpack("<BBHQQ", frame[4:]) == (1, 0x03, 3, 0x0102030405060708, 42)
+    assert struct.unpack("<BBHQQ", frame[4:]) == (2, 0x03, 3, 0x0102030405060708, 42)
 
 
 def test_hello_resolve_and_release_round_trip():
@@ -141,8 +141,8 @@ def test_error_round_trip_and_codes():
     ("frame", "requests", "match"),
     [
         (b"XXXX" + frames.encode_header(Op.HELLO, 1, 0)[4:], True, "bad magic"),
-        (struct.pack("<4sBBHQQ", b"SCDP", 2, 1, 0, 1, 0), True, "version 2"),
-        (struct.pack("<4sBBHQQ", b"SCDP", 1, 0x42, 0, 1, 0), True, "unknown opcode"),
+        (struct.pack("<4sBBHQQ", b"SCDP", 1, 1, 0, 1, 0), True, "version 1; this end speaks"),
+        (struct.pack("<4sBBHQQ", b"SCDP", 2, 0x42, 0, 1, 0), True, "unknown opcode"),
         (frames.encode_header(Op.HELLO_OK, 1, 0), True, "not a request"),
         (frames.encode_header(Op.LOOKUP, 1, 0), False, "not an answer"),
         (frames.encode_header(Op.HELLO, 1, 0)[:20], True, "24 bytes"),

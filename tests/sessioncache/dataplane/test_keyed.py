@@ -30,6 +30,8 @@ from sessioncache.hashing import (
     keyed_block_ids,
 )
 from sessioncache.node import CacheNode
+from sessioncache.operations import lookups
+from sessioncache.operations.caller import Caller
 from tests.sessioncache.dataplane.conftest import connect, pattern, wait_until
 from tests.support.servers import Server, start_server
 
@@ -179,7 +181,9 @@ def test_a_session_pins_a_linked_keyed_chain(node: CacheNode, stream: StreamClie
     stream.store_keyed(root, k, [pattern(h, SIZE) for h in ids])
     session = node.sessions.open(tenant="default")
     # what POST /v1/lookup with block_ids_b64 and a session_id does
-    found = node.lookup_ids("default", NS, [BlockHash(h) for h in ids], session_id=session.id)
+    found = lookups.lookup_ids(
+        node, Caller("default"), NS, [BlockHash(h) for h in ids], session_id=session.id
+    )
     assert found.match.num_blocks == 4
     assert all(node.store.meta(BlockHash(h)).ref_cnt for h in ids)  # type: ignore[union-attr]
 

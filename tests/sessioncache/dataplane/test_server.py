@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sessioncache.config import Settings
-from sessioncache.dataplane import Busy, StreamClient, StreamClosed, ops
+from sessioncache.dataplane import Busy, StreamClient, StreamClosed
 from sessioncache.dataplane.errors import AuthRefused
 from sessioncache.dataplane.frames import Limits
 from sessioncache.dataplane.server import StreamServer, open_stream_server
@@ -19,6 +19,7 @@ from sessioncache.dataplane.transport import UnixListener
 from sessioncache.errors import InvalidInput
 from sessioncache.factory import open_node
 from sessioncache.node import CacheNode
+from sessioncache.operations import caller as callers
 from tests.sessioncache.dataplane.conftest import NS, pattern, tokens
 
 
@@ -61,9 +62,9 @@ def test_a_unix_socket_server_and_its_stop(node: CacheNode, tmp_path: Path):
 
 
 def test_open_mode_admits_local_peers_only(node: CacheNode):
-    ops.admit(node, local=True)
+    callers.admit(node, local=True)
     with pytest.raises(AuthRefused, match="local peers only"):
-        ops.admit(node, local=False)
+        callers.admit(node, local=False)
 
 
 def test_settings_build_the_server(node: CacheNode):

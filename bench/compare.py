@@ -1,0 +1,110 @@
+"""Before and after in one run: a benchmark of this tree and the same benchmark of another
+source tree (another commit: ``git worktree add DIR <commit>`` or ``git archive <commit> | tar
+-x -C DIR``), run in turns, round after round, each as its own process with its own node and
+its own client code (both ends of a data plane move together), so that noise from elsewhere on
+the machine hits both alike.
+
+Every run ends with the benchmark's ``--json`` line; each figure keeps its best round (the
+highest of a rate, the lowest of a time) and is printed beside the other tree's, as a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def run_once(module: str, args: Sequence[str], tree: Path) -> dict[str, Any]:
+    """One run of ``python -m <module> <args> --json`` from ``tree``; its JSON line."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args, "--json"],
+        cwd=tree,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    last = out.strip().splitlines()[-1]
+    result: dict[str, Any] = json.loads(last)
+    return result
+
+
+def flatten(result: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    flat: dict[str, float] = {}
+    for key, value in result.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat
+
+
+def compare(
+    module: str,
+    args: Sequence[str],
+    other: Path,
+    *,
+    rounds: int,
+    lower_is_better: Callable[[str], bool],
+    label: str = "base",
+) -> dict[str, tuple[float, float]]:
+    """Run ``module`` from this tree and from ``other`` in turns, ``rounds`` times each, and
+    print each figure's best beside the other's; returns ``{figure: (this, other)}``."""
+    trees = {"this": HERE, label: other.resolve()}
+    best: dict[str, dict[str, float]] = {name: {} for name in trees}
+    for r in range(rounds):
+        for name, tree in trees.items() if r % 2 == 0 else reversed(trees.items()):
+            for key, value in flatten(run_once(module, args, tree)).items():
+                seen = best[name].get(key)
+                better = min if lower_is_better(key) else max
+                best[name][key] = value if seen is None else better(seen, value)
+            print(f"round {r + 1}/{rounds}: {name} done", file=sys.stderr)
+    print(f"{module} {' '.join(args)}: best of {rounds}, this tree vs {label} ({other})")
+    print(f"{'figure':<34} {'this':>10} {label:>10} {'this/' + label:>10}")
+    both: dict[str, tuple[float, float]] = {}
+    for key in sorted(set(best["this"]) & set(best[label])):
+        a, b = best["this"][key], best[label][key]
+        both[key] = (a, b)
+        ratio = a / b if b else float("nan")
+        print(f"{key:<34} {a:>10.4g} {b:>10.4g} {ratio:>10.3f}")
+    return both
+
+
+COMPARE_FLAGS = ("--compare-tree", "--compare-rounds", "--compare-label")
+
+
+def add_arguments(parser: Any) -> None:
+    """``--compare-tree DIR [--compare-rounds 5] [--compare-label base]`` on a benchmark."""
+    parser.add_argument(
+        "--compare-tree",
+        type=Path,
+        help="another source tree: run this benchmark from it and from this tree in turns",
+    )
+    parser.add_argument("--compare-rounds", type=int, default=5)
+    parser.add_argument("--compare-label", default="base")
+
+
+def forwarded(argv: Sequence[str]) -> list[str]:
+    """The benchmark's own arguments of ``argv`` (without the compare flags and ``--json``)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in COMPARE_FLAGS:
+            skip = "=" not in arg
+            continue
+        if arg != "--json":
+            out.append(arg)
+    return out

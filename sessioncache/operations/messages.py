@@ -1,0 +1,61 @@
+"""The operation layer's requests and results: plain typed values, no carrier's encoding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from sessioncache.attribution import MissReport
+from sessioncache.hashing import BlockHash
+from sessioncache.store import Match
+
+
+class LookupRequest(NamedTuple):
+    """The longest held prefix of ``ids`` under ``root`` (resolved by the caller), leased for
+    ``lease_s`` when given, on behalf of ``session_id`` when given."""
+
+    root: bytes
+    ids: Sequence[BlockHash]
+    lease_s: float | None = None
+    session_id: str | None = None
+    keyed: bool = False
+    """Keyed ids: each held under the root on its own, not a chain."""
+    tokens: bytes | None = None
+    """The prompt's tokens (``u32`` little-endian) when the node derived ``ids`` from them:
+    the ids are then the caller's by construction, and attribution compares tokens."""
+    counted: bool = True
+    """A prompt's question (hit and miss tokens are counted); False for a probe or a fetch of
+    blocks an earlier lookup counted."""
+
+
+class LookupResult(NamedTuple):
+    """What a lookup matched."""
+
+    block_tokens: int
+    hashes: list[BlockHash]
+    """Every id asked."""
+    match: Match
+    key: bytes | None
+    """The caller's key for the match's lease (None: no lease)."""
+    nbytes: int
+    """The payload size of the matched blocks (one per namespace root; 0 when none)."""
+    miss: MissReport | None = None
+    """Why the tokens past the match missed (None for an uncounted lookup)."""
+
+
+class StoreRequest(NamedTuple):
+    """A chain segment (or a batch of keyed blocks) to store under ``root``: its ids are
+    derived from ``parent`` (or the root) and ``units`` (tokens, or 16-byte keys when
+    ``keyed``)."""
+
+    root: bytes
+    parent: bytes | None
+    block_tokens: int
+    blocks: int
+    block_nbytes: int
+    units: bytes
+    ttl_s: float | None = None
+    keyed: bool = False
+    linked: bool = True
+    """Keyed blocks: block ``i`` hangs off block ``i - 1`` (a chain segment always does)."""
+    session_id: str | None = None
