@@ -41,6 +41,9 @@ class Caller:
     """One tenant and what its carrier keeps for it (module docstring)."""
 
     tenant: str
+    keeps_leases: bool = False
+    """A connection's caller: its lookups' leases are kept under keys of its own and end with
+    it. A REST caller's are named by the store's lease id and outlive the request."""
     roots: dict[bytes, Namespace] = field(default_factory=dict)
     leases: dict[bytes, CallerLease] = field(default_factory=dict)
     stagings: dict[bytes, Staged] = field(default_factory=dict)
@@ -92,7 +95,7 @@ def authenticate(node: CacheNode, api_key: str | None) -> Caller:
     tenant = node.tenant_for_key(api_key)
     if tenant is None:
         raise AuthRefused("a valid API key is required in HELLO")
-    return Caller(tenant)
+    return Caller(tenant, keeps_leases=True)
 
 
 def drop(node: CacheNode, caller: Caller) -> tuple[int, int]:

@@ -96,10 +96,10 @@ def _match(
 
 
 def _keep_lease(caller: Caller, match: Match) -> bytes | None:
-    """The caller's key for the match's lease (the store's lease id never leaves the node on
-    the data plane)."""
+    """The caller's key for the match's lease, for a caller that keeps its leases (the
+    store's lease id never leaves the node on the data plane)."""
     lease = match.lease
-    if lease is None:
+    if lease is None or not caller.keeps_leases:
         return None
     key = secrets.token_bytes(16)
     caller.leases[key] = CallerLease(lease.id, list(lease.hashes), lease.expires_at)
