@@ -292,6 +292,23 @@ class Attribution:
                     trail.held = matched
         return report
 
+    def each(
+        self, root: bytes, missed: Sequence[BlockHash], block_tokens: int
+    ) -> dict[Reason, int]:
+        """Classify ids asked each on its own (an EXISTS of keyed blocks) that missed: a
+        block remembered as dropped under ``root`` is ``evicted`` or ``expired``, any other is
+        ``new``; added to the node-wide totals."""
+        counts: dict[Reason, int] = dict.fromkeys(REASONS, 0)
+        for drop in self.drops.find_many(missed):
+            if drop is not None and drop.namespace_root == root:
+                counts["expired" if drop.expired else "evicted"] += block_tokens
+            else:
+                counts["new"] += block_tokens
+        with self._lock:
+            for reason, count in counts.items():
+                self._miss_tokens[reason] += count
+        return counts
+
     def stored(
         self,
         session_id: str,

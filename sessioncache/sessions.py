@@ -398,6 +398,7 @@ class SessionManager:
         return None, due
 
     def _owned(self, session_id: str, tenant: str | None) -> Session:
+        _check_id(session_id)  # before any catalog read: an id from the data plane is raw
         session = self._find(session_id)
         if session is None or (tenant is not None and session.tenant != tenant):
             raise SessionNotFound(f"no open session {session_id!r}")

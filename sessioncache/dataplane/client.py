@@ -394,6 +394,10 @@ class StreamClient:
         return self.tiers[index]
 
     def _miss(self, miss: frames.Miss) -> protocol.Miss:
+        if (miss.reason is not None and miss.reason >= len(frames.MISS_REASONS)) or (
+            miss.pressure is not None and miss.pressure >= len(frames.MISS_PRESSURES)
+        ):
+            self._fail(f"LOOKUP_OK: a miss section with unknown codes: {miss}")
         first = miss.reason is not None
         return protocol.Miss(
             reason=frames.MISS_REASONS[miss.reason] if miss.reason is not None else None,

@@ -309,6 +309,7 @@ class Connection:
                 request.start,
                 request.blocks,
                 release=request.release,
+                session_id=session,
             )
         else:
             plan = lookups.plan_load_ids(

@@ -8,6 +8,7 @@ makes a fresh one: its leases are named by the store's lease id and outlive it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from sessioncache.node import CacheNode
 
 if TYPE_CHECKING:
     from sessioncache.operations.stores import Staged
+
+log = logging.getLogger("sessioncache.operations")
 
 MAX_ROOTS = 4096
 """Roots one caller remembers (the oldest is forgotten past this; resolve it again)."""
@@ -108,9 +111,14 @@ def drop(node: CacheNode, caller: Caller) -> tuple[int, int]:
             released += 1
         except LeaseNotFound:
             pass  # expired, or released through the REST API
+        except Exception:  # the others must go all the same
+            log.exception("releasing lease %s of a caller gone failed", lease.store_id)
     caller.leases.clear()
     freed = 0
-    for staging in caller.stagings.values():
-        freed += node.store.abort(staging.staging)
+    for staged in caller.stagings.values():
+        try:
+            freed += node.store.abort(staged.staging)
+        except Exception:  # the others must go all the same
+            log.exception("aborting staging %s of a caller gone failed", staged.staging.id)
     caller.stagings.clear()
     return released, freed

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from sessioncache.attribution import MissReport
 from sessioncache.blocks import BlockMeta
-from sessioncache.errors import BlockNotFound, InvalidInput, LeaseNotFound
+from sessioncache.errors import BlockNotFound, InvalidInput, LeaseNotFound, SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace
 from sessioncache.index import Lease
 from sessioncache.node import CacheNode
@@ -113,11 +113,6 @@ def lookup(node: CacheNode, caller: Caller, request: LookupRequest) -> LookupRes
     namespace = caller.namespace(root)
     block_tokens = namespace.block_tokens
     ids = request.ids
-    if not request.keyed and len(ids) * block_tokens > node.settings.max_tokens:
-        raise InvalidInput(
-            f"{len(ids)} blocks of {block_tokens} tokens exceed the limit of "
-            f"{node.settings.max_tokens} tokens"
-        )
     if request.lease_s is not None:
         caller.room_for_lease(node.store.clock.now())
     if request.keyed:
@@ -192,7 +187,13 @@ def lookup_ids(
     session_id: str | None = None,
     lease_s: float | None = None,
 ) -> LookupResult:
-    """``lookup`` of ids the caller derived itself from its root of ``namespace``."""
+    """``lookup`` of ids the caller derived itself from its root of ``namespace``, at most
+    the node's ``max_tokens`` of them (as a lookup by tokens)."""
+    if len(ids) * namespace.block_tokens > node.settings.max_tokens:
+        raise InvalidInput(
+            f"{len(ids)} blocks of {namespace.block_tokens} tokens exceed the limit of "
+            f"{node.settings.max_tokens} tokens"
+        )
     root = resolve(node, caller, namespace)
     return lookup(node, caller, LookupRequest(root, ids, lease_s=lease_s, session_id=session_id))
 
@@ -209,6 +210,9 @@ def exists(
     if counted and ids:
         bt = namespace.block_tokens
         node.accounting.count(sum(held) * bt, len(ids) * bt, root=root)
+        missed = [h for h, ok in zip(ids, held, strict=True) if not ok]
+        if missed:
+            node.attribution.each(root, missed, bt)
     return held
 
 
@@ -292,10 +296,20 @@ class LoadPlan:
 
 
 def plan_load_lease(
-    node: CacheNode, caller: Caller, key: bytes, start: int, blocks: int, *, release: bool
+    node: CacheNode,
+    caller: Caller,
+    key: bytes,
+    start: int,
+    blocks: int,
+    *,
+    release: bool,
+    session_id: str | None = None,
 ) -> LoadPlan:
     """Blocks ``start .. start + blocks`` of one of the caller's leases (its lookup counted
-    them); with ``release`` the lease ends after the load."""
+    them, on behalf of its session); with ``release`` the lease ends after the load. A
+    ``session_id`` must name an open session of the caller's."""
+    if session_id is not None:
+        node.sessions.get(session_id, tenant=caller.tenant)
     lease = caller.leases.get(key)
     if lease is None or lease.expires_at <= node.store.clock.now():
         caller.leases.pop(key, None)
@@ -331,17 +345,28 @@ def plan_load_ids(
     session_id: str | None = None,
 ) -> LoadPlan:
     """The held prefix of ``ids`` the caller may read (with ``each``: every held one), leased
-    for ``lease_s`` while it is sent, on behalf of ``session_id``. Not counted: a load moves
-    blocks a lookup or an exists already counted."""
+    for ``lease_s`` while it is sent, on behalf of ``session_id`` (its TTL, pins and head
+    follow what is sent; ``SessionNotFound`` before anything else when it is not open or not
+    the caller's). Not counted: a load moves blocks a lookup or an exists already counted."""
+    if session_id is not None:
+        node.sessions.get(session_id, tenant=caller.tenant)
     if each:
-        return _plan_each(node, caller, list(ids), lease_s, session_id)
-    metas, lease = _leased_run(node, caller, list(ids), lease_s, session_id)
-    return LoadPlan(
-        [m.block_hash for m in metas],
-        len(ids) - len(metas),
-        lease.expires_at if lease is not None else 0.0,
-        lease.id if lease is not None else None,
-    )
+        plan = _plan_each(node, caller, list(ids), lease_s)
+        sent = [h for h in plan.hashes if h is not None]
+    else:
+        metas, lease = _leased_run(node, caller, list(ids), lease_s)
+        sent = [m.block_hash for m in metas]
+        plan = LoadPlan(
+            [*sent],
+            len(ids) - len(metas),
+            lease.expires_at if lease is not None else 0.0,
+            lease.id if lease is not None else None,
+        )
+    if session_id is not None and sent:
+        # after the screening: the session records only blocks the caller may read
+        with contextlib.suppress(SessionNotFound):  # closed since: the load goes on
+            node.sessions.record(session_id, sent, tenant=caller.tenant)
+    return plan
 
 
 def _leased_run(
@@ -349,7 +374,6 @@ def _leased_run(
     caller: Caller,
     ids: list[BlockHash],
     lease_s: float,
-    session_id: str | None,
 ) -> tuple[list[BlockMeta], Lease | None]:
     """The records of the held prefix of ``ids`` the caller may read, and a lease on it.
 
@@ -367,7 +391,7 @@ def _leased_run(
         screened.append(verdict)
     if not ids:
         return [], None
-    match = _match(node, caller.tenant, ids, session_id=session_id, lease_s=lease_s)
+    match = node.store.lookup(ids, lease_s=lease_s)
     metas = screened[: match.num_blocks]
     for i in range(len(metas), match.num_blocks):
         verdict = _readable(node, caller, match.hashes[i])
@@ -389,17 +413,12 @@ def _plan_each(
     caller: Caller,
     ids: list[BlockHash],
     lease_s: float,
-    session_id: str | None,
 ) -> LoadPlan:
     """Every id on its own: the ids the caller may read that are held are leased together
     while they are sent; the others answer missing."""
     readable = [isinstance(_readable(node, caller, h), BlockMeta) for h in ids]
     wanted = [h for h, ok in zip(ids, readable, strict=True) if ok]
-    match = (
-        _match(node, caller.tenant, wanted, session_id=session_id, lease_s=lease_s)
-        if wanted
-        else None
-    )
+    match = node.store.lookup(wanted, lease_s=lease_s) if wanted else None
     leased = set(match.hashes) if match is not None else set()
     # ids after a block that went away since the screening are not leased: missing too
     plan: list[BlockHash | None] = [h if h in leased else None for h in ids]

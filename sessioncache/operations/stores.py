@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from sessioncache.errors import (
     BlockNotFound,
     InvalidInput,
+    SessionNotFound,
     StoreRefused,
     UploadRefused,
 )
@@ -212,18 +213,20 @@ def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> Non
     there (TTL slid, chain pinned, head set) and it is the session's previous prompt."""
     request = plan.request
     session_id = request.session_id
-    if session_id is None:
-        return
+    if session_id is None or not kept:
+        return  # nothing held: the session's chain is what it was (as over REST)
     ids = plan.ids[:kept]
-    if request.linked and request.parent is not None and ids:
+    if request.linked and request.parent is not None:
         chain = [*node.store.chain_to(BlockHash(request.parent)), *ids]
     else:
         chain = list(ids)
-    node.sessions.record(session_id, chain, tenant=caller.tenant)
-    if chain:
-        whole = not request.keyed and request.parent is None
-        tokens = request.units[: 4 * request.block_tokens * kept] if whole else None
-        node.attribution.stored(session_id, caller.tenant, chain, tokens)
+    try:
+        node.sessions.record(session_id, chain, tenant=caller.tenant)
+    except SessionNotFound:
+        return  # closed or expired since the plan: the blocks are stored all the same
+    whole = not request.keyed and request.parent is None
+    tokens = request.units[: 4 * request.block_tokens * kept] if whole else None
+    node.attribution.stored(session_id, caller.tenant, chain, tokens)
 
 
 # -- the same host: staged slots ------------------------------------------------------------
