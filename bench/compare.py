@@ -56,14 +56,23 @@ def compare(
     rounds: int,
     lower_is_better: Callable[[str], bool],
     label: str = "base",
+    references: dict[str, str] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Run ``module`` from this tree and from ``other`` in turns, ``rounds`` times each, and
-    print each figure's best beside the other's; returns ``{figure: (this, other)}``."""
+    print each figure's best beside the other's; returns ``{figure: (this, other)}``.
+
+    ``references`` maps a figure to a reference figure of the same run (a plain socket for a
+    stream rate): each run's figure is also divided by its own run's reference, and the best
+    of those shares printed, which cancels the noise that slows a whole run."""
     trees = {"this": HERE, label: other.resolve()}
     best: dict[str, dict[str, float]] = {name: {} for name in trees}
     for r in range(rounds):
         for name, tree in trees.items() if r % 2 == 0 else reversed(trees.items()):
-            for key, value in flatten(run_once(module, args, tree)).items():
+            figures = flatten(run_once(module, args, tree))
+            for key, ref in (references or {}).items():
+                if key in figures and figures.get(ref):
+                    figures[f"{key} / {ref}"] = figures[key] / figures[ref]
+            for key, value in figures.items():
                 seen = best[name].get(key)
                 better = min if lower_is_better(key) else max
                 best[name][key] = value if seen is None else better(seen, value)

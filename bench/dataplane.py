@@ -214,6 +214,14 @@ def main() -> None:
             rounds=args.compare_rounds,
             lower_is_better=lambda key: False,
             label=args.compare_label,
+            references={
+                "stream_load": "socket",
+                "stream_store": "socket",
+                "same_host_load": "memcpy",
+                "same_host_store": "memcpy",
+                "rest_get": "redis_get",
+                "rest_put": "redis_set",
+            },
         )
         return
     n, size = args.blocks, int(args.block_mib * MiB)
