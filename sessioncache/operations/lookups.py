@@ -134,7 +134,8 @@ def lookup(node: CacheNode, caller: Caller, request: LookupRequest) -> LookupRes
     if request.counted:
         asked = len(request.tokens) // 4 if request.tokens is not None else len(ids) * block_tokens
         miss = _account(node, caller, request, match.num_blocks, block_tokens, asked)
-    return LookupResult(block_tokens, list(ids), match, key, nbytes, miss)
+    every = ids if isinstance(ids, list) else list(ids)
+    return LookupResult(block_tokens, every, match, key, nbytes, miss)
 
 
 def _account(
@@ -172,9 +173,7 @@ def lookup_tokens(
     """``lookup`` of a prompt's full blocks, the ids derived here from its tokens."""
     root = resolve(node, caller, namespace)
     ids = node.hashes(caller.tenant, namespace, token_bytes)
-    request = LookupRequest(
-        root, ids, lease_s=lease_s, session_id=session_id, tokens=bytes(token_bytes)
-    )
+    request = LookupRequest(root, ids, lease_s=lease_s, session_id=session_id, tokens=token_bytes)
     return lookup(node, caller, request)
 
 
