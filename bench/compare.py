@@ -4,12 +4,18 @@ source tree (another commit: ``git worktree add DIR <commit>`` or ``git archive 
 its own client code (both ends of a data plane move together), so that noise from elsewhere on
 the machine hits both alike.
 
+Benchmarks take ``--compare-tree`` themselves (``bench.dataplane``, ``bench.ttft``), or this
+module runs one: ``python -m bench.compare TARGET --compare-tree DIR [--compare-rounds 5]
+[--lower SUFFIX ...] [-- ARGS]``, where ``TARGET`` is a module (``bench.x``) or a file of this
+tree's run against both trees' code (a benchmark new in this tree, on public APIs only).
+
 Every run ends with the benchmark's ``--json`` line; each figure keeps its best round (the
 highest of a rate, the lowest of a time) and is printed beside the other tree's, as a ratio.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -22,10 +28,13 @@ HERE = Path(__file__).resolve().parent.parent
 
 
 def run_once(module: str, args: Sequence[str], tree: Path) -> dict[str, Any]:
-    """One run of ``python -m <module> <args> --json`` from ``tree``; its JSON line."""
+    """One run of ``python -m <module> <args> --json`` from ``tree``; its JSON line. A
+    ``module`` that is a file path (a benchmark of this tree's using only public APIs) runs
+    as that file, against ``tree``'s code."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    command = [module] if module.endswith(".py") else ["-m", module]
     out = subprocess.run(
-        [sys.executable, "-m", module, *args, "--json"],
+        [sys.executable, *command, *args, "--json"],
         cwd=tree,
         env=env,
         check=True,
@@ -117,3 +126,32 @@ def forwarded(argv: Sequence[str]) -> list[str]:
         if arg != "--json":
             out.append(arg)
     return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("target", help="a module (bench.x) or a benchmark file of this tree")
+    add_arguments(parser)
+    parser.add_argument(
+        "--lower", nargs="*", default=["_s", "_ms"], help="suffixes of figures where lower wins"
+    )
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="after --: the benchmark's own")
+    ns = parser.parse_args()
+    if ns.compare_tree is None:
+        parser.error("--compare-tree is required")
+    target = ns.target
+    if target.endswith(".py"):
+        target = str(Path(target).resolve())
+    forwarded_args = [a for a in ns.args if a != "--"]
+    compare(
+        target,
+        forwarded_args,
+        ns.compare_tree,
+        rounds=ns.compare_rounds,
+        lower_is_better=lambda key: key.endswith(tuple(ns.lower)),
+        label=ns.compare_label,
+    )
+
+
+if __name__ == "__main__":
+    main()
