@@ -6,7 +6,7 @@ the machine hits both alike.
 
 Benchmarks take ``--compare-tree`` themselves (``bench.dataplane``, ``bench.ttft``), or this
 module runs one: ``python -m bench.compare TARGET --compare-tree DIR [--compare-rounds 5]
-[--lower SUFFIX ...] [-- ARGS]``, where ``TARGET`` is a module (``bench.x``) or a file of this
+[--lower SUFFIX ...] [ARGS]``, where ``TARGET`` is a module (``bench.x``) or a file of this
 tree's run against both trees' code (a benchmark new in this tree, on public APIs only).
 
 Every run ends with the benchmark's ``--json`` line; each figure keeps its best round (the
@@ -32,7 +32,9 @@ def run_once(module: str, args: Sequence[str], tree: Path) -> dict[str, Any]:
     ``module`` that is a file path (a benchmark of this tree's using only public APIs) runs
     as that file, against ``tree``'s code."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    command = [module] if module.endswith(".py") else ["-m", module]
+    # a file runs with the tree as its first path entry (not the file's own folder)
+    run_file = f"import runpy; runpy.run_path({module!r}, run_name='__main__')"
+    command = ["-c", run_file] if module.endswith(".py") else ["-m", module]
     out = subprocess.run(
         [sys.executable, *command, *args, "--json"],
         cwd=tree,
@@ -135,14 +137,13 @@ def main() -> None:
     parser.add_argument(
         "--lower", nargs="*", default=["_s", "_ms"], help="suffixes of figures where lower wins"
     )
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="after --: the benchmark's own")
-    ns = parser.parse_args()
+    ns, rest = parser.parse_known_args()
     if ns.compare_tree is None:
         parser.error("--compare-tree is required")
     target = ns.target
     if target.endswith(".py"):
         target = str(Path(target).resolve())
-    forwarded_args = [a for a in ns.args if a != "--"]
+    forwarded_args = [a for a in rest if a != "--"]
     compare(
         target,
         forwarded_args,
