@@ -24,6 +24,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # module -> (tiny arguments, a pattern every successful run prints)
 CASES: dict[str, tuple[list[str], str]] = {
+    "bench.compare": (
+        [
+            *(str(ROOT / "bench" / "session_load.py"), "--compare-tree", str(ROOT)),
+            *("--compare-rounds", "1", "--loads", "2", "--paths", "stream"),
+        ],
+        r"(?m)session_load\.py --loads 2 --paths stream: best of 1, this tree vs base .*\n"
+        r"(?s:.*)^stream\.session_min_ms +[\d.]+ +[\d.]+ +[\d.]+$",
+    ),
     "bench.dataplane": (
         [
             *("--blocks", "4", "--block-mib", "0.0625", "--repeats", "1"),
@@ -99,6 +107,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         # tiny sizes: the RAM delta (and its ratio) may come out negative
         r"(?m)^ +2048( +-?[\d.]+){12}\n(?s:.*)^ +200 +2( +[\d.]+){4}\n(?s:.*)"
         r"^sqlite +200 +[\d.]+ .*\n(?s:.*)^sqlite +200 +\d+ ",
+    ),
+    "bench.session_load": (
+        ["--loads", "2", "--json"],
+        r"(?m)^same_host +session_min_ms [\d.]+ .*\n^stream +session_min_ms [\d.]+ .*\n"
+        r'^\{"same_host": \{"session_min_ms": [\d.]+, .*"stream": \{.*\}\}$',
     ),
     "bench.tiers": (
         ["--total-mib", "2", "--threads", "1"],
