@@ -113,6 +113,29 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--compare-label", default="base")
 
 
+def run_if_asked(
+    args: Any,
+    module: str,
+    *,
+    lower_is_better: Callable[[str], bool],
+    references: dict[str, str] | None = None,
+) -> bool:
+    """With ``--compare-tree`` given: run ``module`` (with this command line's own arguments)
+    from both trees in turns and print them side by side; whether it did."""
+    if args.compare_tree is None:
+        return False
+    compare(
+        module,
+        forwarded(sys.argv[1:]),
+        args.compare_tree,
+        rounds=args.compare_rounds,
+        lower_is_better=lower_is_better,
+        label=args.compare_label,
+        references=references,
+    )
+    return True
+
+
 def forwarded(argv: Sequence[str]) -> list[str]:
     """The benchmark's own arguments of ``argv`` (without the compare flags and ``--json``)."""
     out: list[str] = []

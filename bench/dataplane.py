@@ -39,7 +39,6 @@ import json
 import multiprocessing
 import os
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -206,23 +205,19 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line of GB/s")
     compare.add_arguments(parser)
     args = parser.parse_args()
-    if args.compare_tree is not None:
-        compare.compare(
-            "bench.dataplane",
-            compare.forwarded(sys.argv[1:]),
-            args.compare_tree,
-            rounds=args.compare_rounds,
-            lower_is_better=lambda key: False,
-            label=args.compare_label,
-            references={
-                "stream_load": "socket",
-                "stream_store": "socket",
-                "same_host_load": "memcpy",
-                "same_host_store": "memcpy",
-                "rest_get": "redis_get",
-                "rest_put": "redis_set",
-            },
-        )
+    if compare.run_if_asked(
+        args,
+        "bench.dataplane",
+        lower_is_better=lambda key: False,
+        references={
+            "stream_load": "socket",
+            "stream_store": "socket",
+            "same_host_load": "memcpy",
+            "same_host_store": "memcpy",
+            "rest_get": "redis_get",
+            "rest_put": "redis_set",
+        },
+    ):
         return
     n, size = args.blocks, int(args.block_mib * MiB)
     gb = n * size / 1e9

@@ -235,15 +235,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     compare.add_arguments(parser)
     args = parser.parse_args()
-    if args.compare_tree is not None:
-        compare.compare(
-            "bench.ttft",
-            compare.forwarded(sys.argv[1:]),
-            args.compare_tree,
-            rounds=args.compare_rounds,
-            lower_is_better=lambda key: key.endswith("_s") or "diff" in key,
-            label=args.compare_label,
-        )
+    if compare.run_if_asked(
+        args, "bench.ttft", lower_is_better=lambda key: key.endswith("_s") or "diff" in key
+    ):
         return
 
     model = build_model(args)

@@ -365,8 +365,7 @@ class Connection:
             finally:
                 if pending is not None:
                     wait([pending])  # its buffer goes back to the pool only once it is done
-        kept = plan.status.index(stores.DROPPED) if stores.DROPPED in plan.status else head.blocks
-        stores.complete(self.node, caller, plan, kept)
+        stores.complete(self.node, caller, plan, stores.kept(plan.status))
         ok = frames.StoreOk(plan.durable, list(plan.ids), status_codes(plan.status))
         self.transport.send([frames.encode_store_ok(header.request_id, ok)])
 

@@ -288,7 +288,7 @@ def commit(
     staged.status[start : start + len(status)] = status
     if not staging.open:
         del caller.stagings[key]
-        complete(node, caller, staged.plan, _kept(staged.status))
+        complete(node, caller, staged.plan, kept(staged.status))
     return staged, status
 
 
@@ -299,7 +299,7 @@ def _commit_status(result: CommitResult, ids: list[BlockHash]) -> list[str]:
     return [status.get(h, DROPPED) for h in ids]
 
 
-def _kept(status: list[str]) -> int:
+def kept(status: list[str]) -> int:
     """How many blocks from the first are held (stored or present)."""
     for i, s in enumerate(status):
         if s not in (STORED, PRESENT):
