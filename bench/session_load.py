@@ -1,8 +1,10 @@
 """A session's load of its cached prefix through ``KVTransfer`` on the stream and the same-host
 path: ``load_into(tokens, out, session_id=...)`` of a 128-block chain (64-token blocks of 256
-KiB, 32 MiB) from a real ``sessioncache serve`` (CPU tier), timed end to end in the client:
+KiB, 32 MiB) from a real ``sessioncache serve``, timed end to end in the client:
 the block ids, the session's lookup (its TTL, pins and head) and the copy. Printed beside the
-same load without a session, on the same connection, in the same rounds.
+same load without a session, on the same connection, in the same rounds. First on the node a
+user starts (README defaults: the disk tier on, durable uploads), then, labelled ``cpu_only``,
+on one without its disk tier.
 
 Run: ``python -m bench.session_load [--loads 60] [--json]``. It uses only the public client
 API, so it runs against another tree's code as well: ``python -m bench.compare
@@ -26,6 +28,8 @@ from sessioncache.connector.transfer import KVTransfer
 from sessioncache.hashing import Namespace
 
 BLOCK_TOKENS, BLOCKS, SIZE = 64, 128, 256 * 1024
+DEFAULT_NODE = {"SESSIONCACHE_DISK_BYTES": str(64 << 30), "SESSIONCACHE_DURABLE_UPLOADS": "true"}
+"""The README's defaults, which ``bench.lookup.start`` turns off."""
 
 
 def measure(url: str, path: str, loads: int) -> dict[str, float]:
@@ -65,17 +69,19 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start(Path(tmp) / "data", cpu_bytes=1 << 30)
-        try:
-            for path in args.paths:
-                results[path] = measure(url, path, args.loads)
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    nodes = {"": DEFAULT_NODE, "cpu_only.": {}}  # bench.lookup.start leaves the disk tier out
+    for label, env in nodes.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, url = start(Path(tmp) / "data", cpu_bytes=1 << 30, extra_env=env)
+            try:
+                for path in args.paths:
+                    results[f"{label}{path}"] = measure(url, path, args.loads)
+            finally:
+                proc.terminate()
+                proc.wait(10)
     print(f"{BLOCKS} blocks of {SIZE >> 10} KiB, {args.loads} loads each, ms")
     for path, figures in results.items():
-        print(f"{path:<10} " + "  ".join(f"{k} {v:.2f}" for k, v in figures.items()))
+        print(f"{path:<19} " + "  ".join(f"{k} {v:.2f}" for k, v in figures.items()))
     if args.json:
         print(json.dumps(results))
 
