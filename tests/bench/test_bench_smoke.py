@@ -111,6 +111,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "bench.session_load": (
         ["--loads", "2", "--json"],
         r"(?m)^same_host +session_min_ms [\d.]+ .*\n^stream +session_min_ms [\d.]+ .*\n"
+        r"^cpu_only\.same_host +session_min_ms [\d.]+ .*\n(?s:.*)"
         r'^\{"same_host": \{"session_min_ms": [\d.]+, .*"stream": \{.*\}\}$',
     ),
     "bench.tiers": (
