@@ -16,8 +16,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from sessioncache.api.admin.auth import AdminAuth
-from sessioncache.api.errors import AdminRequired, AuthRequired
 from sessioncache.attribution import Attribution
+from sessioncache.errors import AdminRequired, AuthRefused
 from sessioncache.node import CacheNode
 from sessioncache.routing.scoring import Router
 from sessioncache.sessions import SessionManager
@@ -66,7 +66,7 @@ async def get_tenant(request: Request, node: NodeDep) -> str:
     key = bearer_key(request)
     tenant = node.tenant_for_key(key)
     if tenant is None:
-        raise AuthRequired("a valid API key is required: Authorization: Bearer <key>")
+        raise AuthRefused("a valid API key is required: Authorization: Bearer <key>")
     return tenant
 
 
@@ -95,7 +95,7 @@ async def get_admin(request: Request, node: NodeDep) -> None:
         return
     if key is not None and node.tenant_for_key(key) is not None:
         raise AdminRequired("this operation needs the admin token, not a tenant's key")
-    raise AuthRequired("the admin token is required: Authorization: Bearer <token>")
+    raise AuthRefused("the admin token is required: Authorization: Bearer <token>")
 
 
 AdminDep = Annotated[None, Depends(get_admin)]

@@ -1,4 +1,5 @@
-"""The only place where sessioncache errors become HTTP: one status per exception class."""
+"""Where sessioncache errors become HTTP answers: the status from ``sessioncache.errors.TABLE``,
+the body ``{"error": <class name>, "detail": <message>}``."""
 
 from __future__ import annotations
 
@@ -8,76 +9,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sessioncache.api.openapi import allowed_methods
-from sessioncache.errors import (
-    BlockNotFound,
-    DurableStoreFailed,
-    EngineExists,
-    EngineNotFound,
-    InvalidInput,
-    LeaseNotFound,
-    PayloadSizeError,
-    SessionCacheError,
-    SessionNotFound,
-    StoreRefused,
-    UnknownTier,
-    UploadRefused,
-)
-
-STATUS: list[tuple[type[SessionCacheError], int]] = [
-    (PayloadSizeError, 422),
-    (UnknownTier, 422),
-    (InvalidInput, 422),
-    (BlockNotFound, 404),
-    (LeaseNotFound, 404),
-    (SessionNotFound, 404),
-    (UploadRefused, 403),
-    (StoreRefused, 403),
-    (EngineNotFound, 404),
-    (EngineExists, 409),
-    (DurableStoreFailed, 507),
-]
-
-
-class AuthRequired(SessionCacheError):
-    """No or an unknown API key."""
-
-
-class BodyTooLarge(SessionCacheError):
-    """A request body beyond the configured limit."""
-
-
-class AdminRequired(SessionCacheError):
-    """A tenant's key on an operation that needs the admin token."""
-
-
-class AdminAuthRequired(SessionCacheError):
-    """No or a wrong admin token (cookie or bearer) on an ``/admin`` request."""
-
-
-class AdminForbidden(SessionCacheError):
-    """An ``/admin`` request refused whatever it carries: a mutation without its CSRF token,
-    or the dashboard disabled (no admin token and not the local-only open mode)."""
-
-
-STATUS += [(AuthRequired, 401), (BodyTooLarge, 413), (AdminAuthRequired, 401)]
-STATUS += [(AdminRequired, 403), (AdminForbidden, 403)]
+from sessioncache.errors import SessionCacheError, http_status
 
 
 def error_body(error: str, detail: str) -> dict[str, str]:
     return {"error": error, "detail": detail}
 
 
-def status_of(exc: SessionCacheError) -> int:
-    for cls, status in STATUS:
-        if isinstance(exc, cls):
-            return status
-    return 500
-
-
 def install(app: FastAPI) -> None:
     @app.exception_handler(SessionCacheError)
     async def _sessioncache_error(request: Request, exc: SessionCacheError) -> JSONResponse:
-        status = status_of(exc)
+        status = http_status(exc)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         return JSONResponse(
             error_body(type(exc).__name__, str(exc)), status_code=status, headers=headers

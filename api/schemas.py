@@ -347,6 +347,9 @@ class BlockBatchRequest(Strict):
 class UploadResponse(BaseModel):
     hash: Hex
     stored: bool = Field(description="False when the block was already held.")
+    status: Literal["stored", "present"] = Field(
+        description="What the node did with the block: stored it, or held it already."
+    )
     durable: bool = Field(description="The block is on a durable tier (survives a crash).")
 
 

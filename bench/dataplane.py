@@ -50,8 +50,8 @@ import numpy as np
 from bench import compare
 from bench.lookup import start
 from bench.transfer import http_transfers, redis_set_get
-from sessioncache.dataplane import StreamClient
-from sessioncache.dataplane.samehost import SameHostClient
+from sessioncache.connector import StreamClient
+from sessioncache.connector.samehost import SameHostClient
 from sessioncache.hashing import Namespace
 
 MiB = 1 << 20

@@ -39,8 +39,8 @@ import numpy as np
 import xxhash
 
 from bench.lookup import free_port
-from sessioncache.dataplane import StreamClient, discover
-from sessioncache.dataplane.samehost import SameHostClient
+from sessioncache.connector import StreamClient, discover
+from sessioncache.connector.samehost import SameHostClient
 from sessioncache.hashing import Namespace
 
 TRACES = Path("/work/shared/traces/agent-sessions")

@@ -103,8 +103,8 @@ def start(
 def _dataplane_client(url: str, form: str, body: bytes, count: int) -> list[float]:
     """LOOKUPs over the block stream (TCP) or the same-host Unix socket: one connection, the
     ids the client computed, a binary answer."""
-    from sessioncache.dataplane.client import StreamClient
-    from sessioncache.dataplane.samehost import SameHostClient
+    from sessioncache.connector.samehost import SameHostClient
+    from sessioncache.connector.stream import StreamClient
 
     ns_len = int.from_bytes(body[:4], "little")
     namespace = Namespace(**json.loads(body[4 : 4 + ns_len]))

@@ -52,10 +52,10 @@ import redis.exceptions as rex
 
 from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import InvalidInput, TierUnavailable
 from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
-from sessioncache.redis_link import Client, LinkStatus, RedisLink, TierUnavailable
+from sessioncache.redis_link import Client, LinkStatus, RedisLink
 
 __all__ = ["FleetIndex", "FleetObserver", "NodeInfo"]
 

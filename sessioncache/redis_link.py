@@ -34,7 +34,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from sessioncache.errors import InvalidInput, TierFull
+from sessioncache.errors import InvalidInput, TierUnavailable
 
 __all__ = [
     "REDIS_URL_ENV",
@@ -70,12 +70,6 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 _PROBE_ERRORS: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, rex.RedisError)
-
-
-class TierUnavailable(TierFull):
-    """Redis (the shared tier, the fleet index) cannot be reached right now. A ``TierFull``
-    (so the store moves on to the next tier, or drops the demotion) and a
-    ``SessionCacheError``."""
 
 
 # --------------------------------------------------------------------------------- clients

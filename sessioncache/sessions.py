@@ -42,7 +42,7 @@ from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
-from sessioncache.store import Match, PutResult, TieredStore
+from sessioncache.store import Match, TieredStore, WriteResult
 from sessioncache.tiers.payload import Payload
 
 DAY_S = 86400.0
@@ -263,7 +263,7 @@ class SessionManager:
         prefix: Sequence[BlockHash] = (),
         tenant: str | None = None,
         durable: bool = False,
-    ) -> PutResult:
+    ) -> WriteResult:
         """``store.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
         the session's chain becomes ``prefix + hashes``."""
         session, ttl = self._begin(session_id, tenant)

@@ -64,6 +64,7 @@ from sessioncache.events import DropObserver, StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index import BlockIndex, Lease, Run
 from sessioncache.policy import EvictionPolicy
+from sessioncache.status import BlockStatus
 from sessioncache.tiers.base import (
     BatchRecoverableTier,
     CheckedTier,
@@ -101,28 +102,35 @@ class Match(NamedTuple):
         return len(self.hashes)
 
 
-class PutResult(NamedTuple):
-    """What a ``put`` did with each block of the segment."""
+class WriteResult(NamedTuple):
+    """What a store did with each block of a segment (``put``, or a ``commit`` of a staging's
+    next blocks): ``status[i]`` is ``hashes[i]``'s."""
 
-    stored: list[BlockHash]
-    """Newly written by this call."""
-    present: list[BlockHash]
-    """Already held (their TTL was extended) or being stored by another caller."""
-    dropped: list[BlockHash]
-    """Not stored: no tier could make room (everything pinned) or the payload fits nowhere."""
+    hashes: list[BlockHash]
+    status: list[BlockStatus]
 
+    def _having(self, status: BlockStatus) -> list[BlockHash]:
+        return [h for h, s in zip(self.hashes, self.status, strict=True) if s is status]
 
-class CommitResult(NamedTuple):
-    """What a ``commit`` did with each block of a staging."""
+    @property
+    def stored(self) -> list[BlockHash]:
+        """Newly written by this call."""
+        return self._having(BlockStatus.STORED)
 
-    stored: list[BlockHash]
-    """Published by this call."""
-    present: list[BlockHash]
-    """Already held, or being stored by another caller, when staged: no slot was given."""
-    dropped: list[BlockHash]
-    """Not stored: no room when staged, or after a rejected block (they would hang off it)."""
-    rejected: list[BlockHash]
-    """The slot's bytes did not match the length or checksum the writer gave: not published."""
+    @property
+    def present(self) -> list[BlockHash]:
+        """Already held (their TTL was extended) or being stored by another caller."""
+        return self._having(BlockStatus.PRESENT)
+
+    @property
+    def dropped(self) -> list[BlockHash]:
+        """Not stored: no tier could make room, or after a block that is not held."""
+        return self._having(BlockStatus.DROPPED)
+
+    @property
+    def rejected(self) -> list[BlockHash]:
+        """A staged slot whose bytes did not match what its writer said: not published."""
+        return self._having(BlockStatus.REJECTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,30 +143,45 @@ class LocatedSlot:
     """XXH3-64 (seed 0) of the payload."""
 
 
-STAGED, PRESENT, DROPPED = "staged", "present", "dropped"
-
-
 @dataclass(eq=False)
-class Staging:
-    """Slots handed out by ``TieredStore.stage`` for one chain segment, until committed (in
-    order, in one ``commit`` or several) or aborted: ``status[i]`` is ``STAGED`` (``slots[i]``
-    is the slot to fill), ``PRESENT`` (already held or being stored by another caller: nothing
-    to write) or ``DROPPED`` (no room; so is every block after it)."""
+class Write:
+    """A prepared write of one chain segment (``TieredStore.prepare``). Its blocks are filled
+    one of two ways:
+
+    - ``fill(write, i, payload)``: the caller hands block ``i``'s payload (``put``, a REST
+      upload, a block read off the stream);
+    - ``reserve(write)`` gives each block not held yet a slot in the shared-memory tier, which
+      another process fills in place, and ``publish(write, ...)`` verifies and publishes the
+      next of them, in order (a same-host stage and its commits); ``abort`` frees the rest.
+
+    Either way a filled block is written through (to the write-through tiers, and with
+    ``durable`` to the first durable tier before the call returns) by the same code, and
+    ``status[i]`` says what became of block ``i`` (None until it is filled or reserved; after
+    ``reserve``, ``STORED`` means a slot to fill)."""
 
     id: str
     namespace_root: bytes
-    parent: BlockHash | None
     hashes: list[BlockHash]
-    nbytes: int
-    durable: bool
-    status: list[str] = field(default_factory=list)
+    parents: list[BlockHash | None]
+    nbytes: int | None
+    """Each payload's size (None: checked against the namespace's at each fill)."""
+    ttl: float
+    tier: int
+    """The first tier to try."""
+    exact_tier: bool
+    """Placed in ``tier`` as named, not lowered to its parent's tier."""
+    durable_tier: int | None
+    op: int
+    at: float
+    """The operation's instant: its records share it (creation, access and expiry times)."""
+    status: list[BlockStatus | None] = field(default_factory=list)
     slots: list[StagedSlot | None] = field(default_factory=list)
     metas: list[BlockMeta | None] = field(default_factory=list)
     open: bool = True
     claimed: int = 0
-    """Blocks a ``commit`` took so far (done or under way): the next commit starts here."""
+    """Staged blocks a ``publish`` took so far (done or under way): the next starts here."""
     broken: bool = False
-    """A block was rejected: every later one is dropped."""
+    """A staged block was rejected: every later one is dropped."""
 
     @property
     def locations(self) -> list[SlotLocation | None]:
@@ -252,7 +275,7 @@ class TieredStore:
         self._shm: tuple[int, SharedMemoryTier] | None = next(
             ((i, t) for i, t in enumerate(self._tiers) if isinstance(t, SharedMemoryTier)), None
         )
-        self._write_through = sorted({self._tier_by_name(name) for name in write_through})
+        self._write_through_tiers = sorted({self._tier_by_name(name) for name in write_through})
         # The name of the fastest tier in each tier mask (``BlockMeta.mask``).
         self._fastest_name = [
             names[(mask & -mask).bit_length() - 1] if mask else ""
@@ -518,6 +541,8 @@ class TieredStore:
                     event.set()
         return data
 
+    # -- the write path: prepare, fill (or reserve and publish), abort ------------------
+
     def put(
         self,
         hashes: Sequence[BlockHash],
@@ -528,79 +553,159 @@ class TieredStore:
         ttl_s: float | None = None,
         tier: str | None = None,
         durable: bool = False,
-    ) -> PutResult:
+    ) -> WriteResult:
         """Store a chain segment: ``hashes[0]``'s parent is ``parent`` (None at a chain root).
+        ``prepare`` and ``fill`` of each block in order; after a block that is not held, the
+        rest is dropped (it would hang off it, unreachable).
 
         Every payload of one namespace must have the same size; a mismatch raises
-        ``PayloadSizeError`` before anything is written.
-        """
+        ``PayloadSizeError`` before anything is written."""
+        if len(hashes) != len(payloads):
+            raise InvalidInput(f"{len(hashes)} ids but {len(payloads)} payloads")
+        self._check_ids(hashes, namespace_root, parent)
+        sizes = [payload_nbytes(p) for p in payloads]
+        self._check_sizes(hashes, sizes, namespace_root)
+        write = self.prepare(
+            hashes,
+            namespace_root=namespace_root,
+            nbytes=sizes[0] if sizes else 1,
+            parents=[parent, *hashes[:-1]][: len(hashes)],
+            ttl_s=ttl_s,
+            tier=tier,
+            durable=durable,
+        )
+        for i, payload in enumerate(payloads):
+            if i and not _held(write.status[i - 1]):
+                self._count(dropped=len(hashes) - i)
+                write.status[i:] = [BlockStatus.DROPPED] * (len(hashes) - i)
+                break
+            self.fill(write, i, payload)
+        return WriteResult(write.hashes, [s or BlockStatus.DROPPED for s in write.status])
+
+    def prepare(
+        self,
+        hashes: Sequence[BlockHash],
+        *,
+        namespace_root: bytes,
+        nbytes: int | None,
+        parents: Sequence[BlockHash | None],
+        ttl_s: float | None = None,
+        tier: str | None = None,
+        durable: bool = False,
+    ) -> Write:
+        """A write of ``hashes`` (``parents[i]`` is block ``i``'s parent: the previous block
+        of a chain segment, or None for keyed blocks that stand alone) of ``nbytes`` each
+        (None: not known yet, checked per fill), into tier ``tier`` (default: the first, or
+        the parent's if lower). Checks what it can for all blocks (ids, the namespace's
+        payload size, the TTL, a durable tier to write through to) before any is written."""
+        if len(parents) != len(hashes):
+            raise InvalidInput(f"{len(hashes)} ids but {len(parents)} parents")
         start = self._tier_by_name(tier) if tier is not None else 0
         ttl = self._default_ttl if ttl_s is None else _check_ttl(ttl_s)
-        sizes = self._validate_segment(hashes, payloads, namespace_root, parent)
+        self._check_ids(hashes, namespace_root, None)
+        self._check_ids([p for p in parents if p is not None], namespace_root, None)
+        if nbytes is not None:
+            self._check_sizes(hashes, [nbytes] * len(hashes), namespace_root)
         durable_tier = self._first_durable(start) if durable else None
         if durable and durable_tier is None:
             raise InvalidInput("durable=True but no durable tier at or below the target tier")
-        result = PutResult([], [], [])
-        prev = parent
-        unsaved: BlockHash | None = None
         with self._lock:
             op = self._index.next_op()
-            # One instant for the operation's blocks, as a lookup touches a chain: their
-            # records then share its floats (creation, access and expiry times).
             at = self._clock.now()
-        for i, (block_hash, payload, nbytes) in enumerate(
-            zip(hashes, payloads, sizes, strict=True)
-        ):
-            if result.dropped:
-                # The rest hangs off a dropped block: unreachable, so not worth any room.
-                result.dropped.extend(hashes[i:])
-                break
-            meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op, at)
-            prev = block_hash
-            if meta is None:
-                result.present.append(block_hash)
-                continue
-            try:
-                # By default no faster than its parent: a fast tier holds the heads of chains,
-                # which then leave it tail first, as they leave the store.
-                with self._lock:
-                    target = (
-                        start if tier is not None else max(start, self._index.parent_tier(meta))
-                    )
-                placed = self._place(meta, payload, target)
-                if placed is not None:
-                    also = [t for t in self._write_through if t != placed]
-                    if durable_tier is not None and durable_tier != placed:
-                        also.append(durable_tier)
-                    for extra in also:
-                        self._place(meta, payload, extra, stop=extra + 1)
-                    if durable_tier is not None and durable_tier not in meta.tiers:
-                        # acknowledged as durable it would be lost in a crash: stop here
-                        unsaved = block_hash
-            finally:
-                with self._lock:
-                    self._index.unref(meta)
-                    if not meta.tiers:
-                        self._index.forget(meta)
-            if placed is None:
-                result.dropped.append(block_hash)
-            else:
-                result.stored.append(block_hash)
-            if unsaved is not None:
-                break
-        with self._lock:
             self._counters.puts += 1
-            self._counters.stored_blocks += len(result.stored)
-            self._counters.dropped_blocks += len(result.dropped)
-        if unsaved is not None:
-            assert durable_tier is not None
-            name = self._tiers[durable_tier].name
-            raise DurableStoreFailed(
-                f"the durable tier {name!r} could not take block {unsaved.hex()} (its filesystem "
-                "is full, or nothing there can be evicted): the block is held in memory only, "
-                "not durably; durable stores fail until space returns"
+        n = len(hashes)
+        return Write(
+            secrets.token_hex(16),
+            namespace_root,
+            list(hashes),
+            list(parents),
+            nbytes,
+            ttl,
+            start,
+            tier is not None,
+            durable_tier,
+            op,
+            at,
+            status=[None] * n,
+        )
+
+    def fill(self, write: Write, index: int, payload: Payload) -> BlockStatus:
+        """Store block ``index`` of a prepared write from ``payload``: ``STORED``, ``PRESENT``
+        (held already, or another caller is storing it) or ``DROPPED`` (no tier could make
+        room). Raises ``DurableStoreFailed`` when a durable write's block could not reach the
+        durable tier (it is then held, in memory only)."""
+        block_hash = write.hashes[index]
+        nbytes = payload_nbytes(payload)
+        if write.nbytes is None:
+            self._check_sizes([block_hash], [nbytes], write.namespace_root)
+        elif nbytes != write.nbytes:
+            raise PayloadSizeError(
+                f"block {block_hash.hex()}: payload is {nbytes} bytes, but blocks of this "
+                f"namespace are {write.nbytes} bytes"
             )
-        return result
+        meta = self._claim(
+            block_hash,
+            write.parents[index],
+            write.namespace_root,
+            nbytes,
+            write.ttl,
+            write.op,
+            write.at,
+        )
+        if meta is None:
+            write.status[index] = BlockStatus.PRESENT
+            return BlockStatus.PRESENT
+        durable = True
+        try:
+            # By default no faster than its parent: a fast tier holds the heads of chains,
+            # which then leave it tail first, as they leave the store.
+            with self._lock:
+                target = (
+                    write.tier
+                    if write.exact_tier
+                    else max(write.tier, self._index.parent_tier(meta))
+                )
+            placed = self._place(meta, payload, target)
+            if placed is not None:
+                durable = self._write_through(write, meta, payload, placed)
+        finally:
+            self._unclaim(meta)
+        status = BlockStatus.STORED if placed is not None else BlockStatus.DROPPED
+        write.status[index] = status
+        self._count(stored=int(placed is not None), dropped=int(placed is None))
+        if not durable:
+            self._durable_failed(write, block_hash)
+        return status
+
+    def _write_through(self, write: Write, meta: BlockMeta, payload: Payload, placed: int) -> bool:
+        """Copy a block just placed in tier ``placed`` to the write-through tiers and, for a
+        durable write, to its durable tier; False when that durable copy could not be made."""
+        also = [t for t in self._write_through_tiers if t != placed]
+        if write.durable_tier is not None and write.durable_tier not in (placed, *also):
+            also.append(write.durable_tier)
+        for extra in also:
+            self._place(meta, payload, extra, stop=extra + 1)
+        return write.durable_tier is None or write.durable_tier in meta.tiers
+
+    def _durable_failed(self, write: Write, block_hash: BlockHash) -> None:
+        assert write.durable_tier is not None
+        name = self._tiers[write.durable_tier].name
+        raise DurableStoreFailed(
+            f"the durable tier {name!r} could not take block {block_hash.hex()} (its "
+            "filesystem is full, or nothing there can be evicted): the block is held in memory "
+            "only, not durably; durable stores fail until space returns"
+        )
+
+    def _count(self, *, stored: int = 0, dropped: int = 0) -> None:
+        with self._lock:
+            self._counters.stored_blocks += stored
+            self._counters.dropped_blocks += dropped
+
+    def _unclaim(self, meta: BlockMeta) -> None:
+        with self._lock:
+            self._index.unref(meta)
+            if not meta.tiers:
+                self._index.forget(meta)
 
     def delete(self, hashes: Sequence[BlockHash]) -> int:
         """Drop unpinned blocks from every tier; returns how many were dropped."""
@@ -678,6 +783,11 @@ class TieredStore:
     def shared_memory_tier(self) -> SharedMemoryTier | None:
         """The tier same-host peers map, if the store has one."""
         return self._shm[1] if self._shm is not None else None
+
+    @property
+    def shared_memory_tier_name(self) -> str | None:
+        """The name of that tier (a write prepared into it can be ``reserve``d)."""
+        return self._tiers[self._shm[0]].name if self._shm is not None else None
 
     def _require_shm(self) -> tuple[int, SharedMemoryTier]:
         if self._shm is None:
@@ -764,62 +874,74 @@ class TieredStore:
         ttl_s: float | None = None,
         durable: bool = False,
         parents: Sequence[BlockHash | None] | None = None,
-    ) -> Staging:
-        """Reserve a slot of ``nbytes`` in the shared-memory tier for each block of a chain
-        segment that is not held yet (making room by eviction, as ``put`` does), for another
-        process to fill in place; ``commit`` publishes them, ``abort`` frees them. A staged
-        block is invisible to lookups until committed; its record is pinned meanwhile, so a
-        ``put`` of the same id answers present. Staged slots never expire: their owner (a
-        connection) aborts them when it ends, since a writer may still be filling them.
+    ) -> Write:
+        """``prepare`` a write into the shared-memory tier and ``reserve`` its slots: a slot
+        of ``nbytes`` for each block not held yet (making room by eviction, as ``put`` does),
+        for another process to fill in place; ``commit`` publishes them, ``abort`` frees
+        them. A staged block is invisible to lookups until committed; its record is pinned
+        meanwhile, so a ``put`` of the same id answers present. Staged slots never expire:
+        their owner (a connection) aborts them when it ends, since a writer may still be
+        filling them.
 
         ``parents`` gives each block's parent instead (keyed blocks that are no chain)."""
         shm_index, _ = self._require_shm()
-        if parents is not None and len(parents) != len(hashes):
-            raise InvalidInput(f"{len(hashes)} ids but {len(parents)} parents")
-        ttl = self._default_ttl if ttl_s is None else _check_ttl(ttl_s)
-        self._check_ids(hashes, namespace_root, parent)
-        self._check_sizes(hashes, [nbytes] * len(hashes), namespace_root)
-        durable_tier = self._first_durable(shm_index) if durable else None
-        if durable and durable_tier is None:
-            raise InvalidInput("durable=True but no durable tier below the shared-memory tier")
-        staging = Staging(
-            secrets.token_hex(16), namespace_root, parent, list(hashes), nbytes, durable
+        if parents is None:
+            parents = [parent, *hashes[:-1]][: len(hashes)]
+        write = self.prepare(
+            hashes,
+            namespace_root=namespace_root,
+            nbytes=nbytes,
+            parents=parents,
+            ttl_s=ttl_s,
+            tier=self._tiers[shm_index].name,
+            durable=durable,
         )
-        with self._lock:
-            op = self._index.next_op()
-            # One instant for the operation's blocks, as a lookup touches a chain: their
-            # records then share its floats (creation, access and expiry times).
-            at = self._clock.now()
-        prev = parent
         try:
-            for i, block_hash in enumerate(hashes):
-                if parents is not None:
-                    prev = parents[i]
-                meta = None
-                if not staging.status or staging.status[-1] != DROPPED:
-                    meta = self._claim(block_hash, prev, namespace_root, nbytes, ttl, op, at)
-                    if meta is None:
-                        staging.status.append(PRESENT)
-                        staging.slots.append(None)
-                        staging.metas.append(None)
-                        prev = block_hash
-                        continue
-                slot = self._reserve(meta, shm_index) if meta is not None else None
-                if slot is None:
-                    if meta is not None:
-                        self._unclaim(meta)
-                    staging.status.append(DROPPED)
-                    staging.slots.append(None)
-                    staging.metas.append(None)
-                else:
-                    staging.status.append(STAGED)
-                    staging.slots.append(slot)
-                    staging.metas.append(meta)
-                prev = block_hash
+            self.reserve(write)
         except BaseException:
-            self.abort(staging)
+            self.abort(write)
             raise
-        return staging
+        return write
+
+    def reserve(self, write: Write) -> None:
+        """Claim each block of a write prepared for the shared-memory tier and reserve its
+        slot there: ``STORED`` (``slots[i]`` to fill), ``PRESENT`` (held, or being stored by
+        another caller: nothing to write) or ``DROPPED`` (no room; so is every block after)."""
+        shm_index, _ = self._require_shm()
+        if write.nbytes is None or write.tier != shm_index:
+            raise InvalidInput("reserve: a write prepared for the shared-memory tier, sized")
+        dropped = False
+        for i, block_hash in enumerate(write.hashes):
+            meta = None
+            if not dropped:
+                meta = self._claim(
+                    block_hash,
+                    write.parents[i],
+                    write.namespace_root,
+                    write.nbytes,
+                    write.ttl,
+                    write.op,
+                    write.at,
+                )
+                if meta is None:
+                    self._staged(write, BlockStatus.PRESENT, None, None)
+                    continue
+            slot = self._reserve(meta, shm_index) if meta is not None else None
+            if slot is None:
+                if meta is not None:
+                    self._unclaim(meta)
+                dropped = True
+                self._staged(write, BlockStatus.DROPPED, None, None)
+            else:
+                self._staged(write, BlockStatus.STORED, slot, meta)
+
+    @staticmethod
+    def _staged(
+        write: Write, status: BlockStatus, slot: StagedSlot | None, meta: BlockMeta | None
+    ) -> None:
+        write.status[len(write.slots)] = status
+        write.slots.append(slot)
+        write.metas.append(meta)
 
     def _reserve(self, meta: BlockMeta, index: int) -> StagedSlot | None:
         assert self._shm is not None
@@ -834,99 +956,96 @@ class TieredStore:
                 break
         return None
 
-    def _unclaim(self, meta: BlockMeta) -> None:
-        with self._lock:
-            self._index.unref(meta)
-            if not meta.tiers:
-                self._index.forget(meta)
-
     def commit(
         self,
-        staging: Staging,
+        write: Write,
         checksums: Sequence[int],
         lengths: Sequence[int] | None = None,
-    ) -> CommitResult:
-        """Publish the next ``len(checksums)`` blocks of a staging (all of them in one call, or
-        in order over several: a writer may commit the blocks it has filled while it fills the
-        next) whose slots hold what the writer says it wrote: per block, the length (when
-        given) and the XXH3-64 (seed 0) of the slot's bytes. A block that does not match is
-        rejected, and every later block of the staging is dropped (they would hang off it).
-        Published blocks are written through as ``put`` does (``durable``: to the first
-        durable tier below, before this returns). Entries of present or dropped blocks are
-        ignored."""
+    ) -> WriteResult:
+        """Publish the next ``len(checksums)`` blocks of a staged write (all of them in one
+        call, or in order over several: a writer may commit the blocks it has filled while it
+        fills the next) whose slots hold what the writer says it wrote: per block, the length
+        (when given) and the XXH3-64 (seed 0) of the slot's bytes. A block that does not match
+        is rejected, and every later block of the staging is dropped (they would hang off it).
+        Published blocks are written through as a ``fill`` does; when a durable write's block
+        cannot reach its durable tier, the rest of the write is aborted and
+        ``DurableStoreFailed`` raised. Entries of present or dropped blocks are ignored."""
         shm_index, tier = self._require_shm()
         n = len(checksums)
         if lengths is not None and len(lengths) != n:
             raise InvalidInput(f"{n} checksums but {len(lengths)} lengths")
         with self._lock:
-            if not staging.open:
-                raise InvalidInput(f"staging {staging.id} is already committed or aborted")
-            start = staging.claimed
-            if not 0 < n <= len(staging.hashes) - start:
+            if not write.open:
+                raise InvalidInput(f"staging {write.id} is already committed or aborted")
+            start = write.claimed
+            if not 0 < n <= len(write.hashes) - start:
                 raise InvalidInput(
-                    f"staging {staging.id}: {n} blocks to commit, "
-                    f"{len(staging.hashes) - start} left"
+                    f"staging {write.id}: {n} blocks to commit, {len(write.hashes) - start} left"
                 )
-            staging.claimed = start + n
-        result = CommitResult([], [], [], [])
-        durable_tier = self._first_durable(shm_index) if staging.durable else None
+            write.claimed = start + n
+        status: list[BlockStatus] = []
+        unsaved: BlockHash | None = None
         for k, i in enumerate(range(start, start + n)):
-            block_hash = staging.hashes[i]
-            status, slot, meta = staging.status[i], staging.slots[i], staging.metas[i]
-            if status == PRESENT:
-                result.present.append(block_hash)
+            block_hash = write.hashes[i]
+            slot, meta = write.slots[i], write.metas[i]
+            if write.status[i] is BlockStatus.PRESENT:
+                status.append(BlockStatus.PRESENT)
                 continue
-            if slot is None or meta is None:
-                result.dropped.append(block_hash)
+            if slot is None or meta is None or unsaved is not None:
+                if slot is not None:
+                    tier.release_reserved(slot)
+                if meta is not None:
+                    self._unclaim(meta)
+                status.append(BlockStatus.DROPPED)
                 continue
             try:
-                if staging.broken:
+                if write.broken:
                     tier.release_reserved(slot)
-                    result.dropped.append(block_hash)
+                    status.append(BlockStatus.DROPPED)
                     continue
                 good = (lengths is None or lengths[k] == slot.location.nbytes) and (
                     _xxh3(as_memoryview(slot.payload)) == checksums[k]
                 )
                 if not good:
                     tier.release_reserved(slot)
-                    result.rejected.append(block_hash)
-                    staging.broken = True
+                    status.append(BlockStatus.REJECTED)
+                    write.broken = True
                     continue
                 if not tier.publish(block_hash, slot):
-                    result.present.append(block_hash)
+                    status.append(BlockStatus.PRESENT)
                     continue
                 with self._lock:
                     meta.checksum = checksums[k]
                     self._add_to_tier(meta, shm_index)
-                also = [t for t in self._write_through if t != shm_index]
-                if durable_tier is not None and durable_tier not in also:
-                    also.append(durable_tier)
-                for extra in also:
-                    self._place(meta, slot.payload, extra, stop=extra + 1)
-                result.stored.append(block_hash)
+                if not self._write_through(write, meta, slot.payload, shm_index):
+                    unsaved = block_hash
+                status.append(BlockStatus.STORED)
             finally:
                 self._unclaim(meta)
+        write.status[start : start + n] = status
+        result = WriteResult(write.hashes[start : start + n], status)
         with self._lock:
-            if staging.claimed == len(staging.hashes):
-                staging.open = False
-            self._counters.puts += 1
-            self._counters.stored_blocks += len(result.stored)
-            self._counters.dropped_blocks += len(result.dropped) + len(result.rejected)
+            if write.claimed == len(write.hashes):
+                write.open = False
+        self._count(stored=len(result.stored), dropped=len(result.dropped) + len(result.rejected))
+        if unsaved is not None:
+            self.abort(write)
+            self._durable_failed(write, unsaved)
         return result
 
-    def abort(self, staging: Staging) -> int:
-        """Free the slots of a staging's blocks not committed yet and forget their records
-        (nothing of them was visible); returns how many slots were freed (0 once the staging
-        is wholly committed or aborted)."""
+    def abort(self, write: Write) -> int:
+        """Free the slots of a staged write's blocks not committed yet and forget their
+        records (nothing of them was visible); returns how many slots were freed (0 once the
+        staging is wholly committed or aborted)."""
         with self._lock:
-            if not staging.open:
+            if not write.open:
                 return 0
-            staging.open = False
-            start = staging.claimed
-            staging.claimed = len(staging.hashes)
+            write.open = False
+            start = write.claimed
+            write.claimed = len(write.hashes)
         tier = self._require_shm()[1]
         freed = 0
-        for slot, meta in zip(staging.slots[start:], staging.metas[start:], strict=True):
+        for slot, meta in zip(write.slots[start:], write.metas[start:], strict=True):
             if slot is not None:
                 tier.release_reserved(slot)
                 freed += 1
@@ -1099,20 +1218,6 @@ class TieredStore:
     def _first_durable(self, start: int) -> int | None:
         return next((i for i in range(start, len(self._tiers)) if self._tiers[i].durable), None)
 
-    def _validate_segment(
-        self,
-        hashes: Sequence[BlockHash],
-        payloads: Sequence[Payload],
-        namespace_root: bytes,
-        parent: BlockHash | None,
-    ) -> list[int]:
-        if len(hashes) != len(payloads):
-            raise InvalidInput(f"{len(hashes)} ids but {len(payloads)} payloads")
-        self._check_ids(hashes, namespace_root, parent)
-        sizes = [payload_nbytes(p) for p in payloads]
-        self._check_sizes(hashes, sizes, namespace_root)
-        return sizes
-
     @staticmethod
     def _check_ids(
         hashes: Sequence[BlockHash], namespace_root: bytes, parent: BlockHash | None
@@ -1235,3 +1340,7 @@ def _check_ttl(ttl_s: float) -> float:
     if not isinstance(ttl_s, int | float) or ttl_s != ttl_s or ttl_s <= 0:
         raise InvalidInput(f"a TTL must be a positive number of seconds, got {ttl_s!r}")
     return float(ttl_s)
+
+
+def _held(status: BlockStatus | None) -> bool:
+    return status is not None and status.held

@@ -18,15 +18,17 @@ from dataclasses import dataclass, replace
 
 from sessioncache.clock import Clock
 from sessioncache.hashing import BlockHash
+from sessioncache.store import Write
 
 
 @dataclass(frozen=True, slots=True)
 class UploadSlot:
     tenant: str
     block_hash: BlockHash
-    namespace_root: bytes
-    parent: BlockHash | None
-    ttl_s: float | None
+    write: Write
+    """The prepared write of the plan that handed the slot out (its root, parents, TTL)."""
+    index: int
+    """The block's place in ``write``."""
     session_id: str | None
     expires_at: float
     used: bool = False
@@ -47,20 +49,13 @@ class UploadSlots:
         self,
         tenant: str,
         block_hash: BlockHash,
+        write: Write,
+        index: int,
         *,
-        namespace_root: bytes,
-        parent: BlockHash | None,
-        ttl_s: float | None,
         session_id: str | None,
     ) -> None:
         slot = UploadSlot(
-            tenant,
-            block_hash,
-            namespace_root,
-            parent,
-            ttl_s,
-            session_id,
-            self._clock.now() + self._ttl,
+            tenant, block_hash, write, index, session_id, self._clock.now() + self._ttl
         )
         with self._lock:
             key = (tenant, block_hash)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from sessioncache.api.admin import overview
 from sessioncache.api.admin.auth import COOKIE, CSRF_HEADER, Admin, AdminAuth
 from sessioncache.api.deps import NodeDep, SessionsDep, StoreDep
-from sessioncache.api.errors import AdminAuthRequired, AdminForbidden
+from sessioncache.errors import AdminAuthRequired, AdminForbidden
 from sessioncache.session_query import SessionQuery, SortKey
 
 router = APIRouter(prefix="/admin", tags=["admin"], include_in_schema=False)

@@ -11,15 +11,15 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from sessioncache.api.deps import NodeDep, TenantDep
-from sessioncache.api.errors import BodyTooLarge
 from sessioncache.api.paths import BlockIdPath
 from sessioncache.api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
 from sessioncache.buffers import BufferPool
-from sessioncache.errors import BlockNotFound, InvalidInput
+from sessioncache.errors import BlockNotFound, BodyTooLarge, InvalidInput, NoRoom
 from sessioncache.hashing import BlockHash, from_hex
 from sessioncache.node import CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
+from sessioncache.status import BlockStatus
 from sessioncache.wire import BATCH_MEDIA_TYPE, batch_head, batch_record
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
@@ -74,7 +74,12 @@ _UPLOAD_BUFFERS = BufferPool()
             "required": True,
         }
     },
-    responses={403: {"model": ErrorOut}, 413: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+    responses={
+        403: {"model": ErrorOut},
+        413: {"model": ErrorOut},
+        422: {"model": ErrorOut},
+        507: {"model": ErrorOut},
+    },
 )
 async def put_block(
     block_hash: BlockIdPath, request: Request, node: NodeDep, tenant: TenantDep
@@ -86,8 +91,15 @@ async def put_block(
     ) as body:
         if not body:
             raise InvalidInput("empty payload")
-        stored = await anyio.to_thread.run_sync(stores.upload, node, Caller(tenant), bid, body)
-    return UploadResponse(hash=block_hash, stored=stored, durable=node.durable_uploads)
+        status = await anyio.to_thread.run_sync(stores.upload, node, Caller(tenant), bid, body)
+    if not status.held:
+        raise NoRoom(f"block {block_hash}: no tier could make room for it; nothing was stored")
+    return UploadResponse(
+        hash=block_hash,
+        stored=status is BlockStatus.STORED,
+        status=status,
+        durable=node.durable_uploads,
+    )
 
 
 @router.get(

@@ -13,11 +13,10 @@ from sessioncache.catalog.reconcile import CatalogRecoveredTier, ReconcileReport
 from sessioncache.catalog.repository import (
     BlockRecord,
     Catalog,
-    CatalogError,
-    CatalogNotMigrated,
     CatalogStats,
     UsageSample,
 )
+from sessioncache.errors import CatalogError, CatalogNotMigrated
 
 __all__ = [
     "BlockRecord",

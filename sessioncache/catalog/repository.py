@@ -56,7 +56,7 @@ from sessioncache.catalog.models import (
 )
 from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
-from sessioncache.errors import SessionCacheError
+from sessioncache.errors import CatalogError, CatalogNotMigrated
 from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery
@@ -102,14 +102,6 @@ _CHUNK = 5000
 
 _Touch = tuple[float, float, int, int, float]
 """(last_access, expires_at, hit_count, pin_count, ttl_s) of a block at its latest event."""
-
-
-class CatalogError(SessionCacheError):
-    """The catalog cannot be used as asked (closed, not migrated, unsupported database)."""
-
-
-class CatalogNotMigrated(CatalogError):
-    """The database is not at the newest schema revision: run ``sessioncache db upgrade``."""
 
 
 @dataclass(frozen=True, slots=True)

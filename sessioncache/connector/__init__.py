@@ -1,6 +1,11 @@
-"""The engine connector: clients of the sessioncache REST API v1.
+"""The client package: everything an engine needs to talk to a node, and nothing of the node.
 
-``SessionCacheClient`` (blocking) and ``AsyncSessionCacheClient`` (asyncio) mirror each other;
+``SessionCacheClient`` (blocking) and ``AsyncSessionCacheClient`` (asyncio) are the REST API v1
+clients and mirror each other; ``StreamClient`` (the binary block stream) and
+``SameHostClient`` (shared memory on the node's host) are the data-plane clients;
+``sessioncache.connector.transfer.KVTransfer`` picks the fastest of the three for loads and
+stores by tokens or by keys. The package imports the core (``sessioncache.errors``,
+``hashing``, ``status``) and the wire (``sessioncache.dataplane.frames``), never a server;
 ``sessioncache.connector.transformers`` turns a Hugging Face transformers KV cache into block
 payloads and back (import it explicitly: it needs torch and transformers, this package does not).
 ``sessioncache.connector.lmcache`` (LMCache's multiprocess L2 adapter) and
@@ -15,10 +20,12 @@ from sessioncache.connector.errors import (
     IdMismatch,
     InvalidRequest,
     LeaseNotFound,
+    NoRoom,
     NotFound,
     PayloadTooLarge,
     ProtocolError,
     RateLimited,
+    RemoteError,
     ServerError,
     SessionCacheError,
     SessionNotFound,
@@ -45,13 +52,17 @@ from sessioncache.connector.retry import (
     NoBackoff,
     Retry,
 )
+from sessioncache.connector.samehost import SameHostClient, SameHostLookup
+from sessioncache.connector.stream import StoreAck, StreamClient, StreamLookup, discover
 from sessioncache.hashing import Namespace
+from sessioncache.status import BlockStatus
 
 __all__ = [
     "AsyncSessionCacheClient",
     "AuthError",
     "Backoff",
     "BlockNotFound",
+    "BlockStatus",
     "ConstantBackoff",
     "ExponentialBackoff",
     "ExponentialWithJitterBackoff",
@@ -64,21 +75,29 @@ __all__ = [
     "MissTotals",
     "Namespace",
     "NoBackoff",
+    "NoRoom",
     "NotFound",
     "PayloadSource",
     "PayloadTooLarge",
     "ProtocolError",
     "RateLimited",
+    "RemoteError",
     "Resolved",
     "Retry",
+    "SameHostClient",
+    "SameHostLookup",
     "ServerError",
     "Session",
     "SessionCacheClient",
     "SessionCacheError",
     "SessionNotFound",
+    "StoreAck",
     "StoreResult",
+    "StreamClient",
+    "StreamLookup",
     "TransportError",
     "Unavailable",
     "UploadRefused",
     "WhoAmI",
+    "discover",
 ]

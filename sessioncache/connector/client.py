@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, Self, TypeVar
+from typing import Generic, Self, TypeVar
 
 import httpx
 
@@ -39,16 +39,13 @@ from sessioncache.connector.protocol import (
     Resolved,
     Session,
     StoreResult,
-    Upload,
     WhoAmI,
 )
 from sessioncache.connector.retry import ExponentialWithJitterBackoff, Retry
-from sessioncache.errors import InvalidInput
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.stream import StreamClient
+from sessioncache.errors import InvalidInput, NoRoom
 from sessioncache.hashing import BlockHash, Namespace, Tokens
-
-if TYPE_CHECKING:
-    from sessioncache.dataplane.client import StreamClient
-    from sessioncache.dataplane.samehost import SameHostClient
 
 __all__ = ["AsyncSessionCacheClient", "SessionCacheClient"]
 
@@ -254,12 +251,16 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         p = self._prompt(self._effective_namespace(), tokens)
         request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
         plan = protocol.parse_store(self._send(request), p)
-        uploads: list[Upload] = []
-        for h in plan.missing:
+        loop = protocol.upload_loop(plan)
+        while (chunk := loop.next()) is not None:
+            h = plan.missing[chunk.start]
             payload = protocol.payload_for(payloads, plan.index[h])
-            reply = self._send(protocol.upload_request(h, payload))
-            uploads.append(protocol.parse_upload(reply))
-        return protocol.store_result(plan, uploads)
+            try:
+                up = protocol.parse_upload(self._send(protocol.upload_request(h, payload)))
+            except NoRoom:
+                up = protocol.DROPPED_UPLOAD
+            loop.done([h], [up.status], up.durable)
+        return protocol.store_result(plan, loop)
 
     def release(self, lease_id: str) -> None:
         """Release a lookup's lease before it expires."""
@@ -269,8 +270,6 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         """A ``StreamClient`` connected to this node's block stream (docs/dataplane.md), found
         with ``GET /v1/dataplane``, with this client's API key and seed: the fast path for
         payloads (one connection; use one per thread)."""
-        from sessioncache.dataplane.client import StreamClient
-
         address = protocol.parse_dataplane(self._send(protocol.dataplane_request()), self.base_url)
         if address is None:
             raise TransportError(f"{self.base_url} serves no block stream")
@@ -280,8 +279,6 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         """A ``SameHostClient`` on this node's same-host socket (shared memory; trusted tenants
         only, docs/dataplane.md), found with ``GET /v1/dataplane``; ``TransportError`` when
         the node serves none or runs on another host."""
-        from sessioncache.dataplane.samehost import SameHostClient
-
         path = protocol.parse_same_host(self._send(protocol.dataplane_request()))
         if path is None or not os.path.exists(path.removeprefix("unix:")):
             raise TransportError(f"{self.base_url} serves no same-host socket on this host")
@@ -435,12 +432,16 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         p = self._prompt(await self._effective_namespace(), tokens)
         request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
         plan = protocol.parse_store(await self._send(request), p)
-        uploads: list[Upload] = []
-        for h in plan.missing:
+        loop = protocol.upload_loop(plan)
+        while (chunk := loop.next()) is not None:
+            h = plan.missing[chunk.start]
             payload = protocol.payload_for(payloads, plan.index[h])
-            reply = await self._send(protocol.upload_request(h, payload))
-            uploads.append(protocol.parse_upload(reply))
-        return protocol.store_result(plan, uploads)
+            try:
+                up = protocol.parse_upload(await self._send(protocol.upload_request(h, payload)))
+            except NoRoom:
+                up = protocol.DROPPED_UPLOAD
+            loop.done([h], [up.status], up.durable)
+        return protocol.store_result(plan, loop)
 
     async def release(self, lease_id: str) -> None:
         """Release a lookup's lease before it expires."""
@@ -451,8 +452,6 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         ``GET /v1/dataplane``; it connects in a worker thread. Run its transfers in threads
         too (``asyncio.to_thread``): they block."""
         import asyncio
-
-        from sessioncache.dataplane.client import StreamClient
 
         address = protocol.parse_dataplane(
             await self._send(protocol.dataplane_request()), self.base_url
@@ -467,8 +466,6 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         """A (blocking) ``SameHostClient`` on this node's same-host socket, found with
         ``GET /v1/dataplane``; it connects in a worker thread (see ``stream``)."""
         import asyncio
-
-        from sessioncache.dataplane.samehost import SameHostClient
 
         path = protocol.parse_same_host(await self._send(protocol.dataplane_request()))
         if path is None or not os.path.exists(path.removeprefix("unix:")):

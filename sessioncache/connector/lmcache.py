@@ -41,8 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sessioncache.dataplane.client import StreamClient, as_buffer
-from sessioncache.dataplane.samehost import SameHostClient, SameHostLookup
+from sessioncache.connector.samehost import SameHostClient, SameHostLookup
+from sessioncache.connector.stream import StreamClient, as_buffer
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, block_key
 
@@ -295,7 +295,7 @@ class SessionCacheL2:
                 ack = conn.client.store_keyed(
                     root, block_keys[start:end], views[start:end], linked=s.linked, ttl_s=s.ttl_s
                 )
-                dropped += ack.tally("dropped")
+                dropped += len(ack.status) - sum(ack.held)
                 start = end
         if dropped:
             return False, f"{dropped} of {len(keys)} blocks dropped: the node has no room", None

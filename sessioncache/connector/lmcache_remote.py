@@ -42,8 +42,8 @@ from lmcache.v1.storage_backend.connector import (
 )
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from sessioncache.dataplane.client import StreamClient, as_buffer
-from sessioncache.dataplane.samehost import SameHostClient
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.stream import StreamClient, as_buffer
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, block_key
 

@@ -9,12 +9,12 @@ import base64
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 
-from sessioncache.connector.errors import IdMismatch, ProtocolError, error_for
-from sessioncache.errors import InvalidInput
+from sessioncache.connector.storeloop import StoreLoop
+from sessioncache.errors import IdMismatch, InvalidInput, ProtocolError, from_http
 from sessioncache.hashing import (
     BlockHash,
     Namespace,
@@ -25,6 +25,7 @@ from sessioncache.hashing import (
     tenant_namespace,
     tokens_to_le_bytes,
 )
+from sessioncache.status import BlockStatus, kept
 from sessioncache.wire import decode_batch
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -127,6 +128,14 @@ class StoreResult:
     """How many uploads stored a new block (an upload racing another writer may find it held)."""
     durable: bool
     """The uploads are on a durable tier (False when nothing was uploaded)."""
+    status: list[BlockStatus] = field(default_factory=list)
+    """Per block of ``hashes``: ``stored``, ``present`` (held already, or by another writer
+    meanwhile) or ``dropped`` (the node had no room for it, or for a block before it)."""
+
+    @property
+    def kept(self) -> int:
+        """How many blocks from the first the node holds after the store."""
+        return kept(self.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +259,7 @@ def _check_ids(theirs: list[BlockHash], ours: list[BlockHash], what: str) -> Non
 
 
 def check(reply: Reply) -> Reply:
-    """The reply itself when it is a success, else the matching ``ServerError`` raised."""
+    """The reply itself when it is a success, else the error the answer names raised."""
     if reply.status < 400:
         return reply
     error, detail = "HTTPError", reply.body[:500].decode("utf-8", "replace")
@@ -261,7 +270,7 @@ def check(reply: Reply) -> Reply:
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         error = body["error"]
         detail = str(body.get("detail", ""))
-    exc = error_for(reply.status, error, detail)
+    exc = from_http(reply.status, error, detail)
     retry_after = _retry_after(reply.headers)
     if retry_after is not None:
         exc.retry_after = retry_after
@@ -506,14 +515,17 @@ def store_request(
 
 
 @dataclass(frozen=True, slots=True)
-class StorePlan:
+class UploadPlan:
+    """The node's answer to ``POST /v1/store`` (its ``operations.stores.UploadPlan``), as
+    the client checked it: every id of the prompt, the missing ones, and each id's place."""
+
     block_tokens: int
     hashes: list[BlockHash]
     missing: list[BlockHash]
     index: dict[BlockHash, int]
 
 
-def parse_store(reply: Reply, p: Prompt) -> StorePlan:
+def parse_store(reply: Reply, p: Prompt) -> UploadPlan:
     body = _json(reply)
     hashes = _hex_list(body.get("hashes"), "store")
     missing = _hex_list(body.get("missing"), "store")
@@ -523,7 +535,7 @@ def parse_store(reply: Reply, p: Prompt) -> StorePlan:
     index = {h: i for i, h in enumerate(hashes)}
     if any(h not in index for h in missing):
         raise ProtocolError("store: a missing id that is not one of the prompt's")
-    return StorePlan(_field(body, "block_tokens", int), hashes, missing, index)
+    return UploadPlan(_field(body, "block_tokens", int), hashes, missing, index)
 
 
 def payload_for(source: PayloadSource, index: int) -> bytes:
@@ -556,22 +568,45 @@ def upload_request(block_hash: BlockHash, payload: bytes) -> Request:
 
 @dataclass(frozen=True, slots=True)
 class Upload:
-    stored: bool
+    status: BlockStatus
     durable: bool
+
+
+DROPPED_UPLOAD = Upload(BlockStatus.DROPPED, False)
+"""What a block the node had no room for (507 ``NoRoom``) counts as, and every block after it:
+their uploads are not sent (they would hang off a block the node does not hold)."""
 
 
 def parse_upload(reply: Reply) -> Upload:
     body = _json(reply)
-    return Upload(stored=_field(body, "stored", bool), durable=_field(body, "durable", bool))
+    name = _field(body, "status", str)
+    try:
+        status = BlockStatus(name)
+    except ValueError:
+        raise ProtocolError(f"upload: unknown block status {name!r:.40}") from None
+    if not status.held:
+        raise ProtocolError(f"upload: a 2xx answer with status {name!r}")
+    return Upload(status, durable=_field(body, "durable", bool))
 
 
-def store_result(plan: StorePlan, uploads: Sequence[Upload]) -> StoreResult:
+def upload_loop(plan: UploadPlan) -> StoreLoop:
+    """The store loop over a plan's missing blocks, one upload each: once one is dropped
+    (``NoRoom``), the rest hang off a block the node does not hold and are not sent."""
+    return StoreLoop(len(plan.missing), per=1)
+
+
+def store_result(plan: UploadPlan, loop: StoreLoop) -> StoreResult:
+    loop.drop_rest([plan.missing[i] for i in loop.rest])
+    status = [BlockStatus.PRESENT] * len(plan.hashes)
+    for block_hash, block_status in zip(loop.ids, loop.status, strict=True):
+        status[plan.index[BlockHash(block_hash)]] = block_status
     return StoreResult(
         block_tokens=plan.block_tokens,
         hashes=plan.hashes,
         missing=plan.missing,
-        stored=sum(u.stored for u in uploads),
-        durable=bool(uploads) and all(u.durable for u in uploads),
+        stored=loop.status.count(BlockStatus.STORED),
+        durable=loop.durable,
+        status=status,
     )
 
 

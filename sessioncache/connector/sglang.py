@@ -45,8 +45,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from sessioncache.connector.client import SessionCacheClient
+from sessioncache.connector.stream import StreamClient
 from sessioncache.connector.transfer import DEFAULT_LEASE_MS, PATH_ENV
-from sessioncache.dataplane.client import StreamClient
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, block_key
 
@@ -304,7 +304,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _load_part(self, conn: _Conn, ids: list[bytes], out: Sequence[Any]) -> list[bool]:
         stream = conn.stream
         if conn.path == "same_host":
-            from sessioncache.dataplane.samehost import SameHostClient
+            from sessioncache.connector.samehost import SameHostClient
 
             assert isinstance(stream, SameHostClient)
             located = stream.locate(
@@ -343,7 +343,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             linked=True,
             ttl_s=self.options.ttl_s,
         )
-        return [status != "dropped" for status in ack.status]
+        return ack.held
 
     # -- the tensor interface ----------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from sessioncache.connector.client import SessionCacheClient
 from sessioncache.connector.errors import TransportError
-from sessioncache.dataplane.client import StreamClient, as_buffer
+from sessioncache.connector.stream import StreamClient, as_buffer
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Tokens, tokens_to_le_bytes
 
@@ -135,7 +135,8 @@ class KVTransfer:
                     raise InvalidInput(f"block {i} is not held and its payload was not given")
                 return views[i - first_block]
 
-            self.client.store(head, payload, session_id=session_id, ttl_s=ttl_s)
+            result = self.client.store(head, payload, session_id=session_id, ttl_s=ttl_s)
+            kept = max(0, result.kept - first_block)
         else:
             root = self._root(conn)
             parent = conn.block_hashes(root, head[: first_block * bt])[-1] if first_block else None
@@ -147,7 +148,7 @@ class KVTransfer:
                 ttl_s=ttl_s,
                 session_id=session_id,
             )
-            kept = len(payloads) - ack.tally("dropped")
+            kept = ack.kept
         nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads[:kept])
         return Transferred(path, kept, nbytes, time.perf_counter() - start)
 
@@ -188,7 +189,7 @@ class KVTransfer:
         if not ids:
             return 0
         if path == "same_host":
-            from sessioncache.dataplane.samehost import SameHostClient
+            from sessioncache.connector.samehost import SameHostClient
 
             assert isinstance(conn, SameHostClient)
             located = conn.locate(root, ids, lease_ms=self.lease_ms, session_id=session_id)

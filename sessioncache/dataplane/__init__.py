@@ -1,31 +1,10 @@
-"""The data plane: block payloads between engines and a node over a persistent binary
-stream, beside the REST control plane (``docs/dataplane.md``).
+"""The data plane's node side and its wire: block payloads between engines and a node over a
+persistent binary stream and same-host shared memory, beside the REST control plane
+(``docs/dataplane.md``).
 
-``frames`` is the wire format (no I/O), ``transport`` the seam a carrier implements (TCP and
-Unix-domain sockets here), ``ops`` the operations over a ``CacheNode``, ``server`` the node's
-threaded server, ``client`` the engine's ``StreamClient``. Importing this package loads
-neither the server nor torch.
+``frames`` is the wire format (sans-IO, shared by both ends), ``transport`` the seam a carrier
+implements (TCP and Unix-domain sockets here), ``server`` and ``samehost_server`` the node's
+threaded servers over the operation layer (``sessioncache.operations``). The clients are in
+``sessioncache.connector`` (``StreamClient``, ``SameHostClient``), which imports the wire from
+here and never a server. Importing this package loads nothing.
 """
-
-from sessioncache.dataplane.client import StoreAck, StreamClient, StreamLookup, discover
-from sessioncache.dataplane.errors import (
-    AuthRefused,
-    Busy,
-    FrameError,
-    RemoteError,
-    StoreRefused,
-    StreamClosed,
-)
-
-__all__ = [
-    "AuthRefused",
-    "Busy",
-    "FrameError",
-    "RemoteError",
-    "StoreAck",
-    "StoreRefused",
-    "StreamClient",
-    "StreamClosed",
-    "StreamLookup",
-    "discover",
-]

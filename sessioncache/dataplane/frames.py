@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-from sessioncache.dataplane.errors import FrameError
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import FrameError, InvalidInput
 from sessioncache.hashing import HASH_BYTES, Namespace
+from sessioncache.status import BlockStatus
 
 MAGIC = b"SCDP"
 VERSION = 2
@@ -144,10 +144,8 @@ F_RELEASE_LIVE = 0x1
 """RELEASE_OK to a checked RELEASE: the lease's blocks stayed pinned from the lookup until
 this release (a same-host reader whose answer lacks it discards what it copied)."""
 
-# block status in STORE_OK and COMMIT_OK (STAGE_OK: STORED means "staged, fill the slot")
-STORED, PRESENT, DROPPED, REJECTED = 0, 1, 2, 3
-STATUS_NAMES = ("stored", "present", "dropped", "rejected")
-STATUS_CODES = {name: code for code, name in enumerate(STATUS_NAMES)}
+# Block statuses in STORE_OK, STAGE_OK and COMMIT_OK are ``BlockStatus`` codes, one byte each
+# (STAGE_OK: STORED means "staged, fill the slot"); only this codec sees the codes.
 
 
 class Limits(NamedTuple):
@@ -849,11 +847,22 @@ class StoreOk(NamedTuple):
 
     durable: bool
     ids: list[bytes]
-    status: list[int]
+    status: list[BlockStatus]
+
+
+def _status_bytes(status: Sequence[BlockStatus]) -> bytes:
+    return bytes(s.code for s in status)
+
+
+def _statuses(data: bytes, what: str) -> list[BlockStatus]:
+    try:
+        return [BlockStatus.of_code(code) for code in data]
+    except InvalidInput as exc:
+        raise FrameError(f"{what}: {exc}") from None
 
 
 def encode_store_ok(request_id: int, ok: StoreOk) -> bytes:
-    body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + bytes(ok.status)
+    body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + _status_bytes(ok.status)
     return encode_header(Op.STORE_OK, request_id, len(body)) + body
 
 
@@ -864,7 +873,8 @@ def decode_store_ok(data: bytes) -> StoreOk:
     end = _STORE_OK.size + HASH_BYTES * n
     if len(data) != end + n:
         raise FrameError(f"STORE_OK: {len(data)} bytes of body for {n} blocks")
-    return StoreOk(bool(durable), split_ids(data[:end], _STORE_OK.size, n), list(data[end:]))
+    ids = split_ids(data[:end], _STORE_OK.size, n)
+    return StoreOk(bool(durable), ids, _statuses(data[end:], "STORE_OK"))
 
 
 # -- RELEASE and ERROR ---------------------------------------------------------------------
@@ -1092,7 +1102,7 @@ class StageOk(NamedTuple):
     staging: bytes
     durable: bool
     ids: list[bytes]
-    status: list[int]
+    status: list[BlockStatus]
     slots: list[Slot | None]
 
 
@@ -1100,9 +1110,9 @@ def encode_stage_ok(request_id: int, ok: StageOk) -> bytes:
     parts = [_STAGE_OK.pack(ok.staging, len(ok.ids), ok.durable), join_ids(ok.ids)]
     for status, slot in zip(ok.status, ok.slots, strict=True):
         parts.append(
-            _STAGED.pack(status, slot.segment, slot.offset)
+            _STAGED.pack(status.code, slot.segment, slot.offset)
             if slot is not None
-            else _STAGED.pack(status, 0, 0)
+            else _STAGED.pack(status.code, 0, 0)
         )
     body = b"".join(parts)
     return encode_header(Op.STAGE_OK, request_id, len(body)) + body
@@ -1116,12 +1126,14 @@ def decode_stage_ok(data: bytes, block_nbytes: int) -> StageOk:
     if len(data) != end + _STAGED.size * n:
         raise FrameError(f"STAGE_OK: {len(data)} bytes of body for {n} blocks")
     ids = split_ids(data[:end], _STAGE_OK.size, n)
-    status: list[int] = []
+    status: list[BlockStatus] = []
     slots: list[Slot | None] = []
     for i in range(n):
         code, segment, offset = _STAGED.unpack_from(data, end + _STAGED.size * i)
-        status.append(code)
-        slots.append(Slot(segment, offset, block_nbytes) if code == STORED else None)
+        (block_status,) = _statuses(bytes([code]), "STAGE_OK")
+        status.append(block_status)
+        stored = block_status is BlockStatus.STORED
+        slots.append(Slot(segment, offset, block_nbytes) if stored else None)
     return StageOk(staging, bool(durable), ids, status, slots)
 
 
@@ -1166,12 +1178,15 @@ def decode_commit(data: bytes, limits: Limits) -> Commit:
 def encode_commit_ok(request_id: int, ok: StoreOk) -> bytes:
     """COMMIT_OK: a STORE_OK's body; status ``REJECTED`` for a slot whose bytes did not
     match (the blocks after it are ``DROPPED``)."""
-    body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + bytes(ok.status)
+    body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + _status_bytes(ok.status)
     return encode_header(Op.COMMIT_OK, request_id, len(body)) + body
 
 
 def decode_commit_ok(data: bytes) -> StoreOk:
-    return decode_store_ok(data)
+    try:
+        return decode_store_ok(data)
+    except FrameError as exc:
+        raise FrameError(str(exc).replace("STORE_OK", "COMMIT_OK", 1)) from None
 
 
 def encode_abort(request_id: int, staging: bytes) -> bytes:

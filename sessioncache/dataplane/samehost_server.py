@@ -30,23 +30,21 @@ from concurrent.futures import Executor
 from sessioncache.buffers import BufferPool
 from sessioncache.config import Settings
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.errors import AuthRefused, StreamClosed
 from sessioncache.dataplane.frames import MAX_FDS, Header, Limits, Op, SegmentsOk, Slot
 from sessioncache.dataplane.server import (
     Connection,
     StreamServer,
     lookup_request,
-    status_codes,
     store_request,
 )
 from sessioncache.dataplane.transport import SocketTransport, Transport, UnixListener
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import AuthRefused, InvalidInput, StreamClosed
 from sessioncache.node import OPEN_TENANT, CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
 from sessioncache.tiers.base import SharedMemoryTier
 
-log = logging.getLogger("sessioncache.dataplane.samehost")
+log = logging.getLogger("sessioncache.connector.samehost")
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -181,10 +179,10 @@ class SameHostConnection(Connection):
             staged.key,
             staged.plan.durable,
             list(staged.plan.ids),
-            status_codes(staged.status),
+            list(staged.status),
             [
                 Slot(where.segment, where.offset, where.nbytes) if where is not None else None
-                for where in staged.staging.locations
+                for where in staged.write.locations
             ],
         )
         self.transport.send([frames.encode_stage_ok(header.request_id, ok)])
@@ -196,9 +194,9 @@ class SameHostConnection(Connection):
         )
         end = commit.start + len(commit.checksums)
         ok = frames.StoreOk(
-            staged.staging.durable,
-            list(staged.staging.hashes[commit.start : end]),
-            status_codes(status),
+            staged.plan.durable,
+            list(staged.write.hashes[commit.start : end]),
+            status,
         )
         self.transport.send([frames.encode_commit_ok(header.request_id, ok)])
 

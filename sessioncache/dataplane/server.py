@@ -29,13 +29,6 @@ from sessioncache.attribution import REASONS, MissReport
 from sessioncache.buffers import BufferPool
 from sessioncache.config import Settings
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.errors import (
-    AuthRefused,
-    ErrorCode,
-    FrameError,
-    StreamClosed,
-    code_for,
-)
 from sessioncache.dataplane.frames import Header, Limits, Op, StoreHead, VersionError
 from sessioncache.dataplane.transport import (
     Listener,
@@ -44,13 +37,22 @@ from sessioncache.dataplane.transport import (
     discard,
     recv_exact,
 )
-from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.errors import (
+    AuthRefused,
+    ErrorCode,
+    FrameError,
+    InvalidInput,
+    SessionCacheError,
+    StreamClosed,
+    stream_code,
+)
 from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
 from sessioncache.operations import caller as callers
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.messages import LookupRequest, StoreRequest
+from sessioncache.status import kept
 
 log = logging.getLogger("sessioncache.dataplane")
 
@@ -86,10 +88,6 @@ def lookup_request(request: frames.Lookup) -> LookupRequest:
         keyed=request.keyed,
         counted=request.counted,
     )
-
-
-def status_codes(status: list[str]) -> list[int]:
-    return [frames.STATUS_CODES[s] for s in status]
 
 
 class Connection:
@@ -365,8 +363,8 @@ class Connection:
             finally:
                 if pending is not None:
                     wait([pending])  # its buffer goes back to the pool only once it is done
-        stores.complete(self.node, caller, plan, stores.kept(plan.status))
-        ok = frames.StoreOk(plan.durable, list(plan.ids), status_codes(plan.status))
+        stores.complete(self.node, caller, plan, kept(plan.status))
+        ok = frames.StoreOk(plan.durable, list(plan.ids), list(plan.status))
         self.transport.send([frames.encode_store_ok(header.request_id, ok)])
 
     @staticmethod
@@ -410,7 +408,7 @@ class Connection:
         closing: bool = False,
         version: int = frames.VERSION,
     ) -> None:
-        code = code_for(exc)
+        code = stream_code(exc)
         message = str(exc) if isinstance(exc, SessionCacheError) else "internal error"
         message = "; ".join([message, *getattr(exc, "__notes__", ())])
         if code in (ErrorCode.MALFORMED, ErrorCode.AUTH):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
-from sessioncache.dataplane.errors import FrameError, StreamClosed
+from sessioncache.errors import FrameError, StreamClosed
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 

@@ -117,8 +117,8 @@ def drop(node: CacheNode, caller: Caller) -> tuple[int, int]:
     freed = 0
     for staged in caller.stagings.values():
         try:
-            freed += node.store.abort(staged.staging)
+            freed += node.store.abort(staged.write)
         except Exception:  # the others must go all the same
-            log.exception("aborting staging %s of a caller gone failed", staged.staging.id)
+            log.exception("aborting staging %s of a caller gone failed", staged.write.id)
     caller.stagings.clear()
     return released, freed

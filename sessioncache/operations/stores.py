@@ -1,14 +1,15 @@
 """The write side of the operation layer: a store's plan, its blocks, and what a finished store
 means for its session.
 
-Three carriers fill a planned store:
+Every store is one prepared write of the store (``TieredStore.prepare``, a ``Write``) that a
+carrier fills in its own way:
 
-- REST: ``plan_upload`` hands out upload slots for the missing blocks of a prompt, each filled
-  by one ``upload`` (``PUT /v1/blocks/{id}``);
-- the stream: ``plan_store`` derives a segment's ids, each block's payload is read from the
-  socket and written by ``store_block``;
-- the same host: ``stage`` reserves slots in shared memory for a planned segment, which the
-  caller fills in place and ``commit`` publishes (or ``abort`` frees).
+- REST: ``plan_upload`` prepares a write of the missing blocks of a prompt and hands out an
+  upload slot for each, filled by one ``upload`` (``PUT /v1/blocks/{id}``);
+- the stream: ``plan_store`` derives a segment's ids and prepares its write; each block's
+  payload is read from the socket and filled by ``store_block``;
+- the same host: ``stage`` reserves slots in shared memory for a planned segment's write,
+  which the caller fills in place and ``commit`` publishes (or ``abort`` frees).
 
 Tenancy: the node derives every id itself from the parent and the tokens (or keys), and a
 segment's parent must be the root or a block held under it, so nobody plants a payload under
@@ -38,13 +39,16 @@ from sessioncache.node import CacheNode
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.lookups import readable_meta, resolve
 from sessioncache.operations.messages import StoreRequest
-from sessioncache.store import DROPPED as STAGE_DROPPED
-from sessioncache.store import PRESENT as STAGE_PRESENT
-from sessioncache.store import STAGED, CommitResult, Staging
+from sessioncache.status import BlockStatus, kept
+from sessioncache.store import Write
 from sessioncache.tiers.payload import Payload, as_memoryview
 
-STORED, PRESENT, DROPPED, REJECTED = "stored", "present", "dropped", "rejected"
-"""A block's status after a store (the one vocabulary of every carrier)."""
+STORED, PRESENT, DROPPED, REJECTED = (
+    BlockStatus.STORED,
+    BlockStatus.PRESENT,
+    BlockStatus.DROPPED,
+    BlockStatus.REJECTED,
+)
 
 
 # -- REST: upload slots ---------------------------------------------------------------------
@@ -78,28 +82,31 @@ def plan_upload(
     # The match is a prefix; past it, blocks may still be held beyond a hole: one pass under
     # the store's lock instead of a lock round per block.
     start = match.num_blocks
-    missing: list[BlockHash] = []
-    for i, held in enumerate(node.store.contains_many(hashes[start:]), start):
-        if held:
-            continue
-        missing.append(hashes[i])
-        node.uploads.open(
-            tenant,
-            hashes[i],
+    wanted = [
+        i for i, held in enumerate(node.store.contains_many(hashes[start:]), start) if not held
+    ]
+    missing = [hashes[i] for i in wanted]
+    if missing:
+        write = node.store.prepare(
+            missing,
             namespace_root=root,
-            parent=hashes[i - 1] if i else None,
+            nbytes=None,
+            parents=[hashes[i - 1] if i else None for i in wanted],
             ttl_s=ttl_s,
-            session_id=session_id,
+            durable=node.durable_uploads,
         )
+        for index, block_hash in enumerate(missing):
+            node.uploads.open(tenant, block_hash, write, index, session_id=session_id)
     if session_id is not None and hashes:
         node.sessions.record(session_id, hashes, tenant=tenant)
         node.attribution.stored(session_id, tenant, hashes, bytes(token_bytes))
     return UploadPlan(namespace.block_tokens, hashes, missing)
 
 
-def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payload) -> bool:
+def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payload) -> BlockStatus:
     """Phase two: store one handed-out block; with ``durable_uploads`` (and a durable tier) it
-    is on disk when this returns. Returns False when it was already held."""
+    is on disk when this returns. ``PRESENT`` when it was already held, ``DROPPED`` when no
+    tier could make room for it."""
     tenant = caller.tenant
     slot = node.uploads.peek(tenant, block_hash)
     if slot is None:
@@ -108,19 +115,14 @@ def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payl
             "(or its upload slot expired)"
         )
     if slot.used and _same_as_held(node, block_hash, payload):
-        return False  # a retry whose first answer was lost
-    result = node.store.put(
-        [block_hash],
-        [payload],
-        namespace_root=slot.namespace_root,
-        parent=slot.parent,
-        ttl_s=slot.ttl_s,
-        durable=node.durable_uploads,
-    )
+        return PRESENT  # a retry whose first answer was lost
+    status = node.store.fill(slot.write, slot.index, payload)
+    if status is DROPPED:
+        return DROPPED  # the slot stays open: a later try may find room
     node.uploads.mark_used(tenant, block_hash)
-    if slot.session_id is not None and result.stored:
-        node.sessions.adopt(slot.session_id, result.stored)
-    return bool(result.stored)
+    if slot.session_id is not None and status is STORED:
+        node.sessions.adopt(slot.session_id, [block_hash])
+    return status
 
 
 def _same_as_held(node: CacheNode, block_hash: BlockHash, payload: Payload) -> bool:
@@ -145,17 +147,24 @@ def _same_as_held(node: CacheNode, block_hash: BlockHash, payload: Payload) -> b
 @dataclass(slots=True)
 class StorePlan:
     request: StoreRequest
-    ids: list[BlockHash]
-    ttl_s: float | None
-    durable: bool
-    parents: list[BlockHash | None]
-    """Each block's parent: the previous block of a chain segment (``parent`` for block 0)."""
-    status: list[str] = field(default_factory=list)
+    write: Write
+    """The segment's prepared write: its ids, parents, TTL and durability."""
+    status: list[BlockStatus] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[BlockHash]:
+        return self.write.hashes
+
+    @property
+    def durable(self) -> bool:
+        return self.write.durable_tier is not None
 
 
-def plan_store(node: CacheNode, caller: Caller, request: StoreRequest) -> StorePlan:
-    """Check a segment's root, parent and session and derive its ids (before any payload is
-    read)."""
+def plan_store(
+    node: CacheNode, caller: Caller, request: StoreRequest, *, tier: str | None = None
+) -> StorePlan:
+    """Check a segment's root, parent and session, derive its ids and prepare its write into
+    ``tier`` (default: the store's choice), all before any payload is read."""
     namespace = caller.namespace(request.root)
     if not request.keyed and request.block_tokens != namespace.block_tokens:
         raise InvalidInput(
@@ -186,24 +195,25 @@ def plan_store(node: CacheNode, caller: Caller, request: StoreRequest) -> StoreP
         parents: list[BlockHash | None] = [parent, *ids[:-1]]
     else:
         parents = [parent, *[None] * (len(ids) - 1)]
-    return StorePlan(request, ids, ttl_s, node.durable_uploads, parents)
+    write = node.store.prepare(
+        ids,
+        namespace_root=request.root,
+        nbytes=request.block_nbytes,
+        parents=parents,
+        ttl_s=ttl_s,
+        tier=tier,
+        durable=node.durable_uploads,
+    )
+    return StorePlan(request, write)
 
 
-def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> str:
+def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> BlockStatus:
     """Store block ``index`` of the plan (its whole payload received); returns its status.
     After a dropped block the rest of the segment is dropped unread (it would hang off it)."""
-    if plan.status and plan.status[-1] == DROPPED:
+    if plan.status and not plan.status[-1].held:
         plan.status.append(DROPPED)
         return DROPPED
-    result = node.store.put(
-        [plan.ids[index]],
-        [payload],
-        namespace_root=plan.request.root,
-        parent=plan.parents[index],
-        ttl_s=plan.ttl_s,
-        durable=plan.durable,
-    )
-    status = STORED if result.stored else PRESENT if result.present else DROPPED
+    status = node.store.fill(plan.write, index, payload)
     plan.status.append(status)
     return status
 
@@ -231,37 +241,37 @@ def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> Non
 
 # -- the same host: staged slots ------------------------------------------------------------
 
-_STAGE_STATUS = {STAGED: STORED, STAGE_PRESENT: PRESENT, STAGE_DROPPED: DROPPED}
-
 
 @dataclass(slots=True)
 class Staged:
-    """A staging handed to a caller: its key, the plan, and each block's status (``STORED``:
-    a slot to fill)."""
+    """A staging handed to a caller: its key, the plan (its write's slots reserved), and each
+    block's status (``STORED``: a slot to fill, until committed)."""
 
     key: bytes
     plan: StorePlan
-    staging: Staging
-    status: list[str]
+    status: list[BlockStatus]
+
+    @property
+    def write(self) -> Write:
+        return self.plan.write
 
 
 def stage(node: CacheNode, caller: Caller, request: StoreRequest) -> Staged:
     """Slots in the shared-memory tier for a planned segment, held by the caller until
     ``commit`` or ``abort`` (or its end)."""
     caller.room_for_staging()
-    plan = plan_store(node, caller, request)
-    staging = node.store.stage(
-        plan.ids,
-        namespace_root=request.root,
-        nbytes=request.block_nbytes,
-        parent=BlockHash(request.parent) if request.parent is not None else None,
-        ttl_s=plan.ttl_s,
-        durable=plan.durable,
-        parents=None if request.linked else plan.parents,
-    )
+    shm = node.store.shared_memory_tier_name
+    if shm is None:
+        raise InvalidInput("this store has no shared-memory tier (the same-host path is off)")
+    plan = plan_store(node, caller, request, tier=shm)
+    try:
+        node.store.reserve(plan.write)
+    except BaseException:
+        node.store.abort(plan.write)
+        raise
     key = secrets.token_bytes(16)
-    status = [_STAGE_STATUS.get(s, DROPPED) for s in staging.status]
-    staged = caller.stagings[key] = Staged(key, plan, staging, status)
+    status = [s or DROPPED for s in plan.write.status]
+    staged = caller.stagings[key] = Staged(key, plan, status)
     return staged
 
 
@@ -272,42 +282,29 @@ def commit(
     start: int,
     checksums: list[int],
     nbytes: list[int],
-) -> tuple[Staged, list[str]]:
+) -> tuple[Staged, list[BlockStatus]]:
     """Publish blocks ``start ..`` of one of the caller's stagings whose slots hold what the
     caller says it wrote (length and XXH3-64); each block's status. The blocks are committed
     in order, in one call or several; once the last is, the staging is closed and its session
     (if any) completed."""
     staged = caller.staging(key)
-    staging = staged.staging
-    if start != staging.claimed:
+    write = staged.write
+    if start != write.claimed:
         raise InvalidInput(
-            f"COMMIT from block {start}; the staging is committed up to {staging.claimed}"
+            f"COMMIT from block {start}; the staging is committed up to {write.claimed}"
         )
-    result = node.store.commit(staging, checksums, nbytes)
-    status = _commit_status(result, staging.hashes[start : start + len(checksums)])
+    try:
+        status = node.store.commit(write, checksums, nbytes).status
+    finally:
+        if not write.open:
+            del caller.stagings[key]
     staged.status[start : start + len(status)] = status
-    if not staging.open:
-        del caller.stagings[key]
+    if not write.open:
         complete(node, caller, staged.plan, kept(staged.status))
     return staged, status
-
-
-def _commit_status(result: CommitResult, ids: list[BlockHash]) -> list[str]:
-    status = {h: STORED for h in result.stored}
-    status.update((h, PRESENT) for h in result.present)
-    status.update((h, REJECTED) for h in result.rejected)
-    return [status.get(h, DROPPED) for h in ids]
-
-
-def kept(status: list[str]) -> int:
-    """How many blocks from the first are held (stored or present)."""
-    for i, s in enumerate(status):
-        if s not in (STORED, PRESENT):
-            return i
-    return len(status)
 
 
 def abort(node: CacheNode, caller: Caller, key: bytes) -> int:
     """Free one of the caller's stagings (an unknown key is no error); slots freed."""
     staged = caller.stagings.pop(key, None)
-    return node.store.abort(staged.staging) if staged is not None else 0
+    return node.store.abort(staged.write) if staged is not None else 0

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import EventDecodeError
 
 EngineHash = int | bytes
 """A block hash as the engine reports it (an int, or bytes): a key, never a sessioncache id."""
@@ -32,10 +32,6 @@ MEDIA = (GPU, CPU, STORAGE)
 
 END_SEQ = -1
 """The sequence number ending a replay."""
-
-
-class EventDecodeError(InvalidInput):
-    """A payload or message that is not a vLLM KV event batch."""
 
 
 @dataclass(frozen=True, slots=True)

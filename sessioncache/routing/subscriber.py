@@ -23,11 +23,11 @@ from enum import Enum
 
 import zmq
 
+from sessioncache.errors import EventDecodeError
 from sessioncache.hashing import Namespace
 from sessioncache.routing.engine_index import EngineIndex, RootFor
 from sessioncache.routing.events import (
     END_SEQ,
-    EventDecodeError,
     decode_batch,
     encode_seq,
     split_published,

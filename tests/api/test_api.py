@@ -42,7 +42,7 @@ def store_all(
             headers={"content-type": "application/octet-stream"},
         )
         assert r.status_code == 200, r.text
-        assert r.json() == {"hash": h, "stored": True, "durable": True}
+        assert r.json() == {"hash": h, "stored": True, "status": "stored", "durable": True}
     hashes: list[str] = body["hashes"]
     return hashes
 

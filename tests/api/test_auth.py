@@ -43,7 +43,7 @@ def test_missing_or_unknown_key_is_401(auth_server: Server):
         r = httpx.post(
             f"{auth_server.url}/v1/lookup", json={"namespace": NS, "tokens": TOKS}, headers=headers
         )
-        assert r.status_code == 401 and r.json()["error"] == "AuthRequired"
+        assert r.status_code == 401 and r.json()["error"] == "AuthRefused"
     assert httpx.get(f"{auth_server.url}/healthz").status_code == 200
 
 

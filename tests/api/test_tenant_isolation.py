@@ -24,10 +24,10 @@ import httpx
 import numpy as np
 import pytest
 
+from sessioncache.connector import StreamClient, discover
 from sessioncache.connector.lmcache import Completion, SessionCacheL2
-from sessioncache.dataplane import StreamClient, discover
-from sessioncache.dataplane.client import discover_same_host
-from sessioncache.dataplane.samehost import SameHostClient
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.stream import discover_same_host
 from sessioncache.hashing import Namespace, block_key
 from tests.api.conftest import KEYS
 from tests.support.servers import Server, free_port, start_server

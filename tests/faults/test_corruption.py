@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from sessioncache.dataplane import StreamClient, discover
+from sessioncache.connector import StreamClient, discover
 from sessioncache.wire import decode_batch
 from tests.support.servers import start_server
 

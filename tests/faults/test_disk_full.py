@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from sessioncache.dataplane import StreamClient, discover
+from sessioncache.connector import StreamClient, discover
 from sessioncache.errors import DurableStoreFailed
 from sessioncache.hashing import Namespace
 from tests.support.servers import start_server

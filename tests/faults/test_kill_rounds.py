@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-from sessioncache.dataplane import StreamClient, discover
-from sessioncache.dataplane.samehost import SameHostClient
+from sessioncache.connector import StreamClient, discover
+from sessioncache.connector.samehost import SameHostClient
 from sessioncache.hashing import Namespace
 from tests.support.servers import Server, start_server
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import redis
 
-from sessioncache.dataplane import StreamClient, discover
+from sessioncache.connector import StreamClient, discover
 from sessioncache.wire import decode_batch
 from tests.faults.test_corruption import corrupt_reads
 from tests.support.servers import start_server

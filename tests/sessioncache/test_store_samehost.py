@@ -13,13 +13,15 @@ import pytest
 import xxhash
 
 from sessioncache.clock import ManualClock
-from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError
+from sessioncache.errors import DurableStoreFailed, InvalidInput, LeaseNotFound, PayloadSizeError
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
-from sessioncache.store import DROPPED, PRESENT, STAGED, TieredStore
+from sessioncache.status import BlockStatus
+from sessioncache.store import TieredStore
 from sessioncache.tiers.base import SlotLocation
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 from sessioncache.tiers.disk import DiskTier
 
+STAGED, PRESENT, DROPPED = BlockStatus.STORED, BlockStatus.PRESENT, BlockStatus.DROPPED
 NS = Namespace("test-model", 4, "float16", "test-layout")
 ROOT = NS.root()
 SIZE = 4096
@@ -280,6 +282,31 @@ def test_a_durable_commit_is_on_disk_when_it_returns(clock: ManualClock, tmp_pat
     assert all(bytes(disk.get(h).numpy()) == data(h) for h in hashes)  # type: ignore[union-attr]
     with pytest.raises(InvalidInput):
         shm_store(clock).stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
+
+
+def test_a_durable_commit_the_disk_cannot_take_fails_as_a_durable_put_does(
+    clock: ManualClock, tmp_path: Path
+):
+    """One write path: a staged write whose durable copy cannot be made raises
+    ``DurableStoreFailed`` (the block stays in memory only) and frees the rest of the
+    staging, as ``put`` does; it is never answered stored and durable."""
+    tiers = [SharedCpuTier(16 * SIZE, chunk_bytes=4 * SIZE)]
+    tiers.append(DiskTier.open(tmp_path / "disk", SIZE // 2, fsync=False))  # type: ignore[arg-type]
+    store = TieredStore(tiers, clock=clock)  # type: ignore[arg-type]
+    hashes = chain(3, 3)
+    with pytest.raises(DurableStoreFailed):
+        put(store, hashes[:1], durable=True)
+    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
+    assert staging.status == [PRESENT, STAGED, STAGED]
+    peer = Peer(store)
+    for h, where in zip(hashes[1:], staging.locations[1:], strict=True):
+        assert where is not None
+        peer.write(where, data(h))
+    with pytest.raises(DurableStoreFailed):
+        store.commit(staging, [0] + [xxhash.xxh3_64_intdigest(data(h)) for h in hashes[1:]])
+    assert not staging.open and store.where(hashes[1]) == ["cpu"]  # in memory only
+    assert not store.contains(hashes[2])  # the rest of the staging was freed
+    assert store.stats().pinned_blocks == 0
 
 
 def test_staging_checks_ids_and_the_namespace_payload_size(clock: ManualClock):

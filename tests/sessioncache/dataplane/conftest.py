@@ -15,7 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from sessioncache.dataplane import StreamClient, discover, frames
+from sessioncache.connector import StreamClient, discover
+from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import HEADER_SIZE, Header
 from sessioncache.hashing import Namespace
 from tests.support.servers import Server, start_server

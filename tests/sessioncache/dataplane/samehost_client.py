@@ -24,11 +24,12 @@ import time
 import numpy as np
 import xxhash
 
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.stream import key_bytes
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.client import key_bytes
 from sessioncache.dataplane.frames import Op, StoreHead
-from sessioncache.dataplane.samehost import SameHostClient
 from sessioncache.hashing import block_key, tokens_to_le_bytes
+from sessioncache.status import BlockStatus
 from tests.sessioncache.dataplane.conftest import BLOCK, NS, pattern, tokens
 
 
@@ -57,7 +58,7 @@ def main() -> None:
             section = tokens_to_le_bytes(toks)
         body = client._call(Op.STAGE, lambda rid: frames.encode_stage(rid, head, section))
         staged = frames.decode_stage_ok(body, BLOCK)
-        assert staged.status == [frames.STORED] * blocks, staged.status
+        assert staged.status == [BlockStatus.STORED] * blocks, staged.status
         assert staged.ids == ids
         client._ensure_segments(s.segment for s in staged.slots if s is not None)
         half = blocks // 2
@@ -68,7 +69,7 @@ def main() -> None:
             sums = [xxhash.xxh3_64_intdigest(pattern(h)) for h in ids[:half]]
             commit = frames.Commit(staged.staging, 0, [BLOCK] * half, sums)
             body = client._call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
-            assert frames.decode_commit_ok(body).status == [frames.STORED] * half
+            assert frames.decode_commit_ok(body).status == [BlockStatus.STORED] * half
             for block_id, slot in list(zip(ids, staged.slots, strict=True))[half:]:
                 assert slot is not None
                 client._segment(slot)[: BLOCK // 2] = pattern(block_id)[: BLOCK // 2]

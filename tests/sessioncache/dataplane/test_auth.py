@@ -7,8 +7,9 @@ import httpx
 import numpy as np
 import pytest
 
-from sessioncache.dataplane import AuthRefused, StoreRefused, StreamClient, discover, frames
-from sessioncache.dataplane.errors import ErrorCode
+from sessioncache.connector import StreamClient, discover
+from sessioncache.dataplane import frames
+from sessioncache.errors import AuthRefused, ErrorCode, StoreRefused
 from sessioncache.hashing import tenant_namespace
 from tests.sessioncache.dataplane.conftest import (
     BLOCK,

@@ -8,15 +8,6 @@ import struct
 import pytest
 
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.errors import (
-    AuthRefused,
-    ErrorCode,
-    FrameError,
-    RemoteError,
-    StoreRefused,
-    code_for,
-    error_for,
-)
 from sessioncache.dataplane.frames import (
     HEADER_SIZE,
     Header,
@@ -31,8 +22,21 @@ from sessioncache.dataplane.frames import (
     StoreHead,
     StoreOk,
 )
-from sessioncache.errors import BlockNotFound, InvalidInput, LeaseNotFound, PayloadSizeError
+from sessioncache.errors import (
+    AuthRefused,
+    BlockNotFound,
+    ErrorCode,
+    FrameError,
+    InvalidInput,
+    LeaseNotFound,
+    PayloadSizeError,
+    RemoteError,
+    StoreRefused,
+    from_stream,
+    stream_code,
+)
 from sessioncache.hashing import Namespace
+from sessioncache.status import BlockStatus
 
 LIMITS = Limits(max_ids=64, max_block_bytes=1 << 20, max_tokens=4096)
 IDS = [bytes([i]) * 16 for i in range(5)]
@@ -108,7 +112,7 @@ def test_store_round_trip():
         assert frames.decode_store_head(fixed, header, LIMITS) == head
         assert frame[HEADER_SIZE + frames.STORE_FIXED :] == tokens
 
-    ok = StoreOk(True, IDS[:3], [frames.STORED, frames.PRESENT, frames.DROPPED])
+    ok = StoreOk(True, IDS[:3], [BlockStatus.STORED, BlockStatus.PRESENT, BlockStatus.DROPPED])
     _, body = split(frames.encode_store_ok(5, ok), requests=False)
     assert frames.decode_store_ok(body) == ok
 
@@ -131,10 +135,10 @@ def test_error_round_trip_and_codes():
         (RuntimeError("x"), RemoteError),
     ]
     for exc, cls in cases:
-        raised = error_for(code_for(exc), "msg")
+        raised = from_stream(stream_code(exc), "msg")
         assert type(raised) is cls, (exc, raised)
         assert str(raised) == "msg"
-    assert isinstance(error_for(999, "msg"), RemoteError)
+    assert isinstance(from_stream(999, "msg"), RemoteError)
 
 
 @pytest.mark.parametrize(

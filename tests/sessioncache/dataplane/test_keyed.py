@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from sessioncache.config import Settings
-from sessioncache.dataplane import StreamClient, frames
+from sessioncache.connector import StreamClient
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import KEY_WORDS, Exists, Op, StoreHead
-from sessioncache.dataplane.samehost import SameHostClient
 from sessioncache.dataplane.samehost_server import open_samehost_server
 from sessioncache.dataplane.server import StreamServer
 from sessioncache.dataplane.transport import UnixListener

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.errors import ErrorCode
 from sessioncache.dataplane.frames import Op
+from sessioncache.errors import ErrorCode
 from tests.sessioncache.dataplane.conftest import (
     NS,
     assert_closed,

@@ -20,11 +20,12 @@ import pytest
 import torch
 import xxhash
 
-from sessioncache.dataplane import AuthRefused, frames
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import Op, StoreHead
-from sessioncache.dataplane.samehost import ChecksumMismatch, LeaseLost, SameHostClient
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import AuthRefused, ChecksumMismatch, InvalidInput, LeaseLost
 from sessioncache.hashing import tokens_to_le_bytes
+from sessioncache.status import BlockStatus
 from tests.sessioncache.dataplane.conftest import (
     BLOCK,
     NS,
@@ -156,7 +157,7 @@ def test_a_slot_that_does_not_hold_its_checksum_is_rejected(open_server: Server)
             Op.STAGE, lambda rid: frames.encode_stage(rid, head, tokens_to_le_bytes(toks))
         )
         staged = frames.decode_stage_ok(body, BLOCK)
-        assert staged.ids == ids and staged.status == [frames.STORED] * 3
+        assert staged.ids == ids and staged.status == [BlockStatus.STORED] * 3
         assert cpu_used(open_server) == used + 3 * BLOCK  # reserved
         client._ensure_segments(s.segment for s in staged.slots if s is not None)
         sums = []
@@ -171,7 +172,7 @@ def test_a_slot_that_does_not_hold_its_checksum_is_rejected(open_server: Server)
         commit = frames.Commit(staged.staging, 0, [BLOCK] * 3, sums)
         body = client._call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
         ok = frames.decode_commit_ok(body)
-        assert ok.status == [frames.STORED, frames.REJECTED, frames.DROPPED]
+        assert ok.status == [BlockStatus.STORED, BlockStatus.REJECTED, BlockStatus.DROPPED]
         assert client.locate(root, ids).matched == 1
         assert cpu_used(open_server) == used + BLOCK
         with pytest.raises(Exception, match="no open staging"):

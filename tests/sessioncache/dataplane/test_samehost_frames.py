@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.errors import FrameError
 from sessioncache.dataplane.frames import (
     HEADER_SIZE,
     Commit,
@@ -21,7 +20,8 @@ from sessioncache.dataplane.frames import (
     StoreHead,
     StoreOk,
 )
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import FrameError, InvalidInput
+from sessioncache.status import BlockStatus
 
 LIMITS = Limits(max_ids=64, max_block_bytes=1 << 20, max_tokens=4096)
 IDS = [bytes([i]) * 16 for i in range(5)]
@@ -93,7 +93,7 @@ def test_stage_round_trips_like_a_store_without_payloads():
         b"S" * 16,
         True,
         IDS[:3],
-        [frames.STORED, frames.PRESENT, frames.DROPPED],
+        [BlockStatus.STORED, BlockStatus.PRESENT, BlockStatus.DROPPED],
         [Slot(4, 4096, 4096), None, None],
     )
     header, body = split(frames.encode_stage_ok(3, ok), requests=False)
@@ -106,10 +106,14 @@ def test_commit_abort_and_checked_release_round_trip():
     assert header.opcode == Op.COMMIT and frames.decode_commit(body, LIMITS) == commit
     with pytest.raises(InvalidInput):
         frames.encode_commit(4, commit._replace(nbytes=[1]))
-    ok = StoreOk(False, IDS[:4], [frames.STORED, frames.REJECTED, frames.DROPPED, frames.PRESENT])
+    ok = StoreOk(
+        False,
+        IDS[:4],
+        [BlockStatus.STORED, BlockStatus.REJECTED, BlockStatus.DROPPED, BlockStatus.PRESENT],
+    )
     header, body = split(frames.encode_commit_ok(4, ok), requests=False)
     assert header.opcode == Op.COMMIT_OK and frames.decode_commit_ok(body) == ok
-    assert frames.STATUS_NAMES[frames.REJECTED] == "rejected"
+    assert BlockStatus.REJECTED == "rejected" and BlockStatus.of_code(3) is BlockStatus.REJECTED
     header, body = split(frames.encode_abort(5, b"S" * 16), requests=True)
     assert header.opcode == Op.ABORT and frames.decode_abort(body) == b"S" * 16
     assert split(frames.encode_abort_ok(5), requests=False)[0].opcode == Op.ABORT_OK

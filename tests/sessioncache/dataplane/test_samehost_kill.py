@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sessioncache.dataplane.samehost import SameHostClient
+from sessioncache.connector.samehost import SameHostClient
 from sessioncache.hashing import block_key
 from tests.sessioncache.dataplane.conftest import BLOCK, NS, pattern, rest, tokens, wait_until
 from tests.support.servers import Server, start_server

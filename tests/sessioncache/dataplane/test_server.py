@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 from sessioncache.config import Settings
-from sessioncache.dataplane import Busy, StreamClient, StreamClosed
-from sessioncache.dataplane.errors import AuthRefused
+from sessioncache.connector import StreamClient
 from sessioncache.dataplane.frames import Limits
 from sessioncache.dataplane.server import StreamServer, open_stream_server
 from sessioncache.dataplane.transport import UnixListener
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import AuthRefused, Busy, InvalidInput, StreamClosed
 from sessioncache.factory import open_node
 from sessioncache.node import CacheNode
 from sessioncache.operations import caller as callers

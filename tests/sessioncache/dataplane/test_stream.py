@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from sessioncache.connector import AsyncSessionCacheClient, SessionCacheClient
+from sessioncache.connector import AsyncSessionCacheClient, SessionCacheClient, StreamClient
 from sessioncache.connector.errors import IdMismatch
-from sessioncache.dataplane import StoreRefused, StreamClient
-from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError
+from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError, StoreRefused
 from sessioncache.hashing import Namespace, block_hashes
 from tests.sessioncache.dataplane.conftest import (
     BLOCK,

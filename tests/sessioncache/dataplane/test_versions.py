@@ -9,9 +9,8 @@ import struct
 import pytest
 
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.errors import ErrorCode, FrameError
 from sessioncache.dataplane.frames import HEADER_SIZE, Op
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import ErrorCode, FrameError, InvalidInput
 from tests.sessioncache.dataplane.conftest import (
     Server,
     assert_closed,

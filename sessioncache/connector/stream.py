@@ -32,11 +32,10 @@ import numpy as np
 
 from sessioncache.connector import protocol
 from sessioncache.connector.errors import IdMismatch, ProtocolError
+from sessioncache.connector.storeloop import StoreLoop
 from sessioncache.dataplane import frames
-from sessioncache.dataplane.errors import FrameError, StreamClosed, error_for
 from sessioncache.dataplane.frames import (
     HEADER_SIZE,
-    STATUS_NAMES,
     Header,
     Hello,
     Limits,
@@ -47,7 +46,14 @@ from sessioncache.dataplane.frames import (
     StoreHead,
 )
 from sessioncache.dataplane.transport import Transport, connect, recv_exact
-from sessioncache.errors import InvalidInput, PayloadSizeError, SessionCacheError
+from sessioncache.errors import (
+    FrameError,
+    InvalidInput,
+    PayloadSizeError,
+    SessionCacheError,
+    StreamClosed,
+    from_stream,
+)
 from sessioncache.hashing import (
     KEY_BYTES,
     Namespace,
@@ -58,6 +64,7 @@ from sessioncache.hashing import (
     tenant_namespace,
     tokens_to_le_bytes,
 )
+from sessioncache.status import BlockStatus, kept
 
 __all__ = ["StoreAck", "StreamClient", "StreamLookup", "discover"]
 
@@ -87,18 +94,29 @@ class StoreAck(NamedTuple):
 
     hashes: list[bytes]
     """Every block's id (checked against the client's own)."""
-    status: list[str]
-    """Per block: ``stored``, ``present`` (already held) or ``dropped`` (no room)."""
+    status: list[BlockStatus]
+    """Per block: ``stored``, ``present`` (already held), ``dropped`` (no room) or, over
+    shared memory, ``rejected`` (its slot did not hold what was written)."""
     durable: bool
     """Stored blocks were on a durable tier before the answer."""
 
-    def tally(self, status: str) -> int:
+    def tally(self, status: BlockStatus) -> int:
         """How many blocks have ``status``."""
         return sum(1 for s in self.status if s == status)
 
     @property
     def stored(self) -> int:
-        return self.tally("stored")
+        return self.tally(BlockStatus.STORED)
+
+    @property
+    def held(self) -> list[bool]:
+        """Per block: the node holds it after the store (stored or present)."""
+        return [s.held for s in self.status]
+
+    @property
+    def kept(self) -> int:
+        """How many blocks from the first the node holds after the store."""
+        return kept(self.status)
 
 
 def _torch_view(obj: Any, writable: bool) -> memoryview:
@@ -579,48 +597,43 @@ class StreamClient:
         linked: bool = True,
         session: str | None = None,
     ) -> StoreAck:
-        step = 4 * block_tokens
+        """The store loop of both data-plane clients (``StoreLoop``): one segment of at most
+        ``max_ids`` blocks at a time, sent by ``_store_segment``."""
         if not payloads:
             return StoreAck([], [], False)
-        views = [as_buffer(p, writable=False) for p in payloads]
-        size = one_size(v.nbytes for v in views)
+        items, size = self._store_payloads(payloads)
+        step = 4 * block_tokens
         ttl_ms = store_ttl_ms(ttl_s)
-        acks: list[StoreAck] = []
-        per = self.limits.max_ids
-        for first in range(0, len(views), per):
-            if linked and acks and acks[-1].status[-1] == "dropped":
-                # the rest would hang off a dropped block: the node would refuse it
-                head = StoreHead(
-                    root, acks[-1].hashes[-1], block_tokens, 0, size, ttl_ms, keyed, linked
-                )
-                rest = segment_ids(head, token_bytes[first * step :], self.seed)
-                acks.append(StoreAck(list(rest), ["dropped"] * len(rest), False))
-                break
-            part = views[first : first + per]
+        loop = StoreLoop(len(items), per=self.limits.max_ids, parent=parent, linked=linked)
+        while (chunk := loop.next()) is not None:
             head = StoreHead(
-                root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked, session
+                root, loop.parent, block_tokens, len(chunk), size, ttl_ms, keyed, linked, session
             )
-            segment = token_bytes[first * step : (first + len(part)) * step]
+            segment = token_bytes[chunk.start * step : chunk.stop * step]
             ours = segment_ids(head, segment, self.seed)
-            body = self._call(
-                Op.STORE, functools.partial(_store_frame, head=head, tokens=segment), payloads=part
-            )
-            ok = frames.decode_store_ok(body)
-            if ok.ids != ours:
-                raise IdMismatch("STORE: the node derived other ids than the client")
-            acks.append(StoreAck(ok.ids, self._status(ok.status), ok.durable))
-            parent = ok.ids[-1] if linked else None
-        return StoreAck(
-            [h for a in acks for h in a.hashes],
-            [s for a in acks for s in a.status],
-            any(a.durable for a in acks),
-        )
+            loop.done(*self._store_segment(head, segment, ours, items[chunk.start : chunk.stop]))
+        if loop.rest:
+            head = StoreHead(root, loop.ids[-1], block_tokens, 0, size, ttl_ms, keyed, linked)
+            loop.drop_rest(segment_ids(head, token_bytes[loop.rest.start * step :], self.seed))
+        return StoreAck(loop.ids, loop.status, loop.durable)
 
-    def _status(self, codes: Sequence[int]) -> list[str]:
-        """Block status codes as names (an unknown code breaks the stream: another version)."""
-        if any(c >= len(STATUS_NAMES) for c in codes):
-            self._fail(f"unknown block status in {list(codes)[:8]}")
-        return [STATUS_NAMES[c] for c in codes]
+    def _store_payloads(self, payloads: Sequence[Any]) -> tuple[Sequence[Any], int]:
+        """The payloads as this carrier sends them, and their one size."""
+        views = [as_buffer(p, writable=False) for p in payloads]
+        return views, one_size(v.nbytes for v in views)
+
+    def _store_segment(
+        self, head: StoreHead, segment: bytes, ours: list[bytes], part: Sequence[Any]
+    ) -> tuple[list[bytes], list[BlockStatus], bool]:
+        """One STORE: its blocks' ids as the node derived them (``ours`` or ``IdMismatch``),
+        their statuses, and whether they are on a durable tier."""
+        body = self._call(
+            Op.STORE, functools.partial(_store_frame, head=head, tokens=segment), payloads=part
+        )
+        ok = frames.decode_store_ok(body)
+        if ok.ids != ours:
+            raise IdMismatch("STORE: the node derived other ids than the client")
+        return ok.ids, ok.status, ok.durable
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -683,7 +696,7 @@ class StreamClient:
             if error.closing:
                 self._broken = error.message
                 self._t.close()
-            raise error_for(error.code, error.message)
+            raise from_stream(error.code, error.message)
         if header.opcode != expect or header.request_id != rid:
             self._fail(f"expected {expect.name} for request {rid}, got {header.opcode.name}")
         return header

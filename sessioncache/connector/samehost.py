@@ -45,24 +45,17 @@ import numpy.typing as npt
 import xxhash
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError
-from sessioncache.dataplane import frames
-from sessioncache.dataplane.client import (
-    StoreAck,
+from sessioncache.connector.stream import (
     StreamClient,
     StreamLookup,
     as_buffer,
     discover_same_host,
-    key_bytes,
     one_size,
-    segment_ids,
-    store_tokens,
-    store_ttl_ms,
 )
-from sessioncache.dataplane.errors import StreamClosed
+from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import (
     HEADER_SIZE,
     MAX_FDS,
-    STORED,
     Commit,
     Lookup,
     Op,
@@ -72,21 +65,20 @@ from sessioncache.dataplane.frames import (
     StoreHead,
 )
 from sessioncache.dataplane.transport import SocketTransport, Transport, connect
-from sessioncache.errors import InvalidInput, LeaseNotFound, PayloadSizeError, SessionCacheError
+from sessioncache.errors import (
+    ChecksumMismatch,
+    InvalidInput,
+    LeaseLost,
+    PayloadSizeError,
+    SessionCacheError,
+    StreamClosed,
+)
+from sessioncache.status import BlockStatus
 
 __all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup"]
 
 MiB = 1 << 20
 DEFAULT_LEASE_MS = 30_000
-
-
-class LeaseLost(LeaseNotFound):
-    """The lease ran out before the copy ended: the slots may have been reused meanwhile, so
-    what was copied may be torn. Discard it and look up again."""
-
-
-class ChecksumMismatch(SessionCacheError):
-    """A copied block does not match the XXH3-64 the node gave for it."""
 
 
 class SameHostLookup(NamedTuple):
@@ -429,108 +421,33 @@ class SameHostClient(StreamClient):
 
     # -- stores --------------------------------------------------------------------------
 
-    def store(
-        self,
-        root: bytes,
-        tokens: Any,
-        payloads: Sequence[Any],
-        *,
-        parent: bytes | None = None,
-        ttl_s: float | None = None,
-        session_id: str | None = None,
-    ) -> StoreAck:
-        """Store a chain segment under ``root`` through shared memory: one payload per full
-        block of ``tokens`` (exactly), continuing from ``parent`` (a held block of this root;
-        default: the root). Payloads are numpy arrays, tensors (CUDA too) or buffers of one
-        size. Each block is published only if its slot holds exactly its bytes.
-        ``session_id`` as for ``StreamClient.store``."""
-        namespace = self._namespace(root)
-        token_bytes = store_tokens(namespace, tokens, len(payloads))
-        return self._stage_store(
-            root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s, session=session_id
-        )
+    # -- stores: StreamClient.store and store_keyed, each segment staged, filled, committed --
 
-    def store_keyed(
-        self,
-        root: bytes,
-        keys: Sequence[bytes],
-        payloads: Sequence[Any],
-        *,
-        parent: bytes | None = None,
-        linked: bool = True,
-        ttl_s: float | None = None,
-    ) -> StoreAck:
-        """``StreamClient.store_keyed`` through shared memory: the payloads are copied into
-        slots of the node's CPU tier and published when their checksums match."""
-        self._namespace(root)
-        if len(keys) != len(payloads):
-            raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
-        return self._stage_store(
-            root,
-            frames.KEY_WORDS,
-            key_bytes(keys),
-            payloads,
-            parent,
-            ttl_s,
-            keyed=True,
-            linked=linked,
-        )
-
-    def _stage_store(
-        self,
-        root: bytes,
-        block_tokens: int,
-        token_bytes: bytes,
-        payloads: Sequence[Any],
-        parent: bytes | None,
-        ttl_s: float | None,
-        *,
-        keyed: bool = False,
-        linked: bool = True,
-        session: str | None = None,
-    ) -> StoreAck:
-        step = 4 * block_tokens
-        if not payloads:
-            return StoreAck([], [], False)
+    def _store_payloads(self, payloads: Sequence[Any]) -> tuple[Sequence[Any], int]:
+        """The payloads themselves (numpy arrays, tensors, CUDA ones too, or buffers) are
+        copied into their slots: only their one size is checked here."""
         size = one_size(
             (p.numel() * p.element_size())
             if _is_device_tensor(p)
             else as_buffer(p, writable=False).nbytes
             for p in payloads
         )
-        ttl_ms = store_ttl_ms(ttl_s)
-        ids: list[bytes] = []
-        status: list[str] = []
-        durable = False
-        per = self.limits.max_ids
-        for first in range(0, len(payloads), per):
-            if linked and status and status[-1] in ("dropped", "rejected"):
-                # the rest would hang off a block the node does not hold: it would refuse it
-                head = StoreHead(root, ids[-1], block_tokens, 0, size, ttl_ms, keyed, linked)
-                rest = segment_ids(head, token_bytes[first * step :], self.seed)
-                ids += rest
-                status += ["dropped"] * len(rest)
-                break
-            part = payloads[first : first + per]
-            segment = token_bytes[first * step : (first + len(part)) * step]
-            head = StoreHead(
-                root, parent, block_tokens, len(part), size, ttl_ms, keyed, linked, session
-            )
-            ours = segment_ids(head, segment, self.seed)
-            body = self._call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
-            staged = frames.decode_stage_ok(body, size)
-            if staged.ids != ours:
-                with contextlib.suppress(SessionCacheError):
-                    self._abort(staged.staging)
-                raise IdMismatch("STAGE: the node derived other ids than the client")
-            codes = self._fill_and_commit(staged, part)
-            ids += staged.ids
-            status += self._status(codes)
-            durable = durable or staged.durable
-            parent = staged.ids[-1] if linked else None
-        return StoreAck(ids, status, durable)
+        return payloads, size
 
-    def _fill_and_commit(self, staged: StageOk, payloads: Sequence[Any]) -> list[int]:
+    def _store_segment(
+        self, head: StoreHead, segment: bytes, ours: list[bytes], part: Sequence[Any]
+    ) -> tuple[list[bytes], list[BlockStatus], bool]:
+        """One STAGE, its slots filled and committed: a block is published only if its slot
+        holds exactly its bytes (else ``rejected``)."""
+        body = self._call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
+        staged = frames.decode_stage_ok(body, head.block_nbytes)
+        if staged.ids != ours:
+            with contextlib.suppress(SessionCacheError):
+                self._abort(staged.staging)
+            raise IdMismatch("STAGE: the node derived other ids than the client")
+        return staged.ids, self._fill_and_commit(staged, part), staged.durable
+
+    def _fill_and_commit(self, staged: StageOk, payloads: Sequence[Any]) -> list[BlockStatus]:
         """Copy each payload into its slot and commit the filled blocks batch by batch, up to
         ``commits_in_flight`` COMMITs unanswered while the next batch is copied; every block's
         final status.
@@ -548,12 +465,12 @@ class SameHostClient(StreamClient):
             self._hasher.submit(_checksum, payloads[i])
             if self._hasher is not None
             and staged.slots[i] is not None
-            and staged.status[i] == STORED
+            and staged.status[i] is BlockStatus.STORED
             and not _is_device_tensor(payloads[i])
             else None
             for i in range(n)
         ]
-        codes: list[int] = []
+        codes: list[BlockStatus] = []
         failure: BaseException | None = None
         with self._lock:
             inflight: list[int] = []  # COMMITs sent whose answers are not read yet
@@ -564,7 +481,7 @@ class SameHostClient(StreamClient):
                     sums: list[int] = []
                     for i in range(first, end):
                         slot = staged.slots[i]
-                        if slot is None or staged.status[i] != STORED:
+                        if slot is None or staged.status[i] is not BlockStatus.STORED:
                             lengths.append(0)
                             sums.append(0)
                             continue
@@ -597,7 +514,7 @@ class SameHostClient(StreamClient):
             raise failure
         return codes
 
-    def _commit_answer(self, rid: int) -> list[int]:
+    def _commit_answer(self, rid: int) -> list[BlockStatus]:
         header = self._read_header(rid, Op.COMMIT_OK)
         body = bytearray(header.body_len)
         self._recv(memoryview(body))
