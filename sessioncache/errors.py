@@ -22,7 +22,7 @@ A client's exception carries the answer it came from: ``status`` (the HTTP statu
        6   404  BlockNotFound
        7   404  LeaseNotFound        unknown on this connection, released, or expired
        8   403  StoreRefused         a store under a root or parent not the caller's
-       8   403  UploadRefused        a REST upload of an id not handed out to the caller
+       -   403  UploadRefused        a REST upload of an id not handed out to the caller
        9   503  Busy                 the node serves its maximum of connections
       10   507  DurableStoreFailed   a durable store the durable tier could not take
       11   404  SessionNotFound      a session named in a request is not open
@@ -279,7 +279,7 @@ TABLE: tuple[Row, ...] = (
     Row(EngineNotFound, 404, None),
     Row(Refused, 403, None),
     Row(StoreRefused, 403, _C.REFUSED),
-    Row(UploadRefused, 403, _C.REFUSED),
+    Row(UploadRefused, 403, None),
     Row(AdminRequired, 403, None),
     Row(AdminForbidden, 403, None),
     Row(EngineExists, 409, None),

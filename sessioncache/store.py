@@ -564,7 +564,12 @@ class TieredStore:
             raise InvalidInput(f"{len(hashes)} ids but {len(payloads)} payloads")
         self._check_ids(hashes, namespace_root, parent)
         sizes = [payload_nbytes(p) for p in payloads]
-        self._check_sizes(hashes, sizes, namespace_root)
+        for block_hash, nbytes in zip(hashes, sizes, strict=True):
+            if nbytes != sizes[0]:
+                raise PayloadSizeError(
+                    f"block {block_hash.hex()}: payload is {nbytes} bytes, but blocks of this "
+                    f"namespace are {sizes[0]} bytes"
+                )
         write = self.prepare(
             hashes,
             namespace_root=namespace_root,
