@@ -25,7 +25,9 @@ Keys arrive as ``model@kvrank08x@group_hex@chunkhash_hex[@salt]`` (LMCache's
 
 Payloads move over the data plane only, never per-block HTTP: through shared memory when the
 node runs on this host and the tenant is trusted with it (gets copy straight into the
-memoryviews LMCache hands over, sets straight out of them), else over the block stream.
+memoryviews LMCache hands over, sets straight out of them), else over the block stream. Each
+worker's ``KVTransfer`` (its keyed operations, ``paths=DATA_PLANE_PATHS``) picks the path and
+runs the loops.
 A set batch is stored as one chain (``linked``): LMCache sets one request's consecutive
 chunks together, so tail-first eviction then drops a request's last chunks first.
 """
@@ -41,9 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sessioncache.connector.samehost import SameHostClient, SameHostLookup
-from sessioncache.connector.stream import StreamClient, as_buffer
-from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.connector.stream import as_buffer
+from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
+from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key
 
 log = logging.getLogger("sessioncache.connector.lmcache")
@@ -96,40 +98,29 @@ class L2Settings:
     timeout_s: float = 30.0
 
 
-class _Connection:
-    """One worker's connection and the roots it resolved."""
+def _connect(settings: L2Settings) -> KVTransfer:
+    """One worker's transfer, connected (same host first with ``auto``, else the stream)."""
+    s = settings
+    kv = KVTransfer.from_url(
+        s.url,
+        api_key=s.api_key,
+        timeout=s.timeout_s,
+        path=s.data_path,
+        paths=DATA_PLANE_PATHS,
+        lease_ms=s.lease_ms,
+    )
+    try:
+        path = kv.path
+    except BaseException:
+        kv.close()
+        raise
+    log.info("sessioncache L2: %s path to %s", path, s.url)
+    return kv
 
-    def __init__(self, settings: L2Settings) -> None:
-        self.settings = settings
-        self.client = self._connect()
-        self.roots: dict[tuple[str, str | None], bytes] = {}
 
-    def _connect(self) -> StreamClient:
-        s = self.settings
-        if s.data_path in ("auto", "same_host"):
-            try:
-                return SameHostClient.discover(s.url, api_key=s.api_key, timeout=s.timeout_s)
-            except (SessionCacheError, OSError) as exc:
-                if s.data_path == "same_host":
-                    raise
-                log.info("sessioncache L2: no same-host path (%s); using the stream", exc)
-        return StreamClient.discover(s.url, api_key=s.api_key, timeout=s.timeout_s)
-
-    @property
-    def same_host(self) -> bool:
-        return isinstance(self.client, SameHostClient)
-
-    def root(self, model: str, salt: str | None) -> bytes:
-        root = self.roots.get((model, salt))
-        if root is None:
-            s = self.settings
-            ns = Namespace(model, s.block_tokens, s.kv_dtype, s.kv_layout, salt=salt)
-            root = self.client.resolve(ns)
-            self.roots[(model, salt)] = root
-        return root
-
-    def close(self) -> None:
-        self.client.close()
+def _namespace(settings: L2Settings, model: str, salt: str | None) -> Namespace:
+    s = settings
+    return Namespace(model, s.block_tokens, s.kv_dtype, s.kv_layout, salt=salt)
 
 
 def _groups(keys: Sequence[str]) -> dict[tuple[str, str | None], list[tuple[int, bytes]]]:
@@ -178,20 +169,20 @@ class SessionCacheL2:
         )
         # Connect every worker now: a wrong URL or key fails at start and shows in LMCache's
         # log, and no batch pays for a connection.
-        connections: list[_Connection] = []
+        connections: list[KVTransfer] = []
         try:
             for _ in range(workers):
-                connections.append(_Connection(self.settings))
+                connections.append(_connect(self.settings))
         except BaseException:
             for conn in connections:
                 conn.close()
             raise
-        self.data_path = "same_host" if connections[0].same_host else "stream"
+        self.data_path = connections[0].path
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._lock = threading.Lock()
         self._done: list[Completion] = []
         self._next = 1
-        self._jobs: queue.SimpleQueue[tuple[int, Callable[[_Connection], Outcome]] | None]
+        self._jobs: queue.SimpleQueue[tuple[int, Callable[[KVTransfer], Outcome]] | None]
         self._jobs = queue.SimpleQueue()
         self._closed = False
         self._threads = [
@@ -243,7 +234,7 @@ class SessionCacheL2:
 
     # -- the work ------------------------------------------------------------------------------
 
-    def _submit(self, job: Callable[[_Connection], Outcome]) -> int:
+    def _submit(self, job: Callable[[KVTransfer], Outcome]) -> int:
         if self._closed:
             raise InvalidInput("the sessioncache L2 adapter is closed")
         with self._lock:
@@ -257,7 +248,9 @@ class SessionCacheL2:
             self._done.append(completion)
         os.eventfd_write(self._efd, 1)
 
-    def _work(self, conn: _Connection | None) -> None:
+    def _work(self, kv: KVTransfer) -> None:
+        """Run batches on this worker's transfer (a broken connection is replaced by the next
+        batch)."""
         try:
             while True:
                 item = self._jobs.get()
@@ -265,87 +258,48 @@ class SessionCacheL2:
                     return
                 future_id, job = item
                 try:
-                    if conn is None:
-                        conn = _Connection(self.settings)
-                    ok, error, result = job(conn)
+                    ok, error, result = job(kv)
                     self._complete((future_id, ok, error, result))
                 except Exception as exc:
                     log.warning("sessioncache L2: batch %d failed: %s", future_id, exc)
                     self._complete((future_id, False, f"{type(exc).__name__}: {exc}", None))
-                    if conn is not None and conn.client.broken:
-                        conn.close()
-                        conn = None  # reconnect for the next batch
         finally:
-            if conn is not None:
-                conn.close()
+            kv.close()
 
-    def _set(self, conn: _Connection, keys: list[str], memviews: list[Any]) -> Outcome:
+    def _set(self, kv: KVTransfer, keys: list[str], memviews: list[Any]) -> Outcome:
         s = self.settings
         dropped = 0
         for (model, salt), items in _groups(keys).items():
-            root = conn.root(model, salt)
-            views = [as_buffer(memviews[i], writable=False) for i, _ in items]
-            block_keys = [k for _, k in items]
-            # one STORE per payload size (the node takes one size per store)
-            start = 0
-            while start < len(views):
-                end = start + 1
-                while end < len(views) and views[end].nbytes == views[start].nbytes:
-                    end += 1
-                ack = conn.client.store_keyed(
-                    root, block_keys[start:end], views[start:end], linked=s.linked, ttl_s=s.ttl_s
-                )
-                dropped += len(ack.status) - sum(ack.held)
-                start = end
+            # one STORE per payload size (KVTransfer.store_keyed): the node takes one per store
+            ack = kv.store_keyed(
+                _namespace(s, model, salt),
+                [k for _, k in items],
+                [memviews[i] for i, _ in items],
+                linked=s.linked,
+                ttl_s=s.ttl_s,
+            )
+            dropped += len(ack.status) - sum(ack.held)
         if dropped:
             return False, f"{dropped} of {len(keys)} blocks dropped: the node has no room", None
         return True, "", None
 
-    def _exists(self, conn: _Connection, keys: list[str]) -> Outcome:
+    def _exists(self, kv: KVTransfer, keys: list[str]) -> Outcome:
         out = [False] * len(keys)
         for (model, salt), items in _groups(keys).items():
-            root = conn.root(model, salt)
-            ids = conn.client.key_ids(root, [k for _, k in items])
-            for (i, _), held in zip(items, conn.client.exists(root, ids), strict=True):
-                out[i] = held
-        return True, "", out
-
-    def _get(self, conn: _Connection, keys: list[str], memviews: list[Any]) -> Outcome:
-        out = [False] * len(keys)
-        for (model, salt), items in _groups(keys).items():
-            root = conn.root(model, salt)
-            ids = conn.client.key_ids(root, [k for _, k in items])
-            views = [as_buffer(memviews[i], writable=True) for i, _ in items]
-            if isinstance(conn.client, SameHostClient):
-                got = self._get_same_host(conn.client, root, ids, views)
-            else:
-                got = conn.client.load_into(ids, views, each=True)
-            for (i, _), ok in zip(items, got, strict=True):
+            ns = _namespace(self.settings, model, salt)
+            held = kv.exists_keyed(ns, [k for _, k in items])
+            for (i, _), ok in zip(items, held, strict=True):
                 out[i] = ok
         return True, "", out
 
-    def _get_same_host(
-        self, client: SameHostClient, root: bytes, ids: list[bytes], views: list[memoryview]
-    ) -> list[bool]:
-        """Copy each held block from shared memory straight into its view. A LOCATE answers
-        the held run from the first id asked: after a miss, locate again past it. Not counted:
-        LMCache asked its question (EXISTS) before this fetch."""
-        got = [False] * len(ids)
-        pos = 0
-        while pos < len(ids):
-            found: SameHostLookup = client.locate(
-                root, ids[pos:], lease_ms=self.settings.lease_ms, keyed=True, counted=False
-            )
-            n = found.located
-            if n:
-                client.load_into(found, views[pos : pos + n])
-                got[pos : pos + n] = [True] * n
-            elif found.lease is not None:
-                client.release_checked(found)
-            if found.matched > n:
-                # held, but not placeable in shared memory now: over the socket instead
-                rest = client.load_into(ids[pos + n :], views[pos + n :], each=True)
-                got[pos + n :] = rest
-                break
-            pos += n + 1  # ids[pos + n] is not held (or the run ended)
-        return got
+    def _get(self, kv: KVTransfer, keys: list[str], memviews: list[Any]) -> Outcome:
+        """Each held block straight into its view (from shared memory on the same host). Not
+        counted: LMCache asked its question (EXISTS) before this fetch."""
+        out = [False] * len(keys)
+        for (model, salt), items in _groups(keys).items():
+            ns = _namespace(self.settings, model, salt)
+            views = [as_buffer(memviews[i], writable=True) for i, _ in items]
+            got = kv.load_keyed(ns, [k for _, k in items], views, counted=False)
+            for (i, _), ok in zip(items, got, strict=True):
+                out[i] = ok
+        return True, "", out

@@ -19,7 +19,8 @@ engine needs to allocate the chunk) followed by the chunk's bytes, zero-padded t
 chunk, so that every block of a namespace has the one size the node requires. The namespace
 is the model, the chunk size, the KV dtype and the padded size. Batched puts (one request's
 consecutive chunks) are stored as one chain, so tail-first eviction applies; single puts
-stand alone.
+stand alone. The connector's ``KVTransfer`` (keyed operations, never the REST path) picks the
+data path and moves the blocks: gets through shared memory on the node's host.
 
 This module imports LMCache (it subclasses its classes) and is imported only by LMCache.
 The node's I/O is blocking: it runs on a thread of this connector, off LMCache's event loop.
@@ -32,7 +33,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector import (
@@ -42,9 +43,9 @@ from lmcache.v1.storage_backend.connector import (
 )
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from sessioncache.connector.samehost import SameHostClient
-from sessioncache.connector.stream import StreamClient, as_buffer
-from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.connector.stream import as_buffer
+from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer, Path
+from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key
 
 log = logging.getLogger("sessioncache.connector.lmcache_remote")
@@ -60,18 +61,24 @@ def plugin_setting(config: Any, plugin: str, name: str, default: str | None = No
     return None if value is None else str(value)
 
 
-def connect(url: str, api_key: str | None, data_path: str) -> StreamClient:
-    """The same-host client when the node offers it to us (``auto``), else the stream."""
+def connect(url: str, api_key: str | None, data_path: str, namespace: Namespace) -> KVTransfer:
+    """A transfer over the same-host path when the node offers it to us (``auto``), else the
+    stream (never REST: it has no keyed blocks), connected and ``namespace`` resolved."""
     if data_path not in ("auto", "same_host", "stream"):
         raise InvalidInput(f"data_path is auto, same_host or stream, not {data_path!r}")
-    if data_path in ("auto", "same_host"):
-        try:
-            return SameHostClient.discover(url, api_key=api_key)
-        except (SessionCacheError, OSError) as exc:
-            if data_path == "same_host":
-                raise
-            log.info("sessioncache remote plugin: no same-host path (%s); using the stream", exc)
-    return StreamClient.discover(url, api_key=api_key)
+    kv = KVTransfer.from_url(
+        url,
+        api_key=api_key,
+        namespace=namespace,
+        path=cast(Path, data_path),
+        paths=DATA_PLANE_PATHS,
+    )
+    try:
+        kv.root(namespace)
+    except BaseException:
+        kv.close()
+        raise
+    return kv
 
 
 class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
@@ -105,22 +112,22 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
             kv_dtype=dtypes,
             kv_layout=f"lmcache-remote/{self.meta_fmt.name}/{self.block_bytes}",
         )
-        self.client = connect(url, api_key, data_path)
-        self.root = self.client.resolve(self.namespace)
+        self.transfer = connect(url, api_key, data_path, self.namespace)
         # one thread: the client is one connection, and its I/O blocks
         self._io = ThreadPoolExecutor(1, thread_name_prefix="sessioncache-lmcache")
         self._lock = threading.Lock()
         log.info(
             "sessioncache remote plugin: %s over %s, blocks of %d bytes",
             url,
-            "shared memory" if isinstance(self.client, SameHostClient) else "the stream",
+            "shared memory" if self.transfer.path == "same_host" else "the stream",
             self.block_bytes,
         )
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _ids(self, keys: list[Any]) -> list[bytes]:
-        return self.client.key_ids(self.root, [block_key(k.to_string()) for k in keys])
+    @staticmethod
+    def _keys(keys: list[Any]) -> list[bytes]:
+        return [block_key(k.to_string()) for k in keys]
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
@@ -159,19 +166,18 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     def _put_sync(self, keys: list[Any], memory_objs: list[Any], linked: bool) -> None:
         payloads = [self._pack(m) for m in memory_objs]
-        block_keys = [block_key(k.to_string()) for k in keys]
         with self._lock:
-            self.client.store_keyed(self.root, block_keys, payloads, linked=linked)
+            self.transfer.store_keyed(self.namespace, self._keys(keys), payloads, linked=linked)
 
     def _get_sync(self, keys: list[Any]) -> list[Any]:
         bufs = [bytearray(self.block_bytes) for _ in keys]
         with self._lock:
-            found = self.client.load_into(self._ids(keys), bufs, each=True)
+            found = self.transfer.load_keyed(self.namespace, self._keys(keys), bufs)
         return [self._unpack(b) if ok else None for b, ok in zip(bufs, found, strict=True)]
 
     def _exists_sync(self, keys: list[Any]) -> list[bool]:
         with self._lock:
-            return self.client.exists(self.root, self._ids(keys))
+            return self.transfer.exists_keyed(self.namespace, self._keys(keys))
 
     @staticmethod
     def _prefix(held: list[bool]) -> int:
@@ -223,10 +229,10 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     def _close_sync(self) -> None:
         self._io.shutdown(wait=True)
-        self.client.close()
+        self.transfer.close()
 
     def __repr__(self) -> str:
-        return f"<SessionCacheRemoteConnector {self.client!r}>"
+        return f"<SessionCacheRemoteConnector {self.transfer!r}>"
 
 
 class SessionCacheConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]

@@ -10,8 +10,9 @@ SGLang names a page by an opaque string (a hash of its tokens and of the pages b
 pages are *keyed blocks* (docs/dataplane.md): a block's id is derived from the namespace root
 and ``hashing.block_key`` of the page's key alone. Pages move over the data plane, never
 per-block HTTP: through the node's shared memory when it runs on this host, else over the
-binary stream, picked as ``sessioncache.connector.transfer`` picks (``path`` / the
-``SESSIONCACHE_DATA_PATH`` variable force one).
+binary stream: each of SGLang's storage threads has its own ``KVTransfer``, whose keyed
+operations pick the path (``path`` / the ``SESSIONCACHE_DATA_PATH`` variable force one) and
+move the pages.
 
 Two page formats, one namespace each (they never mix):
 
@@ -36,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -45,8 +46,14 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from sessioncache.connector.client import SessionCacheClient
-from sessioncache.connector.stream import StreamClient
-from sessioncache.connector.transfer import DEFAULT_LEASE_MS, PATH_ENV
+from sessioncache.connector.transfer import (
+    DATA_PLANE_PATHS,
+    DEFAULT_LEASE_MS,
+    KEYED_ONLY,
+    PATH_ENV,
+    KVTransfer,
+    Path,
+)
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, block_key
 
@@ -55,7 +62,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_URL = "http://127.0.0.1:8080"
 URL_ENV = "SESSIONCACHE_URL"
 API_KEY_ENV = "SESSIONCACHE_API_KEY"
-PAGE_PATHS = ("same_host", "stream")
+PAGE_PATHS = DATA_PLANE_PATHS
 """The data paths pages take (the REST API has no keyed blocks)."""
 
 T = TypeVar("T")
@@ -135,15 +142,6 @@ class _NodeDown(SessionCacheError):
     """The node was unreachable a moment ago: the call fails without trying again."""
 
 
-class _Conn:
-    """One thread's data-plane connection and the namespace root resolved on it."""
-
-    def __init__(self, path: str, stream: StreamClient, root: bytes) -> None:
-        self.path = path
-        self.stream = stream
-        self.root = root
-
-
 class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang HiCache pages in a sessioncache node (the module docstring)."""
 
@@ -155,14 +153,15 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.mem_pool_host: Any = None
         self._client = SessionCacheClient(
             self.options.url,
-            namespace=Namespace("sglang-hicache", 1, "raw", "raw"),
+            namespace=KEYED_ONLY,
             api_key=self.options.api_key,
             seed=self.options.seed,
+            timeout=self.options.timeout_s,
         )
         self._namespace: Namespace | None = None
         self._regions: int | None = None
         self._local = threading.local()
-        self._conns: list[_Conn] = []
+        self._transfers: list[KVTransfer] = []
         self._lock = threading.Lock()
         self._closed = False
         self._down_until = 0.0
@@ -191,136 +190,82 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # -- connections -------------------------------------------------------------------------
 
-    def _conn(self) -> _Conn:
-        conn: _Conn | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn
+    def _transfer(self) -> KVTransfer:
+        """This thread's transfer, connected."""
         if self._closed:
             raise SessionCacheError("the storage backend is closed")
-        if time.monotonic() < self._down_until:
-            raise _NodeDown()
-        order = PAGE_PATHS if self.options.path == "auto" else (self.options.path,)
-        errors = []
-        for path in order:
-            try:
-                stream = (
-                    self._client.same_host(timeout=self.options.timeout_s)
-                    if path == "same_host"
-                    else self._client.stream(timeout=self.options.timeout_s)
-                )
-            except (SessionCacheError, OSError) as exc:
-                errors.append(f"{path}: {exc}")
-                if self.options.path != "auto":
-                    break
-                continue
-            try:
-                conn = _Conn(path, stream, stream.resolve(self.namespace()))
-            except BaseException:
-                stream.close()
-                raise
-            self._local.conn = conn
+        kv: KVTransfer | None = getattr(self._local, "kv", None)
+        if kv is None:
+            kv = KVTransfer(
+                self._client,
+                path=cast(Path, self.options.path),
+                paths=PAGE_PATHS,
+                lease_ms=self.options.lease_ms,
+                timeout=self.options.timeout_s,
+            )
+            self._local.kv = kv
             with self._lock:
-                self._conns.append(conn)
+                self._transfers.append(kv)
+        if not kv.connected:
+            if time.monotonic() < self._down_until:
+                raise _NodeDown()
+            try:
+                path = kv.path
+            except (SessionCacheError, OSError) as exc:
+                self._down_until = time.monotonic() + self.options.retry_after_s
+                raise SessionCacheError(
+                    f"no data path to {self.options.url} "
+                    f"(next try in {self.options.retry_after_s:g} s): {exc}"
+                ) from exc
             logger.info("sessioncache HiCache backend: %s path to %s", path, self.options.url)
-            return conn
-        self._down_until = time.monotonic() + self.options.retry_after_s
-        raise SessionCacheError(
-            f"no data path to {self.options.url} (next try in {self.options.retry_after_s:g} s): "
-            + "; ".join(errors)
-        )
+        return kv
 
     @property
     def path(self) -> str:
         """The data path this thread's pages take (connecting on first use)."""
-        return self._conn().path
+        return self._transfer().path
 
-    def _run(self, what: str, op: Callable[[_Conn], T], failed: T) -> T:
-        """Run ``op`` on this thread's connection; SGLang's storage threads get ``failed``
+    def _run(self, what: str, op: Callable[[KVTransfer], T], failed: T) -> T:
+        """Run ``op`` on this thread's transfer; SGLang's storage threads get ``failed``
         (never an exception) when the node cannot be reached, and the next call reconnects."""
-        conn: _Conn | None = None
+        kv: KVTransfer | None = None
         try:
-            conn = self._conn()
-            return op(conn)
+            kv = self._transfer()
+            return op(kv)
         except _NodeDown:
             return failed  # said once, when the node was found unreachable
         except (SessionCacheError, OSError) as exc:
             logger.warning("sessioncache HiCache %s failed: %s", what, exc)
             # a refused request leaves the connection in step; anything else may not have
-            if conn is not None and not isinstance(exc, InvalidInput):
-                self._drop(conn)
+            if kv is not None and not isinstance(exc, InvalidInput):
+                kv.disconnect()
             return failed
-
-    def _drop(self, conn: _Conn) -> None:
-        if getattr(self._local, "conn", None) is conn:
-            self._local.conn = None
-        with self._lock:
-            if conn in self._conns:
-                self._conns.remove(conn)
-        conn.stream.close()
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            conn.stream.close()
+            transfers, self._transfers = self._transfers, []
+        for kv in transfers:
+            kv.close()
         self._client.close()
 
     # -- blocks by key -----------------------------------------------------------------------
 
-    @staticmethod
-    def _ids(conn: _Conn, keys: Sequence[str]) -> list[bytes]:
-        return conn.stream.key_ids(conn.root, [block_key(k) for k in keys])
-
-    def _held_prefix(self, conn: _Conn, keys: Sequence[str]) -> int:
+    def _held_prefix(self, kv: KVTransfer, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, the node holds: a keyed LOOKUP without a
         lease (unlike EXISTS it also finds blocks in a fleet's shared tier)."""
-        ids = self._ids(conn, keys)
-        per = conn.stream.limits.max_ids
-        held = 0
-        for first in range(0, len(ids), per):
-            part = ids[first : first + per]
-            matched = conn.stream.lookup(conn.root, part, keyed=True).matched
-            held += matched
-            if matched < len(part):
-                break
-        return held
+        return kv.held_prefix_keyed(self.namespace(), [block_key(k) for k in keys])
 
-    def _load(self, conn: _Conn, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+    def _load(self, kv: KVTransfer, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
         """Read the blocks of ``keys`` into ``out`` (one exactly block-sized buffer each);
-        which were read. Same host: the located run of them, from the first (SGLang only uses
-        a prefix); stream: every held one."""
-        ids = self._ids(conn, keys)
-        per = conn.stream.limits.max_ids
-        found: list[bool] = []
-        for first in range(0, len(ids), per):
-            part = self._load_part(conn, ids[first : first + per], out[first : first + per])
-            found += part
-            if conn.path == "same_host" and not all(part):
-                found += [False] * (len(ids) - len(found))
-                break
-        return found
-
-    def _load_part(self, conn: _Conn, ids: list[bytes], out: Sequence[Any]) -> list[bool]:
-        stream = conn.stream
-        if conn.path == "same_host":
-            from sessioncache.connector.samehost import SameHostClient
-
-            assert isinstance(stream, SameHostClient)
-            located = stream.locate(
-                conn.root, ids, lease_ms=self.options.lease_ms, keyed=True, counted=False
-            )
-            n = len(located.slots)
-            if n:
-                stream.load_into(located, out[:n])
-            elif located.lease is not None:
-                stream.release_checked(located)
-            return [i < n for i in range(len(ids))]
-        return stream.load_into(ids, out, each=True)
+        which were read: the held run of them from the first (SGLang only uses a prefix).
+        Uncounted: SGLang asked (``batch_exists``) before."""
+        block_keys = [block_key(k) for k in keys]
+        return kv.load_keyed(self.namespace(), block_keys, out, prefix=True, counted=False)
 
     def _store(
         self,
-        conn: _Conn,
+        kv: KVTransfer,
         keys: Sequence[str],
         payloads: Sequence[Any],
         after: str | None = None,
@@ -329,17 +274,11 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         the node still holds it; which blocks the node holds afterwards."""
         if not keys:
             return []
-        stream = conn.stream
-        parent = None
-        if after is not None:
-            (parent,) = self._ids(conn, [after])
-            if not stream.exists(conn.root, [parent], counted=False)[0]:
-                parent = None  # evicted meanwhile: the batch starts a chain of its own
-        ack = stream.store_keyed(
-            conn.root,
+        ack = kv.store_keyed(
+            self.namespace(),
             [block_key(k) for k in keys],
             payloads,
-            parent=parent,
+            parent_key=block_key(after) if after is not None else None,
             linked=True,
             ttl_s=self.options.ttl_s,
         )
@@ -449,9 +388,9 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return []
 
-        def load(conn: _Conn) -> list[bool]:
+        def load(kv: KVTransfer) -> list[bool]:
             block_keys, views = self._page_views(keys, host_indices)
-            return self._per_page(self._load(conn, block_keys, views), len(keys))
+            return self._per_page(self._load(kv, block_keys, views), len(keys))
 
         return self._run("batch_get_v1", load, [False] * len(keys))
 
@@ -467,11 +406,11 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return []
         prefix = extra_info.prefix_keys if extra_info is not None else None
 
-        def store(conn: _Conn) -> list[bool]:
+        def store(kv: KVTransfer) -> list[bool]:
             block_keys, views = self._page_views(keys, host_indices)
             m = len(block_keys) // len(keys)
             after = region_key(prefix[-1], m - 1, m) if prefix else None
-            return self._per_page(self._store(conn, block_keys, views, after), len(keys))
+            return self._per_page(self._store(kv, block_keys, views, after), len(keys))
 
         return self._run("batch_set_v1", store, [False] * len(keys))
 

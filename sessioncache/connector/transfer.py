@@ -9,13 +9,26 @@ Three paths, fastest first (docs/dataplane.md):
 * ``rest``: the HTTP API (batch GET, two-phase store), which every node serves.
 
 ``KVTransfer(client)`` picks the first path that connects (``path="auto"``); the ``path``
-argument or ``SESSIONCACHE_DATA_PATH`` forces one. A session named in a load or a store travels
-with it on every path (its TTL, chain pins, head and token totals; no REST call on the side).
+argument or ``SESSIONCACHE_DATA_PATH`` forces one, and ``paths`` narrows what ``auto`` tries
+(``DATA_PLANE_PATHS``: never REST). ``KVTransfer.from_url(url, ...)`` builds the REST client
+too. A connection found broken is replaced (the path chosen again) by the next operation.
+
+Two ways to name blocks:
+
+* by tokens (``load_into``, ``store_from``): the chain of the client's namespace. A session
+  named in a load or a store travels with it on every path (its TTL, chain pins, head and token
+  totals; no REST call on the side);
+* by 16-byte block keys (``hashing.block_key`` of an engine's own key; keyed blocks,
+  docs/dataplane.md), as LMCache and SGLang address KV: ``exists_keyed``, ``held_prefix_keyed``,
+  ``load_keyed``, ``store_keyed``, each in a namespace the caller names. These need the stream or
+  the same-host path (the REST API has no keyed blocks).
+
 One ``KVTransfer`` holds one data-plane connection: use one per thread.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -23,16 +36,24 @@ from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 
-from sessioncache.connector.client import SessionCacheClient
+from sessioncache.connector.client import DEFAULT_TIMEOUT_S, SessionCacheClient
 from sessioncache.connector.errors import TransportError
-from sessioncache.connector.stream import StreamClient, as_buffer
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.stream import StoreAck, StreamClient, as_buffer
 from sessioncache.errors import InvalidInput, SessionCacheError
-from sessioncache.hashing import Tokens, tokens_to_le_bytes
+from sessioncache.hashing import Namespace, Tokens, tokens_to_le_bytes
+from sessioncache.status import BlockStatus
+
+log = logging.getLogger("sessioncache.connector.transfer")
 
 Path = Literal["same_host", "stream", "rest"]
 PATHS: tuple[Path, ...] = ("same_host", "stream", "rest")
+DATA_PLANE_PATHS: tuple[Path, ...] = ("same_host", "stream")
+"""The paths that carry keyed blocks (``paths=DATA_PLANE_PATHS``: never fall back to REST)."""
 PATH_ENV = "SESSIONCACHE_DATA_PATH"
 DEFAULT_LEASE_MS = 30_000
+KEYED_ONLY = Namespace("sessioncache-keyed", 1, "raw", "raw")
+"""The REST client's namespace of a ``from_url`` transfer given none (keyed operations only)."""
 
 
 class Transferred(NamedTuple):
@@ -57,27 +78,81 @@ class KVTransfer:
         *,
         path: Path | Literal["auto"] | None = None,
         lease_ms: int = DEFAULT_LEASE_MS,
+        paths: Sequence[Path] = PATHS,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
+        order = tuple(paths)
+        if not order or any(p not in PATHS for p in order) or len(set(order)) != len(order):
+            raise InvalidInput(f"paths must be distinct paths of {PATHS}, got {paths!r}")
         wanted = path or os.environ.get(PATH_ENV) or "auto"
-        if wanted != "auto" and wanted not in PATHS:
-            raise InvalidInput(f"path must be auto or one of {PATHS}, got {wanted!r}")
+        if wanted != "auto" and wanted not in order:
+            raise InvalidInput(f"path must be auto or one of {order}, got {wanted!r}")
         self.client = client
         self.wanted = wanted
+        self.paths = order
         self.lease_ms = lease_ms
+        self.timeout = timeout
         self._conn: StreamClient | None = None
         self._path: Path | None = None
+        self._roots: dict[Namespace, bytes] = {}
+        self._owns_client = False
+        self._by_tokens = True
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        api_key: str | None = None,
+        namespace: Namespace | None = None,
+        seed: int = 0,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        path: Path | Literal["auto"] | None = None,
+        paths: Sequence[Path] = PATHS,
+        lease_ms: int = DEFAULT_LEASE_MS,
+    ) -> KVTransfer:
+        """A transfer with its own REST client of the node at ``url`` (closed with it).
+        ``namespace`` is the one of loads and stores by tokens; without it, the transfer does
+        keyed operations only. ``seed``: the node's ``SESSIONCACHE_HASH_SEED``."""
+        client = SessionCacheClient(
+            url, namespace=namespace or KEYED_ONLY, api_key=api_key, seed=seed, timeout=timeout
+        )
+        try:
+            kv = cls(client, path=path, lease_ms=lease_ms, paths=paths, timeout=timeout)
+        except BaseException:
+            client.close()
+            raise
+        kv._owns_client = True
+        kv._by_tokens = namespace is not None
+        return kv
 
     @property
     def path(self) -> Path:
-        """The path in use (connecting on first use)."""
+        """The path in use (connecting on first use, and again after the connection broke)."""
+        if self._conn is not None and self._conn.broken:
+            self.disconnect()
         if self._path is None:
             self._path, self._conn = self._connect()
         return self._path
 
+    @property
+    def connected(self) -> bool:
+        """A path is chosen and its connection is usable (else the next operation connects)."""
+        return self._path is not None and (self._conn is None or not self._conn.broken)
+
+    def disconnect(self) -> None:
+        """Close the data-plane connection; the next operation connects again (choosing the
+        path again)."""
+        conn, self._conn, self._path = self._conn, None, None
+        self._roots.clear()
+        if conn is not None:
+            conn.close()
+
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._conn, self._path = None, None
+        """Close the connection (and the REST client, when ``from_url`` built it)."""
+        self.disconnect()
+        if self._owns_client:
+            self.client.close()
 
     def __enter__(self) -> KVTransfer:
         return self
@@ -85,7 +160,11 @@ class KVTransfer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the two operations ------------------------------------------------------------------
+    def __repr__(self) -> str:
+        where = self._path or f"not connected, {self.wanted}"
+        return f"KVTransfer({self.client.base_url!r}, {where})"
+
+    # -- by tokens ---------------------------------------------------------------------------
 
     def load_into(
         self, tokens: Tokens, out: Sequence[Any], *, session_id: str | None = None
@@ -93,12 +172,13 @@ class KVTransfer:
         """Load the longest cached prefix of ``tokens``' full blocks into ``out`` (one block-
         sized buffer per block, as many as the caller wants at most: numpy arrays, CPU or CUDA
         tensors, writable buffers); ``blocks`` says how many leading buffers were filled."""
+        self._check_tokens()
         path, conn = self.path, self._conn
         start = time.perf_counter()
         if conn is None:
             n = self._load_rest(tokens, out, session_id)
         else:
-            n = self._load_dataplane(conn, path, tokens, out, session_id)
+            n = self._load_dataplane(conn, tokens, out, session_id)
         nbytes = sum(as_buffer(b, writable=False).nbytes for b in out[:n]) if n else 0
         return Transferred(path, n, nbytes, time.perf_counter() - start)
 
@@ -115,6 +195,7 @@ class KVTransfer:
         (blocks before it are held already: their ids chain the new ones; the node derives
         every id and skips those it holds); ``blocks`` counts the blocks the node kept (stored
         or already held; a full tier drops the rest of a chain)."""
+        self._check_tokens()
         path, conn = self.path, self._conn
         bt = self.client.namespace.block_tokens
         token_bytes = tokens_to_le_bytes(tokens)
@@ -138,7 +219,7 @@ class KVTransfer:
             result = self.client.store(head, payload, session_id=session_id, ttl_s=ttl_s)
             kept = max(0, result.kept - first_block)
         else:
-            root = self._root(conn)
+            root = self.root(self.client.namespace)
             parent = conn.block_hashes(root, head[: first_block * bt])[-1] if first_block else None
             ack = conn.store(
                 root,
@@ -152,10 +233,138 @@ class KVTransfer:
         nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads[:kept])
         return Transferred(path, kept, nbytes, time.perf_counter() - start)
 
+    # -- by keys -----------------------------------------------------------------------------
+
+    def root(self, namespace: Namespace) -> bytes:
+        """The caller's root of ``namespace`` on this connection (RESOLVE once per namespace
+        and connection; with an API key it carries the tenant's salt)."""
+        conn = self._dataplane("a namespace root")
+        root = self._roots.get(namespace)
+        if root is None:
+            root = conn.resolve(namespace)
+            self._roots[namespace] = root
+        return root
+
+    def key_ids(self, namespace: Namespace | bytes, keys: Sequence[bytes]) -> list[bytes]:
+        """The ids of the keyed blocks of ``keys`` (16 bytes each) in ``namespace`` (or under a
+        root resolved on this connection), computed here as the node does."""
+        conn = self._dataplane("keyed ids")
+        root = namespace if isinstance(namespace, bytes) else self.root(namespace)
+        return conn.key_ids(root, keys)
+
+    def exists_keyed(
+        self, namespace: Namespace, keys: Sequence[bytes], *, counted: bool = True
+    ) -> list[bool]:
+        """For each key, whether the node holds its block (nothing touched nor leased).
+        ``counted``: the prompt's question (its blocks count as hit or miss tokens); False for
+        a probe."""
+        conn = self._dataplane("exists_keyed")
+        root = self.root(namespace)
+        return conn.exists(root, conn.key_ids(root, keys), counted=counted)
+
+    def held_prefix_keyed(
+        self, namespace: Namespace, keys: Sequence[bytes], *, counted: bool = True
+    ) -> int:
+        """How many of ``keys``, from the first, the node holds: a keyed LOOKUP without a lease
+        (unlike ``exists_keyed`` it also finds blocks in a fleet's shared tier)."""
+        conn = self._dataplane("held_prefix_keyed")
+        root = self.root(namespace)
+        ids = conn.key_ids(root, keys)
+        per = conn.limits.max_ids
+        held = 0
+        for first in range(0, len(ids), per):
+            part = ids[first : first + per]
+            matched = conn.lookup(root, part, keyed=True, counted=counted).matched
+            held += matched
+            if matched < len(part):
+                break
+        return held
+
+    def load_keyed(
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        out: Sequence[Any],
+        *,
+        prefix: bool = False,
+        counted: bool = False,
+    ) -> list[bool]:
+        """Read the block of each held key into its buffer of ``out`` (one exactly
+        block-sized buffer per key; a miss leaves its buffer alone); which were read.
+        ``prefix``: only the run held from the first key is wanted: everything past the first
+        miss is reported unread and no request goes past the one that met it (on the stream,
+        held blocks of that request past the miss may still have filled their buffers).
+        ``counted``: the keys are the prompt's question (a counted EXISTS first); by default
+        the load counts nothing, as a fetch of blocks the caller has asked about already."""
+        if len(keys) != len(out):
+            raise InvalidInput(f"{len(keys)} keys for {len(out)} buffers")
+        conn = self._dataplane("load_keyed")
+        root = self.root(namespace)
+        ids = conn.key_ids(root, keys)
+        if counted:
+            conn.exists(root, ids, counted=True)
+        if isinstance(conn, SameHostClient):
+            got = self._load_keyed_same_host(conn, root, ids, out, prefix)
+        else:
+            got = self._load_keyed_stream(conn, ids, out, prefix)
+        if prefix and False in got:
+            first_miss = got.index(False)
+            got[first_miss:] = [False] * (len(got) - first_miss)
+        return got
+
+    def store_keyed(
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        parent_key: bytes | None = None,
+        linked: bool = True,
+        ttl_s: float | None = None,
+    ) -> StoreAck:
+        """Store one payload per 16-byte block key. ``linked`` records the batch as a chain
+        (block ``i`` hangs off block ``i - 1``) for tail-first eviction; else each block stands
+        alone. ``parent_key``: the key of the block the batch continues, when the node still
+        holds it (an uncounted probe; evicted meanwhile, the batch starts a chain of its own).
+        Payloads of several sizes go in one STORE per run of one size (the linked runs one
+        chain); a namespace's blocks have one size, so a run of another size is refused."""
+        if len(keys) != len(payloads):
+            raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
+        conn = self._dataplane("store_keyed")
+        root = self.root(namespace)
+        parent: bytes | None = None
+        if parent_key is not None:
+            (parent,) = conn.key_ids(root, [parent_key])
+            if not conn.exists(root, [parent], counted=False)[0]:
+                parent = None
+        hashes: list[bytes] = []
+        status: list[BlockStatus] = []
+        durable = True
+        sizes = [_nbytes(p) for p in payloads]
+        start = 0
+        while start < len(payloads):
+            end = start + 1
+            while end < len(payloads) and sizes[end] == sizes[start]:
+                end += 1
+            ack = conn.store_keyed(
+                root,
+                keys[start:end],
+                payloads[start:end],
+                parent=parent,
+                linked=linked,
+                ttl_s=ttl_s,
+            )
+            hashes += ack.hashes
+            status += ack.status
+            durable = durable and ack.durable
+            parent = ack.hashes[-1] if linked and ack.held[-1] else None
+            start = end
+        return StoreAck(hashes, status, durable and bool(hashes))
+
     # -- paths ---------------------------------------------------------------------------
 
     def _connect(self) -> tuple[Path, StreamClient | None]:
-        order: tuple[Path, ...] = PATHS if self.wanted == "auto" else (cast(Path, self.wanted),)
+        order = self.paths if self.wanted == "auto" else (cast(Path, self.wanted),)
         errors: list[str] = []
         for path in order:
             if path == "rest":
@@ -165,33 +374,47 @@ class KVTransfer:
             except (SessionCacheError, OSError) as exc:
                 if self.wanted != "auto":
                     raise
+                log.info("no %s path to %s (%s): trying the next", path, self.client.base_url, exc)
                 errors.append(f"{path}: {exc}")
-        raise TransportError("no data path: " + "; ".join(errors))  # pragma: no cover
+        raise TransportError(f"no data path to {self.client.base_url}: " + "; ".join(errors))
 
     def _open(self, path: Path) -> StreamClient:
         if path == "stream":
-            return self.client.stream()
-        return self.client.same_host()
+            return self.client.stream(timeout=self.timeout)
+        return self.client.same_host(timeout=self.timeout)
 
-    def _root(self, conn: StreamClient) -> bytes:
-        return conn.resolve(self.client.namespace)
+    def _dataplane(self, what: str) -> StreamClient:
+        """The data-plane connection (connecting on first use); keyed blocks need one."""
+        path = self.path
+        if self._conn is None:
+            raise InvalidInput(
+                f"{what}: keyed blocks travel over the same_host or stream path only, and this "
+                f"transfer to {self.client.base_url} took the {path} path (the REST API has no "
+                "keyed blocks; paths=DATA_PLANE_PATHS never falls back to it)"
+            )
+        return self._conn
+
+    def _check_tokens(self) -> None:
+        if not self._by_tokens:
+            raise InvalidInput(
+                "this transfer was built without a namespace: loads and stores by tokens need "
+                "one (KVTransfer.from_url(..., namespace=...)); keyed operations name theirs"
+            )
+
+    # -- loads ---------------------------------------------------------------------------
 
     def _load_dataplane(
         self,
         conn: StreamClient,
-        path: Path,
         tokens: Tokens,
         out: Sequence[Any],
         session_id: str | None,
     ) -> int:
-        root = self._root(conn)
+        root = self.root(self.client.namespace)
         ids = conn.block_hashes(root, tokens)[: len(out)]
         if not ids:
             return 0
-        if path == "same_host":
-            from sessioncache.connector.samehost import SameHostClient
-
-            assert isinstance(conn, SameHostClient)
+        if isinstance(conn, SameHostClient):
             located = conn.locate(root, ids, lease_ms=self.lease_ms, session_id=session_id)
             n = len(located.slots)
             if n:
@@ -203,6 +426,61 @@ class KVTransfer:
         if found.matched:
             conn.load_into(found, out[: found.matched], release=True)
         return found.matched
+
+    def _load_keyed_same_host(
+        self,
+        conn: SameHostClient,
+        root: bytes,
+        ids: list[bytes],
+        out: Sequence[Any],
+        prefix: bool,
+    ) -> list[bool]:
+        """Copy each held block from shared memory straight into its buffer. A keyed LOCATE
+        answers the held run from the first id asked: after a miss, locate again past it
+        (``prefix``: stop there). Blocks held but not placeable in shared memory now go over
+        the socket. Uncounted: the caller asked its question before."""
+        got = [False] * len(ids)
+        per = conn.limits.max_ids
+        pos = 0
+        while pos < len(ids):
+            part = ids[pos : pos + per]
+            found = conn.locate(root, part, lease_ms=self.lease_ms, keyed=True, counted=False)
+            n = found.located
+            if n:
+                conn.load_into(found, out[pos : pos + n])  # copies, then releases the lease
+                got[pos : pos + n] = [True] * n
+            elif found.lease is not None:
+                conn.release_checked(found)
+            if found.matched > n:
+                # held, but not placeable in shared memory now: the rest of the part over the
+                # socket (every held id of it, each on its own)
+                end = pos + len(part)
+                got[pos + n : end] = conn.load_into(part[n:], out[pos + n : end], each=True)
+                if prefix and not all(got[pos:end]):
+                    break
+                pos = end
+            elif n < len(part):
+                if prefix:
+                    break
+                pos += n + 1  # ids[pos + n] is not held
+            else:
+                pos += n
+        return got
+
+    @staticmethod
+    def _load_keyed_stream(
+        conn: StreamClient, ids: list[bytes], out: Sequence[Any], prefix: bool
+    ) -> list[bool]:
+        """Every held id of each request's worth, each on its own (``prefix``: no request
+        past the first miss)."""
+        got: list[bool] = []
+        per = conn.limits.max_ids
+        for first in range(0, len(ids), per):
+            part = conn.load_into(ids[first : first + per], out[first : first + per], each=True)
+            got += part
+            if prefix and not all(part):
+                break
+        return got + [False] * (len(ids) - len(got))
 
     def _load_rest(self, tokens: Tokens, out: Sequence[Any], session_id: str | None) -> int:
         found = self.client.lookup(tokens, session_id=session_id, lease_ms=self.lease_ms)
@@ -219,6 +497,13 @@ class KVTransfer:
             _copy_into(dst, payload)
             n += 1
         return n
+
+
+def _nbytes(payload: Any) -> int:
+    """A payload's size in bytes (a device tensor's without copying it to the host)."""
+    if type(payload).__module__.startswith("torch"):
+        return int(payload.numel() * payload.element_size())
+    return as_buffer(payload, writable=False).nbytes
 
 
 def _copy_into(dst: Any, payload: bytes) -> None:
