@@ -114,6 +114,12 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"^cpu_only\.same_host +session_min_ms [\d.]+ .*\n(?s:.*)"
         r'^\{"same_host": \{"session_min_ms": [\d.]+, .*"stream": \{.*\}\}$',
     ),
+    "bench.store_paths": (
+        ["--rounds", "1", "--json"],
+        r"(?m)^rest\.min_ms +[\d.]+\n(?s:.*)^dd_fdatasync\.min_ms +[\d.]+\n(?s:.*)"
+        r"^cpu_only\.same_host\.over_ref +[\d.]+\n"
+        r'^\{"rest\.min_ms": [\d.]+, .*"cpu_only\.same_host\.over_ref": [\d.]+\}$',
+    ),
     "bench.tiers": (
         ["--total-mib", "2", "--threads", "1"],
         r"(?m)^ *disk +32 MiB +1 thr \| put .* GB/s .*\ntotal 2 MiB per run",
