@@ -16,7 +16,7 @@ a mismatch (another hash seed, namespace or tenant salt) raises ``IdMismatch``.
 
 One client is one connection; its calls are serialized by a lock (use one client per thread
 for parallel transfers). Errors the node reports are raised as the classes of
-``sessioncache.dataplane.errors``; after a broken connection every call raises
+``sessioncache.errors.TABLE`` names (``from_stream``); after a broken connection every call raises
 ``StreamClosed`` (connect again).
 """
 
