@@ -15,8 +15,8 @@ the payloads' own buffers to the kernel. Ids are derived here with the node's co
 a mismatch (another hash seed, namespace or tenant salt) raises ``IdMismatch``.
 
 One client is one connection; its calls are serialized by a lock (use one client per thread
-for parallel transfers). Errors the node reports are raised as the classes of
-``sessioncache.errors.TABLE`` names (``from_stream``); after a broken connection every call raises
+for parallel transfers). An error the node reports is raised as the class its code has in
+``sessioncache.errors.TABLE`` (``from_stream``); after a broken connection every call raises
 ``StreamClosed`` (connect again).
 """
 
