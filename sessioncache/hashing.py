@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
-from typing import NewType, cast
+from typing import Any, NewType, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +59,10 @@ class Namespace:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidInput(f"{name} must be a string or None")
+
+    def as_json(self) -> dict[str, Any]:
+        """The namespace as the REST API and the stream's RESOLVE carry it."""
+        return asdict(self)
 
     def canonical_json(self) -> bytes:
         """The namespace's canonical encoding, the input of its root digest."""

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from sessioncache.commands.serve import is_loopback
 from sessioncache.config import Settings
+from sessioncache.dataplane.transport import is_loopback
 
 COOKIE = "sessioncache_admin"
 CSRF_HEADER = "x-csrf-token"

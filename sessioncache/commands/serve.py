@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import platform
@@ -12,16 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sessioncache.dataplane.transport import is_loopback
+
 log = logging.getLogger("sessioncache.serve")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # uvicorn pauses reading a request body whenever 64 KiB are buffered, so a 2 MiB block upload

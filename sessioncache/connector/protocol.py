@@ -219,17 +219,6 @@ def id_prompt(resolved: Resolved, tokens: Tokens) -> IdPrompt:
     )
 
 
-def _namespace_json(namespace: Namespace) -> dict[str, Any]:
-    return {
-        "model": namespace.model,
-        "block_tokens": namespace.block_tokens,
-        "kv_dtype": namespace.kv_dtype,
-        "kv_layout": namespace.kv_layout,
-        "salt": namespace.salt,
-        "lora": namespace.lora,
-    }
-
-
 def _hex_list(value: object, what: str) -> list[BlockHash]:
     if not isinstance(value, list):
         raise ProtocolError(f"{what}: expected a list of ids")
@@ -321,7 +310,7 @@ def parse_whoami(reply: Reply) -> WhoAmI:
 def _prompt_body(namespace: Namespace, p: Prompt, **optional: object) -> dict[str, Any]:
     """The JSON body of a request about a prompt (lookup, store), with the optional fields
     that are not None."""
-    body: dict[str, Any] = {"namespace": _namespace_json(namespace), "tokens_b64": p.tokens_b64}
+    body: dict[str, Any] = {"namespace": namespace.as_json(), "tokens_b64": p.tokens_b64}
     body.update((name, value) for name, value in optional.items() if value is not None)
     return body
 
@@ -425,7 +414,7 @@ def _lease(body: Mapping[str, Any]) -> Lease | None:
 
 
 def resolve_request(namespace: Namespace) -> Request:
-    return Request("POST", "/v1/namespaces/resolve", json={"namespace": _namespace_json(namespace)})
+    return Request("POST", "/v1/namespaces/resolve", json={"namespace": namespace.as_json()})
 
 
 def parse_resolve(reply: Reply, namespace: Namespace, seed: int) -> Resolved:
@@ -458,7 +447,7 @@ def lookup_ids_request(
 ) -> Request:
     """A lookup by id with the compact answer (the client has the ids already)."""
     body: dict[str, Any] = {
-        "namespace": _namespace_json(namespace),
+        "namespace": namespace.as_json(),
         "block_ids_b64": p.block_ids_b64,
         "compact": True,
     }

@@ -432,20 +432,9 @@ def decode_hello_ok(data: bytes) -> HelloOk:
     return HelloOk(tenant, auth, tiers, limits, version)
 
 
-def namespace_json(namespace: Namespace) -> dict[str, Any]:
-    return {
-        "model": namespace.model,
-        "block_tokens": namespace.block_tokens,
-        "kv_dtype": namespace.kv_dtype,
-        "kv_layout": namespace.kv_layout,
-        "salt": namespace.salt,
-        "lora": namespace.lora,
-    }
-
-
 def encode_resolve(request_id: int, namespace: Namespace) -> bytes:
     """RESOLVE (JSON namespace, as in the REST API): the caller's root of that namespace."""
-    return _json_frame(Op.RESOLVE, request_id, namespace_json(namespace))
+    return _json_frame(Op.RESOLVE, request_id, namespace.as_json())
 
 
 def decode_resolve(data: bytes) -> Namespace:

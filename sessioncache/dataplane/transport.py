@@ -65,7 +65,11 @@ class Listener(Protocol):
     def close(self) -> None: ...
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, with or without an IPv6 zone, or ``localhost``) names
+    this host's loopback interface."""
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
     except ValueError:
@@ -85,7 +89,7 @@ class SocketTransport:
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
             peer = sock.getpeername()
             self._peer = f"{peer[0]}:{peer[1]}"
-            self._local = _is_loopback(str(peer[0]))
+            self._local = is_loopback(str(peer[0]))
         else:
             self._peer = f"unix:{sock.getsockname() or '?'}"
             self._local = True

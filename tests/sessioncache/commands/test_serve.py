@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from sessioncache.commands.serve import is_loopback
+from sessioncache.dataplane.transport import is_loopback
 from tests.support.cli import run_cli
 from tests.support.servers import free_port, start_server
 
