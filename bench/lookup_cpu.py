@@ -182,7 +182,7 @@ def main() -> None:
             report(
                 "  of which chain_prefix", timed(lambda: lookups.chain_prefix(node, root, ids), n)
             )
-        report("TieredStore.lookup", timed(lambda: node.store.lookup(ids), n))
+        report("TieredStore.lookup", timed(lambda: node.store.reads.lookup(ids), n))
         if hasattr(node, "attribution"):  # absent before miss attribution
             attribution_costs(node, ns, tb, n)
 
@@ -268,7 +268,7 @@ def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:
     stores.plan_upload(node, Caller("default"), ns, tb, session_id="bench-session")
     drops = node.attribution.drops
     if not sum(drops.size().values()):  # a full ring: as after a day of evictions
-        meta = node.store.meta(node.hashes("default", ns, tb)[0])
+        meta = node.store.reads.meta(node.hashes("default", ns, tb)[0])
         for i in range(node.settings.attribution_ring_blocks):
             meta.block_hash = i.to_bytes(16, "little")
             drops.block_dropped(meta, "cpu", 0.0)

@@ -109,7 +109,7 @@ def fill(store: TieredStore, start: int, stop: int, chain: int) -> Iterator[list
     payloads = [PAYLOAD] * chain
     for number in range(start // chain, stop // chain):
         ids = chain_ids(chain, number)
-        store.put(ids, payloads, namespace_root=NS)
+        store.writes.put(ids, payloads, namespace_root=NS)
         yield ids
 
 
@@ -144,11 +144,11 @@ def bench_index(sizes: Sequence[int], chain: int, repeat: int) -> list[dict[str,
         # The ids are the store's keys (counted); the lists holding them here are not.
         ram = (rss_bytes() - before - sum(sys.getsizeof(ids) for ids in chains)) / n
         times, floor, cold, cold_floor = [], [], [], []
-        blocks = store._index._table.slot_of
+        blocks = store._core.index._table.slot_of
         for r in range(repeat):
             ids = chains[(r * 7919) % len(chains)]
             t0 = time.perf_counter()
-            match = store.lookup(ids)
+            match = store.reads.lookup(ids)
             times.append(time.perf_counter() - t0)
             assert match.num_blocks == chain
         for r in range(repeat):  # apart: its random probes would disturb the lookups' caches
@@ -161,7 +161,7 @@ def bench_index(sizes: Sequence[int], chain: int, repeat: int) -> list[dict[str,
             ids = chains[(r * 7919) % len(chains)]
             evict_caches()
             t0 = time.perf_counter()
-            store.lookup(ids)
+            store.reads.lookup(ids)
             cold.append(time.perf_counter() - t0)
             evict_caches()
             t0 = time.perf_counter()
@@ -209,14 +209,14 @@ def bench_sweep(sizes: Sequence[int]) -> list[dict[str, float]]:
             short = i % (n // due) == 0
             session = sessions.open(f"s{i}", ttl_s=10.0 if short else 3600.0)
             block = [i.to_bytes(16, "big")]
-            store.put(block, [PAYLOAD], namespace_root=NS, ttl_s=10.0 if short else 3600.0)
+            store.writes.put(block, [PAYLOAD], namespace_root=NS, ttl_s=10.0 if short else 3600.0)
             del session
         clock.advance(20.0)
         now = clock.now()
         gc.collect()  # the fill's garbage: a full collection is not the sweep's cost
         t0 = time.perf_counter()
         scan = [s for s in sessions._sessions.values() if s.expires_at <= now]
-        blocks = store._index.records()
+        blocks = store._core.index.records()
         scanned = [m for m in blocks if m.expires_at <= now and not m.ref_cnt]
         ref = time.perf_counter() - t0
         gc.collect()
@@ -311,7 +311,7 @@ def bench_restart(
                     time.sleep(0.01)
                 background = time.perf_counter() - t0
                 sample = ids[:: max(1, n // 1000)]
-                assert all(node.store.get_bytes(b) == PAYLOAD for b in sample)
+                assert all(node.store.reads.get_bytes(b) == PAYLOAD for b in sample)
                 node.close()
                 parts = restart_parts(data, db_url, db_schema, n)
                 full = math.nan
@@ -320,7 +320,7 @@ def bench_restart(
                     t0 = time.perf_counter()
                     node = open_node(settings, start=False)
                     full = time.perf_counter() - t0
-                    assert all(node.store.get_bytes(b) == PAYLOAD for b in sample)
+                    assert all(node.store.reads.get_bytes(b) == PAYLOAD for b in sample)
                     node.close()
                 if db_schema:
                     _drop_schema(db_url, db_schema)

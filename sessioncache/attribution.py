@@ -195,7 +195,7 @@ class _Trail:
 
 
 class StoreView(NamedTuple):
-    """What attribution reads of the store: ``TieredStore.meta``, ``where`` (cheaper: no
+    """What attribution reads of the store: ``TieredStore.reads.meta``, ``where`` (cheaper: no
     snapshot) and its clock's ``now``."""
 
     meta: Callable[[BlockHash], BlockMeta | None]

@@ -99,7 +99,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
     store, sessions restored, the fleet index when Redis is configured, and (``start``) the
     catalog flusher, the fleet's heartbeat and the background sweep.
 
-    A started node restarts fast (issue 15): the disk tier's index is the catalog's rows,
+    A started node restarts fast: the disk tier's index is the catalog's rows,
     files unopened, and the files the catalog lacks are adopted by a background pass while
     the node serves (``/readyz`` says so meanwhile). Unstarted (commands, tests) it walks
     and reconciles everything before returning, as before."""
@@ -159,7 +159,9 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             refresher.bind(store.tier_names().index(shared.name))
         if fleet is not None and shared is not None:
             shared_name = shared.name
-            fleet.set_held(lambda: [held for held in store.holdings() if held[1] != shared_name])
+            fleet.set_held(
+                lambda: [held for held in store.reads.holdings() if held[1] != shared_name]
+            )
         background: BackgroundReconcile | None = None
         if fast:
             catalog.bind_tiers(store.tiers)
@@ -171,7 +173,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             kind_ttls=settings.kind_ttls(),
             idle_timeout_s=settings.idle_timeout_s,
             pin_share=settings.pin_share,
-            repository=catalog,
+            repository=catalog.sessions,
         )
         restored = sessions.restore()
         owners = NamespaceOwners(catalog)

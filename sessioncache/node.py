@@ -78,7 +78,7 @@ class CacheNode:
         drops = DropLog(settings.attribution_ring_blocks)
         store.observe(drops)
         self.attribution = Attribution(
-            StoreView(store.meta, store.where, store.clock.now),
+            StoreView(store.reads.meta, store.reads.where, store.clock.now),
             drops,
             max_sessions=settings.attribution_sessions,
         )

@@ -247,9 +247,9 @@ class SessionManager:
         tenant: str | None = None,
         lease_s: float | None = None,
     ) -> Match:
-        """``store.lookup`` on behalf of a session: TTLs at least the session's, chain pinned."""
+        """``reads.lookup`` on behalf of a session: TTLs at least the session's, chain pinned."""
         session, ttl = self._begin(session_id, tenant)
-        match = self._store.lookup(hashes, lease_s=lease_s, ttl_s=ttl)
+        match = self._store.reads.lookup(hashes, lease_s=lease_s, ttl_s=ttl)
         self._end(session, match.hashes)
         return match
 
@@ -264,10 +264,10 @@ class SessionManager:
         tenant: str | None = None,
         durable: bool = False,
     ) -> WriteResult:
-        """``store.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
+        """``writes.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
         the session's chain becomes ``prefix + hashes``."""
         session, ttl = self._begin(session_id, tenant)
-        result = self._store.put(
+        result = self._store.writes.put(
             hashes,
             payloads,
             namespace_root=namespace_root,
@@ -285,7 +285,7 @@ class SessionManager:
         instance PUT one by one over HTTP): slide its TTL, raise its blocks' TTLs, pin them."""
         session, ttl = self._begin(session_id, tenant)
         if chain:
-            self._store.touch(chain, ttl_s=ttl)  # activity, not a lookup
+            self._store.reads.touch(chain, ttl_s=ttl)  # activity, not a lookup
         with self._lock:
             self._end(session, chain)
             return replace(session)
@@ -297,7 +297,7 @@ class SessionManager:
             held = self._pins.get(session_id)
             if held is None:
                 return
-            held.extend(self._store.pin(hashes))
+            held.extend(self._store.reads.pin(hashes))
             self._enforce_pin_budget()
 
     # -- maintenance --------------------------------------------------------------------
@@ -315,7 +315,7 @@ class SessionManager:
             idle = self._idling.due(now, self._idle)
             for session_id in idle:
                 self._unpin(session_id, "idle")
-        return SweepReport(len(expired), len(idle), self._store.expire())
+        return SweepReport(len(expired), len(idle), self._store.writes.expire())
 
     def restore(self) -> int:
         """Load sessions from the repository (after a restart) and pin the live ones' chains,
@@ -334,7 +334,7 @@ class SessionManager:
                 self._expiring.add(session.id, session.expires_at)
                 loaded += 1
                 if session.head is not None and session.last_seen + self._idle_timeout > now:
-                    chain = self._store.chain_to(session.head)
+                    chain = self._store.reads.chain_to(session.head)
                     if chain:
                         self._pin(session, chain)
             self._enforce_pin_budget()
@@ -425,13 +425,13 @@ class SessionManager:
         if old and len(chain) >= len(old) and chain[len(old) - 1] == old[-1]:
             # The usual turn: the chain only grew. Ids commit to their whole prefix, so equal
             # last ids mean the old pins are a prefix of the new chain: pin the growth only.
-            old.extend(self._store.pin(chain[len(old) :]))
+            old.extend(self._store.reads.pin(chain[len(old) :]))
             new = old
         else:
             # Pin the new chain before unpinning the old: shared blocks never drop to zero.
-            new = self._store.pin(chain)
+            new = self._store.reads.pin(chain)
             if old:
-                self._store.unpin(old)
+                self._store.reads.unpin(old)
         self._pins[session.id] = new
         if old is None:
             self._idling.add(session.id, session.last_seen + self._idle_timeout)
@@ -442,7 +442,7 @@ class SessionManager:
             listener(session_id, cause)
         held = self._pins.pop(session_id, None)
         if held:
-            self._store.unpin(held)
+            self._store.reads.unpin(held)
         session = self._sessions.get(session_id)
         if session is not None:
             session.pinned = False

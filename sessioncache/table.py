@@ -1,6 +1,6 @@
 """The block table: what the store knows of every block, as a struct of arrays keyed by slot.
 
-A node holds millions of blocks, so a block is not an object (issue 15): it is a slot, an
+A node holds millions of blocks, so a block is not an object: it is a slot, an
 integer, and each of its fields is one item in a typed NumPy array (machine words,
 no object per value), so that a record costs ~150 bytes and a chain's fields lie side by side.
 ``slot_of`` maps an id to its slot; ``key(slot)`` is the id back.

@@ -41,15 +41,13 @@ other puts of it wait for that to finish, so one id never has two writers.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
 import secrets
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -62,6 +60,14 @@ import xxhash
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock
+from sessioncache.tiers.fileio import (
+    fsync_dir,
+    mtime,
+    read_full,
+    sync_file_range,
+    write_all,
+    write_with_writeback,
+)
 from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
@@ -104,90 +110,6 @@ class _TrustedEntry(_Entry):
     """A block indexed on its owner's word (``adopt``), its file not seen yet. One object is
     shared by every adopted block of a size and namespace (a restart adopts them by the
     hundred thousand): the identity check still tells a put's entry (always new) from it."""
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, _DIR_FLAGS)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    """``writev`` every byte of ``buffers``, resuming after short writes."""
-    while buffers:
-        done = os.writev(fd, buffers)
-        while buffers and done >= buffers[0].nbytes:
-            done -= buffers[0].nbytes
-            buffers.pop(0)
-        if done:
-            buffers[0] = buffers[0][done:]
-
-
-def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
-    """Linux ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``, or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-
-    def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the overlap
-
-    return start_writeback
-
-
-_sync_file_range = _load_sync_file_range()
-# See "Write speed" in the module docstring.
-_WRITEBACK_CHUNK = 256 << 10
-
-
-def _write_with_writeback(
-    fd: int, header: memoryview, view: memoryview, start: Callable[[int, int, int], None]
-) -> None:
-    """Write header and payload in chunks, starting the device write of each chunk at once.
-
-    The disk then writes chunk ``i`` while the next one is copied into the page cache, so the
-    ``fdatasync`` that follows waits for the tail only instead of the whole payload.
-    """
-    step = _WRITEBACK_CHUNK
-    _write_all(fd, [header, view[:step]])
-    written = header.nbytes + min(step, view.nbytes)
-    start(fd, 0, written)
-    for pos in range(step, view.nbytes, step):
-        chunk = view[pos : pos + step]
-        _write_all(fd, [chunk])
-        start(fd, written, chunk.nbytes)
-        written += chunk.nbytes
-
-
-def _read_full(fd: int, buffers: list[memoryview]) -> int:
-    """``readv`` into ``buffers`` until they are full or EOF; returns the bytes read."""
-    total = 0
-    buffers = [b for b in buffers if b.nbytes]
-    while buffers:
-        got = os.readv(fd, buffers)
-        if got == 0:
-            break
-        total += got
-        while buffers and got >= buffers[0].nbytes:
-            got -= buffers[0].nbytes
-            buffers.pop(0)
-        if got:
-            buffers[0] = buffers[0][got:]
-    return total
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except FileNotFoundError:
-        return float("inf")  # gone: nothing to remove
 
 
 class DiskTier:
@@ -357,7 +279,7 @@ class DiskTier:
                         if d2.is_dir(follow_symlinks=False):
                             quarantined += self._scan_shard(d2.path, found)
                 if self._fsync:
-                    _fsync_dir(d1.path)
+                    fsync_dir(d1.path)
                 self._ready_dirs.add(d1.path)
         with self._lock:
             for block in found:
@@ -399,7 +321,7 @@ class DiskTier:
             for entry in entries:
                 fname = entry.name
                 if fname.startswith(".") and fname.endswith(_TMP_SUFFIX):
-                    if known is None or _mtime(entry.path) < self._opened_at:
+                    if known is None or mtime(entry.path) < self._opened_at:
                         self._unlink_quiet(entry.path)
                     continue
                 if not fname.endswith(_BLOCK_SUFFIX):
@@ -432,7 +354,7 @@ class DiskTier:
                     self._quarantine_file(entry.path, block_hash, f"read error: {exc}")
                     quarantined += 1
         if self._fsync:
-            _fsync_dir(shard)
+            fsync_dir(shard)
         self._ready_dirs.add(shard)
         return quarantined
 
@@ -553,10 +475,10 @@ class DiskTier:
         try:
             fd = os.open(tmp, _WRITE_FLAGS, 0o644)
             try:
-                if self._fsync and _sync_file_range is not None:
-                    _write_with_writeback(fd, memoryview(header), view, _sync_file_range)
+                if self._fsync and sync_file_range is not None:
+                    write_with_writeback(fd, memoryview(header), view, sync_file_range)
                 else:
-                    _write_all(fd, [memoryview(header), view])
+                    write_all(fd, [memoryview(header), view])
                 if self._fsync:
                     os.fdatasync(fd)
             finally:
@@ -568,12 +490,12 @@ class DiskTier:
                 raise TierFull(f"{self.name} tier: filesystem full: {exc}") from exc
             raise
         if self._fsync:
-            _fsync_dir(shard)
+            fsync_dir(shard)
             # A folder made (or first seen) by this process: make its entry in its parent
             # durable too. Done after the shard's fsync, whose journal commit usually
             # already carried these entries, so these calls are cheap.
             for path in new_dirs:
-                _fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(path))
         self._ready_dirs.update(new_dirs)
         return _Entry(n, namespace_root)
 
@@ -583,8 +505,8 @@ class DiskTier:
             return
         os.makedirs(path, exist_ok=True)
         if self._fsync:
-            _fsync_dir(path)
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            fsync_dir(path)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
         self._ready_dirs.add(path)
 
     # ------------------------------------------------------------------------------------ get
@@ -603,7 +525,7 @@ class DiskTier:
         try:
             fd = os.open(path, _READ_FLAGS)
             try:
-                got = _read_full(fd, [memoryview(header), body, memoryview(extra)])
+                got = read_full(fd, [memoryview(header), body, memoryview(extra)])
             finally:
                 os.close(fd)
         except FileNotFoundError:

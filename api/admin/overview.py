@@ -121,7 +121,7 @@ def namespaces(node: CacheNode, store: TieredStore) -> dict[str, Any]:
 
 
 def session_row(store: TieredStore, session: Session, hit_tokens: int) -> dict[str, Any]:
-    chain = store.chain_tiers(session.head) if session.head is not None else []
+    chain = store.reads.chain_tiers(session.head) if session.head is not None else []
     return {
         "id": session.id,
         "tenant": session.tenant,
@@ -140,7 +140,7 @@ def session_row(store: TieredStore, session: Session, hit_tokens: int) -> dict[s
 
 def session_detail(node: CacheNode, store: TieredStore, session: Session) -> dict[str, Any]:
     """The session's row and its chain, root first, each block with the tiers holding it."""
-    chain = store.chain_tiers(session.head) if session.head is not None else []
+    chain = store.reads.chain_tiers(session.head) if session.head is not None else []
     hits = node.session_hit_tokens([session.id])[session.id]
     return {
         **session_row(store, session, hits),

@@ -231,6 +231,6 @@ def purge_session(
     """Close and drop the session's chain from every tier now (blocks another live session
     pins, or a lease holds, stay)."""
     session = sessions.get(session_id)
-    chain = store.chain_to(session.head) if session.head is not None else []
+    chain = store.reads.chain_to(session.head) if session.head is not None else []
     sessions.close(session_id)
-    return {"dropped_blocks": store.delete(chain[::-1])}  # tail first
+    return {"dropped_blocks": store.writes.delete(chain[::-1])}  # tail first

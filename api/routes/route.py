@@ -20,12 +20,10 @@ router = APIRouter(prefix="/v1", tags=["routing"])
 async def route(body: RouteRequest, routing: RouterDep, tenant: TenantDep) -> Response:
     """Per engine (the caller's and the shared ones, or those named), the cached prefix of
     the prompt, per medium and scored; best first. ``cache`` is the prefix held in the
-    node's own tiers.
-
-    Always on a worker thread, unlike short lookups: on the event loop, 32K-token routes at
-    8 clients took 3-5x longer (bench/route.py, 100K blocks, back-to-back runs: p50 117 vs
-    34 ms by tokens, 89 vs 16 ms by ids), the loop no longer reading the other requests'
-    bodies while one route hashes and matches."""
+    node's own tiers."""
+    # On a worker thread, unlike short lookups: a route hashes and matches long prompts, and on
+    # the event loop it would stop the other requests' bodies being read (docs/benchmarks.md,
+    # "KV-aware routing").
     return await run_in_threadpool(_route, body, routing, tenant)
 
 

@@ -1,5 +1,5 @@
 """The block rows of a tier read in bulk, as ``RecoveredBatch`` columns: the index of a fast
-restart (issue 15), hundreds of thousands of rows read before the node serves.
+restart, hundreds of thousands of rows read before the node serves.
 
 * The rows are read on the driver's own cursor (``sqlite3``; psycopg 3 through a server-side
   cursor in binary format, so that the result streams in batches and numbers arrive unparsed

@@ -11,7 +11,7 @@ batch, plus whatever was changed by hand:
 
 Run it at start-up, after building the store (``reconcile(catalog, store)``) and before serving.
 
-A fast restart (issue 15) skips both walks: ``CatalogRecoveredTier(..., from_catalog=True)``
+A fast restart skips both walks: ``CatalogRecoveredTier(..., from_catalog=True)``
 over a tier opened without its scan (``DiskTier.open(..., scan=False)``) takes the catalog's
 rows as the index (read in columnar batches, ``Catalog.iter_recovered_batches``, handed to the
 tier with ``adopt_batch`` and to the store one by one or, ``recovered_batches()``, in bulk),
@@ -140,7 +140,7 @@ def _reconcile_tier(
     adopted = quarantined = 0
     batch: list[BlockRecord] = []
     for block_hash in sorted(held - rows):
-        meta = store.meta(block_hash) if store is not None else None
+        meta = store.reads.meta(block_hash) if store is not None else None
         found = recovered.get(block_hash)
         if meta is None and found is None:
             continue  # stored after the scan without our observer: nothing to describe it
@@ -149,8 +149,8 @@ def _reconcile_tier(
             data = tier.get(block_hash)
             if data is None:
                 quarantined += 1
-                if store is not None and store.where(block_hash) == [tier.name]:
-                    store.delete([block_hash])
+                if store is not None and store.reads.where(block_hash) == [tier.name]:
+                    store.writes.delete([block_hash])
                 continue
             checksum = checksum_of(data)
         if meta is not None:
@@ -302,8 +302,8 @@ def adopt_unlisted(store: TieredStore, *, verify: bool = True) -> ReconcileRepor
                 quarantined += 1
                 continue
             good.append(block)
-        adopted += store.adopt_found(tier.name, good)
-        dropped += store.forget_copies(tier.name, inner.missing())
+        adopted += store.recovery.adopt_found(tier.name, good)
+        dropped += store.recovery.forget_copies(tier.name, inner.missing())
     report = ReconcileReport(adopted, quarantined, dropped, 0, time.perf_counter() - start)
     log.info(
         "background pass: %d files the catalog lacked adopted, %d quarantined, "

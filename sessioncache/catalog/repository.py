@@ -24,25 +24,21 @@ hit and miss tokens).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import (
     Connection,
     Engine,
     Executable,
-    delete,
     func,
-    or_,
     select,
 )
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError
 
 from sessioncache.background import BackgroundLoop
 from sessioncache.blocks import BlockMeta
@@ -51,15 +47,15 @@ from sessioncache.catalog.db import make_engine
 from sessioncache.catalog.models import (
     blocks_table,
     namespaces_table,
-    sessions_table,
     usage_table,
 )
+from sessioncache.catalog.retry import retried_on_disconnect
+from sessioncache.catalog.session_rows import SessionRows
 from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import CatalogError, CatalogNotMigrated
 from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
-from sessioncache.session_query import SessionPage, SessionQuery
 from sessioncache.sessions import Session
 from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock, Tier
 
@@ -68,31 +64,6 @@ if TYPE_CHECKING:
     from sessioncache.sessions import SessionRepository
 
 log = logging.getLogger("sessioncache.catalog")
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-_READ_ATTEMPTS = 3
-
-
-def _retried_on_disconnect(read: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``read`` again, on a new connection, when the one it was given turned out dead (its
-    backend terminated, a failover) after the pool's pre-ping passed: the pool drops such a
-    connection, and a read or an idempotent write (an upsert, a delete) is safe to repeat.
-    Any other error is raised at once."""
-
-    @functools.wraps(read)
-    def retried(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        for attempt in range(1, _READ_ATTEMPTS + 1):
-            try:
-                return read(*args, **kwargs)
-            except DBAPIError as exc:
-                if not exc.connection_invalidated or attempt == _READ_ATTEMPTS:
-                    raise
-                log.info("catalog connection lost during %s; retrying", read.__name__)
-        raise AssertionError("unreachable")
-
-    return retried
-
 
 DEFAULT_FLUSH_INTERVAL_S = 0.2
 DEFAULT_MAX_PENDING = 10_000
@@ -221,6 +192,9 @@ class Catalog:
         self._errors = 0
         self._last_error: str | None = None
         self._stmts = Statements(engine.dialect.name)
+        self.sessions: Final = SessionRows(self)
+        """The session rows (``SessionRepository``): opens and closes durable on return,
+        saves written behind with the block rows."""
 
     @classmethod
     def open(
@@ -330,7 +304,7 @@ class Catalog:
             usage = self._pending.usage
             usage[key] = usage.get(key, 0) + int(amount)
 
-    @_retried_on_disconnect
+    @retried_on_disconnect
     def usage(
         self,
         since: float,
@@ -350,79 +324,9 @@ class Catalog:
             rows = conn.execute(query.order_by(t.c.bucket, t.c.name)).all()
         return [UsageSample(r.name, float(r.bucket), int(r.value)) for r in rows]
 
-    # -- SessionRepository --------------------------------------------------------------
-
-    @_retried_on_disconnect
-    def create_session(self, session: Session) -> None:
-        """Insert (or overwrite) the session's row; durable when this returns."""
-        with self._qlock:
-            self._pending.sessions.pop(session.id, None)
-        params = _session_params(session)
-        with self._write_lock, self.engine.begin() as conn:
-            conn.execute(self._stmts.upsert_session, [params])
-
-    def save_session(self, session: Session) -> None:
-        """Queue the session's new expiry and head (an update of its existing row)."""
-        with self._qlock:
-            self._pending.sessions[session.id] = session
-            size = len(self._pending.sessions)
-        if size >= self._max_pending:
-            self._flusher.wake()
-
-    @_retried_on_disconnect
-    def delete_session(self, session_id: str) -> None:
-        """Delete the session's row; durable when this returns."""
-        with self._qlock:
-            self._pending.sessions.pop(session_id, None)
-        with self._write_lock, self.engine.begin() as conn:
-            conn.execute(delete(sessions_table).where(sessions_table.c.id == session_id))
-
-    @_retried_on_disconnect
-    def load_sessions(self) -> list[Session]:
-        """Every stored session (pending saves are flushed first)."""
-        self.flush()
-        t = sessions_table
-        with self.engine.connect() as conn:
-            rows = conn.execute(select(t).order_by(t.c.created, t.c.id)).all()
-        return [_session_of(r) for r in rows]
-
-    @_retried_on_disconnect
-    def load_session(self, session_id: str) -> Session | None:
-        """One stored session, e.g. opened through another node sharing this catalog."""
-        t = sessions_table
-        with self.engine.connect() as conn:
-            row = conn.execute(select(t).where(t.c.id == session_id)).first()
-        return _session_of(row) if row is not None else None
-
-    @_retried_on_disconnect
-    def query_sessions(self, query: SessionQuery, *, now: float) -> SessionPage:
-        """One page of the unexpired sessions, searched and sorted in SQL (``SessionSearch``;
-        pending saves are flushed first, so last-seen times are current)."""
-        self.flush()
-        t = sessions_table
-        where = [t.c.expires_at > now]
-        if query.tenant is not None:
-            where.append(t.c.tenant == query.tenant)
-        if query.search:
-            needle = query.search.lower()
-            where.append(
-                or_(
-                    func.lower(t.c.id).contains(needle, autoescape=True),
-                    func.lower(t.c.tenant).contains(needle, autoescape=True),
-                )
-            )
-        column = t.c[query.sort]
-        order = [column.desc(), t.c.id.desc()] if query.descending else [column, t.c.id]
-        with self.engine.connect() as conn:
-            total = conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one()
-            rows = conn.execute(
-                select(t).where(*where).order_by(*order).offset(query.offset).limit(query.limit)
-            ).all()
-        return SessionPage(int(total), [_session_of(r) for r in rows])
-
     # -- block rows (synchronous: reconciliation, tools, tests) -------------------------
 
-    @_retried_on_disconnect
+    @retried_on_disconnect
     def block_records(self, tier: str | None = None) -> list[BlockRecord]:
         """The stored block rows (of one tier), as written so far (no flush)."""
         t = blocks_table
@@ -457,7 +361,7 @@ class Catalog:
             for (block_id,) in result:
                 yield BlockHash(bytes(block_id))
 
-    @_retried_on_disconnect
+    @retried_on_disconnect
     def lookup_blocks(
         self, tier: str, block_ids: Sequence[BlockHash]
     ) -> dict[BlockHash, BlockRecord]:
@@ -473,7 +377,7 @@ class Catalog:
                     found[record.block_id] = record
         return found
 
-    @_retried_on_disconnect
+    @retried_on_disconnect
     def count_blocks(self, tier: str | None = None) -> int:
         query = select(func.count()).select_from(blocks_table)
         if tier is not None:
@@ -503,7 +407,7 @@ class Catalog:
         with self._write_lock, self.engine.begin() as conn:
             conn.execute(self._stmts.upsert_namespace_description, [params])
 
-    @_retried_on_disconnect
+    @retried_on_disconnect
     def namespaces(self) -> dict[bytes, dict[str, Any] | None]:
         t = namespaces_table
         with self.engine.connect() as conn:
@@ -695,33 +599,7 @@ def _record_of(row: Any) -> BlockRecord:
     )
 
 
-def _session_params(s: Session) -> dict[str, Any]:
-    return {
-        "id": s.id,
-        "tenant": s.tenant,
-        "kind": s.kind,
-        "ttl_s": s.ttl_s,
-        "created": s.created,
-        "last_seen": s.last_seen,
-        "expires_at": s.expires_at,
-        "head": bytes(s.head) if s.head is not None else None,
-    }
-
-
 if TYPE_CHECKING:
 
     def _protocols(catalog: Catalog) -> tuple[StoreObserver, SessionRepository]:
-        return catalog, catalog
-
-
-def _session_of(r: Any) -> Session:
-    return Session(
-        id=r.id,
-        tenant=r.tenant,
-        kind=r.kind,
-        ttl_s=float(r.ttl_s),
-        created=float(r.created),
-        last_seen=float(r.last_seen),
-        expires_at=float(r.expires_at),
-        head=BlockHash(bytes(r.head)) if r.head is not None else None,
-    )
+        return catalog, catalog.sessions

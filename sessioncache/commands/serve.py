@@ -17,8 +17,7 @@ log = logging.getLogger("sessioncache.serve")
 
 
 # uvicorn pauses reading a request body whenever 64 KiB are buffered, so a 2 MiB block upload
-# costs ~32 event-loop round trips; bench/transfer.py measured PUT throughput 1.9x higher with
-# 512 KiB (larger windows lose again: uvicorn grows the buffer by bytes concatenation).
+# costs ~32 event-loop round trips; 512 KiB windows (docs/benchmarks.md, bench/transfer.py).
 BODY_READ_WINDOW = 512 << 10
 
 
@@ -38,8 +37,8 @@ def widen_body_window(limit: int = BODY_READ_WINDOW) -> None:
 
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 """glibc switches memcpy to non-temporal stores only above a threshold derived from the cache
-size (~19 MiB on the reference machine); at 1 MiB, copies of 2 MiB blocks into the node's tiers
-run 1.6-1.8x faster there (docs/benchmarks.md). glibc reads it at process start only."""
+size; 1 MiB suits the node's copies of whole blocks into its tiers (figures in
+docs/benchmarks.md). glibc reads it at process start only."""
 
 
 def tuned_environment(environ: Mapping[str, str]) -> dict[str, str] | None:

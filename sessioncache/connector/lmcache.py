@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sessioncache.connector.stream import as_buffer
+from sessioncache.connector.payloads import as_buffer
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key

@@ -43,7 +43,7 @@ from lmcache.v1.storage_backend.connector import (
 )
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from sessioncache.connector.stream import as_buffer
+from sessioncache.connector.payloads import as_buffer
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer, Path
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key

@@ -45,12 +45,12 @@ import numpy.typing as npt
 import xxhash
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError
+from sessioncache.connector.payloads import as_buffer, one_size
 from sessioncache.connector.stream import (
     StreamClient,
+    StreamConnection,
     StreamLookup,
-    as_buffer,
     discover_same_host,
-    one_size,
 )
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import (
@@ -165,6 +165,92 @@ def _stage_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
     return frames.encode_stage(rid, head, tokens)
 
 
+class SegmentMaps:
+    """The node's shared-memory segments as this client maps them: SEGMENTS asks for the
+    descriptors of the ones a slot names, which arrive with the answer over the Unix socket."""
+
+    def __init__(self, conn: StreamConnection, sock: socket.socket) -> None:
+        self._conn = conn
+        self._sock = sock
+        self._segments: dict[int, npt.NDArray[np.uint8]] = {}
+
+    @property
+    def mapped(self) -> list[int]:
+        """The segments mapped here."""
+        return sorted(self._segments)
+
+    def clear(self) -> None:
+        self._segments.clear()
+
+    def view(self, slot: Slot) -> npt.NDArray[np.uint8]:
+        return self._segments[slot.segment][slot.offset : slot.offset + slot.nbytes]
+
+    def ensure(self, segments: Iterable[int]) -> None:
+        """Map every segment of ``segments`` not mapped yet (SEGMENTS, descriptors passed
+        with the answer); forget mappings of segments the node no longer has."""
+        missing = sorted({s for s in segments if s not in self._segments})
+        while missing:
+            ok, fds = self._call(missing)
+            try:
+                if len(fds) != len(ok.sent):
+                    raise ProtocolError(
+                        f"SEGMENTS_OK: {len(fds)} descriptors for {len(ok.sent)} ids"
+                    )
+                for segment, fd in zip(ok.sent, fds, strict=True):
+                    self._segments[segment] = self._map(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            live = set(ok.live)
+            for segment in [s for s in self._segments if s not in live]:
+                del self._segments[segment]  # retired: its id never comes back
+            still = [s for s in missing if s not in self._segments]
+            if still and not ok.sent:
+                raise ProtocolError(f"segments {still} are not live on the node")
+            missing = still
+
+    @staticmethod
+    def _map(fd: int) -> npt.NDArray[np.uint8]:
+        size = os.fstat(fd).st_size
+        memory = mmap.mmap(
+            fd,
+            size,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        return np.frombuffer(memory, np.uint8)
+
+    def _call(self, wanted: list[int]) -> tuple[SegmentsOk, list[int]]:
+        """SEGMENTS; its answer's first byte carries the descriptors."""
+        with self._conn.lock:
+            rid = self._conn.send(frames.encode_segments(self._conn.next_rid(), wanted))
+            if self._conn.broken is not None:
+                raise StreamClosed(f"the connection is unusable: {self._conn.broken}")
+            try:
+                first, fds, flags, _ = socket.recv_fds(self._sock, 1, MAX_FDS)
+            except OSError as exc:
+                self._conn.broken = str(exc)
+                self._conn.transport.close()
+                raise StreamClosed(str(exc)) from None
+            try:
+                if not first:
+                    self._conn.broken = "the node closed the connection"
+                    raise StreamClosed(self._conn.broken)
+                if flags & socket.MSG_CTRUNC:
+                    self._conn.fail("SEGMENTS_OK: descriptors cut short (MSG_CTRUNC)")
+                head = bytearray(HEADER_SIZE)
+                head[0:1] = first
+                self._conn.recv(memoryview(head)[1:])
+                header = self._conn.decode_answer_header(head, rid, Op.SEGMENTS_OK)
+                body = bytearray(header.body_len)
+                self._conn.recv(memoryview(body))
+                return frames.decode_segments_ok(bytes(body)), fds
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+
+
 class SameHostClient(StreamClient):
     """A connection to a node's same-host socket (see the module docstring). One client is
     one connection; its calls are serialized (use one client per thread)."""
@@ -185,8 +271,7 @@ class SameHostClient(StreamClient):
         super().__init__(
             transport, api_key=api_key, seed=seed, timeout=timeout, client_name=client_name
         )
-        self._sock = transport.socket
-        self._segments: dict[int, npt.NDArray[np.uint8]] = {}
+        self._maps = SegmentMaps(self._c, transport.socket)
         self._hasher: ThreadPoolExecutor | None = None
         self.hash_ahead = True
         """Checksum host payloads in a thread of this client, ahead of the copies (else each
@@ -226,89 +311,21 @@ class SameHostClient(StreamClient):
         path = discover_same_host(rest_url, api_key=api_key)
         return cls.connect(path, api_key=api_key, seed=seed, timeout=timeout)
 
+    @property
+    def mapped_segments(self) -> list[int]:
+        """The segments this client has mapped."""
+        return self._maps.mapped
+
     def close(self) -> None:
-        self._segments.clear()
+        self._maps.clear()
         if self._hasher is not None:
             self._hasher.shutdown(wait=False, cancel_futures=True)
         super().close()
 
     def __repr__(self) -> str:
-        return f"SameHostClient({self._t.peer!r}, tenant={getattr(self, 'tenant', None)!r})"
-
-    # -- segments ------------------------------------------------------------------------
-
-    @property
-    def mapped_segments(self) -> list[int]:
-        """The segments this client has mapped."""
-        return sorted(self._segments)
-
-    def _segment(self, slot: Slot) -> npt.NDArray[np.uint8]:
-        return self._segments[slot.segment][slot.offset : slot.offset + slot.nbytes]
-
-    def _ensure_segments(self, segments: Iterable[int]) -> None:
-        """Map every segment of ``segments`` not mapped yet (SEGMENTS, descriptors passed
-        with the answer); forget mappings of segments the node no longer has."""
-        missing = sorted({s for s in segments if s not in self._segments})
-        while missing:
-            ok, fds = self._call_segments(missing)
-            try:
-                if len(fds) != len(ok.sent):
-                    raise ProtocolError(
-                        f"SEGMENTS_OK: {len(fds)} descriptors for {len(ok.sent)} ids"
-                    )
-                for segment, fd in zip(ok.sent, fds, strict=True):
-                    self._segments[segment] = self._map(fd)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            live = set(ok.live)
-            for segment in [s for s in self._segments if s not in live]:
-                del self._segments[segment]  # retired: its id never comes back
-            still = [s for s in missing if s not in self._segments]
-            if still and not ok.sent:
-                raise ProtocolError(f"segments {still} are not live on the node")
-            missing = still
-
-    @staticmethod
-    def _map(fd: int) -> npt.NDArray[np.uint8]:
-        size = os.fstat(fd).st_size
-        memory = mmap.mmap(
-            fd,
-            size,
-            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        return (
+            f"SameHostClient({self._c.transport.peer!r}, tenant={getattr(self, 'tenant', None)!r})"
         )
-        return np.frombuffer(memory, np.uint8)
-
-    def _call_segments(self, wanted: list[int]) -> tuple[SegmentsOk, list[int]]:
-        """SEGMENTS; its answer's first byte carries the descriptors."""
-        with self._lock:
-            rid = self._send(frames.encode_segments(self._next_rid(), wanted))
-            if self._broken is not None:
-                raise StreamClosed(f"the connection is unusable: {self._broken}")
-            try:
-                first, fds, flags, _ = socket.recv_fds(self._sock, 1, MAX_FDS)
-            except OSError as exc:
-                self._broken = str(exc)
-                self._t.close()
-                raise StreamClosed(str(exc)) from None
-            try:
-                if not first:
-                    self._broken = "the node closed the connection"
-                    raise StreamClosed(self._broken)
-                if flags & socket.MSG_CTRUNC:
-                    self._fail("SEGMENTS_OK: descriptors cut short (MSG_CTRUNC)")
-                head = bytearray(HEADER_SIZE)
-                head[0:1] = first
-                self._recv(memoryview(head)[1:])
-                header = self._decode_answer_header(head, rid, Op.SEGMENTS_OK)
-                body = bytearray(header.body_len)
-                self._recv(memoryview(body))
-                return frames.decode_segments_ok(bytes(body)), fds
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -330,17 +347,17 @@ class SameHostClient(StreamClient):
         self._namespace(root)
         if not ids:
             return SameHostLookup(root, [], 0, [], None, time.monotonic())
-        if len(ids) > self.limits.max_ids:
-            raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
+        if len(ids) > self._c.limits.max_ids:
+            raise InvalidInput(f"{len(ids)} ids; the node takes {self._c.limits.max_ids} at most")
         if lease_ms <= 0:
             raise InvalidInput("a LOCATE needs a lease (lease_ms > 0): it guards the slots")
         request = Lookup(root, list(ids), lease_ms, keyed, session_id, counted)
         start = time.monotonic()
-        body = self._call(Op.LOCATE, lambda rid: frames.encode_locate(rid, request))
+        body = self._c.call(Op.LOCATE, lambda rid: frames.encode_locate(rid, request))
         ok = frames.decode_locate_ok(body)
         if ok.matched > len(ids):
             raise ProtocolError(f"LOCATE_OK: {ok.matched} blocks matched of {len(ids)} asked")
-        self._ensure_segments(s.segment for s in ok.slots)
+        self._maps.ensure(s.segment for s in ok.slots)
         return SameHostLookup(
             root,
             [bytes(h) for h in ids[: len(ok.slots)]],
@@ -355,11 +372,11 @@ class SameHostClient(StreamClient):
         key = lease if isinstance(lease, bytes) else lease.lease
         if key is None:
             return False
-        with self._lock:
-            rid = self._send(frames.encode_release(self._next_rid(), key, check=True))
-            header = self._read_header(rid, Op.RELEASE_OK)
+        with self._c.lock:
+            rid = self._c.send(frames.encode_release(self._c.next_rid(), key, check=True))
+            header = self._c.read_header(rid, Op.RELEASE_OK)
             if header.body_len:
-                self._fail("RELEASE_OK with a body")
+                self._c.fail("RELEASE_OK with a body")
             return bool(header.flags & frames.F_RELEASE_LIVE)
 
     def load_into(
@@ -386,11 +403,11 @@ class SameHostClient(StreamClient):
             )
         release = True if release is None else release
         slots = source.slots[start : start + len(out)]
-        self._ensure_segments(s.segment for s in slots)
+        self._maps.ensure(s.segment for s in slots)
         copied: list[memoryview | None] = []
         try:
             for slot, dst in zip(slots, out, strict=False):
-                copied.append(_copy_out(dst, self._segment(slot)))
+                copied.append(_copy_out(dst, self._maps.view(slot)))
         finally:
             live = self.release_checked(source) if release else time.monotonic() < source.deadline
         if not live:
@@ -400,7 +417,7 @@ class SameHostClient(StreamClient):
             )
         if verify:
             for i, (slot, view) in enumerate(zip(slots, copied, strict=True)):
-                data = view if view is not None else self._segment(slot).data
+                data = view if view is not None else self._maps.view(slot).data
                 if xxhash.xxh3_64_intdigest(data) != slot.checksum:
                     raise ChecksumMismatch(f"block {start + i} does not match its checksum")
         return [i < len(slots) for i in range(len(out))]
@@ -439,11 +456,11 @@ class SameHostClient(StreamClient):
     ) -> tuple[list[bytes], list[BlockStatus], bool]:
         """One STAGE, its slots filled and committed: a block is published only if its slot
         holds exactly its bytes (else ``rejected``)."""
-        body = self._call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
+        body = self._c.call(Op.STAGE, functools.partial(_stage_frame, head=head, tokens=segment))
         staged = frames.decode_stage_ok(body, head.block_nbytes)
         if staged.ids != ours:
             with contextlib.suppress(SessionCacheError):
-                self._abort(staged.staging)
+                _abort(self._c, staged.staging)
             raise IdMismatch("STAGE: the node derived other ids than the client")
         return staged.ids, self._fill_and_commit(staged, part), staged.durable
 
@@ -455,7 +472,7 @@ class SameHostClient(StreamClient):
         The checksums of host payloads are taken of the sources by a thread of this client,
         ahead of the copies (xxhash and numpy both release the GIL), so that hashing, copying
         and the node's verification of the previous batch overlap."""
-        self._ensure_segments(s.segment for s in staged.slots if s is not None)
+        self._maps.ensure(s.segment for s in staged.slots if s is not None)
         n = len(staged.ids)
         size = next((s.nbytes for s in staged.slots if s is not None), 1)
         batch = max(1, self.batch_bytes // size)
@@ -472,7 +489,7 @@ class SameHostClient(StreamClient):
         ]
         codes: list[BlockStatus] = []
         failure: BaseException | None = None
-        with self._lock:
+        with self._c.lock:
             inflight: list[int] = []  # COMMITs sent whose answers are not read yet
             try:
                 for first in range(0, n, batch):
@@ -487,38 +504,41 @@ class SameHostClient(StreamClient):
                             continue
                         ahead = hashes[i]
                         if ahead is None and not _is_device_tensor(payloads[i]):
-                            sums.append(_copy_and_hash(self._segment(slot), payloads[i]))
+                            sums.append(_copy_and_hash(self._maps.view(slot), payloads[i]))
                         else:
-                            on_device = _copy_in(self._segment(slot), payloads[i])
+                            on_device = _copy_in(self._maps.view(slot), payloads[i])
                             sums.append(ahead.result() if ahead is not None else on_device or 0)
                         lengths.append(slot.nbytes)
                     commit = Commit(staged.staging, first, lengths, sums)
-                    inflight.append(self._send(frames.encode_commit(self._next_rid(), commit)))
+                    inflight.append(self._c.send(frames.encode_commit(self._c.next_rid(), commit)))
                     if len(inflight) > self.commits_in_flight:
-                        codes += self._commit_answer(inflight.pop(0))
+                        codes += _commit_answer(self._c, inflight.pop(0))
             except BaseException as exc:
                 failure = exc
                 for pending in hashes:
                     if pending is not None:
                         pending.cancel()
             # Read the answers still due, so that the stream stays in step.
-            while inflight and self._broken is None:
+            while inflight and self._c.broken is None:
                 try:
-                    codes += self._commit_answer(inflight.pop(0))
+                    codes += _commit_answer(self._c, inflight.pop(0))
                 except BaseException as exc:
                     failure = failure or exc
         if failure is not None:
-            if self._broken is None:
+            if self._c.broken is None:
                 with contextlib.suppress(SessionCacheError):
-                    self._abort(staged.staging)  # frees what is left (the node would, at close)
+                    _abort(self._c, staged.staging)  # frees what is left (the node would, at close)
             raise failure
         return codes
 
-    def _commit_answer(self, rid: int) -> list[BlockStatus]:
-        header = self._read_header(rid, Op.COMMIT_OK)
-        body = bytearray(header.body_len)
-        self._recv(memoryview(body))
-        return frames.decode_commit_ok(bytes(body)).status
 
-    def _abort(self, staging: bytes) -> None:
-        self._call(Op.ABORT, lambda rid: frames.encode_abort(rid, staging))
+def _commit_answer(conn: StreamConnection, rid: int) -> list[BlockStatus]:
+    """Read the COMMIT_OK of request ``rid`` (sent already): each block's status."""
+    header = conn.read_header(rid, Op.COMMIT_OK)
+    body = bytearray(header.body_len)
+    conn.recv(memoryview(body))
+    return frames.decode_commit_ok(bytes(body)).status
+
+
+def _abort(conn: StreamConnection, staging: bytes) -> None:
+    conn.call(Op.ABORT, lambda rid: frames.encode_abort(rid, staging))

@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
-import numpy as np
-
 from sessioncache.connector import protocol
 from sessioncache.connector.errors import IdMismatch, ProtocolError
+from sessioncache.connector.payloads import (
+    as_buffer,
+    key_bytes,
+    one_size,
+    segment_ids,
+    store_tokens,
+    store_ttl_ms,
+)
 from sessioncache.connector.storeloop import StoreLoop
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import (
@@ -55,7 +61,6 @@ from sessioncache.errors import (
     from_stream,
 )
 from sessioncache.hashing import (
-    KEY_BYTES,
     Namespace,
     Tokens,
     block_hashes_from_bytes,
@@ -119,44 +124,6 @@ class StoreAck(NamedTuple):
         return kept(self.status)
 
 
-def _torch_view(obj: Any, writable: bool) -> memoryview:
-    if obj.device.type != "cpu":
-        if writable:
-            raise InvalidInput("load_into takes CPU tensors: load, then copy to the device")
-        obj = obj.cpu()
-    flat = obj.detach()
-    if not flat.is_contiguous():
-        raise InvalidInput("a tensor buffer must be contiguous")
-    flat = flat.reshape(-1)
-    if flat.element_size() != 1 or flat.dtype.is_floating_point:
-        import torch
-
-        flat = flat.view(torch.uint8)
-    view: memoryview = flat.numpy().data
-    return view
-
-
-def as_buffer(obj: Any, *, writable: bool) -> memoryview:
-    """A flat byte view of a numpy array, a torch tensor, or anything with the buffer
-    protocol, without copying (a device tensor is copied to the host for reading only)."""
-    if type(obj).__module__.startswith("torch"):
-        view = _torch_view(obj, writable)
-    elif isinstance(obj, np.ndarray):
-        if not obj.flags.c_contiguous:
-            raise InvalidInput("an array buffer must be C-contiguous")
-        view = obj.reshape(-1).view(np.uint8).data
-    else:
-        try:
-            view = memoryview(obj)
-        except TypeError:
-            raise InvalidInput(f"{type(obj).__name__} is not a buffer") from None
-    if writable and view.readonly:
-        raise InvalidInput(f"a read-only {type(obj).__name__} cannot be loaded into")
-    if not view.c_contiguous:
-        raise InvalidInput("a buffer must be contiguous")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def _dataplane(rest_url: str, api_key: str | None, timeout: float) -> protocol.Reply:
     """``GET /v1/dataplane`` of the node at ``rest_url``, checked."""
     import httpx
@@ -183,50 +150,117 @@ def discover_same_host(rest_url: str, *, api_key: str | None = None, timeout: fl
     return path
 
 
-def store_tokens(namespace: Namespace, tokens: Tokens, blocks: int) -> bytes:
-    """``tokens`` as little-endian bytes, checked to be exactly ``blocks`` full blocks."""
-    token_bytes = tokens_to_le_bytes(tokens)
-    if len(token_bytes) != 4 * namespace.block_tokens * blocks:
-        raise InvalidInput(
-            f"{len(token_bytes) // 4} tokens for {blocks} blocks of {namespace.block_tokens} tokens"
-        )
-    return token_bytes
-
-
-def one_size(sizes: Iterable[int]) -> int:
-    """The one non-zero payload size of a store's payloads."""
-    distinct = set(sizes)
-    if len(distinct) != 1 or 0 in distinct:
-        raise PayloadSizeError("the payloads of one store must all have the same non-zero size")
-    return distinct.pop()
-
-
-def store_ttl_ms(ttl_s: float | None) -> int:
-    """A STORE's TTL field: milliseconds, 0 for the node's default."""
-    if ttl_s is not None and not 0 < ttl_s < (1 << 32) / 1000:
-        raise InvalidInput(f"ttl_s must be positive and below 49 days, got {ttl_s}")
-    return 0 if ttl_s is None else max(1, round(ttl_s * 1000))
-
-
 def _store_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
     return frames.encode_store_head(rid, head, tokens)
 
 
-def key_bytes(keys: Sequence[bytes]) -> bytes:
-    """Block keys (16 bytes each, ``hashing.block_key``) as a keyed STORE's key section."""
-    for key in keys:
-        if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
-            raise InvalidInput(f"a block key is {KEY_BYTES} bytes, got {key!r:.60}")
-    return b"".join(keys)
+class StreamConnection:
+    """One data-plane connection, whoever speaks over it: request ids, the lock that keeps a
+    request and its answer together, sending frames and reading answers (an ERROR raises the
+    exception its code names), and whether the connection is still usable."""
 
+    def __init__(self, transport: Transport, timeout: float | None) -> None:
+        self.transport = transport
+        transport.set_timeout(timeout)
+        self.lock = threading.Lock()
+        self.rid = 0
+        self.broken: str | None = None
+        """Why the connection is unusable (closed, or broken by an error); None while usable."""
+        self.head = bytearray(HEADER_SIZE)
+        self.scratch: memoryview | None = None
+        self.limits = Limits()
+        """The node's limits (from HELLO_OK; the defaults until then)."""
 
-def segment_ids(head: StoreHead, units: bytes, seed: int) -> list[bytes]:
-    """The ids the node derives for one STORE or STAGE (``units``: its token or key section)."""
-    if head.keyed:
-        keys = [units[i : i + KEY_BYTES] for i in range(0, len(units), KEY_BYTES)]
-        return list(keyed_block_ids(head.root, keys, seed))
-    start = head.parent if head.parent is not None else head.root
-    return list(block_hashes_from_bytes(start, units, head.block_tokens, seed))
+    def close(self) -> None:
+        self.broken = self.broken or "closed"
+        self.transport.close()
+
+    def next_rid(self) -> int:
+        self.rid = (self.rid + 1) & ((1 << 64) - 1)
+        return self.rid
+
+    def call(
+        self,
+        op: Op,
+        encode: Callable[[int], bytes],
+        *,
+        payloads: Sequence[memoryview] = (),
+    ) -> bytes:
+        """Send one request and return the body of its single answer frame."""
+        with self.lock:
+            rid = self.next_rid()
+            self.send(encode(rid), payloads)
+            header = self.read_header(rid, frames.ANSWER[op])
+            buf = bytearray(header.body_len)
+            self.recv(memoryview(buf))
+            return bytes(buf)
+
+    def send(self, frame: bytes, payloads: Sequence[memoryview] = ()) -> int:
+        if self.broken is not None:
+            raise StreamClosed(f"the connection is unusable: {self.broken}")
+        try:
+            self.transport.send([frame, *payloads])
+        except StreamClosed as exc:
+            # The node may have refused the connection (BUSY, AUTH) and closed it before our
+            # request arrived: its ERROR frame is the better answer, if it is there to read.
+            try:
+                self.read_header(self.rid, Op.ERROR)
+            except (StreamClosed, FrameError):
+                pass
+            except SessionCacheError as refused:
+                self.broken = str(refused)
+                raise refused from exc
+            self.broken = str(exc)
+            raise
+        return self.rid
+
+    def read_header(self, rid: int, expect: Op) -> Header:
+        self.recv(memoryview(self.head))
+        return self.decode_answer_header(self.head, rid, expect)
+
+    def decode_answer_header(self, head: bytearray, rid: int, expect: Op) -> Header:
+        """Check an answer's header (read already): an ERROR raises its exception (closing
+        the connection when the node did), another opcode or request id is a broken stream."""
+        try:
+            header = frames.decode_header(head, requests=False)
+            frames.check_body(header, self.limits)
+        except FrameError as exc:
+            self.broken = str(exc)
+            raise
+        if header.opcode == Op.ERROR:
+            buf = bytearray(header.body_len)
+            self.recv(memoryview(buf))
+            error = frames.decode_error(bytes(buf), header.flags)
+            if error.closing:
+                self.broken = error.message
+                self.transport.close()
+            raise from_stream(error.code, error.message)
+        if header.opcode != expect or header.request_id != rid:
+            self.fail(f"expected {expect.name} for request {rid}, got {header.opcode.name}")
+        return header
+
+    def recv(self, view: memoryview) -> None:
+        if self.broken is not None:
+            raise StreamClosed(f"the connection is unusable: {self.broken}")
+        try:
+            recv_exact(self.transport, view)
+        except (StreamClosed, FrameError) as exc:
+            self.broken = f"the connection ended: {exc}"
+            self.transport.close()
+            raise StreamClosed(self.broken) from None
+
+    def drain(self, n: int) -> None:
+        if self.scratch is None:
+            self.scratch = memoryview(bytearray(1 << 20))
+        while n:
+            k = min(n, self.scratch.nbytes)
+            self.recv(self.scratch[:k])
+            n -= k
+
+    def fail(self, message: str) -> None:
+        self.broken = message
+        self.transport.close()
+        raise FrameError(message)
 
 
 class StreamClient:
@@ -241,28 +275,26 @@ class StreamClient:
         timeout: float | None = 30.0,
         client_name: str = "sessioncache-stream/1",
     ) -> None:
-        self._t = transport
-        self._t.set_timeout(timeout)
+        self._c = StreamConnection(transport, timeout)
         self.seed = seed
-        self._lock = threading.Lock()
-        self._rid = 0
-        self._broken: str | None = None
-        self._head = bytearray(HEADER_SIZE)
-        self._scratch: memoryview | None = None
         self._namespaces: dict[bytes, Namespace] = {}
-        self.limits = Limits()
         try:
-            ok = self._call(
+            ok = self._c.call(
                 Op.HELLO, lambda rid: frames.encode_hello(rid, Hello(api_key, client_name))
             )
         except BaseException:
-            self._t.close()
+            self._c.transport.close()
             raise
         hello = frames.decode_hello_ok(ok)
         self.tenant = hello.tenant
         self.auth = hello.auth
         self.tiers = hello.tiers
-        self.limits = hello.limits
+        self._c.limits = hello.limits
+
+    @property
+    def limits(self) -> Limits:
+        """The node's limits, from its HELLO_OK."""
+        return self._c.limits
 
     @classmethod
     def connect(
@@ -290,13 +322,12 @@ class StreamClient:
         return cls.connect(address, api_key=api_key, seed=seed, timeout=timeout)
 
     def close(self) -> None:
-        self._broken = self._broken or "closed"
-        self._t.close()
+        self._c.close()
 
     @property
     def broken(self) -> bool:
         """The connection is unusable (closed, or broken by an error): connect again."""
-        return self._broken is not None
+        return self._c.broken is not None
 
     def __enter__(self) -> Self:
         return self
@@ -310,7 +341,7 @@ class StreamClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"StreamClient({self._t.peer!r}, tenant={getattr(self, 'tenant', None)!r})"
+        return f"StreamClient({self._c.transport.peer!r}, tenant={getattr(self, 'tenant', None)!r})"
 
     # -- ids -------------------------------------------------------------------------------
 
@@ -320,7 +351,7 @@ class StreamClient:
         for root, known in self._namespaces.items():
             if known == namespace:
                 return root
-        body = self._call(Op.RESOLVE, lambda rid: frames.encode_resolve(rid, namespace))
+        body = self._c.call(Op.RESOLVE, lambda rid: frames.encode_resolve(rid, namespace))
         root = frames.decode_resolve_ok(body)
         effective = tenant_namespace(namespace, self.tenant if self.auth else None)
         if root != namespace_root(effective, self.seed):
@@ -364,10 +395,10 @@ class StreamClient:
         count as hit or miss tokens); False for a probe."""
         self._namespace(root)
         out: list[bool] = []
-        per = self.limits.max_ids
+        per = self._c.limits.max_ids
         for first in range(0, len(ids), per):
             request = frames.Exists(root, list(ids[first : first + per]), counted)
-            body = self._call(Op.EXISTS, functools.partial(frames.encode_exists, exists=request))
+            body = self._c.call(Op.EXISTS, functools.partial(frames.encode_exists, exists=request))
             held = frames.decode_exists_ok(body)
             if len(held) != len(request.ids):
                 raise ProtocolError(f"EXISTS_OK: {len(held)} answers for {len(request.ids)} ids")
@@ -394,10 +425,10 @@ class StreamClient:
         self._namespace(root)
         if not ids:
             return StreamLookup(root, [], [], [], None)
-        if len(ids) > self.limits.max_ids:
-            raise InvalidInput(f"{len(ids)} ids; the node takes {self.limits.max_ids} at most")
+        if len(ids) > self._c.limits.max_ids:
+            raise InvalidInput(f"{len(ids)} ids; the node takes {self._c.limits.max_ids} at most")
         request = Lookup(root, list(ids), lease_ms or 0, keyed, session_id, counted, explain)
-        body = self._call(Op.LOOKUP, lambda rid: frames.encode_lookup(rid, request))
+        body = self._c.call(Op.LOOKUP, lambda rid: frames.encode_lookup(rid, request))
         ok = frames.decode_lookup_ok(body)
         n = len(ok.nbytes)
         if n > len(ids):
@@ -408,14 +439,14 @@ class StreamClient:
 
     def _tier(self, index: int) -> str:
         if index >= len(self.tiers):
-            self._fail(f"tier {index} of a node that named {len(self.tiers)}")
+            self._c.fail(f"tier {index} of a node that named {len(self.tiers)}")
         return self.tiers[index]
 
     def _miss(self, miss: frames.Miss) -> protocol.Miss:
         if (miss.reason is not None and miss.reason >= len(frames.MISS_REASONS)) or (
             miss.pressure is not None and miss.pressure >= len(frames.MISS_PRESSURES)
         ):
-            self._fail(f"LOOKUP_OK: a miss section with unknown codes: {miss}")
+            self._c.fail(f"LOOKUP_OK: a miss section with unknown codes: {miss}")
         first = miss.reason is not None
         return protocol.Miss(
             reason=frames.MISS_REASONS[miss.reason] if miss.reason is not None else None,
@@ -433,7 +464,7 @@ class StreamClient:
         key = lease.lease if isinstance(lease, StreamLookup) else lease
         if key is None:
             return
-        self._call(Op.RELEASE, lambda rid: frames.encode_release(rid, key))
+        self._c.call(Op.RELEASE, lambda rid: frames.encode_release(rid, key))
 
     # -- LOAD ------------------------------------------------------------------------------
 
@@ -498,31 +529,31 @@ class StreamClient:
             if len(ids) - start < n:
                 raise InvalidInput(f"{n} buffers for {len(ids) - start} ids")
             request = LoadIds(list(ids[start : start + n]), each, session)
-        if n > self.limits.max_ids:
-            raise InvalidInput(f"{n} blocks; the node sends {self.limits.max_ids} at most")
-        with self._lock:
-            rid = self._send(frames.encode_load(self._next_rid(), request))
+        if n > self._c.limits.max_ids:
+            raise InvalidInput(f"{n} blocks; the node sends {self._c.limits.max_ids} at most")
+        with self._c.lock:
+            rid = self._c.send(frames.encode_load(self._c.next_rid(), request))
             found: list[bool] = []
             wrong: str | None = None
             for i in range(n):
-                header = self._read_header(rid, Op.BLOCK)
+                header = self._c.read_header(rid, Op.BLOCK)
                 if header.flags & frames.F_BLOCK_MISSING:
                     if header.body_len:
-                        self._fail("BLOCK: a missing block with a body")
+                        self._c.fail("BLOCK: a missing block with a body")
                     found.append(False)
                     if got is not None:
                         got.append(None)
                     continue
                 if views is None:
                     buf = bytearray(header.body_len)
-                    self._recv(memoryview(buf))
+                    self._c.recv(memoryview(buf))
                     assert got is not None
                     got.append(bytes(buf))
                 elif header.body_len == views[i].nbytes:
-                    self._recv(views[i])
+                    self._c.recv(views[i])
                 else:
                     # Keep the stream in step, and say so once every block is read.
-                    self._drain(header.body_len)
+                    self._c.drain(header.body_len)
                     wrong = wrong or (
                         f"block {start + i} is {header.body_len} bytes but its buffer "
                         f"{views[i].nbytes}"
@@ -604,7 +635,7 @@ class StreamClient:
         items, size = self._store_payloads(payloads)
         step = 4 * block_tokens
         ttl_ms = store_ttl_ms(ttl_s)
-        loop = StoreLoop(len(items), per=self.limits.max_ids, parent=parent, linked=linked)
+        loop = StoreLoop(len(items), per=self._c.limits.max_ids, parent=parent, linked=linked)
         while (chunk := loop.next()) is not None:
             head = StoreHead(
                 root, loop.parent, block_tokens, len(chunk), size, ttl_ms, keyed, linked, session
@@ -627,99 +658,10 @@ class StreamClient:
     ) -> tuple[list[bytes], list[BlockStatus], bool]:
         """One STORE: its blocks' ids as the node derived them (``ours`` or ``IdMismatch``),
         their statuses, and whether they are on a durable tier."""
-        body = self._call(
+        body = self._c.call(
             Op.STORE, functools.partial(_store_frame, head=head, tokens=segment), payloads=part
         )
         ok = frames.decode_store_ok(body)
         if ok.ids != ours:
             raise IdMismatch("STORE: the node derived other ids than the client")
         return ok.ids, ok.status, ok.durable
-
-    # -- plumbing --------------------------------------------------------------------------
-
-    def _next_rid(self) -> int:
-        self._rid = (self._rid + 1) & ((1 << 64) - 1)
-        return self._rid
-
-    def _call(
-        self,
-        op: Op,
-        encode: Callable[[int], bytes],
-        *,
-        payloads: Sequence[memoryview] = (),
-    ) -> bytes:
-        """Send one request and return the body of its single answer frame."""
-        with self._lock:
-            rid = self._next_rid()
-            self._send(encode(rid), payloads)
-            header = self._read_header(rid, frames.ANSWER[op])
-            buf = bytearray(header.body_len)
-            self._recv(memoryview(buf))
-            return bytes(buf)
-
-    def _send(self, frame: bytes, payloads: Sequence[memoryview] = ()) -> int:
-        if self._broken is not None:
-            raise StreamClosed(f"the connection is unusable: {self._broken}")
-        try:
-            self._t.send([frame, *payloads])
-        except StreamClosed as exc:
-            # The node may have refused the connection (BUSY, AUTH) and closed it before our
-            # request arrived: its ERROR frame is the better answer, if it is there to read.
-            try:
-                self._read_header(self._rid, Op.ERROR)
-            except (StreamClosed, FrameError):
-                pass
-            except SessionCacheError as refused:
-                self._broken = str(refused)
-                raise refused from exc
-            self._broken = str(exc)
-            raise
-        return self._rid
-
-    def _read_header(self, rid: int, expect: Op) -> Header:
-        self._recv(memoryview(self._head))
-        return self._decode_answer_header(self._head, rid, expect)
-
-    def _decode_answer_header(self, head: bytearray, rid: int, expect: Op) -> Header:
-        """Check an answer's header (read already): an ERROR raises its exception (closing
-        the connection when the node did), another opcode or request id is a broken stream."""
-        try:
-            header = frames.decode_header(head, requests=False)
-            frames.check_body(header, self.limits)
-        except FrameError as exc:
-            self._broken = str(exc)
-            raise
-        if header.opcode == Op.ERROR:
-            buf = bytearray(header.body_len)
-            self._recv(memoryview(buf))
-            error = frames.decode_error(bytes(buf), header.flags)
-            if error.closing:
-                self._broken = error.message
-                self._t.close()
-            raise from_stream(error.code, error.message)
-        if header.opcode != expect or header.request_id != rid:
-            self._fail(f"expected {expect.name} for request {rid}, got {header.opcode.name}")
-        return header
-
-    def _recv(self, view: memoryview) -> None:
-        if self._broken is not None:
-            raise StreamClosed(f"the connection is unusable: {self._broken}")
-        try:
-            recv_exact(self._t, view)
-        except (StreamClosed, FrameError) as exc:
-            self._broken = f"the connection ended: {exc}"
-            self._t.close()
-            raise StreamClosed(self._broken) from None
-
-    def _drain(self, n: int) -> None:
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(1 << 20))
-        while n:
-            k = min(n, self._scratch.nbytes)
-            self._recv(self._scratch[:k])
-            n -= k
-
-    def _fail(self, message: str) -> None:
-        self._broken = message
-        self._t.close()
-        raise FrameError(message)

@@ -38,8 +38,9 @@ import numpy as np
 
 from sessioncache.connector.client import DEFAULT_TIMEOUT_S, SessionCacheClient
 from sessioncache.connector.errors import TransportError
+from sessioncache.connector.payloads import as_buffer
 from sessioncache.connector.samehost import SameHostClient
-from sessioncache.connector.stream import StoreAck, StreamClient, as_buffer
+from sessioncache.connector.stream import StoreAck, StreamClient
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, Tokens, tokens_to_le_bytes
 from sessioncache.status import BlockStatus

@@ -107,7 +107,7 @@ def drop(node: CacheNode, caller: Caller) -> tuple[int, int]:
     released = 0
     for lease in caller.leases.values():
         try:
-            node.store.release(lease.store_id)
+            node.store.reads.release(lease.store_id)
             released += 1
         except LeaseNotFound:
             pass  # expired, or released through the REST API
@@ -117,7 +117,7 @@ def drop(node: CacheNode, caller: Caller) -> tuple[int, int]:
     freed = 0
     for staged in caller.stagings.values():
         try:
-            freed += node.store.abort(staged.write)
+            freed += node.store.writes.abort(staged.write)
         except Exception:  # the others must go all the same
             log.exception("aborting staging %s of a caller gone failed", staged.write.id)
     caller.stagings.clear()

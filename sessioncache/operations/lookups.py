@@ -52,27 +52,27 @@ def chain_prefix(node: CacheNode, root: bytes, hashes: Sequence[BlockHash]) -> i
     store = node.store
     if not hashes:
         return 0
-    first = store.meta(hashes[0])
+    first = store.reads.meta(hashes[0])
     if first is None or first.parent is not None or first.namespace_root != root:
         return 0
     lo, hi = 1, len(hashes)
     while lo < hi:  # the last held block, assuming the held blocks are a prefix
         mid = (lo + hi + 1) // 2
-        if store.contains(hashes[mid - 1]):
+        if store.reads.contains(hashes[mid - 1]):
             lo = mid
         else:
             hi = mid - 1
     # chain_to walks the whole held ancestry of the block: only for one of the caller's own
     # chains (not a deep foreign one named after block 0), and then compared
-    last = store.meta(hashes[lo - 1]) if lo > 1 else first
+    last = store.reads.meta(hashes[lo - 1]) if lo > 1 else first
     if (
         last is not None
         and last.namespace_root == root
-        and store.chain_to(hashes[lo - 1]) == list(hashes[:lo])
+        and store.reads.chain_to(hashes[lo - 1]) == list(hashes[:lo])
     ):
         return lo
     for i in range(1, lo):  # a hole in the held run, or ids that are no chain
-        meta = store.meta(hashes[i])
+        meta = store.reads.meta(hashes[i])
         if meta is None or meta.parent != hashes[i - 1] or not meta.tiers:
             return i
     return lo
@@ -92,7 +92,7 @@ def _match(
     """The store's lookup, on behalf of a session when one is named (its TTL, pins, head)."""
     if session_id is not None:
         return node.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
-    return node.store.lookup(hashes, lease_s=lease_s)
+    return node.store.reads.lookup(hashes, lease_s=lease_s)
 
 
 def _keep_lease(caller: Caller, match: Match) -> bytes | None:
@@ -116,7 +116,7 @@ def lookup(node: CacheNode, caller: Caller, request: LookupRequest) -> LookupRes
     if request.lease_s is not None:
         caller.room_for_lease(node.store.clock.now())
     if request.keyed:
-        held = node.store.held_under(root, ids)
+        held = node.store.reads.held_under(root, ids)
         own = held.index(False) if False in held else len(held)
     elif request.tokens is not None:
         own = len(ids)  # derived by the node from the caller's own tokens
@@ -128,7 +128,7 @@ def lookup(node: CacheNode, caller: Caller, request: LookupRequest) -> LookupRes
     key = _keep_lease(caller, match)
     nbytes = 0
     if match.hashes:
-        first = node.store.meta(match.hashes[0])
+        first = node.store.reads.meta(match.hashes[0])
         nbytes = first.nbytes if first is not None else 0
     miss = None
     if request.counted:
@@ -205,7 +205,7 @@ def exists(
     question (an LMCache lookup is one): its held ids count as hit tokens, the others as miss
     tokens. Blocks only in the fleet's shared tier are not asked for (a lookup adopts them)."""
     namespace = caller.namespace(root)
-    held = node.store.held_under(root, ids)
+    held = node.store.reads.held_under(root, ids)
     if counted and ids:
         bt = namespace.block_tokens
         node.accounting.count(sum(held) * bt, len(ids) * bt, root=root)
@@ -225,7 +225,7 @@ def locate(
     found = lookup(node, caller, request)
     if found.key is None:
         return found, []
-    return found, node.store.locate(caller.leases[found.key].hashes)
+    return found, node.store.reads.locate(caller.leases[found.key].hashes)
 
 
 # -- release --------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def release(node: CacheNode, caller: Caller, key: bytes) -> None:
     lease = caller.leases.pop(key, None)
     if lease is None:
         raise LeaseNotFound(f"no lease {key.hex()} on this connection")
-    node.store.release(lease.store_id)
+    node.store.reads.release(lease.store_id)
 
 
 def release_checked(node: CacheNode, caller: Caller, key: bytes) -> bool:
@@ -254,10 +254,10 @@ def release_by_id(node: CacheNode, caller: Caller, lease_id: str) -> None:
     is ``LeaseNotFound`` like an unknown one, so that a lease id (which travels in logs and
     traces) gives no handle on another tenant's blocks. A lease pins one matched prefix, all
     under one namespace root: its first block says whose it is."""
-    hashes = node.store.lease_hashes(lease_id)
+    hashes = node.store.reads.lease_hashes(lease_id)
     if hashes is None or (hashes and readable_meta(node, caller.tenant, hashes[0]) is None):
         raise LeaseNotFound(f"no live lease {lease_id!r}")
-    node.store.release(lease_id)
+    node.store.reads.release(lease_id)
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def release_by_id(node: CacheNode, caller: Caller, lease_id: str) -> None:
 def readable_meta(node: CacheNode, tenant: str, block_hash: BlockHash) -> BlockMeta | None:
     """A snapshot of the block's record when ``tenant`` may read it, else None (not held, or
     under another tenant's namespace root)."""
-    meta = node.store.meta(block_hash)
+    meta = node.store.reads.meta(block_hash)
     if meta is None:
         return None
     owner = node.owners.owner(meta.namespace_root)
@@ -279,7 +279,7 @@ def read_bytes(node: CacheNode, caller: Caller, block_hash: BlockHash) -> bytes:
     """A copy of a block's payload, for the tenant owning its namespace only."""
     if readable_meta(node, caller.tenant, block_hash) is None:
         raise BlockNotFound(f"block {block_hash.hex()} is not held")
-    return node.store.get_bytes(block_hash)
+    return node.store.reads.get_bytes(block_hash)
 
 
 @dataclass(slots=True)
@@ -330,7 +330,7 @@ def _readable(node: CacheNode, caller: Caller, block_hash: BlockHash) -> BlockMe
     node does not hold it (or not yet: blocks of the shared tier are indexed by a lookup)."""
     meta = readable_meta(node, caller.tenant, block_hash)
     if meta is None:
-        return node.store.meta(block_hash) is None
+        return node.store.reads.meta(block_hash) is None
     return meta
 
 
@@ -390,7 +390,7 @@ def _leased_run(
         screened.append(verdict)
     if not ids:
         return [], None
-    match = node.store.lookup(ids, lease_s=lease_s)
+    match = node.store.reads.lookup(ids, lease_s=lease_s)
     metas = screened[: match.num_blocks]
     for i in range(len(metas), match.num_blocks):
         verdict = _readable(node, caller, match.hashes[i])
@@ -398,10 +398,10 @@ def _leased_run(
             # Rare: a block adopted from the shared tier is not the caller's (or went away).
             # Lease only what the caller may read.
             if match.lease is not None:
-                node.store.release(match.lease.id)
+                node.store.reads.release(match.lease.id)
             if not i:
                 return [], None
-            again = node.store.lookup(match.hashes[:i], lease_s=lease_s)
+            again = node.store.reads.lookup(match.hashes[:i], lease_s=lease_s)
             return metas[: again.num_blocks], again.lease
         metas.append(verdict)
     return metas, match.lease
@@ -417,7 +417,7 @@ def _plan_each(
     while they are sent; the others answer missing."""
     readable = [isinstance(_readable(node, caller, h), BlockMeta) for h in ids]
     wanted = [h for h, ok in zip(ids, readable, strict=True) if ok]
-    match = node.store.lookup(wanted, lease_s=lease_s) if wanted else None
+    match = node.store.reads.lookup(wanted, lease_s=lease_s) if wanted else None
     leased = set(match.hashes) if match is not None else set()
     # ids after a block that went away since the screening are not leased: missing too
     plan: list[BlockHash | None] = [h if h in leased else None for h in ids]
@@ -441,7 +441,7 @@ def read_block(
     if left <= 0:
         raise LeaseNotFound("the lease ran out before all its blocks were sent: look up again")
     try:
-        return as_memoryview(node.store.get(block_hash)), left
+        return as_memoryview(node.store.reads.get(block_hash)), left
     except BlockNotFound:
         return None, left
 
@@ -451,4 +451,4 @@ def finish_load(node: CacheNode, caller: Caller, plan: LoadPlan) -> None:
         caller.leases.pop(plan.key, None)
     if plan.release is not None:
         with contextlib.suppress(LeaseNotFound):
-            node.store.release(plan.release)
+            node.store.reads.release(plan.release)

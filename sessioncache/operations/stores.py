@@ -78,16 +78,18 @@ def plan_upload(
     hashes = node.hashes(tenant, namespace, token_bytes)
     if session_id is not None:
         ttl_s = max(ttl_s or 0.0, node.sessions.get(session_id, tenant=tenant).ttl_s)
-    match = node.store.lookup(hashes, ttl_s=ttl_s)
+    match = node.store.reads.lookup(hashes, ttl_s=ttl_s)
     # The match is a prefix; past it, blocks may still be held beyond a hole: one pass under
     # the store's lock instead of a lock round per block.
     start = match.num_blocks
     wanted = [
-        i for i, held in enumerate(node.store.contains_many(hashes[start:]), start) if not held
+        i
+        for i, held in enumerate(node.store.reads.contains_many(hashes[start:]), start)
+        if not held
     ]
     missing = [hashes[i] for i in wanted]
     if missing:
-        write = node.store.prepare(
+        write = node.store.writes.prepare(
             missing,
             namespace_root=root,
             nbytes=None,
@@ -116,7 +118,7 @@ def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payl
         )
     if slot.used and _same_as_held(node, block_hash, payload):
         return PRESENT  # a retry whose first answer was lost
-    status = node.store.fill(slot.write, slot.index, payload)
+    status = node.store.writes.fill(slot.write, slot.index, payload)
     if status is DROPPED:
         return DROPPED  # the slot stays open: a later try may find room
     node.uploads.mark_used(tenant, block_hash)
@@ -130,7 +132,7 @@ def _same_as_held(node: CacheNode, block_hash: BlockHash, payload: Payload) -> b
     ``UploadRefused`` when it holds other bytes. False when it no longer holds it (the retry
     stores it again)."""
     try:
-        held = node.store.get_bytes(block_hash, promote=False)
+        held = node.store.reads.get_bytes(block_hash, promote=False)
     except BlockNotFound:
         return False
     if memoryview(held) != as_memoryview(payload):
@@ -195,7 +197,7 @@ def plan_store(
         parents: list[BlockHash | None] = [parent, *ids[:-1]]
     else:
         parents = [parent, *[None] * (len(ids) - 1)]
-    write = node.store.prepare(
+    write = node.store.writes.prepare(
         ids,
         namespace_root=request.root,
         nbytes=request.block_nbytes,
@@ -213,7 +215,7 @@ def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) 
     if plan.status and not plan.status[-1].held:
         plan.status.append(DROPPED)
         return DROPPED
-    status = node.store.fill(plan.write, index, payload)
+    status = node.store.writes.fill(plan.write, index, payload)
     plan.status.append(status)
     return status
 
@@ -227,7 +229,7 @@ def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> Non
         return  # nothing held: the session's chain is what it was (as over REST)
     ids = plan.ids[:kept]
     if request.linked and request.parent is not None:
-        chain = [*node.store.chain_to(BlockHash(request.parent)), *ids]
+        chain = [*node.store.reads.chain_to(BlockHash(request.parent)), *ids]
     else:
         chain = list(ids)
     try:
@@ -265,9 +267,9 @@ def stage(node: CacheNode, caller: Caller, request: StoreRequest) -> Staged:
         raise InvalidInput("this store has no shared-memory tier (the same-host path is off)")
     plan = plan_store(node, caller, request, tier=shm)
     try:
-        node.store.reserve(plan.write)
+        node.store.writes.reserve(plan.write)
     except BaseException:
-        node.store.abort(plan.write)
+        node.store.writes.abort(plan.write)
         raise
     key = secrets.token_bytes(16)
     status = [s or DROPPED for s in plan.write.status]
@@ -294,7 +296,7 @@ def commit(
             f"COMMIT from block {start}; the staging is committed up to {write.claimed}"
         )
     try:
-        status = node.store.commit(write, checksums, nbytes).status
+        status = node.store.writes.commit(write, checksums, nbytes).status
     finally:
         if not write.open:
             del caller.stagings[key]
@@ -307,4 +309,4 @@ def commit(
 def abort(node: CacheNode, caller: Caller, key: bytes) -> int:
     """Free one of the caller's stagings (an unknown key is no error); slots freed."""
     staged = caller.stagings.pop(key, None)
-    return node.store.abort(staged.write) if staged is not None else 0
+    return node.store.writes.abort(staged.write) if staged is not None else 0

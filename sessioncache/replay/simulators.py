@@ -325,21 +325,23 @@ class StoreSim:
             self._ensure_open(sessions, session)
             match = sessions.lookup(session, hashes, lease_s=LOAD_LEASE_S)
         else:
-            match = store.lookup(hashes, lease_s=LOAD_LEASE_S)
+            match = store.reads.lookup(hashes, lease_s=LOAD_LEASE_S)
         index = self._tier_index
         tiers = [index[t] for t in match.tiers]
         for block_hash, tier in zip(match.hashes, tiers, strict=True):
             if tier:
                 with contextlib.suppress(SessionCacheError):
-                    store.get(block_hash)  # the engine's load: promotes a lower-tier hit
+                    store.reads.get(block_hash)  # the engine's load: promotes a lower-tier hit
         if match.lease is not None:
-            store.release(match.lease.id)  # loaded
+            store.reads.release(match.lease.id)  # loaded
         matched = match.num_blocks
         self._expired_now = set()
-        if matched < len(hashes) and store.meta(hashes[matched]) is not None:
+        if matched < len(hashes) and store.reads.meta(hashes[matched]) is not None:
             now = self.clock.now()  # held, but past its TTL (not swept yet)
             self._expired_now = {
-                h for h in hashes[matched:] if (m := store.meta(h)) is not None and m.expired(now)
+                h
+                for h in hashes[matched:]
+                if (m := store.reads.meta(h)) is not None and m.expired(now)
             }
         if matched < len(hashes):
             new = hashes[matched:]
@@ -349,7 +351,7 @@ class StoreSim:
                     session, new, payloads, namespace_root=NAMESPACE_ROOT, prefix=match.hashes
                 )
             else:
-                result = store.put(
+                result = store.writes.put(
                     new,
                     payloads,
                     namespace_root=NAMESPACE_ROOT,
@@ -382,7 +384,7 @@ class StoreSim:
         if self.sessions is not None:
             self.sessions.sweep()
         else:
-            self.store.expire()
+            self.store.writes.expire()
 
     def _hashes(self, ids: Sequence[int]) -> list[BlockHash]:
         cache = self._ids

@@ -172,12 +172,12 @@ def test_store_observer_feeds_the_index(prefix: str) -> None:
     fleet.start()
     try:
         hashes = [bid(i) for i in range(1, 5)]
-        store.put(hashes[:2], [b"\x01" * 1024] * 2, namespace_root=NS)
+        store.writes.put(hashes[:2], [b"\x01" * 1024] * 2, namespace_root=NS)
         wait_until(lambda: fleet.locations(hashes[:2]) == [{"node-1": ["cpu"]}] * 2)
-        store.put(hashes[2:], [b"\x02" * 1024] * 2, namespace_root=NS, parent=hashes[1])
+        store.writes.put(hashes[2:], [b"\x02" * 1024] * 2, namespace_root=NS, parent=hashes[1])
         # the cpu tier holds two blocks: older blocks are demoted to cpu2, which is not published
         wait_until(lambda: [bool(x) for x in fleet.locations(hashes)].count(True) == 2)
-        store.delete(hashes)
+        store.writes.delete(hashes)
         wait_until(lambda: fleet.locations(hashes) == [{}] * 4)
     finally:
         fleet.stop()

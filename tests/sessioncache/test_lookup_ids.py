@@ -58,25 +58,25 @@ def test_the_callers_chain_matches_and_nothing_else(node: CacheNode):
 def test_a_foreign_id_is_not_touched_leased_or_counted(node: CacheNode):
     ids = store_prompt(node, "acme", NS, 2, 4)
     theirs = store_prompt(node, "globex", NS, 2, 4)
-    before = node.store.meta(theirs[2])
+    before = node.store.reads.meta(theirs[2])
     assert before is not None
     hits = node.store.counters().hit_blocks
     result = lookups.lookup_ids(node, Caller("acme"), NS, [*ids[:2], *theirs[2:]], lease_s=10)
     assert result.match.num_blocks == 2 and result.match.lease is not None
     assert result.match.lease.hashes == tuple(ids[:2])
     assert node.store.counters().hit_blocks == hits + 2
-    after = node.store.meta(theirs[2])
+    after = node.store.reads.meta(theirs[2])
     assert after is not None and after.hit_count == before.hit_count
     assert after.ref_cnt == 0 and after.last_access == before.last_access
 
 
 def test_a_hole_in_the_held_run(node: CacheNode):
     ids = store_prompt(node, "acme", NS, 3, 8)
-    assert node.store.delete([ids[7], ids[6], ids[5]]) == 3  # the tail first (children held)
+    assert node.store.writes.delete([ids[7], ids[6], ids[5]]) == 3  # the tail first (children held)
     assert matched(node, ids) == 5
     # a block dropped from the middle while its child stays held: the match ends before it
-    assert node.store.delete([ids[2]]) == 1
-    assert node.store.contains(ids[3]) and not node.store.contains(ids[2])
+    assert node.store.writes.delete([ids[2]]) == 1
+    assert node.store.reads.contains(ids[3]) and not node.store.reads.contains(ids[2])
     assert matched(node, ids) == 2
     assert matched(node, ids[:2]) == 2
 
@@ -108,13 +108,13 @@ def test_a_deep_foreign_chain_is_never_walked(node: CacheNode, monkeypatch: pyte
     ids = store_prompt(node, "acme", NS, 4, 2)
     theirs = store_prompt(node, "globex", NS, 5, 64)
     walks: list[bytes] = []
-    real = node.store.chain_to
+    real = node.store.reads.chain_to
 
     def spy(head: BlockHash) -> list[BlockHash]:
         walks.append(head)
         return real(head)
 
-    monkeypatch.setattr(node.store, "chain_to", spy)
+    monkeypatch.setattr(node.store.reads, "chain_to", spy)
     assert matched(node, [ids[0], theirs[63]]) == 1
     assert matched(node, [ids[0], *theirs[62:]]) == 1
     assert walks == []

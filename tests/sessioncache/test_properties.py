@@ -91,15 +91,15 @@ def test_any_split_of_stores_gives_the_same_match(
                     torch.full((16,), i % 251, dtype=torch.uint8) for i in range(start, cut)
                 ]
                 parent = ids[start - 1] if start else None
-                store.put(chunk, payloads, namespace_root=root, parent=parent)
+                store.writes.put(chunk, payloads, namespace_root=root, parent=parent)
                 start = cut
-        match = store.lookup(ids)
+        match = store.reads.lookup(ids)
         assert match.num_blocks == len(ids) and match.hashes == ids
         # a longer prompt with the same prefix matches exactly the stored blocks
         longer = block_hashes(ns, tokens + list(range(probe_extra * block_tokens)))
-        assert store.lookup(longer).num_blocks == len(ids)
+        assert store.reads.lookup(longer).num_blocks == len(ids)
         for i, h in enumerate(ids):
-            assert store.get_bytes(h) == bytes([i % 251]) * 16
+            assert store.reads.get_bytes(h) == bytes([i % 251]) * 16
     finally:
         store.close()
 

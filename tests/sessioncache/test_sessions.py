@@ -60,7 +60,7 @@ def test_a_session_idle_for_two_days_still_hits_and_one_past_its_ttl_misses(cloc
     assert report.expired_sessions == 1 and report.expired_blocks == 6
     with pytest.raises(SessionNotFound):
         sm.get(agent.id)
-    assert store.lookup(a).num_blocks == 0
+    assert store.reads.lookup(a).num_blocks == 0
     assert sm.lookup(chat.id, c).num_blocks == 6  # chat: 7 days since its last turn
 
 
@@ -82,14 +82,14 @@ def test_pinned_chains_survive_capacity_pressure(clock: ManualClock):
     for i in range(30):  # session-less traffic far beyond capacity
         clock.advance(1)
         other = block_hashes(NS, tokens(100 + i, 2))
-        store.put(other, [data(h) for h in other], namespace_root=ROOT)
-    assert store.lookup(chain).num_blocks == 6
+        store.writes.put(other, [data(h) for h in other], namespace_root=ROOT)
+    assert store.reads.lookup(chain).num_blocks == 6
     sm.close(live.id)  # the pins go; the blocks now age out like any other
     for i in range(10):
         clock.advance(1)
         other = block_hashes(NS, tokens(200 + i, 2))
-        store.put(other, [data(h) for h in other], namespace_root=ROOT)
-    assert store.lookup(chain).num_blocks == 0
+        store.writes.put(other, [data(h) for h in other], namespace_root=ROOT)
+    assert store.reads.lookup(chain).num_blocks == 0
 
 
 def test_shared_prefix_lives_as_long_as_the_longest_lived_session(clock: ManualClock):
@@ -102,14 +102,14 @@ def test_shared_prefix_lives_as_long_as_the_longest_lived_session(clock: ManualC
     store_turn(sm, chat.id, c)
     shared = a[:3]
     assert c[:3] == shared
-    meta = store.meta(shared[0])
+    meta = store.reads.meta(shared[0])
     assert meta is not None and meta.ttl_s == 7 * DAY_S
     sm.close("a")
     sm.close("c")
     clock.advance(5 * DAY_S)
     sm.sweep()
-    assert store.lookup(shared).num_blocks == 3  # the chat TTL carries the shared prefix
-    assert store.lookup(a).num_blocks == 3  # the agent's own tail (3 days) is gone
+    assert store.reads.lookup(shared).num_blocks == 3  # the chat TTL carries the shared prefix
+    assert store.reads.lookup(a).num_blocks == 3  # the agent's own tail (3 days) is gone
 
 
 def test_idle_timeout_releases_pins_and_the_next_turn_pins_again(clock: ManualClock):
@@ -146,7 +146,7 @@ def test_pins_never_make_the_cache_refuse_work(clock: ManualClock):
         clock.advance(1)
         store_turn(sm, sid, block_hashes(NS, tokens(i, 3)))
     fresh = block_hashes(NS, tokens(99, 4))
-    result = store.put(fresh, [data(h) for h in fresh], namespace_root=ROOT)
+    result = store.writes.put(fresh, [data(h) for h in fresh], namespace_root=ROOT)
     assert result.stored == fresh
 
 
@@ -154,12 +154,12 @@ def test_record_pins_blocks_stored_by_other_means(clock: ManualClock):
     store, sm = make(64, clock)
     sm.open("s", kind="chat")
     chain = block_hashes(NS, tokens(1, 3))
-    store.put(chain, [data(h) for h in chain], namespace_root=ROOT)
+    store.writes.put(chain, [data(h) for h in chain], namespace_root=ROOT)
     sm.record("s", chain)
     assert sm.get("s").head == chain[-1] and store.stats().pinned_blocks == 3
-    meta = store.meta(chain[0])
+    meta = store.reads.meta(chain[0])
     assert meta is not None and meta.ttl_s == 7 * DAY_S
-    assert store.chain_to(chain[-1]) == chain
+    assert store.reads.chain_to(chain[-1]) == chain
 
 
 def test_tenants_cannot_see_each_others_sessions(clock: ManualClock):
@@ -209,19 +209,19 @@ def test_worked_example_of_docs_sessions_md():
     c_prompt = block_hashes(NS, system + tokens(3, 5))
     sm.open("A", kind="agent")
     store_turn(sm, "A", a_prompt)  # Mon 09:00
-    assert store.meta(a_prompt[15]).expires_at == 3 * DAY_S  # type: ignore[union-attr]
+    assert store.reads.meta(a_prompt[15]).expires_at == 3 * DAY_S  # type: ignore[union-attr]
     clock.advance(300)  # Mon 09:05
     sm.open("C", kind="chat")
     store_turn(sm, "C", c_prompt)
-    assert store.meta(a_prompt[0]).ttl_s == 7 * DAY_S  # type: ignore[union-attr]
-    assert store.meta(a_prompt[15]).ttl_s == 3 * DAY_S  # type: ignore[union-attr]
+    assert store.reads.meta(a_prompt[0]).ttl_s == 7 * DAY_S  # type: ignore[union-attr]
+    assert store.reads.meta(a_prompt[15]).ttl_s == 3 * DAY_S  # type: ignore[union-attr]
     clock.advance(HOUR)  # Mon 10:05
     assert sm.sweep().idle_unpinned == 2 and store.stats().pinned_blocks == 0
     clock.advance(3300)  # Mon 11:00: 300 blocks of session-less traffic
     for i in range(100):
         other = block_hashes(NS, tokens(1000 + i, 3))
-        store.put(other, [data(h) for h in other], namespace_root=ROOT)
-    assert store.lookup(a_prompt).num_blocks == 20  # demoted, not lost
+        store.writes.put(other, [data(h) for h in other], namespace_root=ROOT)
+    assert store.reads.lookup(a_prompt).num_blocks == 20  # demoted, not lost
     clock.advance(2 * DAY_S + 4 * HOUR)  # Wed 15:00
     longer = block_hashes(NS, system + tokens(2, 10) + tokens(4, 3))
     store_turn(sm, "A", longer)
@@ -230,8 +230,8 @@ def test_worked_example_of_docs_sessions_md():
     clock.advance(3 * DAY_S + 60)  # Sat 15:01
     report = sm.sweep()
     assert report.expired_sessions == 1
-    assert store.meta(longer[0]).expires_at == wednesday + 7 * DAY_S  # type: ignore[union-attr]
-    assert store.lookup(longer).num_blocks == 10  # the shared system prompt only
+    assert store.reads.meta(longer[0]).expires_at == wednesday + 7 * DAY_S  # type: ignore[union-attr]
+    assert store.reads.lookup(longer).num_blocks == 10  # the shared system prompt only
 
 
 class SlowSharedTier(CpuTier):
@@ -260,7 +260,7 @@ def test_a_lookup_waiting_on_the_shared_tier_holds_no_session_lock(clock: Manual
     sm = SessionManager(store)
     sm.open("a")
     chain = block_hashes(NS, tokens(1, 4))
-    store.put(chain[:3], [data(h) for h in chain[:3]], namespace_root=ROOT)
+    store.writes.put(chain[:3], [data(h) for h in chain[:3]], namespace_root=ROOT)
     found: list[int] = []
     lookup = threading.Thread(target=lambda: found.append(sm.lookup("a", chain).num_blocks))
     lookup.start()

@@ -48,13 +48,13 @@ def test_a_lookup_raises_the_shared_expiry_of_the_blocks_the_shared_tier_holds(
     )
     refresher.bind(1)
     chain = [BlockHash(i.to_bytes(16, "big")) for i in range(1, 7)]
-    store.put(chain[:4], [h * 4 for h in chain[:4]], namespace_root=ROOT, ttl_s=100.0)
-    store.put(chain[4:], [h * 4 for h in chain[4:]], namespace_root=ROOT, parent=chain[3])
-    store.delete(chain[4:])  # not held: nothing to refresh for them
+    store.writes.put(chain[:4], [h * 4 for h in chain[:4]], namespace_root=ROOT, ttl_s=100.0)
+    store.writes.put(chain[4:], [h * 4 for h in chain[4:]], namespace_root=ROOT, parent=chain[3])
+    store.writes.delete(chain[4:])  # not held: nothing to refresh for them
     refresher.flush()
     before = [raw.pexpiretime(tier.key(h)) for h in chain[:4]]
     clock.advance(50.0)
-    assert store.lookup(chain).num_blocks == 4
+    assert store.reads.lookup(chain).num_blocks == 4
     assert refresher.flush() == 4
     after = [raw.pexpiretime(tier.key(h)) for h in chain[:4]]
     assert all(a == b + 50_000 for a, b in zip(after, before, strict=True))

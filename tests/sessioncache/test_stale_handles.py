@@ -54,18 +54,18 @@ def test_a_locate_whose_lease_lapses_writes_no_checksum_into_the_slot_reuser() -
     tier = SharedCpuTier(16 * SIZE, chunk_bytes=4 * SIZE)
     store = TieredStore([tier], clock=clock)
     [x], [y] = ids(1, 1), ids(2, 1)
-    store.put([x], [data(x)], namespace_root=ROOT)
-    store.lookup([x], lease_s=1.0)
+    store.writes.put([x], [data(x)], namespace_root=ROOT)
+    store.reads.lookup([x], lease_s=1.0)
 
     def drop_x_and_store_y() -> None:
         clock.advance(2.0)
         store.stats()  # reaps the lapsed lease
-        assert store.delete([x]) == 1
-        store.put([y], [data(y, 2 * SIZE)], namespace_root=OTHER_ROOT)  # takes x's slot
+        assert store.writes.delete([x]) == 1
+        store.writes.put([y], [data(y, 2 * SIZE)], namespace_root=OTHER_ROOT)  # takes x's slot
 
     meanwhile(tier, x, drop_x_and_store_y)
-    assert store.locate([x]) == []  # x went while it was being located
-    meta_y = store.meta(y)
+    assert store.reads.locate([x]) == []  # x went while it was being located
+    meta_y = store.reads.meta(y)
     assert meta_y is not None
     assert meta_y.checksum in (None, xxhash.xxh3_64_intdigest(data(y, 2 * SIZE)))
 
@@ -76,30 +76,30 @@ def test_a_copy_for_a_block_dropped_meanwhile_is_not_matched() -> None:
     low = CpuTier(16 * SIZE, name="low")
     store = TieredStore([shm, low], clock=clock)
     a, x = ids(1, 2)
-    store.put([a, x], [data(a), data(x)], namespace_root=ROOT, tier="low")
-    store.lookup([a, x], lease_s=1.0)
+    store.writes.put([a, x], [data(a), data(x)], namespace_root=ROOT, tier="low")
+    store.reads.lookup([a, x], lease_s=1.0)
 
     def drop_x() -> None:
         clock.advance(2.0)
         store.stats()
-        assert store.delete([x]) == 1
+        assert store.writes.delete([x]) == 1
 
     meanwhile(low, x, drop_x)
-    store.locate([x])  # copies x up into the shared-memory tier: x is gone by then
-    assert store.meta(x) is None
-    assert store.lookup([a, x]).hashes == [a]
+    store.reads.locate([x])  # copies x up into the shared-memory tier: x is gone by then
+    assert store.reads.meta(x) is None
+    assert store.reads.lookup([a, x]).hashes == [a]
     assert shm.used_bytes == 0  # the copy made for nothing was taken back
 
 
 def test_a_block_named_its_own_parent_leaves_no_orphan_when_dropped() -> None:
     store = TieredStore([CpuTier(100 * SIZE)], clock=ManualClock())
     [x], [y] = ids(1, 1), ids(2, 1)
-    store.put([x], [data(x)], namespace_root=ROOT, parent=x)
-    assert store.delete([x]) == 1
-    assert store._index._orphans == {}
-    store.put([y], [data(y)], namespace_root=ROOT)  # takes x's slot
-    store.put([x], [data(x)], namespace_root=ROOT)  # x anew, a root
-    meta = store.meta(x)
+    store.writes.put([x], [data(x)], namespace_root=ROOT, parent=x)
+    assert store.writes.delete([x]) == 1
+    assert store._core.index._orphans == {}
+    store.writes.put([y], [data(y)], namespace_root=ROOT)  # takes x's slot
+    store.writes.put([x], [data(x)], namespace_root=ROOT)  # x anew, a root
+    meta = store.reads.meta(x)
     assert meta is not None and meta.children_held == 0
 
 
@@ -116,18 +116,18 @@ def test_blocks_that_never_expire_are_adopted_on_restart() -> None:
 def test_an_id_asked_twice_in_one_lookup_counts_two_hits() -> None:
     store = TieredStore([CpuTier(100 * SIZE)], clock=ManualClock())
     a, b = ids(1, 2)
-    store.put([a, b], [data(a), data(b)], namespace_root=ROOT)
-    assert store.lookup([a, b, a, b]).hashes == [a, b, a, b]
-    meta = store.meta(a)
+    store.writes.put([a, b], [data(a), data(b)], namespace_root=ROOT)
+    assert store.reads.lookup([a, b, a, b]).hashes == [a, b, a, b]
+    meta = store.reads.meta(a)
     assert meta is not None and meta.hit_count == 2
 
 
 def test_namespace_usage_counts_held_blocks_per_root() -> None:
     store = TieredStore([CpuTier(100 * SIZE)], clock=ManualClock())
     assert store.namespace_usage() == {}
-    store.put(ids(1, 3), [data(h) for h in ids(1, 3)], namespace_root=ROOT)
-    store.put(ids(2, 2), [data(h) for h in ids(2, 2)], namespace_root=OTHER_ROOT)
-    assert store.delete(ids(1, 3)[2:]) == 1
+    store.writes.put(ids(1, 3), [data(h) for h in ids(1, 3)], namespace_root=ROOT)
+    store.writes.put(ids(2, 2), [data(h) for h in ids(2, 2)], namespace_root=OTHER_ROOT)
+    assert store.writes.delete(ids(1, 3)[2:]) == 1
     usage = store.namespace_usage()
     assert (usage[ROOT].blocks, usage[ROOT].bytes) == (2, 2 * SIZE)
     assert (usage[OTHER_ROOT].blocks, usage[OTHER_ROOT].bytes) == (2, 2 * SIZE)

@@ -38,7 +38,7 @@ def data(h: bytes, size: int = SIZE) -> bytes:
 
 
 def put(store: TieredStore, hashes: list[BlockHash], **kw: object) -> None:
-    store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, **kw)  # type: ignore[arg-type]
+    store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, **kw)  # type: ignore[arg-type]
 
 
 def one_tier(blocks: int, clock: ManualClock) -> TieredStore:
@@ -54,22 +54,22 @@ def test_lookup_returns_longest_held_prefix_with_tiers(clock: ManualClock):
     store = TieredStore([GpuTier(10 * SIZE, device="cpu"), CpuTier(10 * SIZE)], clock=clock)
     hashes = chain(1, 6)
     put(store, hashes[:4])
-    match = store.lookup(hashes)
+    match = store.reads.lookup(hashes)
     assert match.hashes == hashes[:4] and match.num_blocks == 4
     assert match.tiers == ["gpu"] * 4 and match.lease is None
-    assert store.lookup(chain(2, 3)).hashes == []
+    assert store.reads.lookup(chain(2, 3)).hashes == []
     # A hole stops the match even if later blocks are held.
-    store.delete([hashes[1]])
-    assert store.lookup(hashes).hashes == hashes[:1]
+    store.writes.delete([hashes[1]])
+    assert store.reads.lookup(hashes).hashes == hashes[:1]
 
 
 def test_get_returns_exact_bytes_and_unknown_raises(clock: ManualClock):
     store = one_tier(4, clock)
     hashes = chain(1, 2)
     put(store, hashes)
-    assert bytes(store.get(hashes[1]).numpy()) == data(hashes[1])
+    assert bytes(store.reads.get(hashes[1]).numpy()) == data(hashes[1])
     with pytest.raises(BlockNotFound):
-        store.get(chain(9, 1)[0])
+        store.reads.get(chain(9, 1)[0])
 
 
 def test_lru_eviction_order_is_exact_and_tail_first(clock: ManualClock):
@@ -79,12 +79,12 @@ def test_lru_eviction_order_is_exact_and_tail_first(clock: ManualClock):
     clock.advance(10)
     put(store, b)  # t=10
     clock.advance(10)
-    store.lookup(a)  # t=20: A is now the most recent
+    store.reads.lookup(a)  # t=20: A is now the most recent
     clock.advance(10)
     order = []
     for i, h in enumerate(chain(3, 5)):
         before = set(store.tiers[0].keys())
-        store.put([h], [data(h)], namespace_root=ROOT, parent=None)
+        store.writes.put([h], [data(h)], namespace_root=ROOT, parent=None)
         clock.advance(1)
         order.extend(before - set(store.tiers[0].keys()))
         assert len(order) == i + 1
@@ -96,14 +96,14 @@ def test_a_parent_outlives_its_child_even_when_older(clock: ManualClock):
     parent, child = chain(1, 2)
     put(store, [parent])
     clock.advance(100)
-    store.put([child], [data(child)], namespace_root=ROOT, parent=parent)
+    store.writes.put([child], [data(child)], namespace_root=ROOT, parent=parent)
     clock.advance(100)
     other = chain(2, 1)
     put(store, other)
     clock.advance(1)
     filler = chain(3, 1)
     put(store, filler)  # evicts the child (tail) before its older parent
-    assert store.where(child) == [] and store.where(parent) == ["cpu"]
+    assert store.reads.where(child) == [] and store.reads.where(parent) == ["cpu"]
 
 
 def test_expired_blocks_go_before_lru_order(clock: ManualClock):
@@ -116,7 +116,7 @@ def test_expired_blocks_go_before_lru_order(clock: ManualClock):
     put(store, chain(3, 1))
     clock.advance(100)  # short has expired; old is older but alive
     put(store, chain(4, 1))
-    assert store.where(short[0]) == [] and store.where(old[0]) == ["cpu"]
+    assert store.reads.where(short[0]) == [] and store.reads.where(old[0]) == ["cpu"]
     assert store.stats().counters.expirations == 1
 
 
@@ -125,12 +125,12 @@ def test_ttl_sliding_expiry_over_days(clock: ManualClock):
     hashes = chain(1, 3)
     put(store, hashes)
     clock.advance(2 * DAY)
-    assert store.lookup(hashes).num_blocks == 3  # idle two days: still there, TTL slides
+    assert store.reads.lookup(hashes).num_blocks == 3  # idle two days: still there, TTL slides
     clock.advance(DEFAULT_TTL_S - 1)
-    assert store.lookup(hashes).num_blocks == 3
+    assert store.reads.lookup(hashes).num_blocks == 3
     clock.advance(DEFAULT_TTL_S + 1)
-    assert store.lookup(hashes).num_blocks == 0
-    assert store.expire() == 3
+    assert store.reads.lookup(hashes).num_blocks == 0
+    assert store.writes.expire() == 3
     assert store.stats().blocks == 0 and store.tiers[0].used_bytes == 0
 
 
@@ -138,12 +138,12 @@ def test_lookup_ttl_raises_block_ttl_to_at_least_that(clock: ManualClock):
     store = one_tier(8, clock)
     hashes = chain(1, 2)
     put(store, hashes, ttl_s=3600)
-    store.lookup(hashes, ttl_s=7 * DAY)
+    store.reads.lookup(hashes, ttl_s=7 * DAY)
     clock.advance(6 * DAY)
-    assert store.lookup(hashes).num_blocks == 2
-    store.lookup(hashes, ttl_s=60)  # a shorter TTL never shortens a block's life
+    assert store.reads.lookup(hashes).num_blocks == 2
+    store.reads.lookup(hashes, ttl_s=60)  # a shorter TTL never shortens a block's life
     clock.advance(6 * DAY)
-    assert store.lookup(hashes).num_blocks == 2
+    assert store.reads.lookup(hashes).num_blocks == 2
 
 
 def test_touch_slides_the_held_prefix_without_counting_a_lookup(clock: ManualClock):
@@ -152,28 +152,28 @@ def test_touch_slides_the_held_prefix_without_counting_a_lookup(clock: ManualClo
     put(store, hashes[:3], ttl_s=DAY)
     clock.advance(0.9 * DAY)
     before = store.counters()
-    assert store.touch(hashes, ttl_s=2 * DAY) == 3
+    assert store.reads.touch(hashes, ttl_s=2 * DAY) == 3
     assert store.counters() == before
-    meta = store.meta(hashes[0])
+    meta = store.reads.meta(hashes[0])
     assert meta is not None and meta.hit_count == 0 and meta.last_access == clock.now()
     clock.advance(1.5 * DAY)  # past the TTL they were stored with, within the touched one
-    assert store.lookup(hashes).num_blocks == 3
+    assert store.reads.lookup(hashes).num_blocks == 3
 
 
 def test_lease_pins_until_released_and_pinned_blocks_are_never_evicted(clock: ManualClock):
     store = one_tier(3, clock)
     hashes = chain(1, 3)
     put(store, hashes)
-    match = store.lookup(hashes, lease_s=30)
+    match = store.reads.lookup(hashes, lease_s=30)
     assert match.lease is not None and match.lease.expires_at == clock.now() + 30
     newcomer = chain(2, 1)
-    result = store.put(newcomer, [data(newcomer[0])], namespace_root=ROOT)
+    result = store.writes.put(newcomer, [data(newcomer[0])], namespace_root=ROOT)
     assert result.dropped == newcomer  # never raises; nothing could be evicted
-    assert store.lookup(hashes).num_blocks == 3
-    store.release(match.lease.id)
+    assert store.reads.lookup(hashes).num_blocks == 3
+    store.reads.release(match.lease.id)
     with pytest.raises(LeaseNotFound):
-        store.release(match.lease.id)
-    result = store.put(newcomer, [data(newcomer[0])], namespace_root=ROOT)
+        store.reads.release(match.lease.id)
+    result = store.writes.put(newcomer, [data(newcomer[0])], namespace_root=ROOT)
     assert result.stored == newcomer
 
 
@@ -181,12 +181,12 @@ def test_lease_expires_with_the_clock(clock: ManualClock):
     store = one_tier(2, clock)
     hashes = chain(1, 2)
     put(store, hashes)
-    lease = store.lookup(hashes, lease_s=5).lease
+    lease = store.reads.lookup(hashes, lease_s=5).lease
     assert lease is not None and store.stats().pinned_blocks == 2
     clock.advance(6)
     assert store.stats().pinned_blocks == 0 and store.stats().leases == 0
     with pytest.raises(LeaseNotFound):
-        store.release(lease.id)
+        store.reads.release(lease.id)
 
 
 def test_demotion_moves_victims_down_and_the_last_tier_drops(clock: ManualClock):
@@ -197,19 +197,19 @@ def test_demotion_moves_victims_down_and_the_last_tier_drops(clock: ManualClock)
     for h in blocks:
         put(store, [h])
         clock.advance(1)
-    assert [store.where(h) for h in blocks] == [[], ["cpu"], ["cpu"], ["gpu"], ["gpu"]]
+    assert [store.reads.where(h) for h in blocks] == [[], ["cpu"], ["cpu"], ["gpu"], ["gpu"]]
     stats = store.stats()
     assert stats.counters.demotions == 3 and stats.counters.evictions == 4
     for h in blocks[1:]:
-        assert bytes(store.get(h).numpy()) == data(h)
+        assert bytes(store.reads.get(h).numpy()) == data(h)
 
 
 def test_a_long_new_chain_keeps_its_head_in_the_fast_tier(clock: ManualClock):
     store = TieredStore([GpuTier(3 * SIZE, device="cpu"), CpuTier(4 * SIZE)], clock=clock)
     hashes = chain(1, 10)
-    result = store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
+    result = store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
     assert result.stored == hashes[:7] and result.dropped == hashes[7:]
-    assert store.lookup(hashes).tiers == ["gpu"] * 3 + ["cpu"] * 4
+    assert store.reads.lookup(hashes).tiers == ["gpu"] * 3 + ["cpu"] * 4
 
 
 def test_get_promotes_a_lower_tier_hit(clock: ManualClock):
@@ -218,10 +218,10 @@ def test_get_promotes_a_lower_tier_hit(clock: ManualClock):
     put(store, a)
     clock.advance(1)
     put(store, b)
-    assert store.where(a[0]) == ["cpu"]
+    assert store.reads.where(a[0]) == ["cpu"]
     clock.advance(1)
-    assert bytes(store.get(a[0]).numpy()) == data(a[0])
-    assert store.where(a[0])[0] == "gpu" and store.where(b[0]) == ["cpu"]
+    assert bytes(store.reads.get(a[0]).numpy()) == data(a[0])
+    assert store.reads.where(a[0])[0] == "gpu" and store.reads.where(b[0]) == ["cpu"]
     assert store.stats().counters.promotions == 1
 
 
@@ -230,10 +230,10 @@ def test_put_extends_ttl_of_held_blocks_and_reports_them(clock: ManualClock):
     hashes = chain(1, 2)
     put(store, hashes, ttl_s=100)
     clock.advance(50)
-    result = store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, ttl_s=100)
+    result = store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, ttl_s=100)
     assert result.present == hashes and result.stored == []
     clock.advance(90)
-    assert store.lookup(hashes).num_blocks == 2
+    assert store.reads.lookup(hashes).num_blocks == 2
 
 
 def test_bad_input_raises_and_writes_nothing(clock: ManualClock):
@@ -260,12 +260,12 @@ def test_bad_input_raises_and_writes_nothing(clock: ManualClock):
         }
         kwargs.update(override)
         with pytest.raises(exc):
-            store.put(**kwargs)  # type: ignore[arg-type]
+            store.writes.put(**kwargs)  # type: ignore[arg-type]
         assert store.stats().blocks == 1 and store.tiers[0].used_bytes == SIZE
     with pytest.raises(InvalidInput):
-        store.lookup(hashes, lease_s=-1)
+        store.reads.lookup(hashes, lease_s=-1)
     with pytest.raises(InvalidInput):
-        store.lookup(hashes, ttl_s=-5)
+        store.reads.lookup(hashes, ttl_s=-5)
     with pytest.raises(InvalidInput):
         TieredStore([CpuTier(10), CpuTier(10)])
     with pytest.raises(InvalidInput):
@@ -286,8 +286,8 @@ def test_payload_tensors_of_any_dtype_are_accepted(clock: ManualClock):
     store = one_tier(4, clock)
     h = chain(1, 1)
     tensor = torch.arange(16, dtype=torch.float32)
-    store.put(h, [tensor], namespace_root=ROOT)
-    assert torch.equal(store.get(h[0]).view(torch.float32), tensor)
+    store.writes.put(h, [tensor], namespace_root=ROOT)
+    assert torch.equal(store.reads.get(h[0]).view(torch.float32), tensor)
 
 
 def test_concurrent_put_get_lookup_and_eviction_lose_and_corrupt_nothing():
@@ -306,13 +306,13 @@ def test_concurrent_put_get_lookup_and_eviction_lose_and_corrupt_nothing():
                 if op < 0.4:
                     put(store, hashes)
                 elif op < 0.9:
-                    match = store.lookup(hashes, lease_s=10)
+                    match = store.reads.lookup(hashes, lease_s=10)
                     for h in match.hashes:
-                        assert bytes(store.get(h).numpy()) == data(h)
+                        assert bytes(store.reads.get(h).numpy()) == data(h)
                     if match.lease is not None:
-                        store.release(match.lease.id)
+                        store.reads.release(match.lease.id)
                 else:
-                    store.delete(hashes[-2:])
+                    store.writes.delete(hashes[-2:])
         except BaseException as exc:
             errors.append(exc)
 
@@ -328,8 +328,8 @@ def test_concurrent_put_get_lookup_and_eviction_lose_and_corrupt_nothing():
         assert tier.used_bytes == SIZE * len(tier.keys()) == SIZE * tier_stats.blocks
         assert tier.used_bytes <= tier.capacity_bytes
     for hashes in chains:
-        for h in store.lookup(hashes).hashes:
-            assert bytes(store.get(h).numpy()) == data(h)
+        for h in store.reads.lookup(hashes).hashes:
+            assert bytes(store.reads.get(h).numpy()) == data(h)
 
 
 # -- regressions found by the trace replay ---------------------------------------------------
@@ -340,12 +340,12 @@ def test_put_stops_at_the_first_dropped_block(clock: ManualClock):
     store = one_tier(3, clock)
     pinned = chain(1, 2)
     put(store, pinned)
-    store.pin(pinned)
+    store.reads.pin(pinned)
     clock.advance(1)
     hashes = chain(2, 3)
-    result = store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
+    result = store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
     assert result.stored == hashes[:1] and result.dropped == hashes[1:]
-    assert store.lookup(pinned).num_blocks == 2 and store.where(hashes[0]) == ["cpu"]
+    assert store.reads.lookup(pinned).num_blocks == 2 and store.reads.where(hashes[0]) == ["cpu"]
 
 
 def test_put_never_evicts_the_incoming_blocks_own_parent(clock: ManualClock):
@@ -353,10 +353,12 @@ def test_put_never_evicts_the_incoming_blocks_own_parent(clock: ManualClock):
     prefix = chain(1, 4)
     put(store, prefix[:3])
     clock.advance(10)
-    match = store.lookup(prefix)  # the engine reads the prefix, then stores its suffix
-    result = store.put(prefix[3:], [data(prefix[3])], namespace_root=ROOT, parent=match.hashes[-1])
+    match = store.reads.lookup(prefix)  # the engine reads the prefix, then stores its suffix
+    result = store.writes.put(
+        prefix[3:], [data(prefix[3])], namespace_root=ROOT, parent=match.hashes[-1]
+    )
     assert result.dropped == prefix[3:]
-    assert store.lookup(prefix).num_blocks == 3
+    assert store.reads.lookup(prefix).num_blocks == 3
 
 
 def test_the_last_copy_of_a_parent_outlives_its_children_in_other_tiers(clock: ManualClock):
@@ -371,14 +373,14 @@ def test_the_last_copy_of_a_parent_outlives_its_children_in_other_tiers(clock: M
     other = chain(2, 1)
     put(store, other)  # parent demoted to the last tier
     clock.advance(1)
-    store.put([child], [data(child)], namespace_root=ROOT, parent=parent, tier="gpu")
-    assert store.where(parent) == ["cpu"] and store.where(child) == ["gpu"]
+    store.writes.put([child], [data(child)], namespace_root=ROOT, parent=parent, tier="gpu")
+    assert store.reads.where(parent) == ["cpu"] and store.reads.where(child) == ["gpu"]
     clock.advance(1)
     for i in range(3):  # pressure on the last tier: the parent is older than everything
         h = chain(10 + i, 1)
-        store.put(h, [data(h[0])], namespace_root=ROOT, tier="cpu")
+        store.writes.put(h, [data(h[0])], namespace_root=ROOT, tier="cpu")
         clock.advance(1)
-    assert store.lookup([parent, child]).num_blocks == 2
+    assert store.reads.lookup([parent, child]).num_blocks == 2
 
 
 def test_a_parent_stored_again_counts_the_children_that_outlived_it(clock: ManualClock):
@@ -386,16 +388,18 @@ def test_a_parent_stored_again_counts_the_children_that_outlived_it(clock: Manua
     goes negative when they leave, and its last copy can never be evicted again."""
     store = one_tier(2, clock)
     parent, child = chain(1, 2)
-    store.put([parent], [data(parent)], namespace_root=ROOT, ttl_s=10)
-    store.put([child], [data(child)], namespace_root=ROOT, parent=parent, ttl_s=100)
+    store.writes.put([parent], [data(parent)], namespace_root=ROOT, ttl_s=10)
+    store.writes.put([child], [data(child)], namespace_root=ROOT, parent=parent, ttl_s=100)
     clock.advance(20)
-    assert store.expire() == 1 and store.where(child) == ["cpu"]  # the parent expired alone
+    assert store.writes.expire() == 1 and store.reads.where(child) == [
+        "cpu"
+    ]  # the parent expired alone
     put(store, [parent])
-    store.delete([child])
+    store.writes.delete([child])
     clock.advance(1)
     other = chain(2, 2)
     put(store, other)
-    assert store.where(parent) == [] and store.lookup(other).num_blocks == 2
+    assert store.reads.where(parent) == [] and store.reads.lookup(other).num_blocks == 2
 
 
 def test_a_demoted_block_is_admitted_below_even_when_colder(clock: ManualClock):
@@ -403,15 +407,15 @@ def test_a_demoted_block_is_admitted_below_even_when_colder(clock: ManualClock):
     store = TieredStore([GpuTier(1 * SIZE, device="cpu"), CpuTier(2 * SIZE)], clock=clock)
     head = chain(1, 2)
     put(store, head)  # the head in the fast tier, its tail below
-    assert store.where(head[0]) == ["gpu"] and store.where(head[1]) == ["cpu"]
+    assert store.reads.where(head[0]) == ["gpu"] and store.reads.where(head[1]) == ["cpu"]
     clock.advance(1)
     other = chain(2, 1)
     put(store, other, tier="cpu")
     clock.advance(1)
-    store.get(head[1], promote=False)  # everything below is now hotter than the head
+    store.reads.get(head[1], promote=False)  # everything below is now hotter than the head
     clock.advance(1)
     put(store, chain(3, 1))  # demotes the head
-    assert store.lookup(head).num_blocks == 2 and store.where(other[0]) == []
+    assert store.reads.lookup(head).num_blocks == 2 and store.reads.where(other[0]) == []
 
 
 def test_spare_copies_below_go_first_even_when_pinned_by_a_session(clock: ManualClock):
@@ -421,22 +425,22 @@ def test_spare_copies_below_go_first_even_when_pinned_by_a_session(clock: Manual
     clock.advance(1)
     put(store, hot, tier="cpu")
     clock.advance(1)
-    store.get(hot[0])  # promoted: its copy below is spare
-    store.pin(hot)
-    assert store.where(hot[0]) == ["gpu", "cpu"]
+    store.reads.get(hot[0])  # promoted: its copy below is spare
+    store.reads.pin(hot)
+    assert store.reads.where(hot[0]) == ["gpu", "cpu"]
     clock.advance(1)
     new = chain(3, 1)
     put(store, new, tier="cpu")
-    assert store.where(hot[0]) == ["gpu"] and store.where(old[0]) == ["cpu"]
-    assert store.where(new[0]) == ["cpu"]
+    assert store.reads.where(hot[0]) == ["gpu"] and store.reads.where(old[0]) == ["cpu"]
+    assert store.reads.where(new[0]) == ["cpu"]
 
 
 def test_a_block_is_stored_no_faster_than_its_parent(clock: ManualClock):
     store = TieredStore([GpuTier(2 * SIZE, device="cpu"), CpuTier(4 * SIZE)], clock=clock)
     parent, child = chain(1, 2)
     put(store, [parent], tier="cpu")
-    store.put([child], [data(child)], namespace_root=ROOT, parent=parent)
-    assert store.where(child) == ["cpu"]
+    store.writes.put([child], [data(child)], namespace_root=ROOT, parent=parent)
+    assert store.reads.where(child) == ["cpu"]
 
 
 def test_the_eviction_heaps_stay_in_proportion_to_the_candidates():
@@ -446,6 +450,6 @@ def test_the_eviction_heaps_stay_in_proportion_to_the_candidates():
     chain = 512
     for number in range(64):
         ids = [BlockHash(number.to_bytes(8, "big") + i.to_bytes(8, "big")) for i in range(chain)]
-        store.put(ids, [b"\x01" * 64] * chain, namespace_root=b"\x02" * 16)
-    policy = store._policy
+        store.writes.put(ids, [b"\x01" * 64] * chain, namespace_root=b"\x02" * 16)
+    policy = store._core.policy
     assert policy.queued(0) <= 3 * 4096 + 64 * 3  # not ~2 entries for each of 32K blocks

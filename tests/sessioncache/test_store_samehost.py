@@ -76,36 +76,36 @@ def shm_store(
 
 
 def put(store: TieredStore, hashes: list[BlockHash], **kw: object) -> None:
-    store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, **kw)  # type: ignore[arg-type]
+    store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, **kw)  # type: ignore[arg-type]
 
 
 def test_a_leased_match_is_located_byte_exact_with_checksums(clock: ManualClock):
     store = shm_store(clock)
     hashes = chain(1, 5)
     put(store, hashes)
-    match = store.lookup(hashes, lease_s=30)
-    located = store.locate(match.hashes)
+    match = store.reads.lookup(hashes, lease_s=30)
+    located = store.reads.locate(match.hashes)
     assert [s.block_hash for s in located] == hashes
     peer = Peer(store)
     for slot in located:
         assert peer.read(slot.location) == data(slot.block_hash)
         assert slot.checksum == xxhash.xxh3_64_intdigest(data(slot.block_hash))
-    assert store.meta(hashes[0]).checksum == located[0].checksum  # type: ignore[union-attr]
+    assert store.reads.meta(hashes[0]).checksum == located[0].checksum  # type: ignore[union-attr]
     assert match.lease is not None
-    store.release(match.lease.id)
+    store.reads.release(match.lease.id)
 
 
 def test_locate_needs_a_pin_and_a_shared_memory_tier(clock: ManualClock):
     store = shm_store(clock)
     hashes = chain(1, 3)
     put(store, hashes)
-    assert store.locate(hashes) == []  # not leased: nothing guards the slots
+    assert store.reads.locate(hashes) == []  # not leased: nothing guards the slots
     plain = TieredStore([CpuTier(4 * SIZE)], clock=clock)
     assert plain.shared_memory_tier is None
     with pytest.raises(InvalidInput):
-        plain.locate(hashes)
+        plain.reads.locate(hashes)
     with pytest.raises(InvalidInput):
-        plain.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+        plain.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
 
 
 def test_blocks_held_only_on_disk_are_copied_into_shared_memory_first(
@@ -116,13 +116,13 @@ def test_blocks_held_only_on_disk_are_copied_into_shared_memory_first(
     put(store, old, durable=True)
     clock.advance(10)
     put(store, chain(2, 4), durable=True)  # pushes the old chain out of the CPU tier
-    assert all(store.where(h) == ["disk"] for h in old)
-    match = store.lookup(old, lease_s=30)
-    located = store.locate(match.hashes)
+    assert all(store.reads.where(h) == ["disk"] for h in old)
+    match = store.reads.lookup(old, lease_s=30)
+    located = store.reads.locate(match.hashes)
     assert [s.block_hash for s in located] == old
     peer = Peer(store)
     assert all(peer.read(s.location) == data(s.block_hash) for s in located)
-    assert all(store.where(h) == ["cpu", "disk"] for h in old)
+    assert all(store.reads.where(h) == ["cpu", "disk"] for h in old)
     assert store.counters().promotions == 4
 
 
@@ -130,27 +130,27 @@ def test_the_answer_stops_where_shared_memory_has_no_room(clock: ManualClock, tm
     store = shm_store(clock, blocks=2, disk=tmp_path / "disk")
     pinned = chain(1, 2)
     put(store, pinned)
-    held = store.lookup(pinned, lease_s=30)  # both CPU slots pinned
+    held = store.reads.lookup(pinned, lease_s=30)  # both CPU slots pinned
     cold = chain(2, 3)
     put(store, cold, tier="disk")
-    match = store.lookup(cold, lease_s=30)
-    assert match.num_blocks == 3 and store.locate(match.hashes) == []
+    match = store.reads.lookup(cold, lease_s=30)
+    assert match.num_blocks == 3 and store.reads.locate(match.hashes) == []
     assert held.lease is not None and match.lease is not None
-    store.release(held.lease.id)
-    assert [s.block_hash for s in store.locate(match.hashes)] == cold[:2]  # room for two
+    store.reads.release(held.lease.id)
+    assert [s.block_hash for s in store.reads.locate(match.hashes)] == cold[:2]  # room for two
 
 
 def test_concurrent_locates_copy_a_block_in_once(clock: ManualClock, tmp_path: Path):
     store = shm_store(clock, blocks=8, disk=tmp_path / "disk")
     hashes = chain(1, 6)
     put(store, hashes, tier="disk")
-    match = store.lookup(hashes, lease_s=30)
+    match = store.reads.lookup(hashes, lease_s=30)
     results: list[list[BlockHash]] = []
     barrier = threading.Barrier(4)
 
     def reader() -> None:
         barrier.wait()
-        results.append([s.block_hash for s in store.locate(match.hashes)])
+        results.append([s.block_hash for s in store.reads.locate(match.hashes)])
 
     threads = [threading.Thread(target=reader) for _ in range(4)]
     for t in threads:
@@ -165,40 +165,42 @@ def test_a_release_after_the_lease_ran_out_says_so_even_before_it_is_reaped(cloc
     store = shm_store(clock)
     hashes = chain(1, 2)
     put(store, hashes)
-    lease = store.lookup(hashes, lease_s=5).lease
+    lease = store.reads.lookup(hashes, lease_s=5).lease
     assert lease is not None
     clock.advance(6)  # nothing reaped it yet (no lookup since)
     with pytest.raises(LeaseNotFound):
-        store.release(lease.id)
+        store.reads.release(lease.id)
     assert store.stats().pinned_blocks == 0  # released all the same
-    live = store.lookup(hashes, lease_s=5).lease
+    live = store.reads.lookup(hashes, lease_s=5).lease
     assert live is not None
     clock.advance(4)
-    store.release(live.id)  # in time: no error
+    store.reads.release(live.id)  # in time: no error
 
 
 def test_staged_blocks_are_invisible_until_committed(clock: ManualClock):
     store = shm_store(clock)
     hashes = chain(1, 3)
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
     assert staging.status == [STAGED] * 3
     peer = Peer(store)
     for h, where in zip(hashes, staging.locations, strict=True):
         assert where is not None
         peer.write(where, data(h))
-    assert store.lookup(hashes).num_blocks == 0 and not store.contains(hashes[0])
+    assert store.reads.lookup(hashes).num_blocks == 0 and not store.reads.contains(hashes[0])
     # a put of a staged id does not race it: it is present (being stored)
-    assert store.put([hashes[0]], [data(hashes[0])], namespace_root=ROOT).present == hashes[:1]
+    assert (
+        store.writes.put([hashes[0]], [data(hashes[0])], namespace_root=ROOT).present == hashes[:1]
+    )
     sums = [xxhash.xxh3_64_intdigest(data(h)) for h in hashes]
-    result = store.commit(staging, sums, [SIZE] * 3)
+    result = store.writes.commit(staging, sums, [SIZE] * 3)
     assert result.stored == hashes and not (result.present or result.dropped or result.rejected)
-    match = store.lookup(hashes, lease_s=10)
+    match = store.reads.lookup(hashes, lease_s=10)
     assert match.hashes == hashes
-    located = store.locate(hashes)
+    located = store.reads.locate(hashes)
     assert [s.location for s in located] == staging.locations  # published in place
     assert [s.checksum for s in located] == sums
-    assert store.get_bytes(hashes[2]) == data(hashes[2])
-    assert store.meta(hashes[1]).parent == hashes[0]  # type: ignore[union-attr]
+    assert store.reads.get_bytes(hashes[2]) == data(hashes[2])
+    assert store.reads.meta(hashes[1]).parent == hashes[0]  # type: ignore[union-attr]
 
 
 def test_a_slot_that_does_not_match_its_checksum_is_rejected_and_the_rest_dropped(
@@ -207,25 +209,29 @@ def test_a_slot_that_does_not_match_its_checksum_is_rejected_and_the_rest_droppe
     store = shm_store(clock)
     tier = store.tiers[0]
     hashes = chain(1, 4)
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
     peer = Peer(store)
     for h, where in zip(hashes, staging.locations, strict=True):
         assert where is not None
         peer.write(where, data(h))
     sums = [xxhash.xxh3_64_intdigest(data(h)) for h in hashes]
     sums[1] ^= 1  # a torn or wrong write
-    result = store.commit(staging, sums)
+    result = store.writes.commit(staging, sums)
     assert result.stored == hashes[:1] and result.rejected == hashes[1:2]
     assert result.dropped == hashes[2:]
-    assert store.lookup(hashes).hashes == hashes[:1]
+    assert store.reads.lookup(hashes).hashes == hashes[:1]
     assert tier.used_bytes == SIZE and store.stats().blocks == 1
     with pytest.raises(InvalidInput):
-        store.commit(staging, sums)  # once only
-    wrong_length = store.stage(hashes[1:2], namespace_root=ROOT, nbytes=SIZE, parent=hashes[0])
+        store.writes.commit(staging, sums)  # once only
+    wrong_length = store.writes.stage(
+        hashes[1:2], namespace_root=ROOT, nbytes=SIZE, parent=hashes[0]
+    )
     where = wrong_length.locations[0]
     assert where is not None
     peer.write(where, data(hashes[1]))
-    result = store.commit(wrong_length, [xxhash.xxh3_64_intdigest(data(hashes[1]))], [SIZE - 1])
+    result = store.writes.commit(
+        wrong_length, [xxhash.xxh3_64_intdigest(data(hashes[1]))], [SIZE - 1]
+    )
     assert result.rejected == hashes[1:2] and tier.used_bytes == SIZE
 
 
@@ -234,16 +240,16 @@ def test_abort_frees_every_slot_and_publishes_nothing(clock: ManualClock):
     tier = store.tiers[0]
     put(store, chain(1, 1))
     hashes = chain(1, 4)  # the first is held already
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
     assert staging.status == [PRESENT, STAGED, STAGED, STAGED]
     assert tier.used_bytes == 4 * SIZE
-    assert store.abort(staging) == 3
-    assert store.abort(staging) == 0
+    assert store.writes.abort(staging) == 3
+    assert store.writes.abort(staging) == 0
     assert tier.used_bytes == SIZE and store.stats().blocks == 1
-    assert store.lookup(hashes).num_blocks == 1 and store.meta(hashes[1]) is None
+    assert store.reads.lookup(hashes).num_blocks == 1 and store.reads.meta(hashes[1]) is None
     with pytest.raises(InvalidInput):
-        store.commit(staging, [0] * 4)
-    again = store.stage(hashes[1:], namespace_root=ROOT, nbytes=SIZE, parent=hashes[0])
+        store.writes.commit(staging, [0] * 4)
+    again = store.writes.stage(hashes[1:], namespace_root=ROOT, nbytes=SIZE, parent=hashes[0])
     assert again.status == [STAGED] * 3  # nothing left claimed
 
 
@@ -255,33 +261,33 @@ def test_staging_makes_room_by_demotion_and_drops_past_a_full_tier(
     put(store, old)
     clock.advance(10)
     hashes = chain(2, 3)
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
     assert staging.status == [STAGED] * 3
-    assert [store.where(h) for h in old] == [["cpu"], ["disk"], ["disk"], ["disk"]]
-    pinned = store.lookup(old[:1], lease_s=30)
-    full = store.stage(chain(3, 2), namespace_root=ROOT, nbytes=SIZE)
+    assert [store.reads.where(h) for h in old] == [["cpu"], ["disk"], ["disk"], ["disk"]]
+    pinned = store.reads.lookup(old[:1], lease_s=30)
+    full = store.writes.stage(chain(3, 2), namespace_root=ROOT, nbytes=SIZE)
     assert full.status == [DROPPED, DROPPED]  # everything left in the tier is pinned or staged
-    store.abort(full)
-    store.abort(staging)
+    store.writes.abort(full)
+    store.writes.abort(staging)
     assert pinned.lease is not None
-    store.release(pinned.lease.id)
+    store.reads.release(pinned.lease.id)
 
 
 def test_a_durable_commit_is_on_disk_when_it_returns(clock: ManualClock, tmp_path: Path):
     store = shm_store(clock, disk=tmp_path / "disk")
     hashes = chain(1, 2)
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
     peer = Peer(store)
     for h, where in zip(hashes, staging.locations, strict=True):
         assert where is not None
         peer.write(where, data(h))
-    result = store.commit(staging, [xxhash.xxh3_64_intdigest(data(h)) for h in hashes])
+    result = store.writes.commit(staging, [xxhash.xxh3_64_intdigest(data(h)) for h in hashes])
     assert result.stored == hashes
-    assert all(store.where(h) == ["cpu", "disk"] for h in hashes)
+    assert all(store.reads.where(h) == ["cpu", "disk"] for h in hashes)
     disk = store.tiers[1]
     assert all(bytes(disk.get(h).numpy()) == data(h) for h in hashes)  # type: ignore[union-attr]
     with pytest.raises(InvalidInput):
-        shm_store(clock).stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
+        shm_store(clock).writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
 
 
 def test_a_durable_commit_the_disk_cannot_take_fails_as_a_durable_put_does(
@@ -296,16 +302,16 @@ def test_a_durable_commit_the_disk_cannot_take_fails_as_a_durable_put_does(
     hashes = chain(3, 3)
     with pytest.raises(DurableStoreFailed):
         put(store, hashes[:1], durable=True)
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE, durable=True)
     assert staging.status == [PRESENT, STAGED, STAGED]
     peer = Peer(store)
     for h, where in zip(hashes[1:], staging.locations[1:], strict=True):
         assert where is not None
         peer.write(where, data(h))
     with pytest.raises(DurableStoreFailed):
-        store.commit(staging, [0] + [xxhash.xxh3_64_intdigest(data(h)) for h in hashes[1:]])
-    assert not staging.open and store.where(hashes[1]) == ["cpu"]  # in memory only
-    assert not store.contains(hashes[2])  # the rest of the staging was freed
+        store.writes.commit(staging, [0] + [xxhash.xxh3_64_intdigest(data(h)) for h in hashes[1:]])
+    assert not staging.open and store.reads.where(hashes[1]) == ["cpu"]  # in memory only
+    assert not store.reads.contains(hashes[2])  # the rest of the staging was freed
     assert store.stats().pinned_blocks == 0
 
 
@@ -313,9 +319,9 @@ def test_staging_checks_ids_and_the_namespace_payload_size(clock: ManualClock):
     store = shm_store(clock)
     put(store, chain(1, 1))
     with pytest.raises(PayloadSizeError):
-        store.stage(chain(2, 1), namespace_root=ROOT, nbytes=SIZE // 2)
+        store.writes.stage(chain(2, 1), namespace_root=ROOT, nbytes=SIZE // 2)
     with pytest.raises(InvalidInput):
-        store.stage([b"short"], namespace_root=ROOT, nbytes=SIZE)  # type: ignore[list-item]
+        store.writes.stage([b"short"], namespace_root=ROOT, nbytes=SIZE)  # type: ignore[list-item]
     assert store.tiers[0].used_bytes == SIZE
 
 
@@ -323,38 +329,38 @@ def test_a_staging_commits_in_order_over_several_calls(clock: ManualClock):
     store = shm_store(clock)
     tier = store.tiers[0]
     hashes = chain(1, 6)
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
     peer = Peer(store)
     for h, where in zip(hashes, staging.locations, strict=True):
         assert where is not None
         peer.write(where, data(h))
     sums = [xxhash.xxh3_64_intdigest(data(h)) for h in hashes]
-    assert store.commit(staging, sums[:2]).stored == hashes[:2]
-    assert store.lookup(hashes).hashes == hashes[:2]  # the rest not yet
+    assert store.writes.commit(staging, sums[:2]).stored == hashes[:2]
+    assert store.reads.lookup(hashes).hashes == hashes[:2]  # the rest not yet
     bad = sums[2:4]
     bad[1] ^= 1
-    result = store.commit(staging, bad)
+    result = store.writes.commit(staging, bad)
     assert result.stored == hashes[2:3] and result.rejected == hashes[3:4]
     with pytest.raises(InvalidInput):
-        store.commit(staging, [*sums[4:], 0])  # more than is left
-    result = store.commit(staging, sums[4:])
+        store.writes.commit(staging, [*sums[4:], 0])  # more than is left
+    result = store.writes.commit(staging, sums[4:])
     assert result.dropped == hashes[4:] and not result.stored  # after a rejected block
-    assert not staging.open and store.abort(staging) == 0
-    assert tier.used_bytes == 3 * SIZE and store.lookup(hashes).hashes == hashes[:3]
+    assert not staging.open and store.writes.abort(staging) == 0
+    assert tier.used_bytes == 3 * SIZE and store.reads.lookup(hashes).hashes == hashes[:3]
 
 
 def test_abort_after_a_partial_commit_frees_only_the_rest(clock: ManualClock):
     store = shm_store(clock)
     tier = store.tiers[0]
     hashes = chain(1, 4)
-    staging = store.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
+    staging = store.writes.stage(hashes, namespace_root=ROOT, nbytes=SIZE)
     peer = Peer(store)
     for h, where in zip(hashes, staging.locations, strict=True):
         assert where is not None
         peer.write(where, data(h))
-    store.commit(staging, [xxhash.xxh3_64_intdigest(data(h)) for h in hashes[:1]])
-    assert store.abort(staging) == 3
+    store.writes.commit(staging, [xxhash.xxh3_64_intdigest(data(h)) for h in hashes[:1]])
+    assert store.writes.abort(staging) == 3
     assert tier.used_bytes == SIZE and store.stats().blocks == 1
-    assert store.lookup(hashes).hashes == hashes[:1]
+    assert store.reads.lookup(hashes).hashes == hashes[:1]
     with pytest.raises(InvalidInput):
-        store.commit(staging, [0])
+        store.writes.commit(staging, [0])

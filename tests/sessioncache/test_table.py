@@ -26,7 +26,7 @@ def ids(tag: int, n: int) -> list[BlockHash]:
 
 
 def put(store: TieredStore, hashes: list[BlockHash], parent: BlockHash | None = None) -> None:
-    store.put(hashes, [h * 4 for h in hashes], namespace_root=ROOT, parent=parent)
+    store.writes.put(hashes, [h * 4 for h in hashes], namespace_root=ROOT, parent=parent)
 
 
 def store_of(blocks: int = 10_000) -> tuple[TieredStore, ManualClock]:
@@ -119,7 +119,7 @@ def test_a_chain_put_in_several_segments_is_matched_whole() -> None:
     for start in range(0, 300, 40):  # slots of other chains in between
         put(store, chain[start : start + 40], parent=chain[start - 1] if start else None)
         put(store, ids(100 + start, 7))
-    match = store.lookup(chain)
+    match = store.reads.lookup(chain)
     assert match.hashes == chain and match.tiers == ["cpu"] * 300
 
 
@@ -128,21 +128,21 @@ def test_a_block_stored_again_elsewhere_continues_the_match() -> None:
     chain = ids(1, 50)
     put(store, chain)
     put(store, ids(2, 5))
-    assert store.delete(chain[30:]) == 20  # tail first: those slots are freed
+    assert store.writes.delete(chain[30:]) == 20  # tail first: those slots are freed
     put(store, ids(3, 20))  # takes the freed slots (stale ids overwritten)
     put(store, chain[30:], parent=chain[29])  # new slots
-    assert store.lookup(chain).hashes == chain
-    assert store.lookup(ids(3, 20)).hashes == ids(3, 20)
+    assert store.reads.lookup(chain).hashes == chain
+    assert store.reads.lookup(ids(3, 20)).hashes == ids(3, 20)
 
 
 def test_a_freed_slot_never_matches_its_old_id() -> None:
     store, _ = store_of()
     chain = ids(1, 20)
     put(store, chain)
-    store.delete(chain[10:])
-    assert store.lookup(chain).hashes == chain[:10]
+    store.writes.delete(chain[10:])
+    assert store.reads.lookup(chain).hashes == chain[:10]
     put(store, chain[15:], parent=chain[14])  # not reachable: 10-14 are missing
-    assert store.lookup(chain).hashes == chain[:10]
+    assert store.reads.lookup(chain).hashes == chain[:10]
 
 
 def test_a_scattered_chain_is_matched_id_by_id() -> None:
@@ -151,23 +151,23 @@ def test_a_scattered_chain_is_matched_id_by_id() -> None:
     for i, block in enumerate(chain):  # each block alone, another chain's block between
         put(store, [block], parent=chain[i - 1] if i else None)
         put(store, ids(1000 + i, 1))
-    assert store.lookup(chain).hashes == chain
-    store.delete(chain[-3:])
-    assert store.lookup(chain).hashes == chain[:-3]
+    assert store.reads.lookup(chain).hashes == chain
+    store.writes.delete(chain[-3:])
+    assert store.reads.lookup(chain).hashes == chain[:-3]
 
 
 def test_the_match_stops_at_an_expired_block_and_touches_only_the_match() -> None:
     clock = ManualClock()
     store = TieredStore([CpuTier(10_000 * SIZE)], clock=clock)
     chain = ids(1, 10)
-    store.put(chain[:6], [h * 4 for h in chain[:6]], namespace_root=ROOT, ttl_s=100.0)
-    store.put(
+    store.writes.put(chain[:6], [h * 4 for h in chain[:6]], namespace_root=ROOT, ttl_s=100.0)
+    store.writes.put(
         chain[6:], [h * 4 for h in chain[6:]], namespace_root=ROOT, parent=chain[5], ttl_s=10.0
     )
     clock.advance(50.0)
-    match = store.lookup(chain, ttl_s=1000.0)
+    match = store.reads.lookup(chain, ttl_s=1000.0)
     assert match.hashes == chain[:6]
-    touched = [store.meta(h) for h in chain]
+    touched = [store.reads.meta(h) for h in chain]
     assert all(m is not None and m.hit_count == 1 and m.ttl_s == 1000.0 for m in touched[:6])
     assert all(m is not None and m.hit_count == 0 for m in touched[6:])
     orders = [m.touch_order for m in touched[:6] if m is not None]
@@ -186,22 +186,24 @@ def test_whole_run_lookup_agrees_with_a_block_by_block_walk(rnd: random.Random) 
         if action < 0.5:
             put(store, chain[start:], parent=chain[start - 1] if start else None)
         elif action < 0.7:
-            store.delete(chain[start:])
+            store.writes.delete(chain[start:])
         else:
             clock.advance(rnd.choice([0.0, 1.0]))
         probe = rnd.choice(chains)
         held = []
         for h in probe:
-            if not store.contains(h):
+            if not store.reads.contains(h):
                 break
             held.append(h)
-        assert store.lookup(probe).hashes == held
-    slots = np.array([store._index._table.slot_of[h] for h in store._index._table.slot_of])
+        assert store.reads.lookup(probe).hashes == held
+    slots = np.array(
+        [store._core.index._table.slot_of[h] for h in store._core.index._table.slot_of]
+    )
     assert len(set(slots.tolist())) == len(slots)
 
 
 def _links(store: TieredStore) -> tuple[dict[bytes, tuple[object, ...]], dict[bytes, set[int]]]:
-    index = store._index
+    index = store._core.index
     table = index._table
     # (a count of children in a tier the block has left is not kept: never read, and made
     # anew when it enters that tier again)
@@ -239,11 +241,11 @@ def test_relink_rebuilds_exactly_the_links_and_counts_kept_as_blocks_come_and_go
             branch = rnd.choice(branches)
             put(store, branch, parent=rnd.choice(trunk))  # a branch off the trunk
         elif action < 0.85:
-            store.delete([rnd.choice(trunk + [b for br in branches for b in br])])
+            store.writes.delete([rnd.choice(trunk + [b for br in branches for b in br])])
         else:
             block = rnd.choice(trunk)
-            if store.contains(block):
-                store.get(block)  # promotes it from the second tier
+            if store.reads.contains(block):
+                store.reads.get(block)  # promotes it from the second tier
     before = _links(store)
-    store._index.relink()
+    store._core.index.relink()
     assert _links(store) == before

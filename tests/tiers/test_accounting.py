@@ -162,11 +162,11 @@ def test_a_store_over_accounting_tiers_demotes_and_promotes_by_size():
     cpu, disk = AccountingTier("cpu", 2 * 256), AccountingTier("disk", 8 * 256)
     store = TieredStore([cpu, disk], clock=ManualClock())
     ids = [bid(i) for i in range(1, 5)]
-    store.put(ids, [sized(256)] * 4, namespace_root=NS)
+    store.writes.put(ids, [sized(256)] * 4, namespace_root=NS)
     assert cpu.used_bytes + disk.used_bytes >= 4 * 256
-    assert store.lookup(ids).num_blocks == 4
-    lower = [h for h in ids if store.where(h) == ["disk"]]
+    assert store.reads.lookup(ids).num_blocks == 4
+    lower = [h for h in ids if store.reads.where(h) == ["disk"]]
     assert lower
-    data = store.get(lower[0])  # promoted into cpu with the same accounted size
-    assert data.numel() == 256 and "cpu" in store.where(lower[0])
+    data = store.reads.get(lower[0])  # promoted into cpu with the same accounted size
+    assert data.numel() == 256 and "cpu" in store.reads.where(lower[0])
     assert cpu.used_bytes <= cpu.capacity_bytes and disk.used_bytes <= disk.capacity_bytes

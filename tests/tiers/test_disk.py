@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 import sessioncache.tiers.disk as disk_mod
+import sessioncache.tiers.fileio as fileio
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import RecoverableTier, RecoveredBatch, RecoveredBlock, Tier
@@ -339,7 +340,8 @@ def test_failed_write_releases_reservation(
         os.write(fd, b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "_write_all", no_space)
+    for module in (disk_mod, fileio):  # the plain write, and the chunked write-back's
+        monkeypatch.setattr(module, "write_all", no_space)
     with pytest.raises(TierFull):
         tier.put(bid(1), b"x" * 5000, NS)
     assert tier.used_bytes == 0 and tier.fits(16 * MIB) and not tier.contains(bid(1))
@@ -348,7 +350,8 @@ def test_failed_write_releases_reservation(
     def io_error(fd: int, buffers: list[memoryview]) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(disk_mod, "_write_all", io_error)
+    for module in (disk_mod, fileio):
+        monkeypatch.setattr(module, "write_all", io_error)
     with pytest.raises(OSError):
         tier.put(bid(1), b"x" * 5000, NS)
     assert tier.fits(16 * MIB) and all_files(root) == []

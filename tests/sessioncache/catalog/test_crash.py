@@ -44,7 +44,7 @@ catalog.start()
 store = TieredStore(
     [DiskTier.open(cfg["root"], cfg["capacity"], fsync=False)], observers=[catalog]
 )
-manager = SessionManager(store, repository=catalog)
+manager = SessionManager(store, repository=catalog.sessions)
 shared = block_hashes(ns, np.arange(2 * ns.block_tokens))  # a prefix every session shares
 i = 0
 while True:
@@ -135,13 +135,13 @@ def check_recovery(migrated, root, sessions, chains) -> None:
     catalog.flush()
     assert {r.block_id for r in catalog.block_records("disk")} == set(disk.keys())
 
-    manager = SessionManager(store, repository=catalog)
+    manager = SessionManager(store, repository=catalog.sessions)
     restored = manager.restore()
     assert restored >= len(sessions)
     blocks = {h for chain in chains.values() for h in chain}
     assert len(blocks) >= ACKED_BLOCKS
     for h in blocks:
-        assert bytes(store.get(h).numpy()) == data(h), h.hex()
+        assert bytes(store.reads.get(h).numpy()) == data(h), h.hex()
     for sid in sessions:
         session = manager.get(sid)
         assert session.tenant == "t"
@@ -166,6 +166,6 @@ def test_kill_9_with_everything_still_queued(migrated, tmp_path):
     sessions, chains = run_and_kill(migrated, root, interval=3600.0)
     reader = migrated.catalog()
     assert reader.count_blocks() == 0
-    assert {s.id for s in reader.load_sessions()} >= set(sessions)
+    assert {s.id for s in reader.sessions.load_sessions()} >= set(sessions)
     reader.close()
     check_recovery(migrated, root, sessions, chains)

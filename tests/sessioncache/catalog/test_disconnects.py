@@ -43,9 +43,9 @@ def test_a_session_read_survives_its_backend_being_terminated(
     migrated: Database, terminate_next_select: Callable[[Catalog, str], list[int]]
 ) -> None:
     catalog = migrated.catalog()
-    catalog.create_session(Session("s-1", "default", "agent", 60.0, 1.0, 1.0, 61.0))
+    catalog.sessions.create_session(Session("s-1", "default", "agent", 60.0, 1.0, 1.0, 61.0))
     killed = terminate_next_select(catalog, "FROM sessions")
-    session = catalog.load_session("s-1")
+    session = catalog.sessions.load_session("s-1")
     assert killed and session is not None and session.id == "s-1"
 
 
@@ -55,6 +55,6 @@ def test_a_session_write_survives_its_backend_being_terminated(
 ) -> None:
     catalog = migrated.catalog()
     killed = terminate_next_select(catalog, "INSERT INTO sessions")
-    catalog.create_session(Session("s-2", "default", "agent", 60.0, 1.0, 1.0, 61.0))
-    session = catalog.load_session("s-2")
+    catalog.sessions.create_session(Session("s-2", "default", "agent", 60.0, 1.0, 1.0, 61.0))
+    session = catalog.sessions.load_session("s-2")
     assert killed and session is not None and session.expires_at == 61.0

@@ -40,7 +40,7 @@ def test_restart_serves_catalog_rows_and_adopts_files_it_lacks(tmp_path: Path):
     chain = [bid(i) for i in range(1, 5)]
     node = open_node(settings(data))
     try:
-        stored = node.store.put(
+        stored = node.store.writes.put(
             chain, [bytes([i]) * SIZE for i in range(4)], namespace_root=NS, durable=True
         )
         assert stored.stored == chain
@@ -63,20 +63,20 @@ def test_restart_serves_catalog_rows_and_adopts_files_it_lacks(tmp_path: Path):
     node = open_node(settings(data))
     try:
         # Served from the catalog's rows at once (no file opened yet).
-        assert node.store.contains_many(chain[:3]) == [True, True, True]
-        assert node.store.get_bytes(chain[0]) == bytes([0]) * SIZE
+        assert node.store.reads.contains_many(chain[:3]) == [True, True, True]
+        assert node.store.reads.get_bytes(chain[0]) == bytes([0]) * SIZE
         wait_served(node)
-        assert node.store.contains_many(extra) == [True, True, True]
-        assert node.store.get_bytes(extra[2]) == bytes([12]) * SIZE
+        assert node.store.reads.contains_many(extra) == [True, True, True]
+        assert node.store.reads.get_bytes(extra[2]) == bytes([12]) * SIZE
         # Linked to their parent, whose file is gone: the chain is held from the gap on.
-        assert node.store.chain_to(extra[-1]) == extra
-        first = node.store.meta(extra[0])
+        assert node.store.reads.chain_to(extra[-1]) == extra
+        first = node.store.reads.meta(extra[0])
         assert first is not None and first.parent == chain[-1]
-        assert node.store.chain_to(chain[2]) == chain[:3]
+        assert node.store.reads.chain_to(chain[2]) == chain[:3]
         # The vanished file: dropped by the pass (or a miss on its first read), row and all.
         with pytest.raises(BlockNotFound):
-            node.store.get_bytes(chain[-1])
-        assert not node.store.contains(chain[-1])
+            node.store.reads.get_bytes(chain[-1])
+        assert not node.store.reads.contains(chain[-1])
         catalog = node.accounting.usage
         assert catalog is not None
         catalog.flush()  # type: ignore[attr-defined]
@@ -98,6 +98,6 @@ def test_readyz_reports_the_background_pass_while_it_runs(tmp_path: Path):
         # Either still running (said so) or already done (nothing to say).
         assert problems == [] or problems[0].startswith("reconciling"), problems
         wait_served(node)
-        assert all(node.store.contains_many([bid(i) for i in range(1, 40)]))
+        assert all(node.store.reads.contains_many([bid(i) for i in range(1, 40)]))
     finally:
         node.close()

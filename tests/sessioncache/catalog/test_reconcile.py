@@ -71,7 +71,7 @@ def test_files_without_rows_are_adopted(make_catalog, tmp_path, caplog):
     for h in hashes:
         assert records[h].tier == "disk"
         assert records[h].nbytes == SIZE
-        assert records[h].checksum == checksum_of(store.get(h))
+        assert records[h].checksum == checksum_of(store.reads.get(h))
     # A second run finds nothing to do.
     again = reconcile(catalog, store)
     assert (again.adopted, again.quarantined, again.dropped_rows, again.kept) == (0, 0, 0, 4)
@@ -84,10 +84,10 @@ def test_a_corrupt_file_without_a_row_is_quarantined(make_catalog, tmp_path):
     corrupt_payload(root, hashes[1])
     catalog = make_catalog()
     store = open_store(root, catalog)
-    assert store.contains(hashes[1])  # the header scan cannot tell
+    assert store.reads.contains(hashes[1])  # the header scan cannot tell
     report = reconcile(catalog, store)
     assert (report.adopted, report.quarantined, report.dropped_rows) == (2, 1, 0)
-    assert not store.contains(hashes[1])
+    assert not store.reads.contains(hashes[1])
     assert {r.block_id for r in catalog.block_records()} == {hashes[0], hashes[2]}
     assert [p.name.split(".")[0] for p in (root / "quarantine").iterdir()] == [hashes[1].hex()]
     assert not block_file(root, hashes[1]).exists()
@@ -110,7 +110,7 @@ def test_rows_without_files_are_dropped(make_catalog, tmp_path):
     hashes = chain(4, 3)
     catalog = make_catalog()
     store = open_store(root, catalog)
-    store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
+    store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT)
     catalog.flush()
     store.close()
     block_file(root, hashes[2]).unlink()  # lost by hand
@@ -149,23 +149,23 @@ def test_catalog_recovered_tier_restores_chains(make_catalog, tmp_path):
     hashes = chain(6, 5)
     catalog = make_catalog()
     store = open_store(root, catalog)
-    store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, durable=True)
-    store.lookup(hashes)
+    store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, durable=True)
+    store.reads.lookup(hashes)
     catalog.flush()
-    last_access = store.meta(hashes[0]).last_access
+    last_access = store.reads.meta(hashes[0]).last_access
     store.close()
 
     # The disk tier's files record parents: even a bare restart keeps the chain.
     plain = open_store(root)
-    assert plain.chain_to(hashes[-1]) == hashes
+    assert plain.reads.chain_to(hashes[-1]) == hashes
 
     wrapped = CatalogRecoveredTier(DiskTier.open(root, CAPACITY, fsync=False), catalog)
     assert isinstance(wrapped, Tier) and isinstance(wrapped, RecoverableTier)
     assert wrapped.root == root  # anything else goes to the tier
     store = TieredStore([wrapped], observers=[catalog])
-    assert store.chain_to(hashes[-1]) == hashes
-    assert store.meta(hashes[0]).last_access >= last_access
-    assert bytes(store.get(hashes[3]).numpy()) == data(hashes[3])
+    assert store.reads.chain_to(hashes[-1]) == hashes
+    assert store.reads.meta(hashes[0]).last_access >= last_access
+    assert bytes(store.reads.get(hashes[3]).numpy()) == data(hashes[3])
     report = reconcile(catalog, store)
     assert (report.adopted, report.dropped_rows, report.kept) == (0, 0, 5)
 
@@ -189,21 +189,21 @@ def test_a_restart_keeps_each_blocks_own_ttl(make_catalog, tmp_path):
         clock=clock,
         default_ttl_s=100.0,
     )
-    store.put(short, [data(h) for h in short], namespace_root=ROOT, durable=True, ttl_s=2.0)
-    store.put(long_, [data(h) for h in long_], namespace_root=ROOT, durable=True)
-    store.lookup(long_, ttl_s=7 * 86400.0)  # a chat session raises the TTL to 7 days
-    raised = store.meta(long_[-1]).expires_at
+    store.writes.put(short, [data(h) for h in short], namespace_root=ROOT, durable=True, ttl_s=2.0)
+    store.writes.put(long_, [data(h) for h in long_], namespace_root=ROOT, durable=True)
+    store.reads.lookup(long_, ttl_s=7 * 86400.0)  # a chat session raises the TTL to 7 days
+    raised = store.reads.meta(long_[-1]).expires_at
     catalog.flush()
     store.close()
 
     clock.advance(10.0)  # the node is down while the short blocks expire
     wrapped = CatalogRecoveredTier(DiskTier.open(root, CAPACITY, fsync=False), catalog)
     store = TieredStore([wrapped], observers=[catalog], clock=clock, default_ttl_s=100.0)
-    assert store.lookup(short).num_blocks == 0
-    assert store.lookup(long_).num_blocks == 3
-    assert store.meta(long_[0]).ttl_s == 7 * 86400.0
-    assert store.meta(long_[-1]).expires_at >= raised
-    assert store.expire() == 3
-    assert store.where(short[0]) == []
+    assert store.reads.lookup(short).num_blocks == 0
+    assert store.reads.lookup(long_).num_blocks == 3
+    assert store.reads.meta(long_[0]).ttl_s == 7 * 86400.0
+    assert store.reads.meta(long_[-1]).expires_at >= raised
+    assert store.writes.expire() == 3
+    assert store.reads.where(short[0]) == []
     clock.advance(200.0)  # past the default TTL, well within the raised one
-    assert store.lookup(long_).num_blocks == 3
+    assert store.reads.lookup(long_).num_blocks == 3

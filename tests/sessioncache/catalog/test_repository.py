@@ -63,7 +63,7 @@ def store_and_catalog(make_catalog, tmp_path, clock):
 
 
 def put(store: TieredStore, hashes: list[BlockHash], **kw) -> None:
-    store.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, **kw)
+    store.writes.put(hashes, [data(h) for h in hashes], namespace_root=ROOT, **kw)
 
 
 def test_observer_calls_run_no_sql_until_flush(store_and_catalog, clock):
@@ -72,8 +72,8 @@ def test_observer_calls_run_no_sql_until_flush(store_and_catalog, clock):
     hashes = chain(1, 5)
     put(store, hashes, durable=True)
     for _ in range(10):
-        store.lookup(hashes)
-    store.get(hashes[0])
+        store.reads.lookup(hashes)
+    store.reads.get(hashes[0])
     assert sql.statements == []
     assert catalog.pending() > 0
     assert catalog.count_blocks() == 0  # nothing written behind yet
@@ -84,7 +84,7 @@ def test_observer_calls_run_no_sql_until_flush(store_and_catalog, clock):
     assert set(records) == set(hashes)
     assert {r.tier for r in records.values()} == {"disk"}  # the cpu tier is not durable
     for i, h in enumerate(hashes):
-        meta = store.meta(h)
+        meta = store.reads.meta(h)
         assert meta is not None
         r = records[h]
         assert (r.namespace_root, r.nbytes) == (ROOT, SIZE)
@@ -108,7 +108,7 @@ def test_touches_coalesce_per_block(store_and_catalog, clock):
     sql = SqlCounter(catalog.engine)
     for _ in range(1000):
         clock.advance(1.0)
-        store.lookup(hashes, ttl_s=7 * 86400.0)
+        store.reads.lookup(hashes, ttl_s=7 * 86400.0)
     assert sql.statements == []
     catalog.flush()
     # One UPDATE row per block, whatever the number of lookups.
@@ -126,13 +126,13 @@ def test_removed_blocks_lose_their_rows(store_and_catalog):
     put(store, hashes, durable=True)
     catalog.flush()
     assert catalog.count_blocks("disk") == 3
-    assert store.delete([hashes[2]]) == 1
+    assert store.writes.delete([hashes[2]]) == 1
     catalog.flush()
     assert {r.block_id for r in catalog.block_records()} == set(hashes[:2])
     # Added then removed within one batch: no row at all.
     more = chain(4, 2)
     put(store, more, durable=True)
-    store.delete(more[::-1])
+    store.writes.delete(more[::-1])
     catalog.flush()
     assert {r.block_id for r in catalog.block_records()} == set(hashes[:2])
 
@@ -158,12 +158,12 @@ def test_bound_tiers_skip_touches_of_non_durable_blocks(store_and_catalog):
     cpu_only = chain(7, 3)
     put(store, cpu_only)
     catalog.flush()
-    store.lookup(cpu_only)
+    store.reads.lookup(cpu_only)
     assert catalog.pending() == 1  # the blocks_touched counter only
     durable = chain(8, 3)
     put(store, durable, durable=True)
     catalog.flush()
-    store.lookup(durable)
+    store.reads.lookup(durable)
     assert catalog.pending() == 1 + 3
 
 
@@ -181,7 +181,7 @@ def test_background_flusher_writes_within_a_few_intervals(make_catalog, tmp_path
         assert time.monotonic() < deadline, "the flusher never wrote the rows"
         time.sleep(0.02)
     assert catalog.stats().flushes >= 1
-    store.delete(hashes)
+    store.writes.delete(hashes)
     while catalog.count_blocks() > 0:
         assert time.monotonic() < deadline, "the flusher never deleted the rows"
         time.sleep(0.02)
@@ -312,12 +312,12 @@ def test_pin_counts_follow_leases(store_and_catalog):
     put(store, hashes, durable=True)
     catalog.flush()
     assert [r.pin_count for r in catalog.block_records()] == [0, 0]
-    lease = store.lookup(hashes, lease_s=10).lease
+    lease = store.reads.lookup(hashes, lease_s=10).lease
     assert lease is not None
-    store.lookup(hashes)  # reports the pins other than its own: the lease's
+    store.reads.lookup(hashes)  # reports the pins other than its own: the lease's
     catalog.flush()
     assert [r.pin_count for r in catalog.block_records()] == [1, 1]
-    store.release(lease.id)
-    store.lookup(hashes)
+    store.reads.release(lease.id)
+    store.reads.lookup(hashes)
     catalog.flush()
     assert [r.pin_count for r in catalog.block_records()] == [0, 0]

@@ -57,19 +57,19 @@ def test_sql_pages_as_memory_does(make_catalog):
     now = 10_000.0
     catalog = make_catalog()
     for s in sessions(now):
-        catalog.create_session(s)
+        catalog.sessions.create_session(s)
     for query in QUERIES:
-        in_sql = catalog.query_sessions(query, now=now)
+        in_sql = catalog.sessions.query_sessions(query, now=now)
         in_memory = page_in_memory(sessions(now), query, now=now)
         assert (in_sql.total, ids(in_sql)) == (in_memory.total, ids(in_memory)), query
-    assert catalog.query_sessions(SessionQuery(), now=now).total == 21  # two expired
+    assert catalog.sessions.query_sessions(SessionQuery(), now=now).total == 21  # two expired
 
 
 def test_the_manager_pages_through_its_repository(make_catalog):
     catalog = make_catalog()
     clock = ManualClock(5000.0)
     store = TieredStore([CpuTier(1 << 20)], clock=clock)
-    manager = SessionManager(store, repository=catalog)
+    manager = SessionManager(store, repository=catalog.sessions)
     for i in range(4):
         manager.open(f"m{i}", tenant="acme")
         clock.advance(1)

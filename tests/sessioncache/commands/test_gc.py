@@ -42,7 +42,7 @@ def held(data: Path, ids: list[BlockHash]) -> list[bool]:
     """Which of ``ids`` the data directory's disk tier still holds (opened afresh)."""
     store = build_store(Settings(data_dir=data, cpu_bytes=1 << 20, disk_bytes=4 << 20))
     try:
-        return store.contains_many(ids)
+        return store.reads.contains_many(ids)
     finally:
         store.close()
 
@@ -54,7 +54,10 @@ def test_gc_frees_expired_blocks_and_keeps_a_live_sessions_chain(tmp_path: Path)
     data = tmp_path / "data"
     loose, chain = [bid(1), bid(2)], [bid(3), bid(4), bid(5)]
     with node_on(data, default_ttl_s=1.0) as node:
-        assert node.store.put(loose, payloads(2), namespace_root=NS, durable=True).stored == loose
+        assert (
+            node.store.writes.put(loose, payloads(2), namespace_root=NS, durable=True).stored
+            == loose
+        )
         node.sessions.open("keep")
         stored = node.sessions.put("keep", chain, payloads(3), namespace_root=NS, durable=True)
         assert stored.stored == chain
@@ -81,8 +84,8 @@ def test_gc_frees_blocks_whose_own_ttl_passed_while_the_node_was_stopped(tmp_pat
     data = tmp_path / "data"
     short, default = [bid(1), bid(2)], [bid(3)]
     with node_on(data) as node:
-        node.store.put(short, payloads(2), namespace_root=NS, ttl_s=1.0, durable=True)
-        node.store.put(default, payloads(1), namespace_root=NS, durable=True)
+        node.store.writes.put(short, payloads(2), namespace_root=NS, ttl_s=1.0, durable=True)
+        node.store.writes.put(default, payloads(1), namespace_root=NS, durable=True)
     time.sleep(1.2)
 
     out = run_cli_json("gc", "--data-dir", str(data), env=TIERS)

@@ -38,7 +38,7 @@ def test_info_reports_what_the_disk_tier_of_the_data_dir_holds(tmp_path: Path):
     data = tmp_path / "data"
     store = build_store(Settings(data_dir=data, cpu_bytes=CPU, disk_bytes=DISK))
     ids = [BlockHash(i.to_bytes(16, "little")) for i in (1, 2, 3)]
-    assert store.put(ids, [b"x" * SIZE] * 3, namespace_root=NS, durable=True).stored == ids
+    assert store.writes.put(ids, [b"x" * SIZE] * 3, namespace_root=NS, durable=True).stored == ids
     store.close()
 
     out = run_cli_json("info", env=env_for(data))

@@ -24,8 +24,8 @@ import time
 import numpy as np
 import xxhash
 
+from sessioncache.connector.payloads import key_bytes
 from sessioncache.connector.samehost import SameHostClient
-from sessioncache.connector.stream import key_bytes
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import Op, StoreHead
 from sessioncache.hashing import block_key, tokens_to_le_bytes
@@ -46,7 +46,7 @@ def main() -> None:
         assert found.located == blocks
         out = np.empty((blocks, BLOCK), np.uint8)
         for i in range(blocks // 2):
-            np.copyto(out[i], client._segment(found.slots[i]))
+            np.copyto(out[i], client._maps.view(found.slots[i]))
     else:
         if mode == "stage-keyed":
             keys = [block_key(f"killed-{seed}-{i}") for i in range(blocks)]
@@ -56,23 +56,23 @@ def main() -> None:
         else:
             head = StoreHead(root, None, NS.block_tokens, blocks, BLOCK)
             section = tokens_to_le_bytes(toks)
-        body = client._call(Op.STAGE, lambda rid: frames.encode_stage(rid, head, section))
+        body = client._c.call(Op.STAGE, lambda rid: frames.encode_stage(rid, head, section))
         staged = frames.decode_stage_ok(body, BLOCK)
         assert staged.status == [BlockStatus.STORED] * blocks, staged.status
         assert staged.ids == ids
-        client._ensure_segments(s.segment for s in staged.slots if s is not None)
+        client._maps.ensure(s.segment for s in staged.slots if s is not None)
         half = blocks // 2
         for block_id, slot in list(zip(ids, staged.slots, strict=True))[:half]:
             assert slot is not None
-            np.copyto(client._segment(slot), pattern(block_id))
+            np.copyto(client._maps.view(slot), pattern(block_id))
         if mode == "commit-half":
             sums = [xxhash.xxh3_64_intdigest(pattern(h)) for h in ids[:half]]
             commit = frames.Commit(staged.staging, 0, [BLOCK] * half, sums)
-            body = client._call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
+            body = client._c.call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
             assert frames.decode_commit_ok(body).status == [BlockStatus.STORED] * half
             for block_id, slot in list(zip(ids, staged.slots, strict=True))[half:]:
                 assert slot is not None
-                client._segment(slot)[: BLOCK // 2] = pattern(block_id)[: BLOCK // 2]
+                client._maps.view(slot)[: BLOCK // 2] = pattern(block_id)[: BLOCK // 2]
     print("stalled", flush=True)
     time.sleep(600)
 

@@ -136,7 +136,7 @@ def test_stream_keyed_store_exists_and_load(node: CacheNode, stream: StreamClien
     assert stream.exists(root, ids) == [True] * 4 + [False] * 2
     assert stream.exists(root, ids[::-1]) == [False] * 2 + [True] * 4
     for h in ids[:4]:  # standing alone: no parent, so each may be evicted on its own
-        meta = node.store.meta(BlockHash(h))
+        meta = node.store.reads.meta(BlockHash(h))
         assert meta is not None and meta.parent is None and meta.namespace_root == root
 
     # a keyed LOOKUP needs no chain: the held run of the ids asked, from any one of them
@@ -169,7 +169,7 @@ def test_linked_keyed_batches_are_chains(node: CacheNode, stream: StreamClient):
     # the next batch continues the same request: block 0 hangs off the last one stored
     ack = stream.store_keyed(root, k[3:], [pattern(h, SIZE) for h in ids[3:]], parent=ids[2])
     assert ack.stored == 2
-    assert node.store.chain_to(BlockHash(ids[4])) == ids
+    assert node.store.reads.chain_to(BlockHash(ids[4])) == ids
     # a parent that is not held under the root is refused
     with pytest.raises(Exception, match="not held"):
         stream.store_keyed(root, keys("x", 1), [np.zeros(SIZE, np.uint8)], parent=b"\0" * 16)
@@ -186,7 +186,7 @@ def test_a_session_pins_a_linked_keyed_chain(node: CacheNode, stream: StreamClie
         node, Caller("default"), NS, [BlockHash(h) for h in ids], session_id=session.id
     )
     assert found.match.num_blocks == 4
-    assert all(node.store.meta(BlockHash(h)).ref_cnt for h in ids)  # type: ignore[union-attr]
+    assert all(node.store.reads.meta(BlockHash(h)).ref_cnt for h in ids)  # type: ignore[union-attr]
 
 
 def test_samehost_keyed_store_locate_and_load(node: CacheNode, samehost: SameHostClient):
@@ -195,7 +195,7 @@ def test_samehost_keyed_store_locate_and_load(node: CacheNode, samehost: SameHos
     ids = samehost.key_ids(root, k)
     ack = samehost.store_keyed(root, k[:3], [pattern(h, SIZE) for h in ids[:3]], linked=False)
     assert ack.stored == 3 and ack.hashes == ids[:3]
-    assert all(node.store.meta(BlockHash(h)).parent is None for h in ids[:3])  # type: ignore[union-attr]
+    assert all(node.store.reads.meta(BlockHash(h)).parent is None for h in ids[:3])  # type: ignore[union-attr]
     assert samehost.exists(root, ids) == [True, True, True, False]
     found = samehost.locate(root, [ids[2], ids[0], ids[3]], keyed=True)
     assert found.located == 2
@@ -208,7 +208,7 @@ def test_samehost_keyed_store_locate_and_load(node: CacheNode, samehost: SameHos
     k2 = keys("shm-chain", 3)
     ids2 = samehost.key_ids(root, k2)
     samehost.store_keyed(root, k2, [pattern(h, SIZE) for h in ids2])
-    assert node.store.chain_to(BlockHash(ids2[-1])) == ids2
+    assert node.store.reads.chain_to(BlockHash(ids2[-1])) == ids2
 
 
 # -- tenants, against a real node ---------------------------------------------------------------

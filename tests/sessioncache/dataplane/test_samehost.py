@@ -153,30 +153,30 @@ def test_a_slot_that_does_not_hold_its_checksum_is_rejected(open_server: Server)
         toks = tokens(3, 3)
         ids = client.block_hashes(root, toks)
         head = StoreHead(root, None, NS.block_tokens, 3, BLOCK)
-        body = client._call(
+        body = client._c.call(
             Op.STAGE, lambda rid: frames.encode_stage(rid, head, tokens_to_le_bytes(toks))
         )
         staged = frames.decode_stage_ok(body, BLOCK)
         assert staged.ids == ids and staged.status == [BlockStatus.STORED] * 3
         assert cpu_used(open_server) == used + 3 * BLOCK  # reserved
-        client._ensure_segments(s.segment for s in staged.slots if s is not None)
+        client._maps.ensure(s.segment for s in staged.slots if s is not None)
         sums = []
         for i, (block_id, slot) in enumerate(zip(ids, staged.slots, strict=True)):
             assert slot is not None
-            np.copyto(client._segment(slot), pattern(block_id))
+            np.copyto(client._maps.view(slot), pattern(block_id))
             sums.append(xxhash.xxh3_64_intdigest(pattern(block_id)))
             if i == 1:
-                client._segment(slot)[100] ^= 0xFF  # a torn write
+                client._maps.view(slot)[100] ^= 0xFF  # a torn write
         # nothing is visible before the commit
         assert client.locate(root, ids).matched == 0
         commit = frames.Commit(staged.staging, 0, [BLOCK] * 3, sums)
-        body = client._call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
+        body = client._c.call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
         ok = frames.decode_commit_ok(body)
         assert ok.status == [BlockStatus.STORED, BlockStatus.REJECTED, BlockStatus.DROPPED]
         assert client.locate(root, ids).matched == 1
         assert cpu_used(open_server) == used + BLOCK
         with pytest.raises(Exception, match="no open staging"):
-            client._call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
+            client._c.call(Op.COMMIT, lambda rid: frames.encode_commit(rid, commit))
 
 
 def test_the_tcp_stream_refuses_the_same_host_ops(open_server: Server):

@@ -55,7 +55,7 @@ def test_a_store_whose_session_closed_meanwhile_is_stored_all_the_same(node: Cac
     plan = store(node, caller, root, units(1, 3), session.id)
     node.sessions.close(session.id, tenant="alice")
     stores.complete(node, caller, plan, 3)  # no SessionNotFound after the blocks are held
-    assert node.store.contains_many(plan.ids) == [True] * 3
+    assert node.store.reads.contains_many(plan.ids) == [True] * 3
 
 
 def test_a_store_that_kept_nothing_leaves_the_session_as_it_was(node: CacheNode):

@@ -1,0 +1,361 @@
+"""The store's core: its tiers, its index and the moves between them (placement, eviction,
+promotion), and the index changes that observers hear of. ``StoreReads``, ``StoreWrites`` and
+``StoreRecovery`` work through it; ``TieredStore`` holds all four."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.clock import Clock, SystemClock
+from sessioncache.errors import (
+    BlockNotFound,
+    InvalidInput,
+    PayloadSizeError,
+    TierFull,
+    UnknownTier,
+)
+from sessioncache.events import DropObserver, StoreObserver
+from sessioncache.hashing import HASH_BYTES, BlockHash
+from sessioncache.index import BlockIndex, Run
+from sessioncache.policy import EvictionPolicy
+from sessioncache.store.results import (
+    _PLACE_ATTEMPTS,
+    DEFAULT_TTL_S,
+    Counters,
+    check_ttl,
+)
+from sessioncache.tiers.base import (
+    CheckedTier,
+    SharedMemoryTier,
+    SharedTier,
+    Tier,
+)
+from sessioncache.tiers.payload import Payload
+
+log = logging.getLogger("sessioncache.store")
+
+
+class StoreCore:
+    """State shared by the store's parts, and what they all need of it (one re-entrant lock
+    guards the index, the policy and the counters; payload copies run outside it)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: EvictionPolicy | None = None,
+        *,
+        clock: Clock | None = None,
+        default_ttl_s: float = DEFAULT_TTL_S,
+        promote_on_get: bool = True,
+        max_lease_s: float = 3600.0,
+        observers: Sequence[StoreObserver] = (),
+        write_through: Sequence[str] = (),
+    ) -> None:
+        if not tiers:
+            raise InvalidInput("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidInput(f"tier names must be unique, got {names}")
+        check_ttl(default_ttl_s)
+        self.tiers = list(tiers)
+        self.tier_index = {name: i for i, name in enumerate(names)}
+        self.policy = policy or EvictionPolicy(len(self.tiers))
+        self.clock: Clock = clock or SystemClock()
+        self.default_ttl = default_ttl_s
+        self.promote = promote_on_get
+        self.max_lease_s = max_lease_s
+        self.lock = threading.RLock()
+        self.index = BlockIndex(len(self.tiers), self.policy)
+        self.payload_sizes: dict[bytes, int] = {}
+        # Blocks being copied up (promotion): a second reader waits for the first copy.
+        self.promoting: dict[BlockHash, threading.Event] = {}
+        self.observers = list(observers)
+        self.drop_observers: list[DropObserver] = [
+            o for o in observers if isinstance(o, DropObserver)
+        ]
+        # The fleet's shared tier (at most one): looked up on local misses, and never
+        # trimmed by this node's expiry sweep (its keys expire in the shared server itself).
+        shared = [(i, t) for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)]
+        if len(shared) > 1:
+            raise InvalidInput("a store takes at most one shared tier")
+        self.shared: tuple[int, SharedTier] | None = shared[0] if shared else None
+        # The tier other processes on this host map (the same-host path); the first one.
+        self.shm: tuple[int, SharedMemoryTier] | None = next(
+            ((i, t) for i, t in enumerate(self.tiers) if isinstance(t, SharedMemoryTier)), None
+        )
+        self.write_through_tiers = sorted({self.tier_by_name(name) for name in write_through})
+        # The name of the fastest tier in each tier mask (``BlockMeta.mask``).
+        self.fastest_name = [
+            names[(mask & -mask).bit_length() - 1] if mask else ""
+            for mask in range(1 << len(names))
+        ]
+        self.counters = Counters()
+
+    def place(
+        self, meta: BlockMeta, payload: Payload, start: int, *, stop: int | None = None
+    ) -> int | None:
+        """Write ``payload`` into the first tier at or after ``start`` (before ``stop``) that
+        can make room, evicting there as needed; returns that tier's index or None."""
+        end = len(self.tiers) if stop is None else stop
+        for tier in range(start, end):
+            if tier in meta.tiers:
+                return tier
+            if meta.nbytes > self.tiers[tier].capacity_bytes:
+                continue
+            for _ in range(_PLACE_ATTEMPTS):
+                if self.tiers[tier].fits(meta.nbytes):
+                    try:
+                        self.tiers[tier].put(
+                            meta.block_hash,
+                            payload,
+                            meta.namespace_root,
+                            parent=meta.parent,
+                            expires_at=meta.expires_at,
+                        )
+                    except TierFull:
+                        continue  # another thread took the room: evict again
+                    with self.lock:
+                        if not meta.live:  # its record went meanwhile (a lapsed lease)
+                            self.tiers[tier].delete(meta.block_hash)
+                            return None
+                        self.add_to_tier(meta, tier)
+                    return tier
+                if not self.evict_one(tier, meta):
+                    break
+        return None
+
+    def evict_one(self, tier: int, incoming: BlockMeta) -> bool:
+        """Move one victim out of ``tier`` to admit ``incoming``: demote it, or drop it if
+        expired, at the bottom or a spare copy. Refuses (False) when nothing is evictable or
+        when the policy does not admit ``incoming`` at the cost of the victim (see
+        ``EvictionPolicy.admits``): then ``incoming`` belongs lower down, or nowhere."""
+        with self.lock:
+            now = self.clock.now()
+            victim = self.policy.next_victim(tier, now, self.index.get)
+            if victim is None:
+                return False
+            if not self.policy.admits(victim, incoming, tier, now):
+                self.policy.track(victim, tier)  # not evicted: back in line
+                return False
+            self.counters.evictions += 1
+            below = tier + 1 < len(self.tiers) and not victim.expired(now)
+            if not below or len(victim.tiers) > 1:
+                # Expired, last tier, or held in another tier too: nothing to copy.
+                if victim.expired(now):
+                    self.counters.expirations += 1
+                self.drop_from_tier(victim, tier)
+                return True
+            self.index.ref(victim)  # in flight: no other thread may pick or drop it
+        try:
+            data = self.tiers[tier].get(victim.block_hash)
+            if data is not None and self.place(victim, data, tier + 1) is not None:
+                with self.lock:
+                    self.counters.demotions += 1
+        finally:
+            with self.lock:
+                # Keep the copy of a block someone pinned meanwhile (a lease taken while it
+                # was in flight may be reading it), even when it found room below.
+                if victim.ref_cnt == 1:
+                    self.drop_from_tier(victim, tier)
+                self.index.unref(victim)
+                if not victim.tiers:
+                    self.index.forget(victim)
+        return True
+
+    def claim(
+        self,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        namespace_root: bytes,
+        nbytes: int,
+        ttl: float,
+        op: int,
+        now: float,
+    ) -> BlockMeta | None:
+        """Create the record of a block about to be stored (at ``now``, the operation's
+        instant), pinned while in flight; None when it is already held (its TTL is extended)
+        or another caller is storing it."""
+        with self.lock:
+            meta = self.index.get(block_hash)
+            if meta is not None:
+                if meta.mask:
+                    # now, not the operation's instant: a touch never moves a block back
+                    self.index.touch(meta, self.clock.now(), ttl, op)
+                    self.notify_touched(Run.one(meta.slot), [meta.block_hash])
+                return None
+            return self.index.new_record(
+                block_hash,
+                parent=parent,
+                namespace_root=namespace_root,
+                nbytes=nbytes,
+                ttl_s=ttl,
+                created=now,
+                ref_cnt=1,
+                touched_by_op=op,
+            )
+
+    def unclaim(self, meta: BlockMeta) -> None:
+        with self.lock:
+            self.index.unref(meta)
+            if not meta.tiers:
+                self.index.forget(meta)
+
+    def add_to_tier(self, meta: BlockMeta, tier: int) -> None:
+        if self.index.add_copy(meta, tier):
+            for observer in self.observers:
+                observer.block_added(meta, self.tiers[tier].name, self.tiers[tier].durable)
+
+    def drop_from_tier(self, meta: BlockMeta, tier: int, *, delete: bool = True) -> None:
+        if tier not in meta.tiers:
+            return
+        if delete:
+            self.tiers[tier].delete(meta.block_hash)
+        self.index.remove_copy(meta, tier)
+        for observer in self.observers:
+            observer.block_removed(meta.block_hash, self.tiers[tier].name, self.tiers[tier].durable)
+        if not meta.tiers and self.drop_observers:  # its last copy: a miss from now on
+            now = self.clock.now()
+            for drop_observer in self.drop_observers:
+                drop_observer.block_dropped(meta, self.tiers[tier].name, now)
+
+    def notify_touched(self, run: Run, hashes: Sequence[BlockHash]) -> None:
+        """Tell observers of a touch of ``run``, the slots of ``hashes[:len(run)]``."""
+        if len(run) and self.observers:
+            touched = self.index.touched(run, hashes)
+            for observer in self.observers:
+                observer.blocks_touched(touched)
+
+    @contextmanager
+    def pinned_for_read(self, block_hash: BlockHash) -> Iterator[BlockMeta]:
+        with self.lock:
+            now = self.clock.now()
+            meta = self.index.held(block_hash, now)
+            if meta is None:
+                raise BlockNotFound(f"block {block_hash.hex()} is not held")
+            self.index.touch(meta, now, None, self.index.next_op())
+            self.notify_touched(Run.one(meta.slot), [block_hash])
+            self.index.ref(meta)
+        try:
+            yield meta
+        finally:
+            with self.lock:
+                self.index.unref(meta)
+                if not meta.tiers:
+                    self.index.forget(meta)
+
+    def tier_by_name(self, name: str) -> int:
+        try:
+            return self.tier_index[name]
+        except KeyError:
+            raise UnknownTier(
+                f"no tier named {name!r}; tiers are {list(self.tier_index)}"
+            ) from None
+
+    def first_durable(self, start: int) -> int | None:
+        return next((i for i in range(start, len(self.tiers)) if self.tiers[i].durable), None)
+
+    @staticmethod
+    def check_ids(
+        hashes: Sequence[BlockHash], namespace_root: bytes, parent: BlockHash | None
+    ) -> None:
+        for h in [*hashes, *([parent] if parent is not None else []), namespace_root]:
+            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+                raise InvalidInput(f"ids and namespace roots are {HASH_BYTES} bytes, got {h!r:.60}")
+
+    def check_sizes(
+        self, hashes: Sequence[BlockHash], sizes: Sequence[int], namespace_root: bytes
+    ) -> None:
+        """Every payload of one namespace has the same size (remembered from the first)."""
+        with self.lock:
+            expected = self.payload_sizes.get(namespace_root)
+            for block_hash, nbytes in zip(hashes, sizes, strict=True):
+                if nbytes == 0:
+                    raise PayloadSizeError(f"block {block_hash.hex()}: empty payload")
+                if expected is None:
+                    expected = nbytes
+                if nbytes != expected:
+                    raise PayloadSizeError(
+                        f"block {block_hash.hex()}: payload is {nbytes} bytes, but blocks of "
+                        f"this namespace are {expected} bytes"
+                    )
+            if expected is not None:
+                self.payload_sizes.setdefault(namespace_root, expected)
+
+    def require_shm(self) -> tuple[int, SharedMemoryTier]:
+        if self.shm is None:
+            raise InvalidInput("this store has no shared-memory tier (the same-host path is off)")
+        return self.shm
+
+    def read(self, meta: BlockMeta, promote: bool | None) -> torch.Tensor:
+        block_hash = meta.block_hash
+        promote = self.promote if promote is None else promote
+        while True:
+            with self.lock:
+                if not meta.tiers:
+                    raise BlockNotFound(f"block {block_hash.hex()} is not held")
+                tier = min(meta.tiers)
+            source = self.tiers[tier]
+            data = source.get(block_hash)
+            if data is not None:
+                break
+            if isinstance(source, CheckedTier) and source.problem() is not None:
+                # Unreachable, not lost (a Redis outage): keep the record, read nothing.
+                raise BlockNotFound(f"block {block_hash.hex()}: tier {source.name} is down")
+            # The tier lost it (a corrupt file is quarantined, a shared key expired or was
+            # evicted by its server): forget that copy, try lower.
+            with self.lock:
+                self.counters.corrupt_reads += 1
+                self.drop_from_tier(meta, tier)
+        with self.lock:
+            self.counters.loaded_bytes += meta.nbytes
+        if promote and tier > 0:
+            with self.lock:
+                first = block_hash not in self.promoting
+                if first:
+                    event = self.promoting[block_hash] = threading.Event()
+            if first:
+                try:
+                    if self.place(meta, data, 0, stop=tier) is not None:
+                        with self.lock:
+                            self.counters.promotions += 1
+                finally:
+                    with self.lock:
+                        self.promoting.pop(block_hash, None)
+                    event.set()
+        return data
+
+    def copy_into(self, meta: BlockMeta, target: int) -> bool:
+        """Copy a (pinned) block held in other tiers into tier ``target``, once however many
+        callers ask at the same time (the others wait for the first); True when it is there."""
+        block_hash = meta.block_hash
+        while True:
+            with self.lock:
+                event = self.promoting.get(block_hash)
+                if event is None:
+                    if target in meta.tiers:
+                        return True
+                    sources = sorted(t for t in meta.tiers if t != target)
+                    if not sources:
+                        return False
+                    event = self.promoting[block_hash] = threading.Event()
+                    break
+            event.wait()
+        try:
+            data = self.tiers[sources[0]].get(block_hash)
+            if data is None:
+                return False  # that tier lost it (or is down): a later read forgets the copy
+            placed = self.place(meta, data, target, stop=target + 1)
+            if placed is not None:
+                with self.lock:
+                    self.counters.promotions += 1
+            return placed is not None
+        finally:
+            with self.lock:
+                self.promoting.pop(block_hash, None)
+            event.set()

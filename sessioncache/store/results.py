@@ -1,0 +1,184 @@
+"""What the store hands out and keeps count of: matches, writes and their results, located
+slots, counters and figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import xxhash
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.errors import (
+    InvalidInput,
+)
+from sessioncache.hashing import BlockHash
+from sessioncache.index import Lease
+from sessioncache.status import BlockStatus
+from sessioncache.tiers.base import (
+    SlotLocation,
+    StagedSlot,
+)
+
+DEFAULT_TTL_S = 3 * 24 * 3600.0
+"""Blocks stored without a TTL live three days past their last access (the agent default)."""
+
+_PLACE_ATTEMPTS = 8
+
+
+class Match(NamedTuple):
+    """The longest cached prefix of a lookup."""
+
+    hashes: list[BlockHash]
+    """The matched ids, root first."""
+    tiers: list[str]
+    """For each matched block, the fastest tier holding it."""
+    lease: Lease | None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+
+class WriteResult(NamedTuple):
+    """What a store did with each block of a segment (``put``, or a ``commit`` of a staging's
+    next blocks): ``status[i]`` is ``hashes[i]``'s."""
+
+    hashes: list[BlockHash]
+    status: list[BlockStatus]
+
+    def _having(self, status: BlockStatus) -> list[BlockHash]:
+        return [h for h, s in zip(self.hashes, self.status, strict=True) if s is status]
+
+    @property
+    def stored(self) -> list[BlockHash]:
+        """Newly written by this call."""
+        return self._having(BlockStatus.STORED)
+
+    @property
+    def present(self) -> list[BlockHash]:
+        """Already held (their TTL was extended) or being stored by another caller."""
+        return self._having(BlockStatus.PRESENT)
+
+    @property
+    def dropped(self) -> list[BlockHash]:
+        """Not stored: no tier could make room, or after a block that is not held."""
+        return self._having(BlockStatus.DROPPED)
+
+    @property
+    def rejected(self) -> list[BlockHash]:
+        """A staged slot whose bytes did not match what its writer said: not published."""
+        return self._having(BlockStatus.REJECTED)
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedSlot:
+    """Where a block of a leased match lies in the shared-memory tier."""
+
+    block_hash: BlockHash
+    location: SlotLocation
+    checksum: int
+    """XXH3-64 (seed 0) of the payload."""
+
+
+@dataclass(eq=False)
+class Write:
+    """A prepared write of one chain segment (``TieredStore.prepare``). Its blocks are filled
+    one of two ways:
+
+    - ``fill(write, i, payload)``: the caller hands block ``i``'s payload (``put``, a REST
+      upload, a block read off the stream);
+    - ``reserve(write)`` gives each block not held yet a slot in the shared-memory tier, which
+      another process fills in place, and ``publish(write, ...)`` verifies and publishes the
+      next of them, in order (a same-host stage and its commits); ``abort`` frees the rest.
+
+    Either way a filled block is written through (to the write-through tiers, and with
+    ``durable`` to the first durable tier before the call returns) by the same code, and
+    ``status[i]`` says what became of block ``i`` (None until it is filled or reserved; after
+    ``reserve``, ``STORED`` means a slot to fill)."""
+
+    id: str
+    namespace_root: bytes
+    hashes: list[BlockHash]
+    parents: list[BlockHash | None]
+    nbytes: int | None
+    """Each payload's size (None: checked against the namespace's at each fill)."""
+    ttl: float
+    tier: int
+    """The first tier to try."""
+    exact_tier: bool
+    """Placed in ``tier`` as named, not lowered to its parent's tier."""
+    durable_tier: int | None
+    op: int
+    at: float
+    """The operation's instant: its records share it (creation, access and expiry times)."""
+    status: list[BlockStatus | None] = field(default_factory=list)
+    slots: list[StagedSlot | None] = field(default_factory=list)
+    metas: list[BlockMeta | None] = field(default_factory=list)
+    open: bool = True
+    claimed: int = 0
+    """Staged blocks a ``publish`` took so far (done or under way): the next starts here."""
+    broken: bool = False
+    """A staged block was rejected: every later one is dropped."""
+
+    @property
+    def locations(self) -> list[SlotLocation | None]:
+        return [slot.location if slot is not None else None for slot in self.slots]
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    durable: bool
+    pinned_bytes: int
+
+
+@dataclass(slots=True)
+class Counters:
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    puts: int = 0
+    stored_blocks: int = 0
+    dropped_blocks: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    expirations: int = 0
+    corrupt_reads: int = 0
+    loaded_bytes: int = 0
+    """Payload bytes handed to readers: block reads and same-host locates (load GB/s)."""
+
+
+@dataclass(slots=True)
+class NamespaceUsage:
+    blocks: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    tiers: list[TierStats]
+    blocks: int
+    pinned_blocks: int
+    leases: int
+    counters: Counters = field(default_factory=Counters)
+
+
+def xxh3(data: memoryview) -> int:
+    """XXH3-64 (seed 0) of a payload, computed with the GIL released (``xxh3_64_intdigest``
+    holds it for the whole payload)."""
+    return int(xxhash.xxh3_64(data).intdigest())
+
+
+def check_ttl(ttl_s: float) -> float:
+    if not isinstance(ttl_s, int | float) or ttl_s != ttl_s or ttl_s <= 0:
+        raise InvalidInput(f"a TTL must be a positive number of seconds, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def held(status: BlockStatus | None) -> bool:
+    return status is not None and status.held

@@ -1,0 +1,146 @@
+"""``TieredStore``: the store's core and its three parts, ``reads``, ``writes`` and ``recovery``
+(the package docstring has the data flow)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from sessioncache.clock import Clock
+from sessioncache.events import DropObserver, StoreObserver
+from sessioncache.policy import EvictionPolicy
+from sessioncache.store.core import StoreCore
+from sessioncache.store.reads import StoreReads
+from sessioncache.store.recovery import StoreRecovery
+from sessioncache.store.results import (
+    DEFAULT_TTL_S,
+    Counters,
+    NamespaceUsage,
+    StoreStats,
+    TierStats,
+)
+from sessioncache.store.writes import StoreWrites
+from sessioncache.tiers.base import (
+    SharedMemoryTier,
+    Tier,
+)
+
+
+class TieredStore:
+    """A content-addressed block store over ``tiers`` (fastest first); see the module doc."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: EvictionPolicy | None = None,
+        *,
+        clock: Clock | None = None,
+        default_ttl_s: float = DEFAULT_TTL_S,
+        promote_on_get: bool = True,
+        max_lease_s: float = 3600.0,
+        observers: Sequence[StoreObserver] = (),
+        write_through: Sequence[str] = (),
+    ) -> None:
+        self._core = StoreCore(
+            tiers,
+            policy,
+            clock=clock,
+            default_ttl_s=default_ttl_s,
+            promote_on_get=promote_on_get,
+            max_lease_s=max_lease_s,
+            observers=observers,
+            write_through=write_through,
+        )
+        self.reads = StoreReads(self._core)
+        """Lookups, leases, touches, pins, presence, payloads and same-host locates."""
+        self.writes = StoreWrites(self._core)
+        """The one write path (prepare, fill, reserve, commit, abort; put, stage), deletion and
+        the expiry sweep."""
+        self.recovery = StoreRecovery(self._core)
+        """What durable tiers found, on start and while serving."""
+        self.recovery.adopt_recovered()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._core.tiers)
+
+    @property
+    def clock(self) -> Clock:
+        return self._core.clock
+
+    def tier_names(self) -> list[str]:
+        return list(self._core.tier_index)
+
+    def observe(self, observer: StoreObserver) -> None:
+        """Add an observer (one the node builds after the store: miss attribution)."""
+        with self._core.lock:
+            self._core.observers.append(observer)
+            if isinstance(observer, DropObserver):
+                self._core.drop_observers.append(observer)
+
+    def counters(self) -> Counters:
+        """A snapshot of the event counters."""
+        with self._core.lock:
+            counters = replace(self._core.counters)
+        if self._core.shared is not None:
+            # damaged values the shared tier met while locating: never read, still corrupt
+            counters.corrupt_reads += self._core.shared[1].corrupt_located()
+        return counters
+
+    def stats_tiers(self) -> list[TierStats]:
+        """Per-tier figures only: cheap enough for every request."""
+        with self._core.lock:
+            return [
+                TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable, pinned)
+                for t, n, pinned in zip(
+                    self._core.tiers,
+                    self._core.index.tier_blocks,
+                    self._core.index.pinned_bytes,
+                    strict=True,
+                )
+            ]
+
+    def namespace_usage(self) -> dict[bytes, NamespaceUsage]:
+        """Blocks and payload bytes held per namespace root, for the dashboard and scrapes.
+
+        The lock is held only to copy two columns of the held records; the counting runs
+        outside, so a scrape does not stall the data path for it: figures of a moment, as
+        any scrape's."""
+        with self._core.lock:
+            root_list, roots, nbytes = self._core.index.held_columns()
+        numbers, inverse = np.unique(roots, return_inverse=True)
+        blocks = np.bincount(inverse, minlength=len(numbers))
+        sizes = np.bincount(inverse, weights=nbytes, minlength=len(numbers))
+        return {
+            root_list[number]: NamespaceUsage(count, int(size))
+            for number, count, size in zip(
+                numbers.tolist(), blocks.tolist(), sizes.tolist(), strict=True
+            )
+        }
+
+    def stats(self) -> StoreStats:
+        with self._core.lock:
+            self._core.index.reap_leases(self._core.clock.now())
+            return StoreStats(
+                tiers=self.stats_tiers(),
+                blocks=self._core.index.held_count(),
+                pinned_blocks=self._core.index.pinned_count(),
+                leases=self._core.index.lease_count(),
+                counters=replace(self._core.counters),
+            )
+
+    def close(self) -> None:
+        for tier in self._core.tiers:
+            tier.close()
+
+    @property
+    def shared_memory_tier(self) -> SharedMemoryTier | None:
+        """The tier same-host peers map, if the store has one."""
+        return self._core.shm[1] if self._core.shm is not None else None
+
+    @property
+    def shared_memory_tier_name(self) -> str | None:
+        """The name of that tier (a write prepared into it can be ``reserve``d)."""
+        return self._core.tiers[self._core.shm[0]].name if self._core.shm is not None else None

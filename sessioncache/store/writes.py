@@ -1,0 +1,415 @@
+"""The store's one write path: ``prepare`` a write, then ``fill`` its blocks from payloads or
+``reserve`` shared-memory slots that ``commit`` publishes (``abort`` frees them); ``put`` and
+``stage`` are the two in one call. Deletion and the expiry sweep."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.errors import (
+    DurableStoreFailed,
+    InvalidInput,
+    PayloadSizeError,
+    TierFull,
+)
+from sessioncache.hashing import BlockHash
+from sessioncache.status import BlockStatus
+from sessioncache.store.core import StoreCore
+from sessioncache.store.results import (
+    _PLACE_ATTEMPTS,
+    Write,
+    WriteResult,
+    check_ttl,
+    held,
+    xxh3,
+)
+from sessioncache.tiers.base import (
+    StagedSlot,
+)
+from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
+
+
+class StoreWrites:
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+
+    def put(
+        self,
+        hashes: Sequence[BlockHash],
+        payloads: Sequence[Payload],
+        *,
+        namespace_root: bytes,
+        parent: BlockHash | None = None,
+        ttl_s: float | None = None,
+        tier: str | None = None,
+        durable: bool = False,
+    ) -> WriteResult:
+        """Store a chain segment: ``hashes[0]``'s parent is ``parent`` (None at a chain root).
+        ``prepare`` and ``fill`` of each block in order; after a block that is not held, the
+        rest is dropped (it would hang off it, unreachable).
+
+        Every payload of one namespace must have the same size; a mismatch raises
+        ``PayloadSizeError`` before anything is written."""
+        if len(hashes) != len(payloads):
+            raise InvalidInput(f"{len(hashes)} ids but {len(payloads)} payloads")
+        self._core.check_ids(hashes, namespace_root, parent)
+        sizes = [payload_nbytes(p) for p in payloads]
+        for block_hash, nbytes in zip(hashes, sizes, strict=True):
+            if nbytes != sizes[0]:
+                raise PayloadSizeError(
+                    f"block {block_hash.hex()}: payload is {nbytes} bytes, but blocks of this "
+                    f"namespace are {sizes[0]} bytes"
+                )
+        write = self.prepare(
+            hashes,
+            namespace_root=namespace_root,
+            nbytes=sizes[0] if sizes else 1,
+            parents=[parent, *hashes[:-1]][: len(hashes)],
+            ttl_s=ttl_s,
+            tier=tier,
+            durable=durable,
+        )
+        for i, payload in enumerate(payloads):
+            if i and not held(write.status[i - 1]):
+                self._count(dropped=len(hashes) - i)
+                write.status[i:] = [BlockStatus.DROPPED] * (len(hashes) - i)
+                break
+            self.fill(write, i, payload)
+        return WriteResult(write.hashes, [s or BlockStatus.DROPPED for s in write.status])
+
+    def prepare(
+        self,
+        hashes: Sequence[BlockHash],
+        *,
+        namespace_root: bytes,
+        nbytes: int | None,
+        parents: Sequence[BlockHash | None],
+        ttl_s: float | None = None,
+        tier: str | None = None,
+        durable: bool = False,
+    ) -> Write:
+        """A write of ``hashes`` (``parents[i]`` is block ``i``'s parent: the previous block
+        of a chain segment, or None for keyed blocks that stand alone) of ``nbytes`` each
+        (None: not known yet, checked per fill), into tier ``tier`` (default: the first, or
+        the parent's if lower). Checks what it can for all blocks (ids, the namespace's
+        payload size, the TTL, a durable tier to write through to) before any is written."""
+        if len(parents) != len(hashes):
+            raise InvalidInput(f"{len(hashes)} ids but {len(parents)} parents")
+        start = self._core.tier_by_name(tier) if tier is not None else 0
+        ttl = self._core.default_ttl if ttl_s is None else check_ttl(ttl_s)
+        self._core.check_ids(hashes, namespace_root, None)
+        self._core.check_ids([p for p in parents if p is not None], namespace_root, None)
+        if nbytes is not None:
+            self._core.check_sizes(hashes, [nbytes] * len(hashes), namespace_root)
+        durable_tier = self._core.first_durable(start) if durable else None
+        if durable and durable_tier is None:
+            raise InvalidInput("durable=True but no durable tier at or below the target tier")
+        with self._core.lock:
+            op = self._core.index.next_op()
+            at = self._core.clock.now()
+            self._core.counters.puts += 1
+        n = len(hashes)
+        return Write(
+            secrets.token_hex(16),
+            namespace_root,
+            list(hashes),
+            list(parents),
+            nbytes,
+            ttl,
+            start,
+            tier is not None,
+            durable_tier,
+            op,
+            at,
+            status=[None] * n,
+        )
+
+    def fill(self, write: Write, index: int, payload: Payload) -> BlockStatus:
+        """Store block ``index`` of a prepared write from ``payload``: ``STORED``, ``PRESENT``
+        (held already, or another caller is storing it) or ``DROPPED`` (no tier could make
+        room). Raises ``DurableStoreFailed`` when a durable write's block could not reach the
+        durable tier (it is then held, in memory only)."""
+        block_hash = write.hashes[index]
+        nbytes = payload_nbytes(payload)
+        if write.nbytes is None:
+            self._core.check_sizes([block_hash], [nbytes], write.namespace_root)
+        elif nbytes != write.nbytes:
+            raise PayloadSizeError(
+                f"block {block_hash.hex()}: payload is {nbytes} bytes, but blocks of this "
+                f"namespace are {write.nbytes} bytes"
+            )
+        meta = self._core.claim(
+            block_hash,
+            write.parents[index],
+            write.namespace_root,
+            nbytes,
+            write.ttl,
+            write.op,
+            write.at,
+        )
+        if meta is None:
+            write.status[index] = BlockStatus.PRESENT
+            return BlockStatus.PRESENT
+        durable = True
+        try:
+            # By default no faster than its parent: a fast tier holds the heads of chains,
+            # which then leave it tail first, as they leave the store.
+            with self._core.lock:
+                target = (
+                    write.tier
+                    if write.exact_tier
+                    else max(write.tier, self._core.index.parent_tier(meta))
+                )
+            placed = self._core.place(meta, payload, target)
+            if placed is not None:
+                durable = self._write_through(write, meta, payload, placed)
+        finally:
+            self._core.unclaim(meta)
+        status = BlockStatus.STORED if placed is not None else BlockStatus.DROPPED
+        write.status[index] = status
+        self._count(stored=int(placed is not None), dropped=int(placed is None))
+        if not durable:
+            self._durable_failed(write, block_hash)
+        return status
+
+    def _write_through(self, write: Write, meta: BlockMeta, payload: Payload, placed: int) -> bool:
+        """Copy a block just placed in tier ``placed`` to the write-through tiers and, for a
+        durable write, to its durable tier; False when that durable copy could not be made."""
+        also = [t for t in self._core.write_through_tiers if t != placed]
+        if write.durable_tier is not None and write.durable_tier not in (placed, *also):
+            also.append(write.durable_tier)
+        for extra in also:
+            self._core.place(meta, payload, extra, stop=extra + 1)
+        return write.durable_tier is None or write.durable_tier in meta.tiers
+
+    def _durable_failed(self, write: Write, block_hash: BlockHash) -> None:
+        assert write.durable_tier is not None
+        name = self._core.tiers[write.durable_tier].name
+        raise DurableStoreFailed(
+            f"the durable tier {name!r} could not take block {block_hash.hex()} (its "
+            "filesystem is full, or nothing there can be evicted): the block is held in memory "
+            "only, not durably; durable stores fail until space returns"
+        )
+
+    def _count(self, *, stored: int = 0, dropped: int = 0) -> None:
+        with self._core.lock:
+            self._core.counters.stored_blocks += stored
+            self._core.counters.dropped_blocks += dropped
+
+    def stage(
+        self,
+        hashes: Sequence[BlockHash],
+        *,
+        namespace_root: bytes,
+        nbytes: int,
+        parent: BlockHash | None = None,
+        ttl_s: float | None = None,
+        durable: bool = False,
+        parents: Sequence[BlockHash | None] | None = None,
+    ) -> Write:
+        """``prepare`` a write into the shared-memory tier and ``reserve`` its slots: a slot
+        of ``nbytes`` for each block not held yet (making room by eviction, as ``put`` does),
+        for another process to fill in place; ``commit`` publishes them, ``abort`` frees
+        them. A staged block is invisible to lookups until committed; its record is pinned
+        meanwhile, so a ``put`` of the same id answers present. Staged slots never expire:
+        their owner (a connection) aborts them when it ends, since a writer may still be
+        filling them.
+
+        ``parents`` gives each block's parent instead (keyed blocks that are no chain)."""
+        shm_index, _ = self._core.require_shm()
+        if parents is None:
+            parents = [parent, *hashes[:-1]][: len(hashes)]
+        write = self.prepare(
+            hashes,
+            namespace_root=namespace_root,
+            nbytes=nbytes,
+            parents=parents,
+            ttl_s=ttl_s,
+            tier=self._core.tiers[shm_index].name,
+            durable=durable,
+        )
+        try:
+            self.reserve(write)
+        except BaseException:
+            self.abort(write)
+            raise
+        return write
+
+    def reserve(self, write: Write) -> None:
+        """Claim each block of a write prepared for the shared-memory tier and reserve its
+        slot there: ``STORED`` (``slots[i]`` to fill), ``PRESENT`` (held, or being stored by
+        another caller: nothing to write) or ``DROPPED`` (no room; so is every block after)."""
+        shm_index, _ = self._core.require_shm()
+        if write.nbytes is None or write.tier != shm_index:
+            raise InvalidInput("reserve: a write prepared for the shared-memory tier, sized")
+        dropped = False
+        for i, block_hash in enumerate(write.hashes):
+            meta = None
+            if not dropped:
+                meta = self._core.claim(
+                    block_hash,
+                    write.parents[i],
+                    write.namespace_root,
+                    write.nbytes,
+                    write.ttl,
+                    write.op,
+                    write.at,
+                )
+                if meta is None:
+                    self._staged(write, BlockStatus.PRESENT, None, None)
+                    continue
+            slot = self._reserve(meta, shm_index) if meta is not None else None
+            if slot is None:
+                if meta is not None:
+                    self._core.unclaim(meta)
+                dropped = True
+                self._staged(write, BlockStatus.DROPPED, None, None)
+            else:
+                self._staged(write, BlockStatus.STORED, slot, meta)
+
+    @staticmethod
+    def _staged(
+        write: Write, status: BlockStatus, slot: StagedSlot | None, meta: BlockMeta | None
+    ) -> None:
+        write.status[len(write.slots)] = status
+        write.slots.append(slot)
+        write.metas.append(meta)
+
+    def _reserve(self, meta: BlockMeta, index: int) -> StagedSlot | None:
+        assert self._core.shm is not None
+        tier = self._core.shm[1]
+        for _ in range(_PLACE_ATTEMPTS):
+            if self._core.tiers[index].fits(meta.nbytes):
+                try:
+                    return tier.reserve(meta.nbytes)
+                except TierFull:
+                    continue  # another thread took the room: evict again
+            if not self._core.evict_one(index, meta):
+                break
+        return None
+
+    def commit(
+        self,
+        write: Write,
+        checksums: Sequence[int],
+        lengths: Sequence[int] | None = None,
+    ) -> WriteResult:
+        """Publish the next ``len(checksums)`` blocks of a staged write (all of them in one
+        call, or in order over several: a writer may commit the blocks it has filled while it
+        fills the next) whose slots hold what the writer says it wrote: per block, the length
+        (when given) and the XXH3-64 (seed 0) of the slot's bytes. A block that does not match
+        is rejected, and every later block of the staging is dropped (they would hang off it).
+        Published blocks are written through as a ``fill`` does; when a durable write's block
+        cannot reach its durable tier, the rest of the write is aborted and
+        ``DurableStoreFailed`` raised. Entries of present or dropped blocks are ignored."""
+        shm_index, tier = self._core.require_shm()
+        n = len(checksums)
+        if lengths is not None and len(lengths) != n:
+            raise InvalidInput(f"{n} checksums but {len(lengths)} lengths")
+        with self._core.lock:
+            if not write.open:
+                raise InvalidInput(f"staging {write.id} is already committed or aborted")
+            start = write.claimed
+            if not 0 < n <= len(write.hashes) - start:
+                raise InvalidInput(
+                    f"staging {write.id}: {n} blocks to commit, {len(write.hashes) - start} left"
+                )
+            write.claimed = start + n
+        status: list[BlockStatus] = []
+        unsaved: BlockHash | None = None
+        for k, i in enumerate(range(start, start + n)):
+            block_hash = write.hashes[i]
+            slot, meta = write.slots[i], write.metas[i]
+            if write.status[i] is BlockStatus.PRESENT:
+                status.append(BlockStatus.PRESENT)
+                continue
+            if slot is None or meta is None or unsaved is not None:
+                if slot is not None:
+                    tier.release_reserved(slot)
+                if meta is not None:
+                    self._core.unclaim(meta)
+                status.append(BlockStatus.DROPPED)
+                continue
+            try:
+                if write.broken:
+                    tier.release_reserved(slot)
+                    status.append(BlockStatus.DROPPED)
+                    continue
+                good = (lengths is None or lengths[k] == slot.location.nbytes) and (
+                    xxh3(as_memoryview(slot.payload)) == checksums[k]
+                )
+                if not good:
+                    tier.release_reserved(slot)
+                    status.append(BlockStatus.REJECTED)
+                    write.broken = True
+                    continue
+                if not tier.publish(block_hash, slot):
+                    status.append(BlockStatus.PRESENT)
+                    continue
+                with self._core.lock:
+                    meta.checksum = checksums[k]
+                    self._core.add_to_tier(meta, shm_index)
+                if not self._write_through(write, meta, slot.payload, shm_index):
+                    unsaved = block_hash
+                status.append(BlockStatus.STORED)
+            finally:
+                self._core.unclaim(meta)
+        write.status[start : start + n] = status
+        result = WriteResult(write.hashes[start : start + n], status)
+        with self._core.lock:
+            if write.claimed == len(write.hashes):
+                write.open = False
+        self._count(stored=len(result.stored), dropped=len(result.dropped) + len(result.rejected))
+        if unsaved is not None:
+            self.abort(write)
+            self._durable_failed(write, unsaved)
+        return result
+
+    def abort(self, write: Write) -> int:
+        """Free the slots of a staged write's blocks not committed yet and forget their
+        records (nothing of them was visible); returns how many slots were freed (0 once the
+        staging is wholly committed or aborted)."""
+        with self._core.lock:
+            if not write.open:
+                return 0
+            write.open = False
+            start = write.claimed
+            write.claimed = len(write.hashes)
+        tier = self._core.require_shm()[1]
+        freed = 0
+        for slot, meta in zip(write.slots[start:], write.metas[start:], strict=True):
+            if slot is not None:
+                tier.release_reserved(slot)
+                freed += 1
+            if meta is not None:
+                self._core.unclaim(meta)
+        return freed
+
+    def delete(self, hashes: Sequence[BlockHash]) -> int:
+        """Drop unpinned blocks from every tier; returns how many were dropped."""
+        dropped = 0
+        with self._core.lock:
+            for block_hash in hashes:
+                meta = self._core.index.get(block_hash)
+                if meta is None or meta.ref_cnt:
+                    continue
+                for tier in sorted(meta.tiers):
+                    self._core.drop_from_tier(meta, tier)
+                dropped += 1
+        return dropped
+
+    def expire(self) -> int:
+        """Drop every unpinned expired block from every tier; returns how many (the sweep)."""
+        with self._core.lock:
+            now = self._core.clock.now()
+            self._core.index.reap_leases(now)
+            victims = self._core.index.expired_unpinned(now)
+            shared = self._core.shared[0] if self._core.shared is not None else -1
+            for meta in victims:
+                for tier in sorted(meta.tiers):
+                    # Another node may have extended a shared key: let the server expire it.
+                    self._core.drop_from_tier(meta, tier, delete=tier != shared)
+            self._core.counters.expirations += len(victims)
+            return len(victims)
