@@ -84,7 +84,8 @@ class BlockIndex:
         # were held); the rest of each list through the table's kid links.
         self._orphans: dict[BlockHash, int] = {}
         self._expiry: ExpiryIndex[BlockHash] = ExpiryIndex()
-        self._leases: dict[str, Lease] = {}
+        self.leases = Leases(self)
+        """The leases pinning records until released or past their expiry."""
         self.tier_blocks = [0] * num_tiers
         """Blocks held per tier."""
         self.pinned_bytes = [0] * num_tiers
@@ -642,11 +643,20 @@ class BlockIndex:
                 table.pins[slot] -= 1
         self.unref_all(hashes)
 
-    def lease(self, metas: Sequence[BlockMeta], expires_at: float) -> Lease:
+
+class Leases:
+    """Leases over a ``BlockIndex``'s records: each pins its blocks until ``release`` or its
+    expiry (``reap``)."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self._index = index
+        self._leases: dict[str, Lease] = {}
+
+    def take(self, metas: Sequence[BlockMeta], expires_at: float) -> Lease:
         """Pin ``metas`` until ``release`` or ``expires_at``."""
         lease = Lease(secrets.token_hex(16), tuple(m.block_hash for m in metas), expires_at)
         for meta in metas:
-            self.ref(meta)
+            self._index.ref(meta)
         self._leases[lease.id] = lease
         return lease
 
@@ -657,19 +667,19 @@ class BlockIndex:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
-        self.unref_all(lease.hashes)
+        self._index.unref_all(lease.hashes)
         return lease.expires_at > now
 
-    def reap_leases(self, now: float) -> None:
+    def reap(self, now: float) -> None:
         """Release the leases over at ``now``."""
         if not self._leases:
             return
         for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
-            self.unref_all(self._leases.pop(lease_id).hashes)
+            self._index.unref_all(self._leases.pop(lease_id).hashes)
 
-    def find_lease(self, lease_id: str) -> Lease | None:
+    def find(self, lease_id: str) -> Lease | None:
         """The live or not yet reaped lease of that id."""
         return self._leases.get(lease_id)
 
-    def lease_count(self) -> int:
+    def __len__(self) -> int:
         return len(self._leases)

@@ -45,7 +45,7 @@ class StoreReads:
             check_ttl(ttl_s)
         with self._core.lock:
             now = self._core.clock.now()
-            self._core.index.reap_leases(now)
+            self._core.index.leases.reap(now)
             matched = self._core.index.held_run(hashes, now)
             short = len(matched) < len(hashes) and self._core.shared is not None
             if not short:
@@ -68,7 +68,7 @@ class StoreReads:
             check_ttl(ttl_s)
         with self._core.lock:
             now = self._core.clock.now()
-            self._core.index.reap_leases(now)  # as a lookup does: leases over unpin on time
+            self._core.index.leases.reap(now)  # as a lookup does: leases over unpin on time
             matched = self._core.index.held_run(hashes, now)
             self._core.index.touch_run(matched, now, ttl_s, hit=False)
             self._core.notify_touched(matched, hashes)
@@ -91,7 +91,9 @@ class StoreReads:
         self._core.notify_touched(matched, hashes)
         lease = None
         if lease_s is not None and n:
-            lease = self._core.index.lease(self._core.index.metas(matched, hashes), now + lease_s)
+            lease = self._core.index.leases.take(
+                self._core.index.metas(matched, hashes), now + lease_s
+            )
         return Match(
             list(hashes[:n]),  # the matched run is a prefix of the ids asked
             self._core.index.names(matched, self._core.fastest_name),
@@ -127,13 +129,13 @@ class StoreReads:
         that does not raise therefore means the blocks stayed pinned since the lookup: the
         same-host path relies on it (a reader that copied under an expired lease discards)."""
         with self._core.lock:
-            if not self._core.index.release(lease_id, self._core.clock.now()):
+            if not self._core.index.leases.release(lease_id, self._core.clock.now()):
                 raise LeaseNotFound(f"no live lease {lease_id!r}")
 
     def lease_hashes(self, lease_id: str) -> tuple[BlockHash, ...] | None:
         """The blocks a lease pins; None when there is no such lease (any more)."""
         with self._core.lock:
-            lease = self._core.index.find_lease(lease_id)
+            lease = self._core.index.leases.find(lease_id)
             return lease.hashes if lease is not None else None
 
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:

@@ -122,12 +122,12 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         with self._core.lock:
-            self._core.index.reap_leases(self._core.clock.now())
+            self._core.index.leases.reap(self._core.clock.now())
             return StoreStats(
                 tiers=self.stats_tiers(),
                 blocks=self._core.index.held_count(),
                 pinned_blocks=self._core.index.pinned_count(),
-                leases=self._core.index.lease_count(),
+                leases=len(self._core.index.leases),
                 counters=replace(self._core.counters),
             )
 

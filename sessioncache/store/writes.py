@@ -404,7 +404,7 @@ class StoreWrites:
         """Drop every unpinned expired block from every tier; returns how many (the sweep)."""
         with self._core.lock:
             now = self._core.clock.now()
-            self._core.index.reap_leases(now)
+            self._core.index.leases.reap(now)
             victims = self._core.index.expired_unpinned(now)
             shared = self._core.shared[0] if self._core.shared is not None else -1
             for meta in victims:
