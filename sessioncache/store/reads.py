@@ -114,7 +114,7 @@ class StoreReads:
                     break
                 if remote.expires_at is None or remote.expires_at <= now:
                     break
-                meta = self._core.index.adopt_located(
+                meta = self._core.index.adoption.located(
                     block_hash, remote, now, self._core.default_ttl
                 )
                 self._core.payload_sizes.setdefault(remote.namespace_root, remote.nbytes)

@@ -87,7 +87,7 @@ class StoreRecovery:
                 continue
             adopted = 0
             for batch in _batches(tier):
-                self._core.index.adopt_recovered(batch, index, now, self._core.default_ttl)
+                self._core.index.adoption.recovered(batch, index, now, self._core.default_ttl)
                 sizes = self._core.payload_sizes
                 for root, nbytes in zip(batch.namespace_roots, batch.nbytes.tolist(), strict=True):
                     if root not in sizes:
@@ -95,7 +95,7 @@ class StoreRecovery:
                 adopted += len(batch)
             if adopted:
                 log.info("adopted %d blocks found in tier %s", adopted, tier.name)
-        self._core.index.relink()  # chain links need every record in place first
+        self._core.index.adoption.relink()  # chain links need every record in place first
 
 
 def _batches(tier: RecoverableTier) -> Iterator[RecoveredBatch]:

@@ -108,8 +108,8 @@ def test_blocks_that_never_expire_are_adopted_on_restart() -> None:
     index = BlockIndex(1, EvictionPolicy(1))
     [x] = ids(1, 1)
     found = RecoveredBatch.of([RecoveredBlock(x, ROOT, 64, 0.0, expires_at=math.inf)])
-    index.adopt_recovered(found, 0, 0.0, 1.0)
-    index.relink()
+    index.adoption.recovered(found, 0, 0.0, 1.0)
+    index.adoption.relink()
     assert index.held(x, 1e12) is not None
 
 

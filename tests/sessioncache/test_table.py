@@ -247,5 +247,5 @@ def test_relink_rebuilds_exactly_the_links_and_counts_kept_as_blocks_come_and_go
             if store.reads.contains(block):
                 store.reads.get(block)  # promotes it from the second tier
     before = _links(store)
-    store._core.index.relink()
+    store._core.index.adoption.relink()
     assert _links(store) == before
