@@ -28,7 +28,7 @@ import torch
 from sessioncache.errors import PayloadSizeError
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import SlotLocation, StagedSlot
-from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Memory, _Slot
+from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Memory, _Slab, _Slot
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """A segment's size is fixed once made: a peer holding its descriptor cannot truncate it
@@ -159,15 +159,10 @@ class SharedCpuTier(CpuTier):
 
     # -- where blocks lie ----------------------------------------------------------------
 
-    def _location(self, slot: _Slot) -> SlotLocation:
-        chunk = self._slabs[slot.payload_size].chunks[slot.chunk]
-        assert chunk is not None
-        return SlotLocation(chunk.segment, slot.slot * slot.payload_size, slot.payload_size)
-
     def locate(self, block_hash: BlockHash) -> SlotLocation | None:
         with self._lock:
             slot = self._index.get(block_hash)
-            return None if slot is None else self._location(slot)
+            return None if slot is None else _location(self._slabs, slot)
 
     # -- slots filled in place -----------------------------------------------------------
 
@@ -179,7 +174,7 @@ class SharedCpuTier(CpuTier):
             )
         with self._lock:
             slot = self._allocate(nbytes)
-            location = self._location(slot)
+            location = _location(self._slabs, slot)
             self._reserved[location] = slot
             chunk = self._slabs[nbytes].chunks[slot.chunk]
             assert chunk is not None
@@ -202,12 +197,14 @@ class SharedCpuTier(CpuTier):
             if held is not None:
                 self._release(held)
 
-    def reserved_count(self) -> int:
-        """Slots reserved and not yet published nor released."""
-        with self._lock:
-            return len(self._reserved)
-
     def close(self) -> None:
         with self._lock:
             self._reserved.clear()
         super().close()
+
+
+def _location(slabs: dict[int, _Slab], slot: _Slot) -> SlotLocation:
+    """Where a slot lies: its chunk's segment, the offset there and the payload size."""
+    chunk = slabs[slot.payload_size].chunks[slot.chunk]
+    assert chunk is not None
+    return SlotLocation(chunk.segment, slot.slot * slot.payload_size, slot.payload_size)

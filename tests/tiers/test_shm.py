@@ -62,12 +62,12 @@ def test_a_block_is_where_locate_says_in_another_mapping():
 def test_a_reserved_slot_is_invisible_until_published_and_then_not_copied():
     tier = SharedCpuTier(1 << 20, chunk_bytes=8192)
     slot = tier.reserve(1000)
-    assert tier.used_bytes == 1000 and tier.reserved_count() == 1
+    assert tier.used_bytes == 1000 and len(tier._reserved) == 1
     view = mapping(tier, slot.location.segment)
     view[slot.location.offset : slot.location.offset + 1000] = b"\x09" * 1000  # another writer
     assert tier.get(bid(1)) is None and tier.locate(bid(1)) is None and tier.keys() == []
     assert tier.publish(bid(1), slot)
-    assert tier.locate(bid(1)) == slot.location and tier.reserved_count() == 0
+    assert tier.locate(bid(1)) == slot.location and len(tier._reserved) == 0
     got = tier.get(bid(1))
     assert got is not None and bytes(got.numpy()) == b"\x09" * 1000
     assert got.data_ptr() == slot.payload.data_ptr()  # the slot itself became the block
@@ -80,7 +80,7 @@ def test_publishing_a_held_id_frees_the_slot_and_keeps_the_held_bytes():
     slot = tier.reserve(100)
     slot.payload.numpy()[:] = 2
     assert not tier.publish(bid(1), slot)
-    assert tier.used_bytes == 100 and tier.reserved_count() == 0
+    assert tier.used_bytes == 100 and len(tier._reserved) == 0
     got = tier.get(bid(1))
     assert got is not None and bytes(got.numpy()) == b"\x01" * 100
     with pytest.raises(KeyError):
@@ -213,5 +213,5 @@ def test_concurrent_reserve_publish_and_puts_keep_every_block_intact():
         t.start()
     for t in threads:
         t.join()
-    assert not errors and tier.used_bytes == 0 and tier.reserved_count() == 0
+    assert not errors and tier.used_bytes == 0 and len(tier._reserved) == 0
     tier.close()
