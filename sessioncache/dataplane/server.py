@@ -363,8 +363,9 @@ class Connection:
             finally:
                 if pending is not None:
                     wait([pending])  # its buffer goes back to the pool only once it is done
-        stores.complete(self.node, caller, plan, kept(plan.status))
-        ok = frames.StoreOk(plan.durable, list(plan.ids), list(plan.status))
+        status = plan.status
+        stores.complete(self.node, caller, plan, kept(status))
+        ok = frames.StoreOk(plan.durable, list(plan.ids), status)
         self.transport.send([frames.encode_store_ok(header.request_id, ok)])
 
     @staticmethod

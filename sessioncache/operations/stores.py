@@ -19,7 +19,7 @@ an id they could not have derived from their own chain.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sessioncache.errors import (
     BlockNotFound,
@@ -151,7 +151,11 @@ class StorePlan:
     request: StoreRequest
     write: Write
     """The segment's prepared write: its ids, parents, TTL and durability."""
-    status: list[BlockStatus] = field(default_factory=list)
+
+    @property
+    def status(self) -> list[BlockStatus]:
+        """Each block's status so far (``dropped``: not filled, after a block not held)."""
+        return [s or DROPPED for s in self.write.status]
 
     @property
     def ids(self) -> list[BlockHash]:
@@ -212,12 +216,10 @@ def plan_store(
 def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> BlockStatus:
     """Store block ``index`` of the plan (its whole payload received); returns its status.
     After a dropped block the rest of the segment is dropped unread (it would hang off it)."""
-    if plan.status and not plan.status[-1].held:
-        plan.status.append(DROPPED)
+    before = plan.write.status[index - 1] if index else STORED
+    if before is None or not before.held:  # blocks are stored in order: None was dropped
         return DROPPED
-    status = node.store.writes.fill(plan.write, index, payload)
-    plan.status.append(status)
-    return status
+    return node.store.writes.fill(plan.write, index, payload)
 
 
 def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> None:
@@ -251,11 +253,14 @@ class Staged:
 
     key: bytes
     plan: StorePlan
-    status: list[BlockStatus]
 
     @property
     def write(self) -> Write:
         return self.plan.write
+
+    @property
+    def status(self) -> list[BlockStatus]:
+        return self.plan.status
 
 
 def stage(node: CacheNode, caller: Caller, request: StoreRequest) -> Staged:
@@ -272,8 +277,7 @@ def stage(node: CacheNode, caller: Caller, request: StoreRequest) -> Staged:
         node.store.writes.abort(plan.write)
         raise
     key = secrets.token_bytes(16)
-    status = [s or DROPPED for s in plan.write.status]
-    staged = caller.stagings[key] = Staged(key, plan, status)
+    staged = caller.stagings[key] = Staged(key, plan)
     return staged
 
 
@@ -300,7 +304,6 @@ def commit(
     finally:
         if not write.open:
             del caller.stagings[key]
-    staged.status[start : start + len(status)] = status
     if not write.open:
         complete(node, caller, staged.plan, kept(staged.status))
     return staged, status

@@ -352,13 +352,12 @@ def _head(
     )
 
 
-def encode_store_head(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
-    """Header, fixed part and tokens of a STORE; the payloads follow, ``count`` of them."""
+def store_fixed(head: StoreHead, token_bytes: bytes) -> bytes:
+    """The fixed part of a STORE or STAGE and its tokens, checked to be ``head``'s."""
     if len(token_bytes) != head.token_bytes:
         raise InvalidInput(
             f"{len(token_bytes) // 4} tokens for {head.blocks} blocks of {head.block_tokens}"
         )
-    flags = head.flags
     fixed = _STORE.pack(
         head.root,
         head.parent or _NO_LEASE,
@@ -368,10 +367,14 @@ def encode_store_head(request_id: int, head: StoreHead, token_bytes: bytes) -> b
         head.ttl_ms,
         0,
     )
+    return fixed + token_bytes
+
+
+def encode_store_head(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
+    """Header, fixed part and tokens of a STORE; the payloads follow, ``count`` of them."""
     payloads = head.blocks * head.block_nbytes
-    return _with_session(
-        Op.STORE, request_id, flags, fixed + token_bytes, head.session_id, payloads
-    )
+    body = store_fixed(head, token_bytes)
+    return _with_session(Op.STORE, request_id, head.flags, body, head.session_id, payloads)
 
 
 def decode_store_head(

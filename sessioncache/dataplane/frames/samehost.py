@@ -21,6 +21,7 @@ from sessioncache.dataplane.frames.blocks import (
     decode_lookup,
     decode_store_head,
     decode_store_ok,
+    store_fixed,
 )
 from sessioncache.dataplane.frames.header import (
     F_LOOKUP_EXPLAIN,
@@ -167,21 +168,8 @@ def decode_locate_ok(data: bytes) -> LocateOk:
 def encode_stage(request_id: int, head: StoreHead, token_bytes: bytes) -> bytes:
     """STAGE: a STORE's fixed part and tokens, no payloads (``body_len`` = fixed + tokens;
     flag ``F_STORE_PARENT`` as for STORE): slots for the blocks, to fill in shared memory."""
-    if len(token_bytes) != head.token_bytes:
-        raise InvalidInput(
-            f"{len(token_bytes) // 4} tokens for {head.blocks} blocks of {head.block_tokens}"
-        )
-    flags = head.flags
-    fixed = _STORE.pack(
-        head.root,
-        head.parent or _NO_LEASE,
-        head.block_tokens,
-        head.blocks,
-        head.block_nbytes,
-        head.ttl_ms,
-        0,
-    )
-    return _with_session(Op.STAGE, request_id, flags, fixed + token_bytes, head.session_id)
+    body = store_fixed(head, token_bytes)
+    return _with_session(Op.STAGE, request_id, head.flags, body, head.session_id)
 
 
 def decode_stage_head(
