@@ -46,6 +46,7 @@ from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
+from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.payload import Payload, payload_nbytes
 
 PAYLOAD = bytes(range(64))
@@ -252,7 +253,7 @@ def write_disk(data: Path, n: int, catalog_url: str, schema: str | None) -> list
     for i in range(n):
         block = BlockHash(i.to_bytes(16, "big"))
         parent = None if i % 64 == 0 else parent
-        disk.put(block, PAYLOAD, NS, parent=parent)
+        disk.put(PutItem(block, PAYLOAD, NS, parent=parent))
         batch.append(
             BlockRecord(block, "disk", NS, parent, len(PAYLOAD), now, now, now + 3600, 3600)
         )
@@ -391,6 +392,7 @@ def bench_catalog(n: int, databases: Sequence[tuple[str, str, str | None]]) -> l
     queued) then one ``flush``."""
     from sessioncache.blocks import BlockMeta
     from sessioncache.catalog.repository import Catalog
+    from sessioncache.table import BlockFields
 
     lines = []
     for label, url, schema in databases:
@@ -402,7 +404,10 @@ def bench_catalog(n: int, databases: Sequence[tuple[str, str, str | None]]) -> l
             catalog = Catalog.open(db_url, schema=db_schema, migrate=True, max_pending=1 << 30)
             now = time.time()
             metas = [
-                BlockMeta(i.to_bytes(16, "big"), None, NS, 64, 3600.0, now, now, now + 3600, [0])
+                BlockMeta.detached(
+                    BlockFields(i.to_bytes(16, "big"), None, NS, 64, 3600.0, now, now, now + 3600),
+                    [0],
+                )
                 for i in range(n)
             ]
             t0 = time.perf_counter()

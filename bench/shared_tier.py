@@ -32,7 +32,8 @@ import numpy as np
 
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import make_client
-from sessioncache.tiers.redis import PutItem, RedisTier
+from sessioncache.tiers.base import PutItem
+from sessioncache.tiers.redis import RedisTier
 
 MiB = 1 << 20
 NS = b"\x01" * 16
@@ -127,11 +128,11 @@ def main() -> None:
 
             def tier_put(ps: list[bytes] = payloads, hs: list[BlockHash] = hashes) -> None:
                 for h, p in zip(hs, ps, strict=True):
-                    tier.put(h, p, NS)
+                    tier.put(PutItem(h, p, NS))
 
             def tier_x_put(ps: list[bytes] = payloads, hs: list[BlockHash] = hashes) -> None:
                 for h, p in zip(hs, ps, strict=True):
-                    tier_x.put(h, p, NS)
+                    tier_x.put(PutItem(h, p, NS))
 
             def tier_x_put_many(ps: list[bytes] = payloads, hs: list[BlockHash] = hashes) -> None:
                 items = [PutItem(h, p, NS) for h, p in zip(hs, ps, strict=True)]

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.base import Tier
+from sessioncache.tiers.base import PutItem, Tier
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.disk import DiskTier
 from sessioncache.tiers.gpu import GpuTier
@@ -122,7 +122,7 @@ def tier_run(
     try:
 
         def put(h: BlockHash) -> None:
-            tier.put(h, block, NS)
+            tier.put(PutItem(h, block, NS))
 
         def get(h: BlockHash) -> None:
             if not hasattr(slot, "sink"):

@@ -2,8 +2,9 @@
 
 The records themselves are a struct of arrays (``sessioncache/table.py``: a block is a slot);
 a ``BlockMeta`` is a small handle on one slot whose attributes read and write that slot's
-fields, made when code asks for a block and dropped after. One made with ``BlockMeta(...)``
-owns a table of its own (a detached record: snapshots, tests).
+fields, made when code asks for a block and dropped after. One made with
+``BlockMeta.detached(BlockFields(...))`` owns a table of its own (a detached record:
+snapshots, tests).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterable
 from functools import cache
 
 from sessioncache.hashing import BlockHash
-from sessioncache.table import F_CHECKSUM, F_PARENT, BlockTable
+from sessioncache.table import F_CHECKSUM, F_PARENT, BlockFields, BlockTable
 
 
 @cache
@@ -43,52 +44,19 @@ class BlockMeta:
     """
 
     __slots__ = ("_table", "block_hash", "slot")
+    _table: BlockTable
+    block_hash: BlockHash
+    slot: int
 
-    def __init__(
-        self,
-        block_hash: BlockHash,
-        parent: BlockHash | None,
-        namespace_root: bytes,
-        nbytes: int,
-        ttl_s: float,
-        created: float,
-        last_access: float,
-        expires_at: float,
-        children_in: Iterable[int],
-        tiers: Iterable[int] = (),
-        ref_cnt: int = 0,
-        pins: int = 0,
-        children_held: int = 0,
-        hit_count: int = 0,
-        touched_by_op: int = 0,
-        touch_order: int = 0,
-        checksum: int | None = None,
-    ) -> None:
+    @classmethod
+    def detached(cls, fields: BlockFields, children_in: Iterable[int] = ()) -> BlockMeta:
+        """A record in a table of its own (snapshots, tests); ``children_in`` per tier."""
         per_tier = list(children_in)
         table = BlockTable(max(len(per_tier), 1), detached=True)
-        slot = table.new(
-            block_hash,
-            parent,
-            namespace_root,
-            nbytes,
-            ttl_s,
-            created,
-            last_access,
-            expires_at,
-            ref_cnt=ref_cnt,
-            pins=pins,
-            children_held=children_held,
-            hit_count=hit_count,
-            touch_order=touch_order,
-            touched_by_op=touched_by_op,
-            mask=tier_mask(tiers),
-            checksum=checksum,
-        )
+        slot = table.new(fields)
         if per_tier:
             table.set_children_in(slot, per_tier)
-        self._table = table
-        self.slot = slot
-        self.block_hash = block_hash
+        return cls.at(table, slot, fields.block_hash)
 
     @classmethod
     def at(cls, table: BlockTable, slot: int, block_hash: BlockHash) -> BlockMeta:
@@ -251,7 +219,7 @@ class BlockMeta:
 
     def copy(self) -> BlockMeta:
         """A detached copy, in a table of its own."""
-        return BlockMeta(
+        fields = BlockFields(
             self.block_hash,
             self.parent,
             self.namespace_root,
@@ -260,16 +228,16 @@ class BlockMeta:
             self.created,
             self.last_access,
             self.expires_at,
-            self.children_in,
-            self.tiers,
             ref_cnt=self.ref_cnt,
             pins=self.pins,
             children_held=self.children_held,
             hit_count=self.hit_count,
             touched_by_op=self.touched_by_op,
             touch_order=self.touch_order,
+            mask=self.mask,
             checksum=self.checksum,
         )
+        return BlockMeta.detached(fields, self.children_in)
 
     def __repr__(self) -> str:
         return (

@@ -32,7 +32,7 @@ from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index_adoption import IndexAdoption
 from sessioncache.policy import EvictionPolicy
-from sessioncache.table import F_PARENT, NO_SLOT, BlockTable
+from sessioncache.table import F_PARENT, NO_SLOT, BlockFields, BlockTable
 
 Slots = npt.NDArray[np.int64]
 """Slots of the ``BlockTable``, in chain order."""
@@ -133,19 +133,22 @@ class BlockIndex:
         # Children still held: a record made anew (its old one was forgotten while they were
         # held) must count them, or ``children_held`` goes negative.
         held = 0 if first == NO_SLOT else sum(1 for k in table.kids_from(first) if table.mask[k])
+        order = self._next_order(1)
         slot = table.new(
-            block_hash,
-            parent,
-            namespace_root,
-            nbytes,
-            ttl_s,
-            created,
-            last_access,
-            expires_at,
-            ref_cnt=ref_cnt,
-            children_held=held,
-            touched_by_op=touched_by_op,
-            touch_order=self._next_order(1),
+            BlockFields(
+                block_hash,
+                parent,
+                namespace_root,
+                nbytes,
+                ttl_s,
+                created,
+                last_access,
+                expires_at,
+                ref_cnt=ref_cnt,
+                children_held=held,
+                touched_by_op=touched_by_op,
+                touch_order=order,
+            )
         )
         table.first_kid[slot] = first
         self._expiry.add(block_hash, expires_at)

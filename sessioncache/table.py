@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -66,6 +66,28 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("next_kid", "i"),
     ("prev_kid", "i"),
 )
+
+
+class BlockFields(NamedTuple):
+    """The fields of a new record (``BlockTable.new``)."""
+
+    block_hash: BlockHash
+    parent: BlockHash | None
+    namespace_root: bytes
+    nbytes: int
+    ttl_s: float
+    created: float
+    last_access: float
+    expires_at: float
+    ref_cnt: int = 0
+    pins: int = 0
+    children_held: int = 0
+    hit_count: int = 0
+    touch_order: int = 0
+    touched_by_op: int = 0
+    mask: int = 0
+    """The tiers holding the payload, a bit per tier."""
+    checksum: int | None = None
 
 
 class BlockTable:
@@ -164,27 +186,11 @@ class BlockTable:
 
     # -- slots --------------------------------------------------------------------------
 
-    def new(
-        self,
-        block_hash: BlockHash,
-        parent: BlockHash | None,
-        namespace_root: bytes,
-        nbytes: int,
-        ttl_s: float,
-        created: float,
-        last_access: float,
-        expires_at: float,
-        *,
-        ref_cnt: int = 0,
-        pins: int = 0,
-        children_held: int = 0,
-        hit_count: int = 0,
-        touch_order: int = 0,
-        touched_by_op: int = 0,
-        mask: int = 0,
-        checksum: int | None = None,
-    ) -> int:
-        """A slot holding a new record of ``block_hash`` (no kids, no children counted)."""
+    def new(self, fields: BlockFields) -> int:
+        """A slot holding a new record of ``fields.block_hash`` (no kids, no children
+        counted)."""
+        f = fields
+        block_hash, parent, namespace_root = f.block_hash, f.parent, f.namespace_root
         root = self._root_number.get(namespace_root)
         if root is None:
             root = self._root_number[namespace_root] = len(self.root_list)
@@ -200,24 +206,24 @@ class BlockTable:
             self.parents.append(parent)
         self.root[slot] = root
         self._id_bytes[slot * HASH_BYTES : (slot + 1) * HASH_BYTES] = block_hash
-        self.nbytes[slot] = nbytes
-        self.ttl[slot] = ttl_s
-        self.created[slot] = created
-        self.last[slot] = last_access
-        self.expires[slot] = expires_at
-        self.mask[slot] = mask
+        self.nbytes[slot] = f.nbytes
+        self.ttl[slot] = f.ttl_s
+        self.created[slot] = f.created
+        self.last[slot] = f.last_access
+        self.expires[slot] = f.expires_at
+        self.mask[slot] = f.mask
         self.flags[slot] = (
             F_LIVE
             | (F_PARENT if parent is not None else 0)
-            | (F_CHECKSUM if checksum is not None else 0)
+            | (F_CHECKSUM if f.checksum is not None else 0)
         )
-        self.ref[slot] = ref_cnt
-        self.pins[slot] = pins
-        self.held[slot] = children_held
-        self.hits[slot] = hit_count
-        self.order[slot] = touch_order
-        self.op[slot] = touched_by_op
-        self.checksum[slot] = checksum or 0
+        self.ref[slot] = f.ref_cnt
+        self.pins[slot] = f.pins
+        self.held[slot] = f.children_held
+        self.hits[slot] = f.hit_count
+        self.order[slot] = f.touch_order
+        self.op[slot] = f.touched_by_op
+        self.checksum[slot] = f.checksum or 0
         self.first_kid[slot] = self.next_kid[slot] = self.prev_kid[slot] = NO_SLOT
         t = self.num_tiers
         self.children_in[slot * t : (slot + 1) * t] = _int_items(self._zeros)

@@ -22,7 +22,8 @@ import torch
 
 from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.payload import Payload, checked_nbytes
+from sessioncache.tiers.base import PutItem
+from sessioncache.tiers.payload import checked_nbytes
 
 _ZERO = torch.zeros(1, dtype=torch.uint8)
 _VIEWS: dict[int, torch.Tensor] = {}
@@ -70,15 +71,8 @@ class AccountingTier:
         nbytes = self._sizes.get(block_hash)
         return None if nbytes is None else zero_payload(nbytes)
 
-    def put(
-        self,
-        block_hash: BlockHash,
-        payload: Payload,
-        namespace_root: bytes,
-        *,
-        parent: BlockHash | None = None,
-        expires_at: float | None = None,
-    ) -> None:
+    def put(self, item: PutItem) -> None:
+        block_hash, payload = item.block_hash, item.payload
         nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         with self._lock:
             if block_hash in self._sizes:

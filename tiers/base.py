@@ -13,8 +13,8 @@ Primitives (``Tier``):
     contains(h)     whether the block is held
     get(h)          the payload as a 1-D ``torch.uint8`` tensor (possibly a view into tier
                     memory, valid until the block is deleted), or None when absent
-    put(h, payload, namespace_root, *, parent=None, expires_at=None)
-                    stores a copy of the payload; raises ``TierFull`` when it does not fit and
+    put(item)       stores a copy of a ``PutItem``'s payload (id, payload, namespace root,
+                    parent, expiry); raises ``TierFull`` when it does not fit and
                     ``PayloadSizeError`` for an empty or oversize payload; putting an id that is
                     already held is a no-op. ``parent`` (the previous block of the chain) and
                     ``expires_at`` (epoch seconds) are hints a tier may keep: the disk tier
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +48,18 @@ import torch
 
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.payload import Payload
+
+
+class PutItem(NamedTuple):
+    """One block to store: ``Tier.put``'s argument (``RedisTier.put_many`` takes a list).
+    ``parent`` (the previous block of the chain) and ``expires_at`` (epoch seconds; None: the
+    tier's default) are hints a tier may keep."""
+
+    block_hash: BlockHash
+    payload: Payload
+    namespace_root: bytes
+    parent: BlockHash | None = None
+    expires_at: float | None = None
 
 
 @runtime_checkable
@@ -72,15 +84,7 @@ class Tier(Protocol):
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None: ...
 
-    def put(
-        self,
-        block_hash: BlockHash,
-        payload: Payload,
-        namespace_root: bytes,
-        *,
-        parent: BlockHash | None = None,
-        expires_at: float | None = None,
-    ) -> None: ...
+    def put(self, item: PutItem) -> None: ...
 
     def delete(self, block_hash: BlockHash) -> int: ...
 

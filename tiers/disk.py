@@ -59,7 +59,7 @@ import xxhash
 
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock
+from sessioncache.tiers.base import PutItem, RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.fileio import (
     fsync_dir,
     mtime,
@@ -76,7 +76,7 @@ from sessioncache.tiers.header import (
     InvalidBlock,
     check_id,
 )
-from sessioncache.tiers.payload import Payload, as_memoryview, checked_nbytes
+from sessioncache.tiers.payload import as_memoryview, checked_nbytes
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
 
@@ -406,15 +406,8 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------------ put
 
-    def put(
-        self,
-        block_hash: BlockHash,
-        payload: Payload,
-        namespace_root: bytes,
-        *,
-        parent: BlockHash | None = None,
-        expires_at: float | None = None,
-    ) -> None:
+    def put(self, item: PutItem) -> None:
+        block_hash, payload, namespace_root, parent, _ = item
         check_id(block_hash, "block id")
         check_id(namespace_root, "namespace root")
         if parent is not None:

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import redis.exceptions as rex
 import torch
@@ -63,7 +63,7 @@ from sessioncache.redis_link import (
     TierUnavailable,
     describe_error,
 )
-from sessioncache.tiers.base import LocatedBlock
+from sessioncache.tiers.base import LocatedBlock, PutItem
 from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
@@ -72,7 +72,7 @@ from sessioncache.tiers.header import (
     InvalidBlock,
     check_id,
 )
-from sessioncache.tiers.payload import Payload, as_memoryview, checked_nbytes
+from sessioncache.tiers.payload import as_memoryview, checked_nbytes
 from sessioncache.tiers.redis_writer import BlockWriter, Outgoing
 
 __all__ = [
@@ -80,7 +80,6 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "VERSION",
-    "PutItem",
     "RedisCounters",
     "RedisTier",
 ]
@@ -100,17 +99,6 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------------- tier
-
-
-class PutItem(NamedTuple):
-    """One block for ``RedisTier.put_many``."""
-
-    block_hash: BlockHash
-    payload: Payload
-    namespace_root: bytes
-    parent: BlockHash | None = None
-    expires_at: float | None = None
-    """Wall-clock expiry; None: ``default_ttl_s`` from now."""
 
 
 @dataclass(slots=True)
@@ -135,6 +123,10 @@ class _Own:
 
 
 _MIN_TTL_S = 1.0
+
+
+def _warn_corrupt(tier: str, block_hash: BlockHash, exc: InvalidBlock) -> None:
+    logger.warning("%s tier: block %s is corrupt (%s); deleting it", tier, block_hash.hex(), exc)
 
 
 class RedisTier:
@@ -253,12 +245,7 @@ class RedisTier:
                     raise InvalidBlock(describe_error(raw))
                 out.append(self._decode(block_hash, cast(bytes, raw)))
             except InvalidBlock as exc:
-                logger.warning(
-                    "%s tier: block %s is corrupt (%s); deleting it",
-                    self.name,
-                    block_hash.hex(),
-                    exc,
-                )
+                _warn_corrupt(self.name, block_hash, exc)
                 corrupt.append(block_hash)
                 out.append(None)
         hits = sum(1 for t in out if t is not None)
@@ -318,12 +305,7 @@ class RedisTier:
             except InvalidBlock as exc:
                 # Never adopted, so no get() would ever find it corrupt: count and delete it
                 # here, or it would sit in the shared tier, uncounted, until it expired.
-                logger.warning(
-                    "%s tier: block %s is corrupt (%s); deleting it",
-                    self.name,
-                    block_hash.hex(),
-                    exc,
-                )
+                _warn_corrupt(self.name, block_hash, exc)
                 damaged.append(block_hash)
                 out.append(None)
                 continue
@@ -389,19 +371,11 @@ class RedisTier:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(
-        self,
-        block_hash: BlockHash,
-        payload: Payload,
-        namespace_root: bytes,
-        *,
-        parent: BlockHash | None = None,
-        expires_at: float | None = None,
-    ) -> None:
+    def put(self, item: PutItem) -> None:
         """Store one block (a no-op when Redis already holds it, except that its expiry is
         raised to ``expires_at``). Raises ``TierFull``, ``TierUnavailable`` (a ``TierFull``),
         ``PayloadSizeError`` or ``InvalidInput``."""
-        self.put_many([PutItem(block_hash, payload, namespace_root, parent, expires_at)])
+        self.put_many([item])
 
     def put_many(self, items: Sequence[PutItem]) -> list[bool]:
         """Store several blocks in pipelined round trips; for each, whether this call wrote it

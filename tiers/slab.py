@@ -28,7 +28,8 @@ import torch
 
 from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.payload import Payload, as_byte_tensor, as_memoryview, checked_nbytes
+from sessioncache.tiers.base import PutItem
+from sessioncache.tiers.payload import as_byte_tensor, as_memoryview, checked_nbytes
 from sessioncache.tiers.spares import SparePool
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -156,15 +157,8 @@ class SlabTier:
             assert chunk is not None
             return chunk.tensor[slot.slot]
 
-    def put(
-        self,
-        block_hash: BlockHash,
-        payload: Payload,
-        namespace_root: bytes,
-        *,
-        parent: BlockHash | None = None,
-        expires_at: float | None = None,
-    ) -> None:
+    def put(self, item: PutItem) -> None:
+        block_hash, payload = item.block_hash, item.payload
         nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
         with self._lock:
             if block_hash in self._index or block_hash in self._pending:

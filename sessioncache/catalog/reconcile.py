@@ -44,12 +44,13 @@ from sessioncache.hashing import BlockHash
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
 from sessioncache.tiers.base import (
     LazyStartTier,
+    PutItem,
     RecoverableTier,
     RecoveredBatch,
     RecoveredBlock,
     Tier,
 )
-from sessioncache.tiers.payload import Payload, as_memoryview
+from sessioncache.tiers.payload import as_memoryview
 
 log = logging.getLogger("sessioncache.catalog.reconcile")
 
@@ -257,16 +258,8 @@ class CatalogRecoveredTier:
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
         return self._tier.get(block_hash)
 
-    def put(
-        self,
-        block_hash: BlockHash,
-        payload: Payload,
-        namespace_root: bytes,
-        *,
-        parent: BlockHash | None = None,
-        expires_at: float | None = None,
-    ) -> None:
-        self._tier.put(block_hash, payload, namespace_root, parent=parent, expires_at=expires_at)
+    def put(self, item: PutItem) -> None:
+        self._tier.put(item)
 
     def delete(self, block_hash: BlockHash) -> int:
         return self._tier.delete(block_hash)

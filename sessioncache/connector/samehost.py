@@ -64,7 +64,7 @@ from sessioncache.dataplane.frames import (
     StageOk,
     StoreHead,
 )
-from sessioncache.dataplane.transport import SocketTransport, Transport, connect
+from sessioncache.dataplane.transport import SocketTransport, Transport
 from sessioncache.errors import (
     ChecksumMismatch,
     InvalidInput,
@@ -255,6 +255,8 @@ class SameHostClient(StreamClient):
     """A connection to a node's same-host socket (see the module docstring). One client is
     one connection; its calls are serialized (use one client per thread)."""
 
+    _find = staticmethod(discover_same_host)
+
     def __init__(
         self,
         transport: Transport,
@@ -281,35 +283,6 @@ class SameHostClient(StreamClient):
         self.batch_bytes = batch_bytes
         """Bytes copied into slots per COMMIT (a batch the node checks while the next is
         copied)."""
-
-    @classmethod
-    def connect(
-        cls,
-        address: str,
-        *,
-        api_key: str | None = None,
-        seed: int = 0,
-        timeout: float | None = 30.0,
-    ) -> SameHostClient:
-        """Connect to the node's same-host socket (a path, or ``unix:<path>``) and say HELLO."""
-        path = address.removeprefix("unix:")
-        return cls(
-            connect(f"unix:{path}", timeout=timeout), api_key=api_key, seed=seed, timeout=timeout
-        )
-
-    @classmethod
-    def discover(
-        cls,
-        rest_url: str,
-        *,
-        api_key: str | None = None,
-        seed: int = 0,
-        timeout: float | None = 30.0,
-    ) -> SameHostClient:
-        """Connect to the same-host socket of the node whose REST API is at ``rest_url`` (which
-        must run on this host)."""
-        path = discover_same_host(rest_url, api_key=api_key)
-        return cls.connect(path, api_key=api_key, seed=seed, timeout=timeout)
 
     @property
     def mapped_segments(self) -> list[int]:

@@ -296,6 +296,9 @@ class StreamClient:
         """The node's limits, from its HELLO_OK."""
         return self._c.limits
 
+    _find = staticmethod(discover)
+    """How ``discover`` finds the address from the REST API (``GET /v1/dataplane``)."""
+
     @classmethod
     def connect(
         cls,
@@ -304,8 +307,9 @@ class StreamClient:
         api_key: str | None = None,
         seed: int = 0,
         timeout: float | None = 30.0,
-    ) -> StreamClient:
-        """Connect to ``host:port`` (or ``unix:<path>``) and say HELLO."""
+    ) -> Self:
+        """Connect to ``host:port``, ``unix:<path>`` or an absolute socket path and say
+        HELLO."""
         return cls(connect(address, timeout=timeout), api_key=api_key, seed=seed, timeout=timeout)
 
     @classmethod
@@ -316,9 +320,10 @@ class StreamClient:
         api_key: str | None = None,
         seed: int = 0,
         timeout: float | None = 30.0,
-    ) -> StreamClient:
-        """Connect to the stream of the node whose REST API is at ``rest_url``."""
-        address = discover(rest_url, api_key=api_key)
+    ) -> Self:
+        """Connect to the node whose REST API is at ``rest_url``: its stream, or for a
+        ``SameHostClient`` its same-host socket (the node must then run on this host)."""
+        address = cls._find(rest_url, api_key=api_key)
         return cls.connect(address, api_key=api_key, seed=seed, timeout=timeout)
 
     def close(self) -> None:

@@ -268,7 +268,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def connect(address: str, *, timeout: float | None = 30.0) -> SocketTransport:
-    """A transport to ``host:port`` or ``unix:<path>``."""
+    """A transport to ``host:port``, ``unix:<path>`` or an absolute Unix socket path."""
+    if address.startswith("/"):
+        address = f"unix:{address}"
     if address.startswith("unix:"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -32,6 +32,7 @@ from sessioncache.store.results import (
 )
 from sessioncache.tiers.base import (
     CheckedTier,
+    PutItem,
     SharedMemoryTier,
     SharedTier,
     Tier,
@@ -112,11 +113,13 @@ class StoreCore:
                 if self.tiers[tier].fits(meta.nbytes):
                     try:
                         self.tiers[tier].put(
-                            meta.block_hash,
-                            payload,
-                            meta.namespace_root,
-                            parent=meta.parent,
-                            expires_at=meta.expires_at,
+                            PutItem(
+                                meta.block_hash,
+                                payload,
+                                meta.namespace_root,
+                                meta.parent,
+                                meta.expires_at,
+                            )
                         )
                     except TierFull:
                         continue  # another thread took the room: evict again

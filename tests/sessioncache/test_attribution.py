@@ -12,6 +12,7 @@ from sessioncache.attribution import (
 )
 from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
+from sessioncache.table import BlockFields
 
 ROOT = b"r" * 16
 BT = 4
@@ -22,7 +23,7 @@ def ids(tag: int, n: int, start: int = 0) -> list[BlockHash]:
 
 
 def meta(h: BlockHash, expires_at: float = 100.0, root: bytes = ROOT) -> BlockMeta:
-    return BlockMeta(h, None, root, 64, 10.0, 0.0, 0.0, expires_at, [])
+    return BlockMeta.detached(BlockFields(h, None, root, 64, 10.0, 0.0, 0.0, expires_at))
 
 
 def view(held: dict[BlockHash, BlockMeta] | None = None, now: float = 50.0) -> StoreView:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sessioncache.blocks import BlockMeta
+from sessioncache.blocks import BlockMeta, tier_mask
 from sessioncache.hashing import BlockHash
 from sessioncache.policy import EvictionPolicy
+from sessioncache.table import BlockFields
 
 TIERS = 2
 
@@ -18,7 +19,7 @@ def meta(
     expires_at: float = 1e9,
     ref_cnt: int = 0,
 ) -> BlockMeta:
-    return BlockMeta(
+    fields = BlockFields(
         block_hash=BlockHash(bytes([n]) * 16),
         parent=BlockHash(bytes([parent]) * 16) if parent is not None else None,
         namespace_root=b"\0" * 16,
@@ -27,10 +28,10 @@ def meta(
         created=0.0,
         last_access=last_access,
         expires_at=expires_at,
-        children_in=[0] * TIERS,
-        tiers=tiers,
         ref_cnt=ref_cnt,
+        mask=tier_mask(tiers),
     )
+    return BlockMeta.detached(fields, [0] * TIERS)
 
 
 def test_a_new_block_colder_than_the_victim_is_not_admitted():

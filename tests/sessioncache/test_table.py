@@ -14,7 +14,7 @@ from sessioncache.hashing import BlockHash
 from sessioncache.index import _MAX_RUNS
 from sessioncache.policy import spare_copy
 from sessioncache.store import TieredStore
-from sessioncache.table import NO_SLOT, BlockTable
+from sessioncache.table import NO_SLOT, BlockFields, BlockTable
 from sessioncache.tiers.cpu import CpuTier
 
 ROOT = b"\x07" * 16
@@ -36,14 +36,14 @@ def store_of(blocks: int = 10_000) -> tuple[TieredStore, ManualClock]:
 
 def test_slots_are_reused_most_recently_freed_first_and_fields_reset() -> None:
     table = BlockTable(2, capacity=2)
-    slots = [table.new(h, None, ROOT, 64, 10.0, 0.0, 0.0, 10.0) for h in ids(1, 5)]
+    slots = [table.new(BlockFields(h, None, ROOT, 64, 10.0, 0.0, 0.0, 10.0)) for h in ids(1, 5)]
     assert slots == [0, 1, 2, 3, 4] and table.size == 5  # grown past its first capacity
     table.mask[2] = 3
     table.ref[2] = 1
     for slot in (4, 3, 2):  # a chain dropped tail first
         table.free(slot)
     assert len(table) == 2 and table.mask[2] == 0 and table.ref[2] == 0
-    again = [table.new(h, None, ROOT, 64, 1.0, 0.0, 0.0, 1.0) for h in ids(2, 3)]
+    again = [table.new(BlockFields(h, None, ROOT, 64, 1.0, 0.0, 0.0, 1.0)) for h in ids(2, 3)]
     assert again == [2, 3, 4]  # back in chain order
     assert table.key(3) == ids(2, 3)[1] and table.slot_of[ids(2, 3)[1]] == 3
     assert table.children_in_of(3) == (0, 0) and table.first_kid[3] == NO_SLOT
@@ -51,8 +51,10 @@ def test_slots_are_reused_most_recently_freed_first_and_fields_reset() -> None:
 
 def test_kid_lists_link_and_unlink_in_any_order() -> None:
     table = BlockTable(1)
-    parent = table.new(ids(1, 1)[0], None, ROOT, 64, 1.0, 0.0, 0.0, 1.0)
-    kids = [table.new(h, ids(1, 1)[0], ROOT, 64, 1.0, 0.0, 0.0, 1.0) for h in ids(2, 4)]
+    parent = table.new(BlockFields(ids(1, 1)[0], None, ROOT, 64, 1.0, 0.0, 0.0, 1.0))
+    kids = [
+        table.new(BlockFields(h, ids(1, 1)[0], ROOT, 64, 1.0, 0.0, 0.0, 1.0)) for h in ids(2, 4)
+    ]
     for kid in kids:
         table.first_kid[parent] = table.push_kid(table.first_kid[parent], kid)
     assert sorted(table.kids(parent)) == kids
@@ -62,9 +64,10 @@ def test_kid_lists_link_and_unlink_in_any_order() -> None:
 
 
 def test_a_detached_record_reads_back_what_it_was_given() -> None:
-    meta = BlockMeta(
-        b"\x01" * 16, b"\x02" * 16, ROOT, 64, 5.0, 1.0, 2.0, 7.0, [1, 0], {1}, ref_cnt=2, pins=1
+    fields = BlockFields(
+        b"\x01" * 16, b"\x02" * 16, ROOT, 64, 5.0, 1.0, 2.0, 7.0, ref_cnt=2, pins=1, mask=0b10
     )
+    meta = BlockMeta.detached(fields, [1, 0])
     assert (meta.parent, meta.namespace_root, meta.nbytes, meta.ttl_s) == (
         b"\x02" * 16,
         ROOT,
@@ -90,7 +93,7 @@ def test_a_detached_record_reads_back_what_it_was_given() -> None:
 def test_candidacy_agrees_with_the_policy_predicates(
     mask: int, ref: int, pins: int, here: int, held: int, tier: int, last: bool
 ) -> None:
-    meta = BlockMeta(
+    fields = BlockFields(
         b"\x01" * 16,
         None,
         ROOT,
@@ -99,14 +102,14 @@ def test_candidacy_agrees_with_the_policy_predicates(
         0.0,
         3.0,
         8.0,
-        [here, here, here],
-        [t for t in range(2) if mask >> t & 1],
+        mask=mask & 0b11,
         ref_cnt=ref,
         pins=pins,
         children_held=held,
         touched_by_op=4,
         touch_order=9,
     )
+    meta = BlockMeta.detached(fields, [here, here, here])
     spare, tail, last_access, expires, op, neg = meta.candidacy(tier, last=last)
     assert spare == spare_copy(meta, tier)
     assert tail == meta.evictable_from(tier, last=last)

@@ -14,7 +14,7 @@ from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.store import TieredStore
 from sessioncache.tiers.accounting import AccountingTier, zero_payload
-from sessioncache.tiers.base import Tier
+from sessioncache.tiers.base import PutItem, Tier
 from sessioncache.tiers.payload import payload_nbytes
 
 NS = b"\x07" * 16
@@ -55,7 +55,7 @@ def test_put_get_accounts_sizes_for_every_payload_type():
         sized(1000),
     ]
     for i, item in enumerate(inputs):
-        tier.put(bid(i), item, NS)
+        tier.put(PutItem(bid(i), item, NS))
         got = tier.get(bid(i))
         assert got is not None and got.dtype == torch.uint8 and got.dim() == 1
         assert got.numel() == 1000
@@ -66,8 +66,8 @@ def test_put_get_accounts_sizes_for_every_payload_type():
 def test_miss_contains_and_no_op_put_of_a_held_id():
     tier = AccountingTier("sim", 4096)
     assert tier.get(bid(9)) is None and not tier.contains(bid(9))
-    tier.put(bid(9), sized(256), NS)
-    tier.put(bid(9), sized(512), NS)
+    tier.put(PutItem(bid(9), sized(256), NS))
+    tier.put(PutItem(bid(9), sized(512), NS))
     assert tier.contains(bid(9)) and tier.used_bytes == 256
     got = tier.get(bid(9))
     assert got is not None and got.numel() == 256
@@ -75,7 +75,7 @@ def test_miss_contains_and_no_op_put_of_a_held_id():
 
 def test_delete_frees_bytes():
     tier = AccountingTier("sim", 4096)
-    tier.put(bid(1), sized(256), NS)
+    tier.put(PutItem(bid(1), sized(256), NS))
     assert tier.delete(bid(1)) == 256 and tier.delete(bid(1)) == 0
     assert tier.used_bytes == 0 and tier.get(bid(1)) is None and tier.keys() == []
 
@@ -84,13 +84,13 @@ def test_full_tier_raises_tier_full_and_keeps_its_contents():
     tier = AccountingTier("sim", 1024)
     for i in range(4):
         assert tier.fits(256)
-        tier.put(bid(i), sized(256), NS)
+        tier.put(PutItem(bid(i), sized(256), NS))
     assert not tier.fits(256)
     with pytest.raises(TierFull):
-        tier.put(bid(99), sized(256), NS)
+        tier.put(PutItem(bid(99), sized(256), NS))
     assert tier.used_bytes == 1024 and not tier.contains(bid(99))
     tier.delete(bid(0))
-    tier.put(bid(99), sized(256), NS)
+    tier.put(PutItem(bid(99), sized(256), NS))
     assert tier.contains(bid(99))
 
 
@@ -98,7 +98,7 @@ def test_full_tier_raises_tier_full_and_keeps_its_contents():
 def test_empty_or_oversize_payload_is_rejected(size: int):
     tier = AccountingTier("sim", 4096)
     with pytest.raises(PayloadSizeError):
-        tier.put(bid(1), b"\x00" * size, NS)
+        tier.put(PutItem(bid(1), b"\x00" * size, NS))
     assert tier.used_bytes == 0 and not tier.contains(bid(1))
 
 
@@ -109,8 +109,8 @@ def test_negative_capacity_is_rejected():
 
 def test_several_sizes_and_close():
     tier = AccountingTier("sim", 8192)
-    tier.put(bid(1), sized(100), NS)
-    tier.put(bid(2), sized(3000), NS)
+    tier.put(PutItem(bid(1), sized(100), NS))
+    tier.put(PutItem(bid(2), sized(3000), NS))
     assert tier.used_bytes == 3100
     tier.close()
     assert tier.used_bytes == 0 and tier.keys() == []
@@ -123,7 +123,7 @@ def test_concurrent_puts_and_deletes_lose_nothing():
     def worker(w: int) -> None:
         try:
             for i in range(w * 100, w * 100 + 60):
-                tier.put(bid(i), sized(512), NS)
+                tier.put(PutItem(bid(i), sized(512), NS))
                 got = tier.get(bid(i))
                 assert got is not None and got.numel() == 512
                 if i % 3:
@@ -148,7 +148,7 @@ def test_same_id_from_many_threads_is_stored_once():
     def worker() -> None:
         barrier.wait()
         with contextlib.suppress(TierFull):
-            tier.put(bid(5), sized(256), NS)
+            tier.put(PutItem(bid(5), sized(256), NS))
 
     threads = [threading.Thread(target=worker) for _ in range(6)]
     for t in threads:

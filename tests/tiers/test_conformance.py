@@ -13,7 +13,7 @@ import torch
 
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.base import Tier
+from sessioncache.tiers.base import PutItem, Tier
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 from sessioncache.tiers.gpu import GpuTier
 
@@ -102,7 +102,7 @@ def test_put_get_round_trip_for_every_payload_type(make_tier: TierFactory):
         np.frombuffer(data, dtype=np.float16),  # any dtype: its bytes are the payload
     ]
     for i, item in enumerate(inputs):
-        tier.put(bid(i), item, NS)
+        tier.put(PutItem(bid(i), item, NS))
         got = tier.get(bid(i))
         assert got is not None and got.dtype == torch.uint8 and got.dim() == 1
         assert as_bytes(got) == data
@@ -113,14 +113,14 @@ def test_put_get_round_trip_for_every_payload_type(make_tier: TierFactory):
 def test_miss_and_contains(make_tier: TierFactory):
     tier = make_tier(4096)
     assert tier.get(bid(9)) is None and not tier.contains(bid(9))
-    tier.put(bid(9), payload(9), NS)
+    tier.put(PutItem(bid(9), payload(9), NS))
     assert tier.contains(bid(9))
 
 
 def test_put_of_held_id_is_a_no_op(make_tier: TierFactory):
     tier = make_tier(4096)
-    tier.put(bid(1), payload(1), NS)
-    tier.put(bid(1), payload(2), NS)
+    tier.put(PutItem(bid(1), payload(1), NS))
+    tier.put(PutItem(bid(1), payload(2), NS))
     assert tier.used_bytes == 256
     got = tier.get(bid(1))
     assert got is not None and as_bytes(got) == payload(1)
@@ -128,7 +128,7 @@ def test_put_of_held_id_is_a_no_op(make_tier: TierFactory):
 
 def test_delete_frees_bytes(make_tier: TierFactory):
     tier = make_tier(4096)
-    tier.put(bid(1), payload(1), NS)
+    tier.put(PutItem(bid(1), payload(1), NS))
     assert tier.delete(bid(1)) == 256
     assert tier.delete(bid(1)) == 0
     assert tier.used_bytes == 0 and tier.get(bid(1)) is None and tier.keys() == []
@@ -138,17 +138,17 @@ def test_full_tier_raises_tier_full_and_keeps_its_contents(make_tier: TierFactor
     tier = make_tier(1024)
     for i in range(4):
         assert tier.fits(256)
-        tier.put(bid(i), payload(i), NS)
+        tier.put(PutItem(bid(i), payload(i), NS))
     assert not tier.fits(256)
     with pytest.raises(TierFull):
-        tier.put(bid(99), payload(99), NS)
+        tier.put(PutItem(bid(99), payload(99), NS))
     assert tier.used_bytes == 1024 and not tier.contains(bid(99))
     for i in range(4):
         got = tier.get(bid(i))
         assert got is not None and as_bytes(got) == payload(i)
     tier.delete(bid(0))
     assert tier.fits(256)
-    tier.put(bid(99), payload(99), NS)
+    tier.put(PutItem(bid(99), payload(99), NS))
     got = tier.get(bid(99))
     assert got is not None and as_bytes(got) == payload(99)
 
@@ -157,15 +157,15 @@ def test_full_tier_raises_tier_full_and_keeps_its_contents(make_tier: TierFactor
 def test_empty_or_oversize_payload_is_rejected(make_tier: TierFactory, size: int):
     tier = make_tier(4096)
     with pytest.raises(PayloadSizeError):
-        tier.put(bid(1), b"\x00" * size, NS)
+        tier.put(PutItem(bid(1), b"\x00" * size, NS))
     assert tier.used_bytes == 0 and not tier.contains(bid(1))
 
 
 def test_several_payload_sizes_share_one_tier(make_tier: TierFactory):
     tier = make_tier(8192)
-    tier.put(bid(1), payload(1, 100), NS)
-    tier.put(bid(2), payload(2, 3000), NS)
-    tier.put(bid(3), payload(3, 100), NS)
+    tier.put(PutItem(bid(1), payload(1, 100), NS))
+    tier.put(PutItem(bid(2), payload(2, 3000), NS))
+    tier.put(PutItem(bid(3), payload(3, 100), NS))
     assert tier.used_bytes == 3200
     for i, size in [(1, 100), (2, 3000), (3, 100)]:
         got = tier.get(bid(i))
@@ -179,7 +179,7 @@ def test_concurrent_puts_gets_and_deletes_lose_nothing(make_tier: TierFactory):
     def worker(w: int) -> None:
         try:
             for i in range(w * 100, w * 100 + 60):
-                tier.put(bid(i), payload(i, 512), NS)
+                tier.put(PutItem(bid(i), payload(i, 512), NS))
                 got = tier.get(bid(i))
                 assert got is not None and as_bytes(got) == payload(i, 512)
                 if i % 3:
@@ -209,7 +209,7 @@ def test_same_id_from_many_threads_is_stored_once(make_tier: TierFactory):
         barrier.wait()
         # a disk tier may count a racing duplicate against capacity for a moment
         with contextlib.suppress(TierFull):
-            tier.put(bid(5), payload(5), NS)
+            tier.put(PutItem(bid(5), payload(5), NS))
 
     threads = [threading.Thread(target=worker) for _ in range(6)]
     for t in threads:

@@ -22,7 +22,7 @@ import sessioncache.tiers.disk as disk_mod
 import sessioncache.tiers.fileio as fileio
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.base import RecoverableTier, RecoveredBatch, RecoveredBlock, Tier
+from sessioncache.tiers.base import PutItem, RecoverableTier, RecoveredBatch, RecoveredBlock, Tier
 from sessioncache.tiers.disk import HEADER_SIZE, DiskTier, decode_header
 
 NS = b"N" * 16
@@ -91,7 +91,7 @@ def test_round_trip_payload_kinds(tier: DiskTier, root: Path) -> None:
     ]
     for i, p in enumerate(kinds):
         h = bid(f"kind{i}")
-        tier.put(h, p, NS)  # type: ignore[arg-type]
+        tier.put(PutItem(h, p, NS))  # type: ignore[arg-type]
         out = tier.get(h)
         assert out is not None
         assert out.dtype == torch.uint8 and out.dim() == 1
@@ -106,7 +106,7 @@ def test_round_trip_payload_kinds(tier: DiskTier, root: Path) -> None:
 def test_multi_chunk_payload_round_trip(tier: DiskTier) -> None:
     # Larger than the write-back chunk and not a multiple of it.
     data = payload_for(bid("big"), 3 * MIB + 12345)
-    tier.put(bid("big"), data, NS)
+    tier.put(PutItem(bid("big"), data, NS))
     out = tier.get(bid("big"))
     assert out is not None and out.numpy().tobytes() == data
 
@@ -114,8 +114,8 @@ def test_multi_chunk_payload_round_trip(tier: DiskTier) -> None:
 def test_miss_duplicate_and_delete(tier: DiskTier, root: Path) -> None:
     h = bid(1)
     assert tier.get(h) is None and not tier.contains(h) and tier.delete(h) == 0
-    tier.put(h, b"abc", NS)
-    tier.put(h, b"different and longer", NS2)  # already held: no-op
+    tier.put(PutItem(h, b"abc", NS))
+    tier.put(PutItem(h, b"different and longer", NS2))  # already held: no-op
     assert tier.used_bytes == 3
     out = tier.get(h)
     assert out is not None and out.numpy().tobytes() == b"abc"
@@ -123,18 +123,18 @@ def test_miss_duplicate_and_delete(tier: DiskTier, root: Path) -> None:
     assert tier.delete(h) == 3
     assert tier.used_bytes == 0 and not tier.contains(h) and tier.get(h) is None
     assert not block_file(root, h).exists()
-    tier.put(h, b"again", NS)  # re-put after delete
+    tier.put(PutItem(h, b"again", NS))  # re-put after delete
     out = tier.get(h)
     assert out is not None and out.numpy().tobytes() == b"again"
 
 
 def test_invalid_input(tier: DiskTier) -> None:
     with pytest.raises(InvalidInput):
-        tier.put(BlockHash(b"short"), b"x", NS)
+        tier.put(PutItem(BlockHash(b"short"), b"x", NS))
     with pytest.raises(InvalidInput):
-        tier.put(bid(1), b"x", b"short-ns")
+        tier.put(PutItem(bid(1), b"x", b"short-ns"))
     with pytest.raises(PayloadSizeError):
-        tier.put(bid(1), b"", NS)
+        tier.put(PutItem(bid(1), b"", NS))
     with pytest.raises(InvalidInput):
         DiskTier(tier.root, -1)
     assert tier.used_bytes == 0 and tier.keys() == []
@@ -143,7 +143,7 @@ def test_invalid_input(tier: DiskTier) -> None:
 def test_init_is_cheap_and_lazy(root: Path) -> None:
     t = DiskTier(root, MIB, fsync=False)
     assert not root.exists()
-    t.put(bid(1), b"hello", NS)
+    t.put(PutItem(bid(1), b"hello", NS))
     assert block_file(root, bid(1)).exists() and (root / "quarantine").is_dir()
     out = t.get(bid(1))
     assert out is not None and out.numpy().tobytes() == b"hello"
@@ -156,7 +156,7 @@ def test_persistence_across_reopen(root: Path) -> None:
     t1 = DiskTier.open(root, 16 * MIB)
     ids = [bid(i) for i in range(20)]
     for i, h in enumerate(ids):
-        t1.put(h, payload_for(h), NS if i % 2 else NS2)
+        t1.put(PutItem(h, payload_for(h), NS if i % 2 else NS2))
     t1.delete(ids[0])
     used = t1.used_bytes
     t1.close()
@@ -181,12 +181,12 @@ def test_persistence_across_reopen(root: Path) -> None:
 def test_recovered_over_capacity_keeps_everything(root: Path) -> None:
     t1 = DiskTier.open(root, MIB)
     for i in range(10):
-        t1.put(bid(i), payload_for(bid(i), 1000), NS)
+        t1.put(PutItem(bid(i), payload_for(bid(i), 1000), NS))
     t2 = DiskTier.open(root, 4000)
     assert t2.used_bytes == 10_000 and len(t2.keys()) == 10
     assert not t2.fits(1)
     with pytest.raises(TierFull):
-        t2.put(bid("new"), b"x", NS)
+        t2.put(PutItem(bid("new"), b"x", NS))
     for i in range(7):
         t2.delete(bid(i))
     assert t2.used_bytes == 3000 and t2.fits(1000) and not t2.fits(1001)
@@ -194,7 +194,7 @@ def test_recovered_over_capacity_keeps_everything(root: Path) -> None:
 
 def test_stale_temp_files_removed_on_open(root: Path) -> None:
     t = DiskTier.open(root, MIB)
-    t.put(bid(1), b"keep", NS)
+    t.put(PutItem(bid(1), b"keep", NS))
     shard = block_file(root, bid(1)).parent
     stale = shard / f".{bid(1).hex()}.deadbeef.tmp"
     stale.write_bytes(b"half a block")
@@ -207,7 +207,7 @@ def test_stale_temp_files_removed_on_open(root: Path) -> None:
 
 
 def test_unrelated_files_left_alone(root: Path) -> None:
-    DiskTier.open(root, MIB).put(bid(1), b"x", NS)
+    DiskTier.open(root, MIB).put(PutItem(bid(1), b"x", NS))
     shard = block_file(root, bid(1)).parent
     (shard / "README").write_text("mine")
     (shard / "not-hex.blk").write_text("mine")
@@ -232,8 +232,8 @@ def test_payload_bitflip_is_quarantined_on_get(
     tier: DiskTier, root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     h, keep = bid(1), bid(2)
-    tier.put(h, payload_for(h, 4096), NS)
-    tier.put(keep, payload_for(keep, 100), NS)
+    tier.put(PutItem(h, payload_for(h, 4096), NS))
+    tier.put(PutItem(keep, payload_for(keep, 100), NS))
     _flip(block_file(root, h), HEADER_SIZE + 1000)
     with caplog.at_level(logging.WARNING, logger="sessioncache.tiers.disk"):
         assert tier.get(h) is None
@@ -246,7 +246,7 @@ def test_payload_bitflip_is_quarantined_on_get(
     out = tier.get(keep)
     assert out is not None and out.numpy().tobytes() == payload_for(keep, 100)
     # Re-storing a quarantined block works.
-    tier.put(h, payload_for(h, 4096), NS)
+    tier.put(PutItem(h, payload_for(h, 4096), NS))
     out = tier.get(h)
     assert out is not None and out.numpy().tobytes() == payload_for(h, 4096)
 
@@ -254,7 +254,7 @@ def test_payload_bitflip_is_quarantined_on_get(
 def test_header_corruption_while_running(tier: DiskTier, root: Path) -> None:
     for i, offset in enumerate([0, 9, 20, 40, 50, 60, 66]):
         h = bid(f"hdr{i}")
-        tier.put(h, b"payload", NS)
+        tier.put(PutItem(h, b"payload", NS))
         _flip(block_file(root, h), offset)
         assert tier.get(h) is None, offset
         assert not tier.contains(h)
@@ -268,8 +268,8 @@ def test_header_corruption_while_running(tier: DiskTier, root: Path) -> None:
 def test_bad_files_quarantined_on_open(root: Path, damage: str) -> None:
     t = DiskTier.open(root, MIB)
     h, keep = bid(1), bid(2)
-    t.put(h, payload_for(h, 5000), NS)
-    t.put(keep, payload_for(keep, 700), NS)
+    t.put(PutItem(h, payload_for(h, 5000), NS))
+    t.put(PutItem(keep, payload_for(keep, 700), NS))
     path = block_file(root, h)
     if damage == "truncate_payload":
         os.truncate(path, HEADER_SIZE + 4999)
@@ -298,7 +298,7 @@ def test_bad_files_quarantined_on_open(root: Path, damage: str) -> None:
 
 def test_truncation_after_open_is_quarantined_on_get(tier: DiskTier, root: Path) -> None:
     h = bid(1)
-    tier.put(h, payload_for(h, 3000), NS)
+    tier.put(PutItem(h, payload_for(h, 3000), NS))
     os.truncate(block_file(root, h), HEADER_SIZE + 10)
     assert tier.get(h) is None
     assert not tier.contains(h) and tier.used_bytes == 0 and len(quarantined(root)) == 1
@@ -306,7 +306,7 @@ def test_truncation_after_open_is_quarantined_on_get(tier: DiskTier, root: Path)
 
 def test_file_vanished_is_a_miss(tier: DiskTier, root: Path) -> None:
     h = bid(1)
-    tier.put(h, b"gone soon", NS)
+    tier.put(PutItem(h, b"gone soon", NS))
     os.unlink(block_file(root, h))
     assert tier.get(h) is None
     assert not tier.contains(h) and tier.used_bytes == 0 and quarantined(root) == []
@@ -319,17 +319,17 @@ def test_file_vanished_is_a_miss(tier: DiskTier, root: Path) -> None:
 def test_capacity(root: Path) -> None:
     t = DiskTier.open(root, 10_000)
     with pytest.raises(PayloadSizeError):
-        t.put(bid(0), b"x" * 10_001, NS)
-    t.put(bid(1), b"a" * 6000, NS)
+        t.put(PutItem(bid(0), b"x" * 10_001, NS))
+    t.put(PutItem(bid(1), b"a" * 6000, NS))
     assert t.fits(4000) and not t.fits(4001) and not t.fits(0)
     with pytest.raises(TierFull):
-        t.put(bid(2), b"b" * 4001, NS)
+        t.put(PutItem(bid(2), b"b" * 4001, NS))
     assert t.used_bytes == 6000 and not t.contains(bid(2))
     assert all_files(root) == [block_file(root, bid(1))]  # nothing half-written
-    t.put(bid(3), b"c" * 4000, NS)  # exactly full
+    t.put(PutItem(bid(3), b"c" * 4000, NS))  # exactly full
     assert t.used_bytes == 10_000 and not t.fits(1)
     t.delete(bid(1))
-    t.put(bid(2), b"b" * 4001, NS)
+    t.put(PutItem(bid(2), b"b" * 4001, NS))
     assert t.used_bytes == 8001
 
 
@@ -343,7 +343,7 @@ def test_failed_write_releases_reservation(
     for module in (disk_mod, fileio):  # the plain write, and the chunked write-back's
         monkeypatch.setattr(module, "write_all", no_space)
     with pytest.raises(TierFull):
-        tier.put(bid(1), b"x" * 5000, NS)
+        tier.put(PutItem(bid(1), b"x" * 5000, NS))
     assert tier.used_bytes == 0 and tier.fits(16 * MIB) and not tier.contains(bid(1))
     assert all_files(root) == []  # the temp file is gone
 
@@ -353,10 +353,10 @@ def test_failed_write_releases_reservation(
     for module in (disk_mod, fileio):
         monkeypatch.setattr(module, "write_all", io_error)
     with pytest.raises(OSError):
-        tier.put(bid(1), b"x" * 5000, NS)
+        tier.put(PutItem(bid(1), b"x" * 5000, NS))
     assert tier.fits(16 * MIB) and all_files(root) == []
     monkeypatch.undo()
-    tier.put(bid(1), b"x" * 5000, NS)
+    tier.put(PutItem(bid(1), b"x" * 5000, NS))
     assert tier.used_bytes == 5000
 
 
@@ -387,7 +387,7 @@ def test_concurrent_distinct_puts(tier: DiskTier, root: Path) -> None:
 
     def body(k: int) -> None:
         for h in ids[k]:
-            tier.put(h, payload_for(h), NS)
+            tier.put(PutItem(h, payload_for(h), NS))
 
     assert _run_threads(8, body) == []
     flat = [h for row in ids for h in row]
@@ -407,7 +407,7 @@ def test_concurrent_same_id_puts(tier: DiskTier, root: Path) -> None:
 
     def body(k: int) -> None:
         for h in ids:
-            tier.put(h, payload_for(h), NS)
+            tier.put(PutItem(h, payload_for(h), NS))
             seen.append(tier.contains(h))  # held as soon as any put of it returns
 
     assert _run_threads(8, body) == []
@@ -426,7 +426,7 @@ def test_concurrent_puts_never_overshoot_capacity(root: Path) -> None:
     def body(k: int) -> None:
         for i in range(4):
             try:
-                t.put(bid(f"cap{k}-{i}"), b"z" * 4096, NS)
+                t.put(PutItem(bid(f"cap{k}-{i}"), b"z" * 4096, NS))
             except TierFull:
                 full.append(k)
 
@@ -446,7 +446,7 @@ def test_concurrent_put_get_delete(tier: DiskTier) -> None:
                 if (k + r) % 3 == 0:
                     tier.delete(h)
                 else:
-                    tier.put(h, payload_for(h), NS)
+                    tier.put(PutItem(h, payload_for(h), NS))
                 out = tier.get(h)
                 if out is not None and out.numpy().tobytes() != payload_for(h):
                     bad.append(h.hex())
@@ -465,6 +465,7 @@ _WRITER = textwrap.dedent(
     import sys
     import numpy as np
     import xxhash
+    from sessioncache.tiers.base import PutItem
     from sessioncache.tiers.disk import DiskTier
 
     tier = DiskTier.open(sys.argv[1], 1 << 40)
@@ -474,7 +475,7 @@ _WRITER = textwrap.dedent(
         seed = int.from_bytes(h[:8], "little")
         n = 1 + seed % (256 << 10)
         payload = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-        tier.put(h, payload, b"N" * 16)
+        tier.put(PutItem(h, payload, b"N" * 16))
         sys.stdout.write(h.hex() + "\\n")
         sys.stdout.flush()
         i += 1
@@ -529,10 +530,10 @@ def test_adopt_batch_indexes_unopened_files_and_checks_each_on_get(root: Path) -
     ids = [bid(f"adopt-{i}") for i in range(6)]
     writer = DiskTier.open(root, 16 * MIB)
     for h in ids[:5]:
-        writer.put(h, payload_for(h, 4096), NS)
+        writer.put(PutItem(h, payload_for(h, 4096), NS))
     writer.close()
     tier = DiskTier.open(root, 16 * MIB, scan=False)
-    tier.put(ids[0], payload_for(ids[0], 4096), NS)  # already held: left as it is
+    tier.put(PutItem(ids[0], payload_for(ids[0], 4096), NS))  # already held: left as it is
     block_file(root, ids[1]).write_bytes(b"garbage")  # a bad file, found by its read
     batch = RecoveredBatch.of(
         [RecoveredBlock(h, NS, 4096, 1.0, None, ttl_s=60.0, expires_at=61.0) for h in ids]
@@ -549,7 +550,7 @@ def test_adopt_batch_indexes_unopened_files_and_checks_each_on_get(root: Path) -
     assert tier.used_bytes == 4 * 4096
     # a delete and a re-put of an adopted id: a fresh entry, read back as written
     assert tier.delete(ids[4]) == 4096
-    tier.put(ids[4], payload_for(ids[4], 4096), NS)
+    tier.put(PutItem(ids[4], payload_for(ids[4], 4096), NS))
     assert bytes(tier.get(ids[4]).numpy()) == payload_for(ids[4], 4096)
 
 
@@ -557,8 +558,8 @@ def test_adopted_blocks_without_files_are_missing_after_the_walk(root: Path) -> 
     ids = [bid(f"walk-{i}") for i in range(4)]
     writer = DiskTier.open(root, 16 * MIB)
     for h in ids[:2]:
-        writer.put(h, payload_for(h, 512), NS)
-    writer.put(ids[3], payload_for(ids[3], 512), NS2)  # a file without a row
+        writer.put(PutItem(h, payload_for(h, 512), NS))
+    writer.put(PutItem(ids[3], payload_for(ids[3], 512), NS2))  # a file without a row
     tier = DiskTier.open(root, 16 * MIB, scan=False)
     tier.adopt_batch(RecoveredBatch.of([RecoveredBlock(h, NS, 512, 1.0) for h in ids[:3]]))
     tier.adopt([RecoveredBlock(ids[0], NS, 512, 1.0)])  # known: no double count

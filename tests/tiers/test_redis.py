@@ -27,8 +27,8 @@ from sessioncache.redis_link import (
     make_client,
 )
 from sessioncache.redis_link import sends_parts as _sends_parts
-from sessioncache.tiers.base import CheckedTier, Tier
-from sessioncache.tiers.redis import HEADER_SIZE, PutItem, RedisTier, encode_header
+from sessioncache.tiers.base import CheckedTier, PutItem, Tier
+from sessioncache.tiers.redis import HEADER_SIZE, RedisTier, encode_header
 
 URL = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NS = b"\x07" * 16
@@ -93,7 +93,7 @@ def test_value_is_header_then_payload_with_expiry_from_pxat(
 ) -> None:
     data = bytes(range(256)) * 4 + b"\r\n\x00$*"  # binary-safe: protocol bytes included
     expires = time.time() + 1234.5
-    tier.put(bid(1), data, NS, parent=bid(0), expires_at=expires)
+    tier.put(PutItem(bid(1), data, NS, parent=bid(0), expires_at=expires))
     value = raw.get(tier.key(bid(1)))
     assert isinstance(value, bytes) and len(value) == HEADER_SIZE + len(data)
     assert value[HEADER_SIZE:] == data
@@ -106,7 +106,7 @@ def test_value_is_header_then_payload_with_expiry_from_pxat(
 def test_default_ttl_and_set_expiry_only_raises(prefix: str, raw: redis.Redis) -> None:
     tier = RedisTier(make_client(URL), 1 << 20, prefix=prefix, default_ttl_s=600)
     try:
-        tier.put(bid(1), payload(1), NS)
+        tier.put(PutItem(bid(1), payload(1), NS))
         assert 598_000 < raw.pttl(tier.key(bid(1))) <= 600_000
         tier.set_expiry(bid(1), time.time() + 3600)
         assert 3_598_000 < raw.pttl(tier.key(bid(1))) <= 3_600_000
@@ -119,8 +119,8 @@ def test_default_ttl_and_set_expiry_only_raises(prefix: str, raw: redis.Redis) -
 
 
 def test_expired_blocks_leave_redis_and_the_accounting(tier: RedisTier) -> None:
-    tier.put(bid(1), payload(1), NS, expires_at=time.time() + 1.0)  # the shortest allowed
-    tier.put(bid(2), payload(2), NS)
+    tier.put(PutItem(bid(1), payload(1), NS, expires_at=time.time() + 1.0))  # the shortest allowed
+    tier.put(PutItem(bid(2), payload(2), NS))
     assert tier.used_bytes == 512
     time.sleep(1.1)
     assert tier.get(bid(1)) is None and not tier.contains(bid(1))
@@ -134,8 +134,8 @@ def test_expired_blocks_leave_redis_and_the_accounting(tier: RedisTier) -> None:
 def test_corrupt_value_is_a_miss_and_is_deleted(
     tier: RedisTier, raw: redis.Redis, damage: str
 ) -> None:
-    tier.put(bid(1), payload(1), NS)
-    tier.put(bid(2), payload(2), NS)
+    tier.put(PutItem(bid(1), payload(1), NS))
+    tier.put(PutItem(bid(2), payload(2), NS))
     key = tier.key(bid(1))
     value = raw.get(key)
     assert isinstance(value, bytes)
@@ -158,7 +158,7 @@ def test_corrupt_value_is_a_miss_and_is_deleted(
     assert raw.exists(key) == 0
     assert tier.counters().corrupt == 1
     assert as_bytes(tier.get(bid(2))) == payload(2)  # the neighbour is untouched
-    tier.put(bid(1), payload(1), NS)  # and the block can be stored again
+    tier.put(PutItem(bid(1), payload(1), NS))  # and the block can be stored again
     assert as_bytes(tier.get(bid(1))) == payload(1)
 
 
@@ -198,7 +198,7 @@ def test_batch_is_validated_and_reserved_before_anything_is_written(tier: RedisT
         with pytest.raises(InvalidInput):
             small.put_many([PutItem(bid(1), payload(1), b"short")])
         with pytest.raises(InvalidInput):
-            small.put(bid(1), payload(1), NS, parent=BlockHash(b"x"))
+            small.put(PutItem(bid(1), payload(1), NS, parent=BlockHash(b"x")))
         assert small.keys() == [] and small.used_bytes == 0
     finally:
         small.close()
@@ -213,7 +213,7 @@ def test_plain_redis_py_client_works_by_copying(prefix: str) -> None:
     try:
         items = [PutItem(bid(i), payload(i, 1000), NS) for i in range(5)]
         assert tier.put_many(items) == [True] * 5
-        tier.put(bid(9), np.frombuffer(payload(9, 1000), dtype=np.float16), NS)
+        tier.put(PutItem(bid(9), np.frombuffer(payload(9, 1000), dtype=np.float16), NS))
         got = tier.get_many([bid(i) for i in [*range(5), 9]])
         assert [as_bytes(g) for g in got] == [payload(i, 1000) for i in [*range(5), 9]]
     finally:
@@ -223,8 +223,8 @@ def test_plain_redis_py_client_works_by_copying(prefix: str) -> None:
 
 def test_locate_many_reads_headers_only(tier: RedisTier) -> None:
     expires = time.time() + 5000
-    tier.put(bid(1), payload(1, 4096), NS, expires_at=expires)
-    tier.put(bid(2), payload(2, 4096), NS, parent=bid(1))
+    tier.put(PutItem(bid(1), payload(1, 4096), NS, expires_at=expires))
+    tier.put(PutItem(bid(2), payload(2, 4096), NS, parent=bid(1)))
     found = tier.locate_many([bid(1), bid(2), bid(3)])
     first, second, missing = found
     assert missing is None
@@ -244,10 +244,10 @@ def test_two_nodes_share_blocks(prefix: str, raw: redis.Redis) -> None:
     a = RedisTier(make_client(URL), 1 << 20, prefix=prefix)
     b = RedisTier(make_client(URL), 1 << 20, prefix=prefix)
     try:
-        a.put(bid(1), payload(1), NS, expires_at=time.time() + 100)
+        a.put(PutItem(bid(1), payload(1), NS, expires_at=time.time() + 100))
         assert as_bytes(b.get(bid(1))) == payload(1) and b.contains(bid(1))
         # b's put of a block a wrote sends no payload, but keeps it alive as long as b wants
-        b.put(bid(1), payload(1), NS, expires_at=time.time() + 500)
+        b.put(PutItem(bid(1), payload(1), NS, expires_at=time.time() + 500))
         assert b.used_bytes == 0 and a.used_bytes == 256
         assert raw.pttl(a.key(bid(1))) > 490_000
         assert b.keys() == [bid(1)]
@@ -260,11 +260,11 @@ def test_two_nodes_share_blocks(prefix: str, raw: redis.Redis) -> None:
 
 def test_close_deletes_only_with_owns_keys(prefix: str, raw: redis.Redis) -> None:
     keep = RedisTier(make_client(URL), 1 << 20, prefix=prefix + "keep:")
-    keep.put(bid(1), payload(1), NS)
+    keep.put(PutItem(bid(1), payload(1), NS))
     keep.close()
     assert raw.exists(f"{prefix}keep:b:{bid(1).hex()}") == 1
     owned = RedisTier(make_client(URL), 1 << 20, prefix=prefix + "own:", owns_keys=True)
-    owned.put(bid(1), payload(1), NS)
+    owned.put(PutItem(bid(1), payload(1), NS))
     owned.close()
     assert raw.exists(f"{prefix}own:b:{bid(1).hex()}") == 0
     assert raw.ping()  # the client handed in belongs to the caller, the database is intact
@@ -274,8 +274,8 @@ def test_glob_characters_in_prefix_stay_literal(prefix: str) -> None:
     tier = RedisTier(make_client(URL), 1 << 20, prefix=prefix + "[x]*?:", owns_keys=True)
     other = RedisTier(make_client(URL), 1 << 20, prefix=prefix + "x:")
     try:
-        tier.put(bid(1), payload(1), NS)
-        other.put(bid(2), payload(2), NS)
+        tier.put(PutItem(bid(1), payload(1), NS))
+        other.put(PutItem(bid(2), payload(2), NS))
         assert tier.keys() == [bid(1)]
     finally:
         tier.close()
@@ -313,14 +313,14 @@ def test_server_down_at_start_then_up(tmp_path: Path) -> None:
         t0 = time.perf_counter()
         assert tier.get(bid(1)) is None and not tier.contains(bid(1))
         with pytest.raises(TierUnavailable):
-            tier.put(bid(1), payload(1), NS)
+            tier.put(PutItem(bid(1), payload(1), NS))
         assert isinstance(TierUnavailable("x"), TierFull)
         assert tier.problem() is not None and tier.keys() == [] and tier.delete(bid(1)) == 0
         assert time.perf_counter() - t0 < 1.0
         server.start()
         time.sleep(0.15)
         assert tier.problem() is None
-        tier.put(bid(1), payload(1), NS)
+        tier.put(PutItem(bid(1), payload(1), NS))
         assert as_bytes(tier.get(bid(1))) == payload(1)
         server.stop()
         time.sleep(0.15)
@@ -350,7 +350,7 @@ def test_redis_killed_mid_load_and_restarted(tmp_path: Path) -> None:
             try:
                 t0 = time.perf_counter()
                 try:
-                    tier.put(h, payload(i, 4096), NS)
+                    tier.put(PutItem(h, payload(i, 4096), NS))
                     kind = "ok"
                 except TierUnavailable:
                     kind = "unavailable"
@@ -412,8 +412,8 @@ def test_a_damaged_header_met_by_locate_is_counted_and_deleted(
 ) -> None:
     # a lookup adopts shared blocks from their headers alone: no get() would ever read a
     # value whose header is damaged, so locate_many itself counts and deletes it
-    tier.put(bid(1), payload(1), NS)
-    tier.put(bid(2), payload(2), NS)
+    tier.put(PutItem(bid(1), payload(1), NS))
+    tier.put(PutItem(bid(2), payload(2), NS))
     key = tier.key(bid(1))
     value = raw.get(key)
     assert isinstance(value, bytes)

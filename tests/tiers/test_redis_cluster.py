@@ -22,8 +22,8 @@ from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import make_client
 from sessioncache.redis_link import sends_parts as _sends_parts
-from sessioncache.tiers.base import Tier
-from sessioncache.tiers.redis import HEADER_SIZE, PutItem, RedisTier
+from sessioncache.tiers.base import PutItem, Tier
+from sessioncache.tiers.redis import HEADER_SIZE, RedisTier
 
 NS = b"\x07" * 16
 TESTS = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def test_batches_spread_over_every_shard(make_tier: Callable[[int], Tier], clien
 def test_corrupt_value_on_a_shard_is_deleted(make_tier: Callable[[int], Tier], client: Any) -> None:
     tier = make_tier(1 << 20)
     assert isinstance(tier, RedisTier)
-    tier.put(bid(1), payload(1), NS)
+    tier.put(PutItem(bid(1), payload(1), NS))
     client.setrange(tier.key(bid(1)), HEADER_SIZE + 3, b"\xff\xfe")
     assert tier.get(bid(1)) is None and client.exists(tier.key(bid(1))) == 0
 
@@ -151,7 +151,7 @@ def test_expiry_on_the_cluster(make_tier: Callable[[int], Tier], client: Any) ->
     tier = make_tier(1 << 20)
     assert isinstance(tier, RedisTier)
     expires = time.time() + 777
-    tier.put(bid(1), payload(1), NS, expires_at=expires)
+    tier.put(PutItem(bid(1), payload(1), NS, expires_at=expires))
     assert abs(client.pttl(tier.key(bid(1))) / 1000 - 777) < 2
     tier.set_expiry(bid(1), expires + 100)
     assert client.pttl(tier.key(bid(1))) > 870_000

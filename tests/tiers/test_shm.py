@@ -17,7 +17,7 @@ import pytest
 
 from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.base import SharedMemoryTier, Tier
+from sessioncache.tiers.base import PutItem, SharedMemoryTier, Tier
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 from sessioncache.tiers.gpu import GpuTier
 
@@ -48,7 +48,7 @@ def test_only_the_shared_tier_is_a_shared_memory_tier():
 def test_a_block_is_where_locate_says_in_another_mapping():
     tier = SharedCpuTier(1 << 20, chunk_bytes=4000)
     for i in range(12):  # 1000-byte blocks, 4 per chunk: three segments
-        tier.put(bid(i), bytes([i]) * 1000, NS)
+        tier.put(PutItem(bid(i), bytes([i]) * 1000, NS))
     assert tier.segments() == [1, 2, 3]
     maps = {s: mapping(tier, s) for s in tier.segments()}
     for i in range(12):
@@ -76,7 +76,7 @@ def test_a_reserved_slot_is_invisible_until_published_and_then_not_copied():
 
 def test_publishing_a_held_id_frees_the_slot_and_keeps_the_held_bytes():
     tier = SharedCpuTier(1 << 20)
-    tier.put(bid(1), b"\x01" * 100, NS)
+    tier.put(PutItem(bid(1), b"\x01" * 100, NS))
     slot = tier.reserve(100)
     slot.payload.numpy()[:] = 2
     assert not tier.publish(bid(1), slot)
@@ -107,7 +107,7 @@ def test_released_slots_are_reused_and_reservations_respect_capacity():
 
 def test_segment_sizes_are_sealed_against_peers():
     tier = SharedCpuTier(1 << 20, chunk_bytes=4096)
-    tier.put(bid(1), b"\x01" * 1024, NS)
+    tier.put(PutItem(bid(1), b"\x01" * 1024, NS))
     fd = tier.segment_fd(1)
     try:
         with pytest.raises(PermissionError):
@@ -122,11 +122,11 @@ def test_segment_sizes_are_sealed_against_peers():
 def test_a_reclaimed_chunk_retires_its_segment_and_ids_are_not_reused():
     tier = SharedCpuTier(1000, chunk_bytes=1000)
     for i in range(10):
-        tier.put(bid(i), b"\x00" * 100, NS)
+        tier.put(PutItem(bid(i), b"\x00" * 100, NS))
     assert tier.segments() == [1]
     for i in range(10):
         tier.delete(bid(i))
-    tier.put(bid(100), b"\x05" * 500, NS)  # another size: the idle chunk is reclaimed
+    tier.put(PutItem(bid(100), b"\x05" * 500, NS))  # another size: the idle chunk is reclaimed
     assert tier.segments() == [2]
     with pytest.raises(KeyError):
         tier.segment_fd(1)
@@ -152,7 +152,7 @@ def test_segments_have_no_name_in_dev_shm_and_close_frees_their_descriptors():
     before = Counter(own_memfds())  # other tiers of this test process, if any
     tier = SharedCpuTier(1 << 20, chunk_bytes=4096, name="shmtest")
     for i in range(4):
-        tier.put(bid(i), b"\x01" * 2048, NS)
+        tier.put(PutItem(bid(i), b"\x01" * 2048, NS))
     # each twice: the tier's descriptor and the one its mapping keeps
     assert Counter(own_memfds()) - before == Counter(
         {
@@ -169,7 +169,7 @@ def test_segments_have_no_name_in_dev_shm_and_close_frees_their_descriptors():
 
 def test_a_tier_dropped_without_close_gives_its_descriptors_back():
     tier = SharedCpuTier(1 << 20, chunk_bytes=4096, name="dropped")
-    tier.put(bid(1), b"\x01" * 2048, NS)
+    tier.put(PutItem(bid(1), b"\x01" * 2048, NS))
     assert any("sessioncache-dropped-" in name for name in own_memfds())
     del tier
     gc.collect()
@@ -178,7 +178,7 @@ def test_a_tier_dropped_without_close_gives_its_descriptors_back():
 
 def test_a_child_process_inherits_no_segment():
     tier = SharedCpuTier(1 << 20, chunk_bytes=4096)
-    tier.put(bid(1), b"\x01" * 2048, NS)
+    tier.put(PutItem(bid(1), b"\x01" * 2048, NS))
     code = (
         "import os; print(sum('sessioncache-' in os.readlink(f'/proc/self/fd/{f}') "
         "for f in os.listdir('/proc/self/fd') if os.path.exists(f'/proc/self/fd/{f}')))"
@@ -201,7 +201,7 @@ def test_concurrent_reserve_publish_and_puts_keep_every_block_intact():
                     slot.payload.numpy()[:] = data
                     assert tier.publish(bid(i), slot)
                 else:
-                    tier.put(bid(i), data, NS)
+                    tier.put(PutItem(bid(i), data, NS))
                 got = tier.get(bid(i))
                 assert got is not None and np.array_equal(got.numpy(), data)
                 tier.delete(bid(i))

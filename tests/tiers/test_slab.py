@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sessioncache.hashing import BlockHash
+from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.gpu import GpuTier, default_device
 
@@ -19,10 +20,10 @@ def bid(i: int) -> BlockHash:
 def test_allocation_never_exceeds_capacity_and_slots_are_reused():
     tier = CpuTier(1000, chunk_bytes=400)
     for i in range(10):
-        tier.put(bid(i), bytes([i]) * 100, NS)
+        tier.put(PutItem(bid(i), bytes([i]) * 100, NS))
     assert tier.allocated_bytes == 1000 and not tier.fits(100)
     tier.delete(bid(3))
-    tier.put(bid(42), b"\x2a" * 100, NS)
+    tier.put(PutItem(bid(42), b"\x2a" * 100, NS))
     assert tier.allocated_bytes == 1000
     got = tier.get(bid(42))
     assert got is not None and bytes(got.numpy()) == b"\x2a" * 100
@@ -31,19 +32,19 @@ def test_allocation_never_exceeds_capacity_and_slots_are_reused():
 def test_idle_chunks_of_another_size_are_reclaimed():
     tier = CpuTier(1000, chunk_bytes=1000)
     for i in range(10):
-        tier.put(bid(i), b"\x00" * 100, NS)
+        tier.put(PutItem(bid(i), b"\x00" * 100, NS))
     assert not tier.fits(500)
     for i in range(10):
         tier.delete(bid(i))
     assert tier.fits(500)
-    tier.put(bid(100), b"\x05" * 500, NS)
-    tier.put(bid(101), b"\x06" * 500, NS)
+    tier.put(PutItem(bid(100), b"\x05" * 500, NS))
+    tier.put(PutItem(bid(101), b"\x06" * 500, NS))
     assert tier.used_bytes == 1000 and tier.allocated_bytes == 1000
 
 
 def test_get_is_a_zero_copy_view_of_the_slot():
     tier = CpuTier(1000)
-    tier.put(bid(1), b"\x01" * 100, NS)
+    tier.put(PutItem(bid(1), b"\x01" * 100, NS))
     a, b = tier.get(bid(1)), tier.get(bid(1))
     assert a is not None and b is not None
     assert a.data_ptr() == b.data_ptr()
@@ -51,7 +52,7 @@ def test_get_is_a_zero_copy_view_of_the_slot():
 
 def test_gpu_tier_runs_on_the_given_device():
     tier = GpuTier(1000, device="cpu")
-    tier.put(bid(1), torch.ones(25, dtype=torch.float32), NS)
+    tier.put(PutItem(bid(1), torch.ones(25, dtype=torch.float32), NS))
     got = tier.get(bid(1))
     assert got is not None and got.device.type == "cpu"
     assert torch.equal(got.view(torch.float32), torch.ones(25))

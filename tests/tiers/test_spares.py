@@ -13,6 +13,7 @@ import pytest
 
 from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
+from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 from sessioncache.tiers.spares import SparePool
 
@@ -45,10 +46,10 @@ def test_spares_are_made_after_the_first_chunk_and_taken_by_the_next():
     tier = SharedCpuTier(8 * CHUNK, chunk_bytes=CHUNK, spare_chunks=2)
     assert tier.spare_bytes == 0  # an unused tier holds no memory
     for i in range(4):  # 1 KiB blocks: one chunk
-        tier.put(bid(i), bytes([i]) * 1024, NS)
+        tier.put(PutItem(bid(i), bytes([i]) * 1024, NS))
     wait_for(lambda: tier.spare_bytes == 2 * CHUNK)
     assert tier.segments() == [1]  # spares are not live segments: nothing in them
-    tier.put(bid(4), b"\x04" * 1024, NS)  # needs a new chunk: a spare, made before
+    tier.put(PutItem(bid(4), b"\x04" * 1024, NS))  # needs a new chunk: a spare, made before
     assert len(tier.segments()) == 2 and max(tier.segments()) in (2, 3)
     wait_for(lambda: tier.spare_bytes == 2 * CHUNK)  # refilled
     for i in range(5):
@@ -59,23 +60,23 @@ def test_spares_are_made_after_the_first_chunk_and_taken_by_the_next():
 
 def test_spares_never_take_the_tier_over_its_capacity():
     tier = SharedCpuTier(3 * CHUNK, chunk_bytes=CHUNK, spare_chunks=5)
-    tier.put(bid(0), b"\x00" * 1024, NS)
+    tier.put(PutItem(bid(0), b"\x00" * 1024, NS))
     wait_for(lambda: tier.spare_bytes == 2 * CHUNK)
     time.sleep(0.05)
     assert tier.spare_bytes + tier.allocated_bytes == 3 * CHUNK
     for i in range(1, 12):
-        tier.put(bid(i), bytes([i]) * 1024, NS)
+        tier.put(PutItem(bid(i), bytes([i]) * 1024, NS))
     assert tier.allocated_bytes == 3 * CHUNK and tier.spare_bytes == 0
     with pytest.raises(TierFull):
-        tier.put(bid(99), b"\x09" * 1024, NS)
+        tier.put(PutItem(bid(99), b"\x09" * 1024, NS))
     tier.close()
 
 
 def test_a_block_bigger_than_a_chunk_drops_spares_to_make_room():
     tier = CpuTier(4 * CHUNK, chunk_bytes=CHUNK, spare_chunks=3)
-    tier.put(bid(0), b"\x00" * 1024, NS)
+    tier.put(PutItem(bid(0), b"\x00" * 1024, NS))
     wait_for(lambda: tier.spare_bytes == 3 * CHUNK)
-    tier.put(bid(1), b"\x01" * (2 * CHUNK), NS)  # one slot of two chunks' size, made now
+    tier.put(PutItem(bid(1), b"\x01" * (2 * CHUNK), NS))  # one slot of two chunks' size, made now
     got = tier.get(bid(1))
     assert got is not None and bytes(got.numpy()) == b"\x01" * (2 * CHUNK)
     assert tier.allocated_bytes == 3 * CHUNK and tier.spare_bytes <= CHUNK
@@ -87,7 +88,7 @@ def test_preallocate_makes_every_chunk_at_construction(cls: type[CpuTier]) -> No
     tier = cls(4 * CHUNK + 100, chunk_bytes=CHUNK, preallocate=True)
     assert tier.spare_bytes == 4 * CHUNK and tier.allocated_bytes == 0
     for i in range(16):
-        tier.put(bid(i), bytes([i]) * 1024, NS)
+        tier.put(PutItem(bid(i), bytes([i]) * 1024, NS))
     assert tier.spare_bytes == 0 and tier.allocated_bytes == 4 * CHUNK
     if isinstance(tier, SharedCpuTier):
         assert tier.segments() == [1, 2, 3, 4]  # the ones made at start, none since
@@ -104,7 +105,7 @@ def test_close_and_a_dropped_tier_give_the_spares_descriptors_back():
     gc.collect()
     assert own_memfds("sessioncache-sparetest-") == 0
     dropped = SharedCpuTier(4 * CHUNK, chunk_bytes=CHUNK, preallocate=True, name="sparedrop")
-    dropped.put(bid(1), b"\x01" * 1024, NS)
+    dropped.put(PutItem(bid(1), b"\x01" * 1024, NS))
     del dropped
     gc.collect()
     assert own_memfds("sessioncache-sparedrop-") == 0

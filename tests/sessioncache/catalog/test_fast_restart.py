@@ -14,6 +14,7 @@ from sessioncache.errors import BlockNotFound
 from sessioncache.factory import open_node
 from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
+from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.disk import DiskTier
 
 NS = b"fast-restart-ns!"
@@ -53,7 +54,7 @@ def test_restart_serves_catalog_rows_and_adopts_files_it_lacks(tmp_path: Path):
     disk = DiskTier.open(data / "blocks", 8 << 20)
     parent = chain[-1]
     for i, block in enumerate(extra):
-        disk.put(block, bytes([10 + i]) * SIZE, NS, parent=parent)
+        disk.put(PutItem(block, bytes([10 + i]) * SIZE, NS, parent=parent))
         parent = block
     disk.close()
     # A file with a row, deleted behind the node's back.
@@ -90,7 +91,7 @@ def test_readyz_reports_the_background_pass_while_it_runs(tmp_path: Path):
     data = tmp_path / "data"
     disk = DiskTier.open(data / "blocks", 8 << 20)
     for i in range(1, 40):
-        disk.put(bid(i), bytes([i]) * SIZE, NS)
+        disk.put(PutItem(bid(i), bytes([i]) * SIZE, NS))
     disk.close()
     node = open_node(settings(data))
     try:

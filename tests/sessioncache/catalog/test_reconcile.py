@@ -13,7 +13,7 @@ from sessioncache.catalog.reconcile import CatalogRecoveredTier, checksum_of, re
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.store import TieredStore
-from sessioncache.tiers.base import RecoverableTier, Tier
+from sessioncache.tiers.base import PutItem, RecoverableTier, Tier
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.disk import DiskTier
 
@@ -48,7 +48,7 @@ def write_files(root: Path, hashes: list[BlockHash]) -> None:
     """Blocks on disk that no catalog heard of (as if the rows were lost in a crash)."""
     tier = DiskTier.open(root, CAPACITY, fsync=False)
     for h in hashes:
-        tier.put(h, data(h), ROOT)
+        tier.put(PutItem(h, data(h), ROOT))
 
 
 def open_store(root: Path, catalog=None) -> TieredStore:

@@ -13,7 +13,7 @@ import pytest
 
 from sessioncache.catalog import BlockRecord, CatalogRecoveredTier, bulk
 from sessioncache.hashing import BlockHash
-from sessioncache.tiers.base import BatchRecoverableTier, RecoveredBatch, RecoveredBlock
+from sessioncache.tiers.base import BatchRecoverableTier, PutItem, RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.disk import DiskTier
 
 ROOTS = [b"\x01" * 16, b"\x00" * 15 + b"\x02"]
@@ -203,7 +203,7 @@ def test_catalog_recovered_tier_batches_a_scanned_tier_too(make_catalog, tmp_pat
     catalog = make_catalog()
     disk = DiskTier.open(tmp_path / "disk", 1 << 30)
     for i in range(1, 6):
-        disk.put(bid(i), bytes([i]) * 64, ROOTS[0], parent=bid(i - 1) if i > 1 else None)
+        disk.put(PutItem(bid(i), bytes([i]) * 64, ROOTS[0], parent=bid(i - 1) if i > 1 else None))
     rows = [r for r in records(3) if r.namespace_root == ROOTS[0]]  # rows for some files
     catalog.upsert_blocks([replace(r, nbytes=64) for r in rows])
     disk = DiskTier.open(tmp_path / "disk", 1 << 30)

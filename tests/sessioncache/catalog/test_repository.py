@@ -13,6 +13,7 @@ from sessioncache.catalog import BlockRecord
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.store import TieredStore
+from sessioncache.table import BlockFields
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.disk import DiskTier
 
@@ -292,7 +293,7 @@ def _fields(record: BlockRecord) -> dict:
 
 
 def meta(i: int) -> BlockMeta:
-    return BlockMeta(
+    fields = BlockFields(
         block_hash=BlockHash(i.to_bytes(16, "big")),
         parent=None,
         namespace_root=ROOT,
@@ -301,9 +302,9 @@ def meta(i: int) -> BlockMeta:
         created=1.0,
         last_access=1.0,
         expires_at=61.0,
-        children_in=[0],
-        tiers={0},
+        mask=0b1,
     )
+    return BlockMeta.detached(fields, [0])
 
 
 def test_pin_counts_follow_leases(store_and_catalog):
