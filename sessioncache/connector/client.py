@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Generic, Self, TypeVar
 
 import httpx
@@ -166,12 +165,7 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- ids -------------------------------------------------------------------------------
@@ -347,12 +341,7 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # -- ids -------------------------------------------------------------------------------

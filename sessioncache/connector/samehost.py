@@ -38,7 +38,7 @@ import socket
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +47,7 @@ import xxhash
 from sessioncache.connector.errors import IdMismatch, ProtocolError
 from sessioncache.connector.payloads import as_buffer, one_size
 from sessioncache.connector.stream import (
+    HelloOptions,
     StreamClient,
     StreamConnection,
     StreamLookup,
@@ -257,32 +258,23 @@ class SameHostClient(StreamClient):
 
     _find = staticmethod(discover_same_host)
 
-    def __init__(
-        self,
-        transport: Transport,
-        *,
-        api_key: str | None = None,
-        seed: int = 0,
-        timeout: float | None = 30.0,
-        client_name: str = "sessioncache-samehost/1",
-        batch_bytes: int = 64 * MiB,
-    ) -> None:
+    client_name = "sessioncache-samehost/1"
+    hash_ahead = True
+    """Checksum host payloads in a thread of this client, ahead of the copies (else each just
+    before its copy, in the calling thread)."""
+    commits_in_flight = 2
+    """COMMITs sent whose answers are not awaited yet while the next batch is copied."""
+    batch_bytes = 64 * MiB
+    """Bytes copied into slots per COMMIT (a batch the node checks while the next is
+    copied)."""
+
+    def __init__(self, transport: Transport, **options: Unpack[HelloOptions]) -> None:
         if not isinstance(transport, SocketTransport) or transport.socket.family != socket.AF_UNIX:
             transport.close()
             raise InvalidInput("the same-host path runs over the node's Unix socket")
-        super().__init__(
-            transport, api_key=api_key, seed=seed, timeout=timeout, client_name=client_name
-        )
+        super().__init__(transport, **options)
         self._maps = SegmentMaps(self._c, transport.socket)
         self._hasher: ThreadPoolExecutor | None = None
-        self.hash_ahead = True
-        """Checksum host payloads in a thread of this client, ahead of the copies (else each
-        just before its copy, in the calling thread)."""
-        self.commits_in_flight = 2
-        """COMMITs sent whose answers are not awaited yet while the next batch is copied."""
-        self.batch_bytes = batch_bytes
-        """Bytes copied into slots per COMMIT (a batch the node checks while the next is
-        copied)."""
 
     @property
     def mapped_segments(self) -> list[int]:

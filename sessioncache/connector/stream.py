@@ -25,8 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import Any, NamedTuple, Self
+from typing import Any, ClassVar, NamedTuple, Self, TypedDict, Unpack
 
 from sessioncache.connector import protocol
 from sessioncache.connector.errors import IdMismatch, ProtocolError
@@ -263,24 +262,29 @@ class StreamConnection:
         raise FrameError(message)
 
 
+class HelloOptions(TypedDict, total=False):
+    """A data-plane client's options: the API key (none on an open node), the hash seed (the
+    node's ``SESSIONCACHE_HASH_SEED``, default 0) and the socket timeout (default 30 s)."""
+
+    api_key: str | None
+    seed: int
+    timeout: float | None
+
+
 class StreamClient:
     """A connection to one node's data plane (see the module docstring)."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        *,
-        api_key: str | None = None,
-        seed: int = 0,
-        timeout: float | None = 30.0,
-        client_name: str = "sessioncache-stream/1",
-    ) -> None:
-        self._c = StreamConnection(transport, timeout)
-        self.seed = seed
+    client_name: ClassVar[str] = "sessioncache-stream/1"
+    """How the client names itself in its HELLO."""
+
+    def __init__(self, transport: Transport, **options: Unpack[HelloOptions]) -> None:
+        api_key = options.get("api_key")
+        self._c = StreamConnection(transport, options.get("timeout", 30.0))
+        self.seed = options.get("seed", 0)
         self._namespaces: dict[bytes, Namespace] = {}
         try:
             ok = self._c.call(
-                Op.HELLO, lambda rid: frames.encode_hello(rid, Hello(api_key, client_name))
+                Op.HELLO, lambda rid: frames.encode_hello(rid, Hello(api_key, self.client_name))
             )
         except BaseException:
             self._c.transport.close()
@@ -300,31 +304,16 @@ class StreamClient:
     """How ``discover`` finds the address from the REST API (``GET /v1/dataplane``)."""
 
     @classmethod
-    def connect(
-        cls,
-        address: str,
-        *,
-        api_key: str | None = None,
-        seed: int = 0,
-        timeout: float | None = 30.0,
-    ) -> Self:
+    def connect(cls, address: str, **options: Unpack[HelloOptions]) -> Self:
         """Connect to ``host:port``, ``unix:<path>`` or an absolute socket path and say
         HELLO."""
-        return cls(connect(address, timeout=timeout), api_key=api_key, seed=seed, timeout=timeout)
+        return cls(connect(address, timeout=options.get("timeout", 30.0)), **options)
 
     @classmethod
-    def discover(
-        cls,
-        rest_url: str,
-        *,
-        api_key: str | None = None,
-        seed: int = 0,
-        timeout: float | None = 30.0,
-    ) -> Self:
+    def discover(cls, rest_url: str, **options: Unpack[HelloOptions]) -> Self:
         """Connect to the node whose REST API is at ``rest_url``: its stream, or for a
         ``SameHostClient`` its same-host socket (the node must then run on this host)."""
-        address = cls._find(rest_url, api_key=api_key)
-        return cls.connect(address, api_key=api_key, seed=seed, timeout=timeout)
+        return cls.connect(cls._find(rest_url, api_key=options.get("api_key")), **options)
 
     def close(self) -> None:
         self._c.close()
@@ -337,12 +326,7 @@ class StreamClient:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

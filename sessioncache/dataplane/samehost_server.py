@@ -25,9 +25,7 @@ import os
 import socket
 import struct
 from collections.abc import Sequence
-from concurrent.futures import Executor
 
-from sessioncache.buffers import BufferPool
 from sessioncache.config import Settings
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import MAX_FDS, Header, Limits, Op, SegmentsOk, Slot
@@ -42,7 +40,6 @@ from sessioncache.errors import AuthRefused, InvalidInput, StreamClosed
 from sessioncache.node import OPEN_TENANT, CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
-from sessioncache.tiers.base import SharedMemoryTier
 
 log = logging.getLogger("sessioncache.connector.samehost")
 
@@ -63,32 +60,10 @@ class SameHostConnection(Connection):
     adds only what shared memory needs: descriptor passing, peer credentials, and the slots
     the operation layer's stagings name; the caller's stagings go with it (``Caller``)."""
 
-    def __init__(
-        self,
-        node: CacheNode,
-        transport: Transport,
-        *,
-        tier: SharedMemoryTier,
-        trusted: frozenset[str],
-        limits: Limits,
-        timeout_s: float | None,
-        idle_timeout_s: float | None,
-        buffers: BufferPool,
-        putter: Executor,
-        load_lease_s: float,
-    ) -> None:
-        super().__init__(
-            node,
-            transport,
-            limits=limits,
-            timeout_s=timeout_s,
-            idle_timeout_s=idle_timeout_s,
-            buffers=buffers,
-            putter=putter,
-            load_lease_s=load_lease_s,
-        )
-        self.tier = tier
-        self.trusted = trusted
+    def __init__(self, server: SameHostServer, transport: Transport) -> None:
+        super().__init__(server, transport)
+        self.tier = server.tier
+        self.trusted = server.trusted
         self.credentials = peer_credentials(transport)
 
     def run(self) -> None:
@@ -238,18 +213,7 @@ class SameHostServer(StreamServer):
         self.trusted = frozenset(trusted if node.auth_enabled else [OPEN_TENANT])
 
     def connection(self, transport: Transport) -> Connection:
-        return SameHostConnection(
-            self.node,
-            transport,
-            tier=self.tier,
-            trusted=self.trusted,
-            limits=self.limits,
-            timeout_s=self.timeout_s,
-            idle_timeout_s=self.idle_timeout_s,
-            buffers=self.buffers,
-            putter=self.putter,
-            load_lease_s=self.load_lease_s,
-        )
+        return SameHostConnection(self, transport)
 
 
 def open_samehost_server(node: CacheNode, settings: Settings) -> SameHostServer | None:

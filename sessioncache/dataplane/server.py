@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import ClassVar
 
 from sessioncache.attribution import REASONS, MissReport
@@ -100,31 +100,20 @@ class Connection:
 
     HANDLERS: ClassVar[dict[Op, str]] = {}
 
-    def __init__(
-        self,
-        node: CacheNode,
-        transport: Transport,
-        *,
-        limits: Limits,
-        timeout_s: float | None,
-        idle_timeout_s: float | None,
-        buffers: BufferPool,
-        putter: Executor,
-        load_lease_s: float,
-    ) -> None:
-        self.node = node
+    def __init__(self, server: StreamServer, transport: Transport) -> None:
+        self.node = server.node
         self.transport = transport
-        self.limits = limits
-        self.timeout_s = timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self.buffers = buffers
-        self.putter = putter
-        self.load_lease_s = load_lease_s
+        self.limits = server.limits
+        self.timeout_s = server.timeout_s
+        self.idle_timeout_s = server.idle_timeout_s
+        self.buffers = server.buffers
+        self.putter = server.putter
+        self.load_lease_s = server.load_lease_s
         self.caller: Caller | None = None
         self._header = bytearray(frames.HEADER_SIZE)
         self._left = 0  # body bytes of the current request not read yet
         self._scratch: memoryview | None = None
-        self._tier_index = {name: i for i, name in enumerate(node.store.tier_names())}
+        self._tier_index = {name: i for i, name in enumerate(self.node.store.tier_names())}
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -494,16 +483,7 @@ class StreamServer:
         self.putter.shutdown(wait=False)
 
     def connection(self, transport: Transport) -> Connection:
-        return Connection(
-            self.node,
-            transport,
-            limits=self.limits,
-            timeout_s=self.timeout_s,
-            idle_timeout_s=self.idle_timeout_s,
-            buffers=self.buffers,
-            putter=self.putter,
-            load_lease_s=self.load_lease_s,
-        )
+        return Connection(self, transport)
 
     def serve(self, transport: Transport) -> None:
         """Run one connection in the calling thread (until it ends)."""

@@ -8,6 +8,7 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypedDict
 
 import torch
 
@@ -40,6 +41,19 @@ from sessioncache.tiers.base import (
 from sessioncache.tiers.payload import Payload
 
 log = logging.getLogger("sessioncache.store")
+
+
+class StoreOptions(TypedDict, total=False):
+    """A store's settings beside its tiers and policy (defaults in ``StoreCore``)."""
+
+    clock: Clock | None
+    default_ttl_s: float
+    promote_on_get: bool
+    """Copy a block read from a lower tier up to the first."""
+    max_lease_s: float
+    observers: Sequence[StoreObserver]
+    write_through: Sequence[str]
+    """Names of the tiers every write also goes to (durable uploads: the disk tier)."""
 
 
 class StoreCore:

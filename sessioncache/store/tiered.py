@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Unpack
 
 import numpy as np
 
 from sessioncache.clock import Clock
 from sessioncache.events import DropObserver, StoreObserver
 from sessioncache.policy import EvictionPolicy
-from sessioncache.store.core import StoreCore
+from sessioncache.store.core import StoreCore, StoreOptions
 from sessioncache.store.reads import StoreReads
 from sessioncache.store.recovery import StoreRecovery
 from sessioncache.store.results import (
-    DEFAULT_TTL_S,
     Counters,
     NamespaceUsage,
     StoreStats,
@@ -35,24 +35,9 @@ class TieredStore:
         self,
         tiers: Sequence[Tier],
         policy: EvictionPolicy | None = None,
-        *,
-        clock: Clock | None = None,
-        default_ttl_s: float = DEFAULT_TTL_S,
-        promote_on_get: bool = True,
-        max_lease_s: float = 3600.0,
-        observers: Sequence[StoreObserver] = (),
-        write_through: Sequence[str] = (),
+        **options: Unpack[StoreOptions],
     ) -> None:
-        self._core = StoreCore(
-            tiers,
-            policy,
-            clock=clock,
-            default_ttl_s=default_ttl_s,
-            promote_on_get=promote_on_get,
-            max_lease_s=max_lease_s,
-            observers=observers,
-            write_through=write_through,
-        )
+        self._core = StoreCore(tiers, policy, **options)
         self.reads = StoreReads(self._core)
         """Lookups, leases, touches, pins, presence, payloads and same-host locates."""
         self.writes = StoreWrites(self._core)
