@@ -93,7 +93,10 @@ async def put_block(
             raise InvalidInput("empty payload")
         status = await anyio.to_thread.run_sync(stores.upload, node, Caller(tenant), bid, body)
     if not status.held:
-        raise NoRoom(f"block {block_hash}: no tier could make room for it; nothing was stored")
+        raise NoRoom(
+            f"block {block_hash} was not stored: no tier could make room for it, or its parent "
+            "is not held (dropped, or not uploaded yet: upload a chain in order)"
+        )
     return UploadResponse(
         hash=block_hash,
         stored=status is BlockStatus.STORED,

@@ -215,10 +215,7 @@ def plan_store(
 
 def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> BlockStatus:
     """Store block ``index`` of the plan (its whole payload received); returns its status.
-    After a dropped block the rest of the segment is dropped unread (it would hang off it)."""
-    before = plan.write.status[index - 1] if index else STORED
-    if before is None or not before.held:  # blocks are stored in order: None was dropped
-        return DROPPED
+    After a dropped block the rest of the segment is dropped (``TieredStore.writes.fill``)."""
     return node.store.writes.fill(plan.write, index, payload)
 
 

@@ -217,6 +217,12 @@ class StoreCore:
                 touched_by_op=op,
             )
 
+    def live(self, block_hash: BlockHash) -> bool:
+        """Whether the store holds the block or a caller is storing it now."""
+        with self.lock:
+            meta = self.index.get(block_hash)
+            return meta is not None and (meta.mask != 0 or meta.ref_cnt > 0)
+
     def unclaim(self, meta: BlockMeta) -> None:
         with self.lock:
             self.index.unref(meta)

@@ -22,7 +22,6 @@ from sessioncache.store.results import (
     Write,
     WriteResult,
     check_ttl,
-    held,
     xxh3,
 )
 from sessioncache.tiers.base import (
@@ -47,8 +46,8 @@ class StoreWrites:
         durable: bool = False,
     ) -> WriteResult:
         """Store a chain segment: ``hashes[0]``'s parent is ``parent`` (None at a chain root).
-        ``prepare`` and ``fill`` of each block in order; after a block that is not held, the
-        rest is dropped (it would hang off it, unreachable).
+        ``prepare`` and ``fill`` of each block in order (after a block that is not held, the
+        rest is dropped: see ``fill``).
 
         Every payload of one namespace must have the same size; a mismatch raises
         ``PayloadSizeError`` before anything is written."""
@@ -72,10 +71,6 @@ class StoreWrites:
             durable=durable,
         )
         for i, payload in enumerate(payloads):
-            if i and not held(write.status[i - 1]):
-                self._count(dropped=len(hashes) - i)
-                write.status[i:] = [BlockStatus.DROPPED] * (len(hashes) - i)
-                break
             self.fill(write, i, payload)
         return WriteResult(write.hashes, [s or BlockStatus.DROPPED for s in write.status])
 
@@ -129,8 +124,10 @@ class StoreWrites:
     def fill(self, write: Write, index: int, payload: Payload) -> BlockStatus:
         """Store block ``index`` of a prepared write from ``payload``: ``STORED``, ``PRESENT``
         (held already, or another caller is storing it) or ``DROPPED`` (no tier could make
-        room). Raises ``DurableStoreFailed`` when a durable write's block could not reach the
-        durable tier (it is then held, in memory only)."""
+        room, or its parent is neither held nor being stored: a block never hangs off a parent
+        the store lacks, so a chain is filled in order and the rest of it is dropped after a
+        dropped block). Raises ``DurableStoreFailed`` when a durable write's block could not
+        reach the durable tier (it is then held, in memory only)."""
         block_hash = write.hashes[index]
         nbytes = payload_nbytes(payload)
         if write.nbytes is None:
@@ -140,9 +137,14 @@ class StoreWrites:
                 f"block {block_hash.hex()}: payload is {nbytes} bytes, but blocks of this "
                 f"namespace are {write.nbytes} bytes"
             )
+        parent = write.parents[index]
+        if parent is not None and not self._core.live(parent):
+            write.status[index] = BlockStatus.DROPPED
+            self._count(dropped=1)
+            return BlockStatus.DROPPED
         meta = self._core.claim(
             block_hash,
-            write.parents[index],
+            parent,
             write.namespace_root,
             nbytes,
             write.ttl,
