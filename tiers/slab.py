@@ -50,15 +50,19 @@ class _Chunk:
     used: int = 0
     segment: int = -1  # shared-memory tiers: the chunk's segment id (see ``tiers.cpu``)
     memory_bytes: int = 0  # of the memory it is carved from (a spare's may be bigger)
+    fresh: int = 0  # slots below this were handed out once; the rest never were
 
 
 @dataclass(slots=True)
 class _Slab:
-    """All chunks of one payload size."""
+    """All chunks of one payload size. A new chunk's slots are handed out in order from its
+    ``fresh`` mark; a released slot goes to ``free`` and is reused first. Making a chunk is
+    O(1) whatever its number of slots (a chunk of 1-byte slots has 64 Mi of them)."""
 
     payload_size: int
     chunks: list[_Chunk | None] = field(default_factory=list)
     free: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, slot index)
+    fresh: list[int] = field(default_factory=list)  # chunks with never-used slots left
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +246,7 @@ class SlabTier:
 
     def _can_allocate(self, nbytes: int) -> bool:
         slab = self._slabs.get(nbytes)
-        if slab is not None and slab.free:
+        if slab is not None and (slab.free or slab.fresh):
             return True
         return self.capacity_bytes - self._allocated + self._reclaimable(nbytes) >= nbytes
 
@@ -258,7 +262,7 @@ class SlabTier:
         slab = self._slabs.get(nbytes)
         if slab is None:
             slab = self._slabs[nbytes] = _Slab(nbytes)
-        if not slab.free:
+        if not slab.free and not slab.fresh:
             if self.capacity_bytes - self._allocated < nbytes:
                 self._reclaim(keep_size=nbytes, need=nbytes)
             room = self.capacity_bytes - self._allocated
@@ -268,11 +272,19 @@ class SlabTier:
             index = self._reuse_chunk_index(slab)
             slab.chunks[index] = self._new_chunk(slots, nbytes)
             self._allocated += slots * nbytes
-            # Pop from the end: hand out low slots first so that chunks fill in order.
-            slab.free.extend((index, s) for s in range(slots - 1, -1, -1))
-        chunk_index, slot_index = slab.free.pop()
-        chunk = slab.chunks[chunk_index]
-        assert chunk is not None
+            slab.fresh.append(index)
+        if slab.free:
+            chunk_index, slot_index = slab.free.pop()
+            chunk = slab.chunks[chunk_index]
+            assert chunk is not None
+        else:
+            chunk_index = slab.fresh[-1]
+            chunk = slab.chunks[chunk_index]
+            assert chunk is not None
+            slot_index = chunk.fresh
+            chunk.fresh += 1
+            if chunk.fresh == chunk.tensor.shape[0]:
+                slab.fresh.pop()
         chunk.used += 1
         self._used += nbytes
         return _Slot(nbytes, chunk_index, slot_index)
@@ -303,6 +315,7 @@ class SlabTier:
                     continue
                 slab.chunks[i] = None
                 slab.free = [(c, s) for c, s in slab.free if c != i]
+                slab.fresh = [c for c in slab.fresh if c != i]
                 self._allocated -= chunk.tensor.numel()
                 self._retire_chunk(chunk)
                 if self.capacity_bytes - self._allocated >= need:
