@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from sessioncache import __version__
 from sessioncache.api import errors, metrics, openapi
 from sessioncache.api.admin.auth import AdminAuth
-from sessioncache.api.limits import BodyLimitMiddleware
+from sessioncache.api.limits import RequestGuard
 from sessioncache.api.routes import (
     admin,
     blocks,
@@ -75,8 +75,18 @@ def create_app(
     app.state.registry.register(metrics.EngineCollector(routing))
     errors.install(app)
     app.state.admin_auth = AdminAuth.from_settings(node.settings)
-    # outermost (added last): a body over the limit is refused before any route reads it
-    app.add_middleware(BodyLimitMiddleware, limit=node.settings.max_body_bytes)
+    # outermost (added last): a head is checked before any route reads a byte of its body
+    settings = node.settings
+    app.add_middleware(
+        RequestGuard,
+        body_limit=settings.max_body_bytes,
+        json_limit=settings.max_json_bytes,
+        knows_key=(lambda key: key in settings.api_keys) if node.auth_enabled else None,
+        admin_token=(
+            settings.admin_token.get_secret_value() if settings.admin_token is not None else None
+        ),
+        hosts=frozenset({settings.host}),
+    )
     openapi.install(app, node.settings)
     routers = (namespaces, lookup, store, blocks, sessions, system, dataplane, engines, route)
     for module in (*routers, admin):

@@ -1,91 +1,174 @@
-"""Bounds on what one request may make the node hold: its body (``max_body_bytes``) and its
-header block (``MAX_HEADER_BYTES``).
+"""What every request's head must pass before any route reads its body (``RequestGuard``).
 
-The block upload route reads its body itself, into a pooled buffer, and checks the same limit
-(``routes/blocks.read_body``); every other route lets FastAPI read the whole body into memory
-before validating it, so without this an unauthenticated client could make the node buffer
-any number of bytes per request. uvicorn's httptools parser sets no limit on the header block
-(h11's would, at a cost in speed): it is refused here, 431, before any route sees it. The
-parser has buffered it by then; a proxy in front bounds that too (docs/security.md).
+- Its header block is at most ``MAX_HEADER_BYTES`` (431): uvicorn's httptools parser sets no
+  limit (h11's would, at a cost in speed). The parser has buffered it by then; a proxy in front
+  bounds that too (docs/security.md).
+- In open mode (no API keys, loopback only) its ``Host``, when sent, names this host's
+  loopback (or its bind address) and an ``Origin``, when sent, does too (403): a page of
+  another site that rebinds its DNS name to 127.0.0.1 reaches the node with its own name in
+  both.
+- With API keys, a request with a body under ``/v1/`` carries a key the node knows (a tenant's
+  or the admin token) before a byte of the body is read (401): an unauthenticated client
+  makes the node read nothing.
+- Its body is at most the route's limit (413), declared or streamed: ``max_body_bytes`` for a
+  block upload (``PUT /v1/blocks/{id}``, which reads its body itself, see
+  ``routes/blocks.read_body``), ``max_json_bytes`` for every other route, whose body FastAPI
+  reads whole before validating it.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessioncache.api.errors import error_body
+from sessioncache.dataplane.transport import is_loopback
 
 MAX_HEADER_BYTES = 64 << 10
 """The largest header block (names and values) a request may carry: an API key and a few
 ordinary headers are well under 1 KiB."""
 
+BLOCK_UPLOAD_PREFIX = "/v1/blocks/"
 
-class BodyLimitMiddleware:
-    """A 413 for a declared ``Content-Length`` over ``limit`` (before reading a byte of it),
-    and for a streamed body growing past it (the app then sees the body end early)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+def host_name(value: str) -> str:
+    """The host of a ``Host`` header value or an origin's authority: no port, no brackets."""
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+class RequestGuard:
+    """An ASGI middleware checking each request's head (see the module docstring).
+
+    ``knows_key`` is None in open mode; with API keys it says whether a bearer key is a
+    tenant's. ``admin_token`` opens ``/v1`` admin routes too. ``hosts`` are names besides
+    loopback that an open node is reached by (its bind address)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        body_limit: int,
+        json_limit: int,
+        knows_key: Callable[[str], bool] | None,
+        admin_token: str | None = None,
+        hosts: frozenset[str] = frozenset(),
+    ) -> None:
         self._app = app
-        self._limit = limit
+        self._body_limit = body_limit
+        self._json_limit = json_limit
+        self._knows_key = knows_key
+        self._admin = admin_token.encode() if admin_token else None
+        self._hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        limit = self._limit
-        header_bytes = sum(len(n) + len(v) for n, v in scope["headers"])
-        if header_bytes > MAX_HEADER_BYTES:
-            await _reply(
-                send,
-                431,
-                "HeadersTooLarge",
-                f"{header_bytes} bytes of headers exceed the limit of {MAX_HEADER_BYTES}",
-            )
-            return
+        headers: dict[bytes, bytes] = {}
+        header_bytes = 0
         for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await _reply(send, 400, "InvalidInput", "Content-Length is not a number")
-                    return
-                if declared > limit:
-                    await _reply(
-                        send,
-                        413,
-                        "BodyTooLarge",
-                        f"body of {declared} bytes exceeds the limit of {limit}",
-                    )
-                    return
-        received = 0
-        started = False
-        too_large = False
-
-        async def counted_receive() -> Message:
-            nonlocal received, too_large
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    too_large = True
-                    # end the body here: the app fails on what it got, and we answer 413
-                    return {"type": "http.request", "body": b"", "more_body": False}
-            return message
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            if too_large:
-                if not started:
-                    started = True
-                    await _reply(send, 413, "BodyTooLarge", f"body exceeds the limit of {limit}")
+            header_bytes += len(name) + len(value)
+            headers.setdefault(name, value)
+        if header_bytes > MAX_HEADER_BYTES:
+            detail = f"{header_bytes} bytes of headers exceed the limit of {MAX_HEADER_BYTES}"
+            await _reply(send, 431, "HeadersTooLarge", detail)
+            return
+        refused = self._refusal(scope, headers)
+        if refused is not None:
+            await _reply(send, *refused)
+            return
+        path: str = scope["path"]
+        upload = scope["method"] == "PUT" and path.startswith(BLOCK_UPLOAD_PREFIX)
+        limit = self._body_limit if upload else min(self._json_limit, self._body_limit)
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await _reply(send, 400, "InvalidInput", "Content-Length is not a number")
                 return
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+            if size > limit:
+                detail = f"body of {size} bytes exceeds the limit of {limit} for {path}"
+                await _reply(send, 413, "BodyTooLarge", detail)
+                return
+        tracked = _Tracked(send, limit)
+        await self._app(scope, _counted(receive, tracked), tracked)
 
-        await self._app(scope, counted_receive, tracked_send)
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> tuple[int, str, str] | None:
+        """Why the head is refused (status, error, detail), or None."""
+        if self._knows_key is None:
+            host = host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host and not self._local(host):  # a browser always sends one
+                return 403, "HostRefused", f"Host {host!r} is not this node's (it runs open)"
+            origin = headers.get(b"origin")
+            if origin is not None:
+                name = urlsplit(origin.decode("latin-1")).hostname or ""
+                if not self._local(name):
+                    return 403, "HostRefused", "cross-origin requests are refused in open mode"
+            return None
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        if has_body and scope["path"].startswith("/v1/") and not self._key_known(headers):
+            return 401, "AuthRefused", "a valid API key is required: Authorization: Bearer <key>"
+        return None
+
+    def _local(self, host: str) -> bool:
+        return is_loopback(host) or host in self._hosts
+
+    def _key_known(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, value = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        key = value.strip()
+        if scheme.lower() != "bearer" or not key:
+            return False
+        assert self._knows_key is not None
+        if self._knows_key(key):
+            return True
+        return self._admin is not None and hmac.compare_digest(key.encode(), self._admin)
+
+
+class _Tracked:
+    """``send``, answering 413 instead of the app's answer once the body ran past the limit."""
+
+    def __init__(self, send: Send, limit: int) -> None:
+        self.send = send
+        self.limit = limit
+        self.started = False
+        self.too_large = False
+
+    async def __call__(self, message: Message) -> None:
+        if self.too_large:
+            if not self.started:
+                self.started = True
+                await _reply(
+                    self.send, 413, "BodyTooLarge", f"body exceeds the limit of {self.limit}"
+                )
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
+
+def _counted(receive: Receive, tracked: _Tracked) -> Receive:
+    """``receive``, ending the body early once it runs past ``tracked.limit``."""
+    received = 0
+
+    async def counted_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > tracked.limit:
+                tracked.too_large = True
+                # end the body here: the app fails on what it got, and 413 is answered
+                return {"type": "http.request", "body": b"", "more_body": False}
+        return message
+
+    return counted_receive
 
 
 async def _reply(send: Send, status: int, error: str, detail: str) -> None:

@@ -22,6 +22,7 @@ from pydantic.config import JsonDict
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import HASH_BYTES, BlockHash, Namespace, tokens_to_le_bytes
 from sessioncache.sessions import MAX_SESSION_ID_LEN, SESSION_ID_PATTERN
+from sessioncache.store.results import MAX_TTL_S
 
 Hex = Annotated[
     str, Field(pattern=r"^[0-9a-f]{32}$", examples=["978094f41daae8306d3c953a61392c71"])
@@ -54,8 +55,14 @@ def _json_numbers(value: object) -> object:
 JsonInt = Annotated[int, BeforeValidator(_json_number)]
 JsonFloat = Annotated[float, BeforeValidator(_json_number)]
 JsonBool = Annotated[bool, PydanticStrict()]
-PositiveJsonInt = Annotated[int, Field(gt=0), BeforeValidator(_json_number)]
-PositiveJsonFloat = Annotated[float, Field(gt=0), BeforeValidator(_json_number)]
+MAX_JSON_INT = (1 << 53) - 1
+"""The largest integer a JSON number carries exactly (and a float holds)."""
+PositiveJsonInt = Annotated[int, Field(gt=0, le=MAX_JSON_INT), BeforeValidator(_json_number)]
+TtlSeconds = Annotated[
+    float,
+    Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False),
+    BeforeValidator(_json_number),
+]
 
 
 class NamespaceIn(Strict):
@@ -331,7 +338,7 @@ class ResolveResponse(BaseModel):
 
 
 class StoreRequest(TokensIn):
-    ttl_s: PositiveJsonFloat | None = Field(None, description="Block TTL; at least the session's.")
+    ttl_s: TtlSeconds | None = Field(None, description="Block TTL; at least the session's.")
 
 
 class StoreResponse(BaseModel):
@@ -356,11 +363,11 @@ class UploadResponse(BaseModel):
 class SessionCreate(Strict):
     session_id: SessionId | None = None
     kind: str = Field("agent", min_length=1, max_length=64)
-    ttl_s: PositiveJsonFloat | None = Field(None)
+    ttl_s: TtlSeconds | None = Field(None)
 
 
 class SessionExtend(Strict):
-    ttl_s: PositiveJsonFloat | None = Field(None)
+    ttl_s: TtlSeconds | None = Field(None)
 
 
 class DivergenceOut(BaseModel):

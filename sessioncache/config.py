@@ -182,6 +182,12 @@ class Settings(BaseSettings):
         repr=False,  # secrets: never in a printed or logged Settings
     )
     max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
+    max_json_bytes: int = Field(
+        32 * MiB,
+        gt=0,
+        description="largest request body of every route but block uploads (JSON): 2M tokens "
+        "of a lookup take 22 MB",
+    )
     max_tokens: int = Field(2_000_000, gt=0, description="most tokens in one request")
     durable_uploads: bool = Field(
         True, description="write uploaded blocks through to disk before answering"
@@ -240,6 +246,12 @@ class Settings(BaseSettings):
         description="JSON list of engines whose KV events the node follows from the start: "
         '`{"engine_id", "namespace": {...}, "endpoint", "replay_endpoint", "topic", '
         '"tenant"}` (no tenant: shared by every tenant)',
+    )
+    max_engines_per_tenant: int = Field(
+        16,
+        gt=0,
+        description="most engines one tenant may register through `POST /v1/engines` (each is a "
+        "socket the node keeps dialling, backing off to 30 s while the endpoint is dead)",
     )
     engine_stale_s: float = Field(
         300.0,

@@ -27,6 +27,7 @@ A client's exception carries the answer it came from: ``status`` (the HTTP statu
       10   507  DurableStoreFailed   a durable store the durable tier could not take
       11   404  SessionNotFound      a session named in a request is not open
       12   507  NoRoom               a block no tier could make room for
+      13   429  QuotaExceeded        the caller's tenant is at one of its bounds
        -   404  NotFound             (any other 404), EngineNotFound
        -   409  EngineExists
        -   413  BodyTooLarge
@@ -219,6 +220,11 @@ class RateLimited(SessionCacheError):
     """The node asks to slow down (retried by the REST client)."""
 
 
+class QuotaExceeded(SessionCacheError):
+    """The caller's tenant is at one of its bounds (engines, bytes in flight, ...): the
+    request is refused until the tenant holds less."""
+
+
 class TransportError(SessionCacheError):
     """The request never got an answer: connection refused or reset, or a timeout."""
 
@@ -254,6 +260,7 @@ class ErrorCode(IntEnum):
     STORAGE_FULL = 10
     SESSION_NOT_FOUND = 11
     NO_ROOM = 12
+    QUOTA = 13
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +292,7 @@ TABLE: tuple[Row, ...] = (
     Row(EngineExists, 409, None),
     Row(BodyTooLarge, 413, None),
     Row(RateLimited, 429, None),
+    Row(QuotaExceeded, 429, _C.QUOTA),
     Row(Unavailable, 503, None),
     Row(Busy, 503, _C.BUSY),
     Row(NoRoom, 507, _C.NO_ROOM),

@@ -43,6 +43,7 @@ from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, TieredStore, WriteResult
+from sessioncache.store.results import MAX_TTL_S, check_ttl
 from sessioncache.tiers.payload import Payload
 
 DAY_S = 86400.0
@@ -109,7 +110,7 @@ class SessionManager:
         repository: SessionRepository | None = None,
     ) -> None:
         for kind, ttl in kind_ttls.items():
-            if not ttl > 0:
+            if not 0 < ttl <= MAX_TTL_S:
                 raise InvalidInput(f"the TTL of session kind {kind!r} must be positive")
         if not idle_timeout_s > 0:
             raise InvalidInput("idle_timeout_s must be positive")
@@ -155,8 +156,8 @@ class SessionManager:
             raise InvalidInput(
                 f"unknown session kind {kind!r}; kinds are {sorted(self._kind_ttls)}"
             )
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidInput(f"a session TTL must be positive, got {ttl_s!r}")
+        if ttl_s is not None:
+            check_ttl(ttl_s)
         if session_id is not None:
             _check_id(session_id)
         with self._lock:
@@ -215,8 +216,8 @@ class SessionManager:
         self, session_id: str, *, tenant: str | None = None, ttl_s: float | None = None
     ) -> Session:
         """Slide the session's expiry (optionally with a new, longer or shorter, TTL)."""
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidInput(f"a session TTL must be positive, got {ttl_s!r}")
+        if ttl_s is not None:
+            check_ttl(ttl_s)
         with self._lock:
             session = self._owned(session_id, tenant)
             now = self._clock.now()

@@ -45,7 +45,7 @@ def engine_out(routing: Router, spec: EngineSpec) -> EngineOut:
     "",
     response_model=EngineOut,
     status_code=201,
-    responses={**ERRORS, 409: {"model": ErrorOut}},
+    responses={**ERRORS, 409: {"model": ErrorOut}, 429: {"model": ErrorOut}},
 )
 def register_engine(
     body: EngineIn, routing: RouterDep, node: NodeDep, tenant: TenantDep

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from sessioncache.errors import EngineExists, EngineNotFound, InvalidInput
+from sessioncache.errors import EngineExists, EngineNotFound, InvalidInput, QuotaExceeded
 from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
 from sessioncache.node import CacheNode
 from sessioncache.operations import lookups
@@ -103,6 +103,14 @@ class Router:
         taken = self.feeds.spec(spec.engine_id)
         if spec.tenant is not None and taken is not None and taken.tenant is None:
             raise EngineExists(f"engine {spec.engine_id!r} is already registered (shared)")
+        cap = node.settings.max_engines_per_tenant
+        if spec.tenant is not None:
+            held = sum(1 for s in self.feeds.specs() if s.tenant == spec.tenant)
+            if held >= cap and self.feeds.spec(self._key(spec.tenant, spec.engine_id)) is None:
+                raise QuotaExceeded(
+                    f"tenant {spec.tenant!r} has {held} engines registered, its most "
+                    f"(SESSIONCACHE_MAX_ENGINES_PER_TENANT); remove one first"
+                )
         internal = replace(spec, engine_id=self._key(spec.tenant, spec.engine_id))
 
         def root_for(lora: str | None) -> bytes:

@@ -37,6 +37,8 @@ from sessioncache.routing.events import (
 log = logging.getLogger("sessioncache.routing")
 
 POLL_MS = 50
+RECONNECT_MS = 1000
+RECONNECT_MAX_MS = 30_000
 DRAIN = 256
 """Messages read from one socket before looking at the others and at the commands."""
 
@@ -249,6 +251,9 @@ class EngineFeeds:
                 sock = ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.SUBSCRIBE, arg.topic.encode())
                 sock.setsockopt(zmq.RCVHWM, 100_000)
+                # a dead endpoint is redialled with backoff, not every 100 ms forever
+                sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
                 try:
                     sock.connect(arg.endpoint)
                 except zmq.ZMQError as exc:

@@ -174,9 +174,20 @@ def xxh3(data: memoryview) -> int:
     return int(xxhash.xxh3_64(data).intdigest())
 
 
+MAX_TTL_S = 10 * 365 * 86400.0
+"""The longest TTL of a block or a session: ten years (an infinite one never expires)."""
+
+
 def check_ttl(ttl_s: float) -> float:
-    if not isinstance(ttl_s, int | float) or ttl_s != ttl_s or ttl_s <= 0:
-        raise InvalidInput(f"a TTL must be a positive number of seconds, got {ttl_s!r}")
+    """A TTL in seconds: positive, finite and at most ``MAX_TTL_S``."""
+    if (
+        isinstance(ttl_s, bool)
+        or not isinstance(ttl_s, int | float)
+        or not 0 < ttl_s <= MAX_TTL_S  # False for NaN too
+    ):
+        raise InvalidInput(
+            f"a TTL must be a number of seconds in (0, {MAX_TTL_S:.0f}], got {ttl_s!r}"
+        )
     return float(ttl_s)
 
 

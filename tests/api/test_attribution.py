@@ -29,7 +29,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def make_client(tmp_path: Path, clock: ManualClock, **settings: Any) -> Iterator[TestClient]:
     node = open_node(Settings(data_dir=tmp_path / "data", **settings), clock=clock, start=False)
-    with TestClient(create_app(node)) as client:
+    with TestClient(create_app(node), base_url="http://127.0.0.1") as client:
         yield client
 
 

@@ -29,6 +29,8 @@ def _json_body(data: bytes, what: str) -> dict[str, Any]:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise FrameError(f"{what}: the body is not JSON") from None
+    except RecursionError:
+        raise FrameError(f"{what}: the body nests too deep") from None
     if not isinstance(body, dict):
         raise FrameError(f"{what}: the body is not a JSON object")
     return body
