@@ -182,6 +182,13 @@ class Settings(BaseSettings):
         repr=False,  # secrets: never in a printed or logged Settings
     )
     max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
+    tenant_inflight_bytes: int = Field(
+        1 * GiB,
+        gt=0,
+        description="most bytes of request bodies one tenant's requests may hold in the node's "
+        "receive buffers at once, over all its connections (REST uploads, stream stores); "
+        "past it a request is refused with 429 `QuotaExceeded`",
+    )
     max_json_bytes: int = Field(
         32 * MiB,
         gt=0,

@@ -29,6 +29,7 @@ from sessioncache.hashing import (
     tenant_namespace,
 )
 from sessioncache.history import Sample, StatsHistory, TierSample
+from sessioncache.inflight import InFlight
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tenancy import NamespaceOwners
@@ -66,6 +67,8 @@ class CacheNode:
         self.store = store
         self.sessions = sessions
         self.uploads = UploadSlots(store.clock, ttl_s=settings.upload_ttl_s)
+        self.inflight = InFlight(settings.tenant_inflight_bytes)
+        """Receive-buffer bytes each tenant's requests hold now, bounded per tenant."""
         self.owners = owners or NamespaceOwners()
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()

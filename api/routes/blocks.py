@@ -13,9 +13,10 @@ from fastapi.responses import StreamingResponse
 from sessioncache.api.deps import NodeDep, TenantDep
 from sessioncache.api.paths import BlockIdPath
 from sessioncache.api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
-from sessioncache.buffers import BufferPool
+from sessioncache.buffers import BufferPool, Filling
 from sessioncache.errors import BlockNotFound, BodyTooLarge, InvalidInput, NoRoom
 from sessioncache.hashing import BlockHash, from_hex
+from sessioncache.inflight import Charge
 from sessioncache.node import CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
@@ -25,8 +26,12 @@ from sessioncache.wire import BATCH_MEDIA_TYPE, batch_head, batch_record
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
 
-async def read_body(request: Request, limit: int, into: BufferPool) -> AsyncIterator[bytearray]:
-    """The request body, in a pooled buffer when its length is declared (see BufferPool)."""
+async def read_body(
+    request: Request, limit: int, into: BufferPool, charge: Charge
+) -> AsyncIterator[bytearray]:
+    """The request body, in a buffer that grows with the bytes received (a pooled one when
+    its declared length has one idle: see ``buffers.Filling``), charged to the caller's
+    tenant while it is held."""
     declared = request.headers.get("content-length")
     size: int | None = None
     if declared is not None:
@@ -39,23 +44,21 @@ async def read_body(request: Request, limit: int, into: BufferPool) -> AsyncIter
     if size is None:
         body = bytearray()
         async for chunk in request.stream():
+            charge(len(chunk))
             body += chunk
             if len(body) > limit:
                 raise BodyTooLarge(f"body exceeds the limit of {limit} bytes")
         yield body
         return
-    with into.borrow(size) as buf:
-        view = memoryview(buf)
-        filled = 0
+    filling = Filling(into, size, charge)
+    try:
         async for chunk in request.stream():
-            end = filled + len(chunk)
-            if end > size:
-                raise InvalidInput("body longer than its Content-Length")
-            view[filled:end] = chunk
-            filled = end
-        if filled != size:
+            filling.append(chunk)
+        if not filling.full:
             raise InvalidInput("body shorter than its Content-Length")
-        yield buf
+        yield filling.buf
+    finally:
+        into.give([filling.buf])
 
 
 _UPLOAD_BUFFERS = BufferPool()
@@ -78,6 +81,7 @@ _UPLOAD_BUFFERS = BufferPool()
         403: {"model": ErrorOut},
         413: {"model": ErrorOut},
         422: {"model": ErrorOut},
+        429: {"model": ErrorOut},
         507: {"model": ErrorOut},
     },
 )
@@ -86,12 +90,13 @@ async def put_block(
 ) -> UploadResponse:
     """Upload one block handed out by ``POST /v1/store`` (raw payload bytes)."""
     bid = from_hex(block_hash)
-    async with asynccontextmanager(read_body)(
-        request, node.settings.max_body_bytes, _UPLOAD_BUFFERS
-    ) as body:
-        if not body:
-            raise InvalidInput("empty payload")
-        status = await anyio.to_thread.run_sync(stores.upload, node, Caller(tenant), bid, body)
+    limit = node.settings.max_body_bytes
+    with node.inflight.charge(tenant) as charge:
+        async with asynccontextmanager(read_body)(request, limit, _UPLOAD_BUFFERS, charge) as body:
+            if not body:
+                raise InvalidInput("empty payload")
+            caller = Caller(tenant)
+            status = await anyio.to_thread.run_sync(stores.upload, node, caller, bid, body)
     if not status.held:
         raise NoRoom(
             f"block {block_hash} was not stored: no tier could make room for it, or its parent "

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import ClassVar
 
 from sessioncache.attribution import REASONS, MissReport
-from sessioncache.buffers import BufferPool
+from sessioncache.buffers import BufferPool, Filling
 from sessioncache.config import Settings
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import Header, Limits, Op, StoreHead, VersionError
@@ -333,25 +333,31 @@ class Connection:
         head = frames.decode_store_head(fixed, header, self.limits, session)
         request = store_request(head, self._body(head.token_bytes))
         plan = stores.plan_store(self.node, caller, request)
-        size = head.block_nbytes
         # Two buffers: block i is stored (copied into its tier) by a worker while block i + 1
-        # is received; the puts stay in chain order, one at a time.
-        with self.buffers.borrow(size) as one, self.buffers.borrow(size) as two:
-            buffers = (one, two)
-            pending: Future[str] | None = None
+        # is received; the puts stay in chain order, one at a time. Each grows with the bytes
+        # received (a declared size costs nothing until sent), charged to the tenant.
+        fillings: list[Filling] = []
+        pending: Future[str] | None = None
+        with self.node.inflight.charge(caller.tenant) as charge:
             try:
                 for index in range(head.blocks):
-                    buf = buffers[index % 2]
-                    self._body_into(memoryview(buf))
+                    if len(fillings) < 2:
+                        fillings.append(Filling(self.buffers, head.block_nbytes, charge))
+                    filling = fillings[index % 2]
+                    filling.filled = 0
+                    self._fill(filling)
                     if pending is not None:
                         self._stored(pending, index - 1, head.blocks)
                         pending = None
-                    pending = self.putter.submit(stores.store_block, self.node, plan, index, buf)
+                    pending = self.putter.submit(
+                        stores.store_block, self.node, plan, index, filling.buf
+                    )
                 self._stored(pending, head.blocks - 1, head.blocks)
                 pending = None
             finally:
                 if pending is not None:
                     wait([pending])  # its buffer goes back to the pool only once it is done
+                self.buffers.give([f.buf for f in fillings if len(f.buf) == f.size])
         status = plan.status
         stores.complete(self.node, caller, plan, kept(status))
         ok = frames.StoreOk(plan.durable, list(plan.ids), status)
@@ -378,6 +384,14 @@ class Connection:
         recv_exact(self.transport, memoryview(buf))
         self._left -= n
         return bytes(buf)
+
+    def _fill(self, filling: Filling) -> None:
+        """Receive the next ``filling.size`` bytes of the body into ``filling``."""
+        while not filling.full:
+            with filling.room() as room:
+                n = room.nbytes
+                self._body_into(room)
+            filling.wrote(n)
 
     def _body_into(self, view: memoryview) -> None:
         if view.nbytes > self._left:
