@@ -181,6 +181,22 @@ class Settings(BaseSettings):
         description='JSON `{"<key>": "<tenant>"}`; empty runs open, loopback only',
         repr=False,  # secrets: never in a printed or logged Settings
     )
+    http_max_connections: int = Field(
+        4096,
+        gt=0,
+        description="most REST connections open at once, lowered to stay below the process's "
+        "descriptor limit; at the cap a new connection evicts the oldest one waiting for a "
+        "request head, or is answered 503 when every one is busy",
+    )
+    http_head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a REST connection that has not sent a whole request head this long after "
+        "it opened, or after its previous response, is closed",
+    )
+    http_keepalive_s: float = Field(
+        5.0, gt=0, description="an idle REST connection is closed after this long"
+    )
     max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
     tenant_inflight_bytes: int = Field(
         1 * GiB,

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import xxhash
 
-from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
+from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull, TierUnavailable
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.tiers.base import PutItem, RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.fileio import (
@@ -432,6 +432,8 @@ class DiskTier:
         entry: _Entry | None = None
         try:
             entry = self._write(block_hash, as_memoryview(payload), namespace_root, parent, nbytes)
+        except OSError as exc:  # out of descriptors, an I/O error: not written, not a crash
+            raise TierUnavailable(f"{self.name} tier: cannot write a block: {exc}") from exc
         finally:
             with self._lock:
                 self._reserved -= nbytes

@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from sessioncache.api.app import create_app
+    from sessioncache.api.connections import ConnectionGuard, connection_cap, guarded_protocol
     from sessioncache.config import Settings
     from sessioncache.dataplane.samehost_server import open_samehost_server
     from sessioncache.dataplane.server import open_stream_server
@@ -138,7 +139,20 @@ def run(args: argparse.Namespace) -> int:
     if same_host is not None:
         log.info("same-host path: shared-memory CPU tier on %s", same_host.address)
     app = create_app(node, stream=stream, same_host=same_host)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    data_plane = settings.stream_max_connections * (1 + (same_host is not None))
+    cap = connection_cap(settings.http_max_connections, data_plane)
+    guard = ConnectionGuard(cap, settings.http_head_timeout_s)
+    app.state.connections = guard
+    log.info("REST: at most %d connections, %.0f s for a request head", cap, guard.head_timeout_s)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        http=guarded_protocol(guard),
+        limit_concurrency=2 * cap,  # a backstop: the guard keeps connections at the cap
+        timeout_keep_alive=int(settings.http_keepalive_s),
+    )
     return 0
 
 

@@ -152,6 +152,8 @@ class StoreWrites:
             write.at,
         )
         if meta is None:
+            if write.durable_tier is not None:
+                self._ensure_durable(write, block_hash)
             write.status[index] = BlockStatus.PRESENT
             return BlockStatus.PRESENT
         durable = True
@@ -185,6 +187,29 @@ class StoreWrites:
         for extra in also:
             self._core.place(meta, payload, extra, stop=extra + 1)
         return write.durable_tier is None or write.durable_tier in meta.tiers
+
+    def _ensure_durable(self, write: Write, block_hash: BlockHash) -> None:
+        """A block of a durable write found held already (a retry after a durable write
+        failed, or another caller's copy in memory only): copy it to the durable tier from a
+        tier holding it, or raise ``DurableStoreFailed``. One another caller is storing now
+        is left to that caller's write."""
+        core = self._core
+        durable = write.durable_tier
+        assert durable is not None
+        with core.lock:
+            meta = core.index.get(block_hash)
+            if meta is None or not meta.mask or durable in meta.tiers:
+                return
+            core.index.ref(meta)  # in flight: not evicted under the copy
+        try:
+            data = core.tiers[min(meta.tiers)].get(block_hash)
+            if data is not None:
+                core.place(meta, data, durable, stop=durable + 1)
+            ok = durable in meta.tiers
+        finally:
+            core.unclaim(meta)
+        if not ok:
+            self._durable_failed(write, block_hash)
 
     def _durable_failed(self, write: Write, block_hash: BlockHash) -> None:
         assert write.durable_tier is not None

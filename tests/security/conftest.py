@@ -72,13 +72,20 @@ def guarded_node(tmp_path: Path) -> Iterator[NodeFactory]:
     killed if its RSS passes ``limit`` (default 1.5 GiB)."""
     started: list[Guarded] = []
 
-    def start(env: dict[str, str] | None = None, *, limit: int = 3 << 29) -> Guarded:
+    def start(
+        env: dict[str, str] | None = None,
+        *,
+        limit: int = 3 << 29,
+        nofile: int | None = None,
+        data_dir: Path | None = None,
+    ) -> Guarded:
         full = {
             "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
             "SESSIONCACHE_SHM_TRUSTED_TENANTS": json.dumps(["alice"]),
             **(env or {}),
         }
-        node = Guarded(start_server(tmp_path / f"node{len(started)}" / "data", full), limit)
+        where = data_dir or tmp_path / f"node{len(started)}" / "data"
+        node = Guarded(start_server(where, full, nofile=nofile), limit)
         started.append(node)
         threading.Thread(target=node.watch, daemon=True).start()
         return node

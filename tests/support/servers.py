@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -38,8 +39,11 @@ class Server:
             self.process.wait(10)
 
 
-def spawn_server(data_dir: Path, env: dict[str, str] | None = None, port: int = 0) -> Server:
-    """Start a server process without waiting for it to answer."""
+def spawn_server(
+    data_dir: Path, env: dict[str, str] | None = None, port: int = 0, *, nofile: int | None = None
+) -> Server:
+    """Start a server process without waiting for it to answer; ``nofile``: its descriptor
+    limit (soft and hard)."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir.parent / f"serve-{port}.log"
@@ -66,8 +70,13 @@ def spawn_server(data_dir: Path, env: dict[str, str] | None = None, port: int = 
         env=full_env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
+        preexec_fn=None if nofile is None else lambda: _limit_fds(nofile),
     )
     return Server(f"http://127.0.0.1:{port}", port, process, data_dir, log)
+
+
+def _limit_fds(n: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
 def wait_ready(server: Server, timeout_s: float = 90.0) -> Server:
@@ -84,5 +93,7 @@ def wait_ready(server: Server, timeout_s: float = 90.0) -> Server:
     raise RuntimeError(f"server did not start: {server.log.read_text()}")
 
 
-def start_server(data_dir: Path, env: dict[str, str] | None = None) -> Server:
-    return wait_ready(spawn_server(data_dir, env))
+def start_server(
+    data_dir: Path, env: dict[str, str] | None = None, *, nofile: int | None = None
+) -> Server:
+    return wait_ready(spawn_server(data_dir, env, nofile=nofile))
