@@ -16,6 +16,7 @@ from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
 from sessioncache.index import BlockIndex
 from sessioncache.policy import EvictionPolicy
+from sessioncache.status import BlockStatus
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
@@ -94,8 +95,9 @@ def test_a_copy_for_a_block_dropped_meanwhile_is_not_matched() -> None:
 def test_a_block_named_its_own_parent_leaves_no_orphan_when_dropped() -> None:
     store = TieredStore([CpuTier(100 * SIZE)], clock=ManualClock())
     [x], [y] = ids(1, 1), ids(2, 1)
-    store.writes.put([x], [data(x)], namespace_root=ROOT, parent=x)
-    assert store.writes.delete([x]) == 1
+    dropped = store.writes.put([x], [data(x)], namespace_root=ROOT, parent=x)
+    assert dropped.status == [BlockStatus.DROPPED]  # its parent (itself) is not held
+    assert store.writes.delete([x]) == 0
     assert store._core.index._orphans == {}
     store.writes.put([y], [data(y)], namespace_root=ROOT)  # takes x's slot
     store.writes.put([x], [data(x)], namespace_root=ROOT)  # x anew, a root

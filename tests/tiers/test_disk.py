@@ -20,7 +20,7 @@ import xxhash
 
 import sessioncache.tiers.disk as disk_mod
 import sessioncache.tiers.fileio as fileio
-from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
+from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull, TierUnavailable
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import PutItem, RecoverableTier, RecoveredBatch, RecoveredBlock, Tier
 from sessioncache.tiers.disk import HEADER_SIZE, DiskTier, decode_header
@@ -352,7 +352,7 @@ def test_failed_write_releases_reservation(
 
     for module in (disk_mod, fileio):
         monkeypatch.setattr(module, "write_all", io_error)
-    with pytest.raises(OSError):
+    with pytest.raises(TierUnavailable):  # an I/O error is no crash: the tier cannot write
         tier.put(PutItem(bid(1), b"x" * 5000, NS))
     assert tier.fits(16 * MIB) and all_files(root) == []
     monkeypatch.undo()
