@@ -49,6 +49,19 @@ class Guarded:
     def rss(self) -> int:
         return rss_bytes(self.server.process.pid)
 
+    def settled_rss(self, timeout_s: float = 10.0) -> int:
+        """The RSS once it stops moving (background work, such as spare chunks being
+        faulted in, done): two readings 0.3 s apart within 1 MiB."""
+        deadline = time.monotonic() + timeout_s
+        last = self.rss()
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = self.rss()
+            if abs(now - last) < 1 << 20:
+                return now
+            last = now
+        return last
+
     def watch(self) -> None:
         while not self._stop.wait(0.05):
             rss = self.rss()

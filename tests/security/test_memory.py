@@ -32,7 +32,7 @@ def test_blocks_of_a_few_bytes_cost_the_node_no_memory_of_their_slots(
         plan = bob.post("/v1/store", json={"namespace": tiny_ns(0, 16), "tokens": [1] * 16})
         r = bob.put(f"/v1/blocks/{plan.json()['missing'][0]}", content=b"w" * (64 << 10))
         assert r.status_code == 200, r.text
-    before = node.rss()
+    before = node.settled_rss()
     with client(node, BOB) as bob:
         # 1-byte blocks: a slab of 1-byte slots, whose first chunk has 64 Mi of them
         plan = bob.post("/v1/store", json={"namespace": tiny_ns(1), "tokens": [7]}).json()
@@ -44,7 +44,7 @@ def test_blocks_of_a_few_bytes_cost_the_node_no_memory_of_their_slots(
         ack = alice.store(root, list(range(4096)), [b"\x01"] * 4096)
         assert ack.kept == 4096
     assert not node.killed
-    grown = node.rss() - before
+    grown = node.settled_rss() - before
     print(f"1-byte blocks: the node grew by {grown >> 20} MiB (peak {node.peak >> 20} MiB)")
     assert grown < 200 * MiB, f"the node grew by {grown >> 20} MiB"
     with client(node, ALICE) as c:
