@@ -71,6 +71,7 @@ def create_app(
     app.state.dataplane = stream
     app.state.same_host = same_host
     app.state.router = routing
+    node.quotas.count("engines", routing.engines_per_tenant)
     app.state.registry = metrics.install(app, node, node.store)
     app.state.registry.register(metrics.EngineCollector(routing))
     errors.install(app)

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sessioncache.node import CacheNode
+from sessioncache.quotas import Quotas
 from sessioncache.routing.scoring import Router
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import CheckedTier
@@ -208,9 +209,32 @@ class EngineCollector(Collector):
         yield from (blocks, stale, events, gaps, dropped)
 
 
+class TenantCollector(Collector):
+    """Per tenant and bound (``quotas.TenantLimits``): what the tenant holds, and its bound."""
+
+    def __init__(self, quotas: Quotas) -> None:
+        self._quotas = quotas
+
+    def collect(self) -> Iterator[Any]:
+        held = GaugeMetricFamily(
+            "sessioncache_tenant_held",
+            "What a tenant holds now, per bound",
+            labels=["bound", "tenant"],
+        )
+        limit = GaugeMetricFamily(
+            "sessioncache_tenant_limit", "A tenant's bound", labels=["bound", "tenant"]
+        )
+        for bound, per_tenant in sorted(self._quotas.usage().items()):
+            for tenant, count in sorted(per_tenant.items()):
+                held.add_metric([bound, tenant], count)
+                limit.add_metric([bound, tenant], getattr(self._quotas.of(tenant), bound))
+        yield from (held, limit)
+
+
 def install(app: FastAPI, node: CacheNode, store: TieredStore) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(StoreCollector(node, store))
+    registry.register(TenantCollector(node.quotas))
     latency = Histogram(
         "sessioncache_request_seconds",
         "Request latency by route",

@@ -198,6 +198,28 @@ class Settings(BaseSettings):
         5.0, gt=0, description="an idle REST connection is closed after this long"
     )
     max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
+    tenant_upload_slots: int = Field(
+        262_144,
+        gt=0,
+        description="most REST upload slots one tenant may hold open (one per missing block of "
+        "each `POST /v1/store`); a store past it is refused whole with 429, and no tenant's "
+        "store ever closes another's slots",
+    )
+    tenant_stream_connections: int = Field(
+        32,
+        gt=0,
+        description="most authenticated block-stream (and same-host) connections of one tenant "
+        "at once",
+    )
+    tenant_namespaces: int = Field(
+        1024, gt=0, description="most namespaces (distinct roots) one tenant may use"
+    )
+    tenant_limits: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description='JSON per tenant, any of its bounds: `{"<tenant>": {"upload_slots": n, '
+        '"stream_connections": n, "inflight_bytes": n, "engines": n, "namespaces": n}}`; the '
+        "others keep their `tenant_*` defaults",
+    )
     tenant_inflight_bytes: int = Field(
         1 * GiB,
         gt=0,
@@ -252,6 +274,18 @@ class Settings(BaseSettings):
     )
     stream_max_connections: int = Field(
         64, gt=0, description="most block-stream connections served at once"
+    )
+    stream_hello_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="a block-stream connection that has not completed its HELLO this long after "
+        "it opened is closed",
+    )
+    stream_max_unauthenticated: int = Field(
+        16,
+        gt=0,
+        description="most block-stream connections at once that have not completed a HELLO; a "
+        "new one past it, or past `stream_max_connections`, closes the oldest of them",
     )
     stream_max_ids: int = Field(16384, gt=0, description="most blocks in one block-stream request")
     stream_timeout_s: float = Field(

@@ -9,31 +9,28 @@ uploads, however many connections carry them, cannot take the node's memory from
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sessioncache.errors import QuotaExceeded
+from sessioncache.quotas import refuse
 
 __all__ = ["Charge", "InFlight"]
 
 
 class InFlight:
-    """Per tenant, the receive-buffer bytes held now, at most ``per_tenant``. Thread-safe."""
+    """Per tenant, the receive-buffer bytes held now, at most ``limit(tenant)``. Thread-safe."""
 
-    def __init__(self, per_tenant: int) -> None:
-        self.per_tenant = per_tenant
+    def __init__(self, limit: Callable[[str], int]) -> None:
+        self._limit = limit
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def add(self, tenant: str, nbytes: int) -> None:
+        limit = self._limit(tenant)
         with self._lock:
             held = self._held.get(tenant, 0)
-            if held + nbytes > self.per_tenant:
-                raise QuotaExceeded(
-                    f"tenant {tenant!r} holds {held} bytes of requests in flight; "
-                    f"{nbytes} more would pass its bound of {self.per_tenant} "
-                    "(SESSIONCACHE_TENANT_INFLIGHT_BYTES): retry when earlier ones end"
-                )
+            if held + nbytes > limit:
+                raise refuse(tenant, "inflight_bytes", held, limit, "bytes of requests in flight")
             self._held[tenant] = held + nbytes
 
     def remove(self, tenant: str, nbytes: int) -> None:

@@ -30,6 +30,7 @@ from sessioncache.hashing import (
 )
 from sessioncache.history import Sample, StatsHistory, TierSample
 from sessioncache.inflight import InFlight
+from sessioncache.quotas import Quotas, TenantLimits
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tenancy import NamespaceOwners
@@ -45,6 +46,17 @@ class HealthCheck(Protocol):
     """Something else the node runs that may keep it from fully serving (a background pass)."""
 
     def problem(self) -> str | None: ...
+
+
+def tenant_defaults(settings: Settings) -> TenantLimits:
+    """The bounds of a tenant ``tenant_limits`` says nothing of."""
+    return TenantLimits(
+        upload_slots=settings.tenant_upload_slots,
+        stream_connections=settings.tenant_stream_connections,
+        inflight_bytes=settings.tenant_inflight_bytes,
+        engines=settings.max_engines_per_tenant,
+        namespaces=settings.tenant_namespaces,
+    )
 
 
 class CacheNode:
@@ -66,9 +78,18 @@ class CacheNode:
         self.settings = settings
         self.store = store
         self.sessions = sessions
-        self.uploads = UploadSlots(store.clock, ttl_s=settings.upload_ttl_s)
-        self.inflight = InFlight(settings.tenant_inflight_bytes)
+        self.quotas = Quotas(tenant_defaults(settings), settings.tenant_limits)
+        """Each tenant's bounds (``quotas.TenantLimits``)."""
+        quotas = self.quotas
+        self.uploads = UploadSlots(
+            store.clock,
+            ttl_s=settings.upload_ttl_s,
+            limit=lambda tenant: quotas.of(tenant).upload_slots,
+        )
+        self.inflight = InFlight(lambda tenant: quotas.of(tenant).inflight_bytes)
         """Receive-buffer bytes each tenant's requests hold now, bounded per tenant."""
+        quotas.count("upload_slots", self.uploads.per_tenant)
+        quotas.count("inflight_bytes", self.inflight.held)
         self.owners = owners or NamespaceOwners()
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()

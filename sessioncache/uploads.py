@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from sessioncache.clock import Clock
 from sessioncache.hashing import BlockHash
+from sessioncache.quotas import refuse
 from sessioncache.store import Write
 
 
@@ -36,60 +38,99 @@ class UploadSlot:
 
 
 class UploadSlots:
-    """Bounded, expiring map of open upload slots (oldest dropped first when full)."""
+    """The open upload slots of every tenant, expiring, at most ``limit(tenant)`` per tenant.
+    A store that would take a tenant past its bound first closes that tenant's own used slots
+    (oldest first: their uploads are done, only a retry would need them), then is refused
+    whole; it never touches another tenant's slots."""
 
-    def __init__(self, clock: Clock, *, ttl_s: float = 600.0, max_slots: int = 1_000_000) -> None:
+    def __init__(
+        self, clock: Clock, *, ttl_s: float = 600.0, limit: Callable[[str], int] | None = None
+    ) -> None:
         self._clock = clock
         self._ttl = ttl_s
-        self._max = max_slots
+        self._limit = limit or (lambda tenant: 1_000_000)
         self._lock = threading.Lock()
-        self._slots: OrderedDict[tuple[str, BlockHash], UploadSlot] = OrderedDict()
+        self._slots: dict[str, OrderedDict[BlockHash, UploadSlot]] = {}
 
-    def open(
+    def open_many(
         self,
         tenant: str,
-        block_hash: BlockHash,
+        hashes: Sequence[BlockHash],
         write: Write,
-        index: int,
         *,
         session_id: str | None,
     ) -> None:
-        slot = UploadSlot(
-            tenant, block_hash, write, index, session_id, self._clock.now() + self._ttl
-        )
+        """A slot for each of ``hashes`` (block ``i`` of ``write``); ``QuotaExceeded`` (and no
+        slot opened) when the tenant would hold more than its bound."""
+        expires_at = self._clock.now() + self._ttl
+        limit = self._limit(tenant)
         with self._lock:
-            key = (tenant, block_hash)
-            self._slots.pop(key, None)
-            self._slots[key] = slot
-            while len(self._slots) > self._max:
-                self._slots.popitem(last=False)
+            if tenant in self._slots:
+                self._reap(tenant, self._slots[tenant])
+            mine = self._slots.setdefault(tenant, OrderedDict())
+            fresh = [h for h in hashes if h not in mine]
+            if len(mine) + len(fresh) > limit:
+                for h in [h for h, slot in mine.items() if slot.used]:
+                    if len(mine) + len(fresh) <= limit:
+                        break
+                    del mine[h]
+            if len(mine) + len(fresh) > limit:
+                held = len(mine)
+                if not mine:
+                    del self._slots[tenant]
+                raise refuse(
+                    tenant,
+                    "upload_slots",
+                    held,
+                    limit,
+                    f"upload slots open, and this store asks {len(fresh)} more",
+                )
+            for index, block_hash in enumerate(hashes):
+                mine.pop(block_hash, None)
+                mine[block_hash] = UploadSlot(
+                    tenant, block_hash, write, index, session_id, expires_at
+                )
 
     def peek(self, tenant: str, block_hash: BlockHash) -> UploadSlot | None:
-        """The open slot for this caller and id, or None (unknown, expired, or used)."""
+        """The open slot for this caller and id, or None (unknown or expired)."""
         with self._lock:
-            self._reap()
-            return self._slots.get((tenant, block_hash))
+            mine = self._slots.get(tenant)
+            if mine is None:
+                return None
+            self._reap(tenant, mine)
+            return mine.get(block_hash)
 
     def mark_used(self, tenant: str, block_hash: BlockHash) -> None:
         """The slot's block was uploaded; the slot stays open for retries until it expires."""
         with self._lock:
-            slot = self._slots.get((tenant, block_hash))
-            if slot is not None and not slot.used:
-                self._slots[(tenant, block_hash)] = replace(slot, used=True)
+            mine = self._slots.get(tenant)
+            slot = None if mine is None else mine.get(block_hash)
+            if mine is not None and slot is not None and not slot.used:
+                mine[block_hash] = replace(slot, used=True)
 
     def close(self, tenant: str, block_hash: BlockHash) -> None:
         with self._lock:
-            self._slots.pop((tenant, block_hash), None)
+            mine = self._slots.get(tenant)
+            if mine is not None:
+                mine.pop(block_hash, None)
+
+    def per_tenant(self) -> dict[str, int]:
+        """Open slots per tenant."""
+        with self._lock:
+            for tenant, mine in list(self._slots.items()):
+                self._reap(tenant, mine)
+            return {tenant: len(mine) for tenant, mine in self._slots.items()}
 
     def __len__(self) -> int:
-        with self._lock:
-            self._reap()
-            return len(self._slots)
+        return sum(self.per_tenant().values())
 
-    def _reap(self) -> None:
+    def _reap(self, tenant: str, mine: OrderedDict[BlockHash, UploadSlot]) -> None:
+        """Drop the tenant's expired slots (in opening order: the oldest expire first)."""
         now = self._clock.now()
-        while self._slots:
-            key, slot = next(iter(self._slots.items()))
+        while mine:
+            block_hash, slot = next(iter(mine.items()))
             if slot.expires_at > now:
-                return
-            del self._slots[key]
+                break
+            del mine[block_hash]
+        if not mine:
+            self._slots.pop(tenant, None)

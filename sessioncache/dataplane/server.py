@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import ClassVar
@@ -42,6 +43,7 @@ from sessioncache.errors import (
     ErrorCode,
     FrameError,
     InvalidInput,
+    QuotaExceeded,
     SessionCacheError,
     StreamClosed,
     stream_code,
@@ -57,6 +59,9 @@ from sessioncache.status import kept
 log = logging.getLogger("sessioncache.dataplane")
 
 _SCRATCH = 1 << 20
+FRAME_MIN_RATE = 1 << 20
+"""Bytes per second a frame's body must at least arrive at, beyond the timeout: a peer that
+trickles a byte every few seconds is closed, one on a slow link is not."""
 
 
 class _Refused(Exception):
@@ -101,6 +106,9 @@ class Connection:
     HANDLERS: ClassVar[dict[Op, str]] = {}
 
     def __init__(self, server: StreamServer, transport: Transport) -> None:
+        self.server = server
+        self.key: int | None = None
+        """The server's id of this connection (None when run by ``serve``)."""
         self.node = server.node
         self.transport = transport
         self.limits = server.limits
@@ -121,6 +129,8 @@ class Connection:
         """Serve until the peer leaves or breaks the framing; never raises."""
         try:
             callers.admit(self.node, self.transport.local)
+            # the whole HELLO within its deadline, however it trickles in
+            self.transport.set_deadline(time.monotonic() + self.server.hello_timeout_s)
             while True:
                 header = self._next_header()
                 if header is None:
@@ -140,6 +150,7 @@ class Connection:
     def _drop(self) -> None:
         if self.caller is None:
             return
+        self.server.leave(self.caller.tenant)
         try:
             released, freed = callers.drop(self.node, self.caller)
         except Exception:
@@ -155,16 +166,26 @@ class Connection:
 
     def _next_header(self) -> Header | None:
         """The next request's header, or None when the peer closed between requests."""
+        authenticated = self.caller is not None
+        if authenticated:
+            self.transport.set_deadline(None)  # between frames: the idle timeout only
         self.transport.set_timeout(self.idle_timeout_s)
         view = memoryview(self._header)
         first = self.transport.recv_into(view)
         if first == 0:
             return None
+        started = time.monotonic()
         self.transport.set_timeout(self.timeout_s)
+        if authenticated and self.timeout_s is not None:
+            self.transport.set_deadline(started + self.timeout_s)
         try:
             recv_exact(self.transport, view[first:])
             header = frames.decode_header(self._header, requests=True)
             frames.check_body(header, self.limits)
+            if authenticated and self.timeout_s is not None:
+                # a whole frame within the timeout plus its body at FRAME_MIN_RATE
+                limit = self.timeout_s + header.body_len / FRAME_MIN_RATE
+                self.transport.set_deadline(started + limit)
         except VersionError as exc:
             # answered in the peer's version: an ERROR's layout is the same in all of them
             self._send_error(0, exc, closing=True, version=exc.version)
@@ -226,6 +247,11 @@ class Connection:
             raise FrameError(str(exc)) from None
         caller = callers.authenticate(self.node, hello.api_key)
         self._admit(caller)
+        try:
+            self.server.enter(self, caller.tenant)
+        except QuotaExceeded as exc:  # the tenant holds its most connections: this one ends
+            self._send_error(header.request_id, exc, closing=True)
+            raise _Refused(str(exc)) from None
         self.caller = caller
         node = self.node
         ok = frames.HelloOk(
@@ -459,8 +485,12 @@ class StreamServer:
         self.putter = ThreadPoolExecutor(max_connections, thread_name_prefix="dataplane-put")
         # An ids LOAD leases its blocks only while it sends them.
         self.load_lease_s = min(node.settings.max_lease_s, 600.0)
+        self.hello_timeout_s = node.settings.stream_hello_timeout_s
+        self.max_unauthenticated = min(node.settings.stream_max_unauthenticated, max_connections)
+        self._tenants = node.quotas.tally("stream_connections", "data-plane connections")
         self._lock = threading.Lock()
         self._live: dict[int, tuple[Transport, threading.Thread]] = {}
+        self._unauthenticated: dict[int, Transport] = {}  # no HELLO yet, oldest first
         self._stopping = threading.Event()
         self._acceptor: threading.Thread | None = None
         self._ids = iter(range(1, 1 << 62))
@@ -499,6 +529,17 @@ class StreamServer:
     def connection(self, transport: Transport) -> Connection:
         return Connection(self, transport)
 
+    def enter(self, connection: Connection, tenant: str) -> None:
+        """A connection's HELLO named ``tenant``: counted against the tenant's bound
+        (``QuotaExceeded`` past it), and no longer one the server may close for room."""
+        self._tenants.take(tenant)
+        if connection.key is not None:
+            with self._lock:
+                self._unauthenticated.pop(connection.key, None)
+
+    def leave(self, tenant: str) -> None:
+        self._tenants.give(tenant)
+
     def serve(self, transport: Transport) -> None:
         """Run one connection in the calling thread (until it ends)."""
         self.connection(transport).run()
@@ -517,6 +558,15 @@ class StreamServer:
 
     def _spawn(self, transport: Transport) -> None:
         with self._lock:
+            # Room for the newcomer: close the oldest connection still without a HELLO when
+            # the server is full or holds its most of them (silent sockets never lock it).
+            while self._unauthenticated and (
+                len(self._live) >= self.max_connections
+                or len(self._unauthenticated) >= self.max_unauthenticated
+            ):
+                old_key = next(iter(self._unauthenticated))
+                self._unauthenticated.pop(old_key).shutdown()
+                self._live.pop(old_key, None)  # its thread ends on its own
             if self._stopping.is_set() or len(self._live) >= self.max_connections:
                 busy = not self._stopping.is_set()
                 key = None
@@ -545,14 +595,18 @@ class StreamServer:
         )
         with self._lock:
             self._live[key] = (transport, thread)
+            self._unauthenticated[key] = transport
         thread.start()
 
     def _run(self, key: int, transport: Transport) -> None:
         try:
-            self.serve(transport)
+            connection = self.connection(transport)
+            connection.key = key
+            connection.run()
         finally:
             with self._lock:
                 self._live.pop(key, None)
+                self._unauthenticated.pop(key, None)
 
 
 def open_stream_server(

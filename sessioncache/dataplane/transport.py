@@ -46,6 +46,10 @@ class Transport(Protocol):
     def set_timeout(self, seconds: float | None) -> None:
         """Bound each later call (None: wait forever)."""
 
+    def set_deadline(self, at: float | None) -> None:
+        """Fail every receive once ``time.monotonic()`` passes ``at`` (None: no deadline),
+        however the bytes trickle in: a bound on a whole frame, not on each call."""
+
     def shutdown(self) -> None:
         """Wake a thread blocked in this transport (from another thread); the stream ends."""
 
@@ -94,6 +98,7 @@ class SocketTransport:
             self._peer = f"unix:{sock.getsockname() or '?'}"
             self._local = True
         self._timeout: float | None = sock.gettimeout()
+        self._deadline: float | None = None
 
     @property
     def peer(self) -> str:
@@ -108,14 +113,24 @@ class SocketTransport:
         return self._sock
 
     def recv_into(self, view: memoryview) -> int:
+        deadline = self._deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StreamClosed(f"{self._peer}: the frame did not arrive in time")
+            self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
         try:
             return self._sock.recv_into(view)
         except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise StreamClosed(f"{self._peer}: the frame did not arrive in time") from None
             raise StreamClosed(f"{self._peer}: no data for {self._timeout} s") from None
         except OSError as exc:
             raise StreamClosed(f"{self._peer}: {exc}") from exc
 
     def send(self, parts: Sequence[Buffer]) -> None:
+        if self._deadline is not None:
+            self._sock.settimeout(self._timeout)  # a receive under a deadline may have cut it
         try:
             if len(parts) == 1:
                 self._sock.sendall(parts[0])  # its timeout bounds the whole call
@@ -149,9 +164,14 @@ class SocketTransport:
                 self._sock.settimeout(self._timeout)
 
     def set_timeout(self, seconds: float | None) -> None:
-        if seconds != self._timeout:
+        if seconds != self._timeout or self._deadline is not None:
             self._sock.settimeout(seconds)
             self._timeout = seconds
+
+    def set_deadline(self, at: float | None) -> None:
+        if at is None and self._deadline is not None:
+            self._sock.settimeout(self._timeout)
+        self._deadline = at
 
     def shutdown(self) -> None:
         with contextlib.suppress(OSError):

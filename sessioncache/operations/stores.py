@@ -97,8 +97,7 @@ def plan_upload(
             ttl_s=ttl_s,
             durable=node.durable_uploads,
         )
-        for index, block_hash in enumerate(missing):
-            node.uploads.open(tenant, block_hash, write, index, session_id=session_id)
+        node.uploads.open_many(tenant, missing, write, session_id=session_id)
     if session_id is not None and hashes:
         node.sessions.record(session_id, hashes, tenant=tenant)
         node.attribution.stored(session_id, tenant, hashes, bytes(token_bytes))

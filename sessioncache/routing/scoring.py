@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from sessioncache.errors import EngineExists, EngineNotFound, InvalidInput, QuotaExceeded
+from sessioncache.errors import EngineExists, EngineNotFound, InvalidInput
 from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
 from sessioncache.node import CacheNode
 from sessioncache.operations import lookups
+from sessioncache.quotas import refuse
 from sessioncache.routing.engine_index import EngineIndex
 from sessioncache.routing.events import MEDIA
 from sessioncache.routing.subscriber import EngineFeeds, EngineSpec
@@ -103,14 +104,11 @@ class Router:
         taken = self.feeds.spec(spec.engine_id)
         if spec.tenant is not None and taken is not None and taken.tenant is None:
             raise EngineExists(f"engine {spec.engine_id!r} is already registered (shared)")
-        cap = node.settings.max_engines_per_tenant
         if spec.tenant is not None:
-            held = sum(1 for s in self.feeds.specs() if s.tenant == spec.tenant)
+            cap = node.quotas.of(spec.tenant).engines
+            held = self.engines_per_tenant().get(spec.tenant, 0)
             if held >= cap and self.feeds.spec(self._key(spec.tenant, spec.engine_id)) is None:
-                raise QuotaExceeded(
-                    f"tenant {spec.tenant!r} has {held} engines registered, its most "
-                    f"(SESSIONCACHE_MAX_ENGINES_PER_TENANT); remove one first"
-                )
+                raise refuse(spec.tenant, "engines", held, cap, "engines registered")
         internal = replace(spec, engine_id=self._key(spec.tenant, spec.engine_id))
 
         def root_for(lora: str | None) -> bytes:
@@ -123,6 +121,14 @@ class Router:
             self.feeds.add(internal, root_for, seed)
         except EngineExists:
             raise EngineExists(f"engine {spec.engine_id!r} is already registered") from None
+
+    def engines_per_tenant(self) -> dict[str, int]:
+        """Engines registered through the API, per tenant (shared ones left out)."""
+        out: dict[str, int] = {}
+        for spec in self.feeds.specs():
+            if spec.tenant is not None:
+                out[spec.tenant] = out.get(spec.tenant, 0) + 1
+        return out
 
     def visible(self, tenant: str) -> list[EngineSpec]:
         """The engines ``tenant`` may see: its own and the shared ones."""

@@ -1,0 +1,123 @@
+"""Each tenant's bounds on what the node holds for it, and what it holds now.
+
+A shared node gives no tenant the means to starve another: every resource a request can make
+the node keep for a while is counted per tenant and refused past the tenant's bound, with 429
+``QuotaExceeded`` (stream code ``QUOTA``) and a message naming the bound.
+
+``TenantLimits`` lists the bounds. Their defaults are flat settings (``tenant_upload_slots``,
+``tenant_stream_connections``, ``tenant_inflight_bytes``, ``max_engines_per_tenant``,
+``tenant_namespaces``); ``tenant_limits`` overrides any of them for one tenant, as JSON beside
+the API keys: ``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``. The counts
+themselves stay with what they count (``UploadSlots``, ``InFlight``, the stream servers, the
+router, the namespace owners); ``Quotas.usage`` gathers them for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+from sessioncache.errors import InvalidInput, QuotaExceeded
+
+__all__ = ["Quotas", "Tally", "TenantLimits", "refuse"]
+
+
+class TenantLimits(NamedTuple):
+    """One tenant's bounds."""
+
+    upload_slots: int
+    """Open REST upload slots (``POST /v1/store`` hands one out per missing block)."""
+    stream_connections: int
+    """Authenticated block-stream and same-host connections at once."""
+    inflight_bytes: int
+    """Bytes of request bodies held in receive buffers at once (``inflight.InFlight``)."""
+    engines: int
+    """Engines registered through ``POST /v1/engines``."""
+    namespaces: int
+    """Namespaces (distinct roots) the tenant has used."""
+
+
+LIMITS = TenantLimits._fields
+
+
+def refuse(tenant: str, bound: str, held: int, limit: int, what: str) -> QuotaExceeded:
+    """The error for a tenant at ``bound``: it holds ``held`` of ``limit`` ``what``."""
+    return QuotaExceeded(
+        f"tenant {tenant!r} holds {held} {what}, its bound is {limit} "
+        f"({bound}: SESSIONCACHE_TENANT_LIMITS or its default); retry once it holds fewer"
+    )
+
+
+class Quotas:
+    """The bounds of every tenant: ``defaults``, with ``overrides`` per tenant."""
+
+    def __init__(
+        self, defaults: TenantLimits, overrides: Mapping[str, Mapping[str, int]] | None = None
+    ) -> None:
+        self.defaults = defaults
+        self._of: dict[str, TenantLimits] = {}
+        for tenant, fields in (overrides or {}).items():
+            unknown = set(fields) - set(LIMITS)
+            if unknown:
+                raise InvalidInput(
+                    f"tenant_limits[{tenant!r}]: unknown bounds {sorted(unknown)}; "
+                    f"bounds are {list(LIMITS)}"
+                )
+            for name, value in fields.items():
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidInput(f"tenant_limits[{tenant!r}][{name!r}] must be an int >= 0")
+            self._of[tenant] = defaults._replace(**fields)
+        self._counters: dict[str, Callable[[], Mapping[str, int]]] = {}
+        self._tallies: dict[str, Tally] = {}
+
+    def of(self, tenant: str) -> TenantLimits:
+        return self._of.get(tenant, self.defaults)
+
+    def count(self, bound: str, counter: Callable[[], Mapping[str, int]]) -> None:
+        """Register where ``bound``'s usage per tenant is read (for ``usage``)."""
+        self._counters[bound] = counter
+
+    def tally(self, bound: str, what: str) -> Tally:
+        """The node's one per-tenant count of ``bound`` (made on first use, then shared)."""
+        found = self._tallies.get(bound)
+        if found is None:
+            found = self._tallies[bound] = Tally(self, bound, what)
+            self.count(bound, found.counts)
+        return found
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per bound, what each tenant holds now (tenants holding none left out)."""
+        return {bound: dict(read()) for bound, read in self._counters.items()}
+
+
+class Tally:
+    """How many of something each tenant holds now, at most its ``bound``. Thread-safe."""
+
+    def __init__(self, quotas: Quotas, bound: str, what: str) -> None:
+        self._quotas = quotas
+        self._bound = bound
+        self._what = what
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, tenant: str) -> None:
+        """One more for ``tenant``; ``QuotaExceeded`` at its bound."""
+        limit = getattr(self._quotas.of(tenant), self._bound)
+        with self._lock:
+            held = self._held.get(tenant, 0)
+            if held >= limit:
+                raise refuse(tenant, self._bound, held, limit, self._what)
+            self._held[tenant] = held + 1
+
+    def give(self, tenant: str) -> None:
+        with self._lock:
+            left = self._held.get(tenant, 0) - 1
+            if left > 0:
+                self._held[tenant] = left
+            else:
+                self._held.pop(tenant, None)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._held)

@@ -1,0 +1,111 @@
+"""Per-tenant bounds: one tenant's uploads, connections or silence never cancel, lock out or
+starve another's."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from sessioncache.connector import StreamClient
+from sessioncache.errors import QuotaExceeded, StreamClosed
+from sessioncache.hashing import Namespace
+from tests.security.conftest import ALICE, BOB, Guarded, NodeFactory, client
+
+NS = {"model": "bounds", "block_tokens": 1, "kv_dtype": "u8", "kv_layout": "x"}
+
+
+def test_upload_slots_are_bounded_per_tenant_and_never_taken_from_another(
+    guarded_node: NodeFactory,
+) -> None:
+    node = guarded_node(
+        {
+            "SESSIONCACHE_TENANT_UPLOAD_SLOTS": "1000",
+            "SESSIONCACHE_TENANT_LIMITS": json.dumps({"carol": {"upload_slots": 5}}),
+        }
+    )
+    with client(node, BOB) as bob, client(node, ALICE) as alice:
+        bob_plan = bob.post("/v1/store", json={"namespace": NS, "tokens": list(range(10))})
+        assert bob_plan.status_code == 200
+        flood = alice.post("/v1/store", json={"namespace": NS, "tokens": list(range(1001))})
+        assert flood.status_code == 429 and flood.json()["error"] == "QuotaExceeded", flood.text
+        assert "upload_slots" in flood.json()["detail"]
+        within = alice.post("/v1/store", json={"namespace": NS, "tokens": list(range(990))})
+        assert within.status_code == 200
+        for i, h in enumerate(bob_plan.json()["missing"]):  # bob's slots are all still his
+            r = bob.put(f"/v1/blocks/{h}", content=bytes([i]) * 64)
+            assert r.status_code == 200, r.text
+        more = alice.post("/v1/store", json={"namespace": NS, "tokens": list(range(500, 600))})
+        assert more.status_code == 429  # 990 open and unused: refused, not evicted
+        metrics = alice.get("/metrics").text
+        assert 'sessioncache_tenant_held{bound="upload_slots",tenant="alice"} 990.0' in metrics
+        assert 'sessioncache_tenant_limit{bound="upload_slots",tenant="alice"} 1000.0' in metrics
+
+
+def silent(node_url: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that say nothing."""
+    host = node_url.removeprefix("http://").split(":")[0]
+    return [socket.create_connection((host, port), timeout=5) for _ in range(n)]
+
+
+def stream_port(node: Guarded) -> int:
+    with client(node, BOB) as c:
+        return int(c.get("/v1/dataplane").json()["stream"].rsplit(":", 1)[1])
+
+
+def test_silent_and_trickling_sockets_never_lock_the_stream(guarded_node: NodeFactory) -> None:
+    node = guarded_node()
+    port = stream_port(node)
+    quiet = silent(node.url, port, 64)  # never a HELLO
+    trickle = silent(node.url, port, 1)[0]
+    try:
+        started = time.monotonic()
+        with StreamClient.discover(node.url, api_key="key-bob", timeout=10) as bob:
+            root = bob.resolve(Namespace("bounds", 1, "u8", "stream"))
+            assert bob.store(root, [1, 2, 3], [b"b" * 64] * 3).kept == 3
+        took = time.monotonic() - started
+        print(f"a client among 65 silent stream connections: connected and stored in {took:.2f} s")
+        assert took < 5
+        opened = time.monotonic()
+        closed_after = None
+        for _ in range(12):  # a HELLO header trickled a byte a second, never whole
+            try:
+                if trickle.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed_after = time.monotonic() - opened
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_after = time.monotonic() - opened
+                break
+            try:
+                trickle.send(b"S")
+            except OSError:
+                closed_after = time.monotonic() - opened
+                break
+            time.sleep(1.0)
+        print(f"a HELLO trickled a byte a second: closed after {closed_after:.1f} s")
+        assert closed_after is not None and closed_after < 8
+    finally:
+        for s in [*quiet, trickle]:
+            s.close()
+
+
+def test_stream_connections_are_bounded_per_tenant(guarded_node: NodeFactory) -> None:
+    node = guarded_node(
+        {"SESSIONCACHE_TENANT_LIMITS": json.dumps({"bob": {"stream_connections": 2}})}
+    )
+    held = [StreamClient.discover(node.url, api_key="key-bob") for _ in range(2)]
+    try:
+        with pytest.raises((QuotaExceeded, StreamClosed)):
+            StreamClient.discover(node.url, api_key="key-bob")
+        alice = StreamClient.discover(node.url, api_key="key-alice")  # bob's bound is his own
+        alice.close()
+        held.pop().close()
+        time.sleep(0.2)
+        held.append(StreamClient.discover(node.url, api_key="key-bob"))  # room again
+    finally:
+        for c in held:
+            c.close()
