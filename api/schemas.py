@@ -20,7 +20,14 @@ from pydantic import Strict as PydanticStrict
 from pydantic.config import JsonDict
 
 from sessioncache.errors import InvalidInput
-from sessioncache.hashing import HASH_BYTES, BlockHash, Namespace, tokens_to_le_bytes
+from sessioncache.hashing import (
+    FIELD_LIMITS,
+    HASH_BYTES,
+    MAX_BLOCK_TOKENS,
+    BlockHash,
+    Namespace,
+    tokens_to_le_bytes,
+)
 from sessioncache.sessions import MAX_SESSION_ID_LEN, SESSION_ID_PATTERN
 from sessioncache.store.results import MAX_TTL_S
 
@@ -68,12 +75,12 @@ TtlSeconds = Annotated[
 class NamespaceIn(Strict):
     """What makes KV incompatible; ids are computed exactly as in docs/hashing.md."""
 
-    model: str = Field(min_length=1, max_length=512)
-    block_tokens: JsonInt = Field(gt=0, le=1 << 16)
-    kv_dtype: str = Field(min_length=1, max_length=64)
-    kv_layout: str = Field(min_length=1, max_length=256)
-    salt: str | None = Field(None, max_length=256)
-    lora: str | None = Field(None, max_length=512)
+    model: str = Field(min_length=1, max_length=FIELD_LIMITS["model"])
+    block_tokens: JsonInt = Field(gt=0, le=MAX_BLOCK_TOKENS)
+    kv_dtype: str = Field(min_length=1, max_length=FIELD_LIMITS["kv_dtype"])
+    kv_layout: str = Field(min_length=1, max_length=FIELD_LIMITS["kv_layout"])
+    salt: str | None = Field(None, max_length=FIELD_LIMITS["salt"])
+    lora: str | None = Field(None, max_length=FIELD_LIMITS["lora"])
 
     def to_namespace(self) -> Namespace:
         return Namespace(

@@ -36,6 +36,27 @@ _U32 = 1 << 32
 Tokens = Sequence[int] | npt.NDArray[np.integer]
 
 
+FIELD_LIMITS: dict[str, int] = {
+    "model": 512,
+    "kv_dtype": 64,
+    "kv_layout": 256,
+    "salt": 256,
+    "lora": 512,
+}
+"""The longest value of each text field of a namespace a client may send, on every carrier
+(the salt a server derives, ``"<tenant>/<salt>"``, may be longer)."""
+MAX_BLOCK_TOKENS = 1 << 16
+
+
+def check_client_namespace(namespace: Namespace) -> Namespace:
+    """``namespace`` as a client sent it, within ``FIELD_LIMITS`` (``InvalidInput``)."""
+    for name, limit in FIELD_LIMITS.items():
+        value = getattr(namespace, name)
+        if value is not None and len(value) > limit:
+            raise InvalidInput(f"namespace {name} is {len(value)} characters, at most {limit}")
+    return namespace
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Everything that makes two engines' KV for the same tokens incompatible."""
@@ -50,8 +71,10 @@ class Namespace:
     def __post_init__(self) -> None:
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int):
             raise InvalidInput("block_tokens must be an int")
-        if self.block_tokens <= 0:
-            raise InvalidInput(f"block_tokens must be positive, got {self.block_tokens}")
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise InvalidInput(
+                f"block_tokens must be within [1, {MAX_BLOCK_TOKENS}], got {self.block_tokens}"
+            )
         for name in ("model", "kv_dtype", "kv_layout"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidInput(f"{name} must be a non-empty string")

@@ -88,9 +88,11 @@ class CacheNode:
         )
         self.inflight = InFlight(lambda tenant: quotas.of(tenant).inflight_bytes)
         """Receive-buffer bytes each tenant's requests hold now, bounded per tenant."""
+        self.owners = owners or NamespaceOwners()
+        self.owners.limit = lambda tenant: quotas.of(tenant).namespaces
+        quotas.count("namespaces", self.owners.per_tenant)
         quotas.count("upload_slots", self.uploads.per_tenant)
         quotas.count("inflight_bytes", self.inflight.held)
-        self.owners = owners or NamespaceOwners()
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()
         self._on_close = list(on_close)

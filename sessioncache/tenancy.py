@@ -11,10 +11,12 @@ may be a block read.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Protocol
 
 from sessioncache.hashing import Namespace
+from sessioncache.quotas import refuse
 
 
 class OwnerRepository(Protocol):
@@ -34,7 +36,10 @@ class NamespaceOwners:
         self._repository = repository
         self._owners: dict[bytes, str] = {}
         self._namespaces: dict[bytes, dict[str, Any]] = {}  # the roots' descriptions
+        self._per_tenant: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.limit: Callable[[str], int] | None = None
+        """A tenant's bound on its roots (``quotas.TenantLimits.namespaces``; None: none)."""
 
     def load(self) -> int:
         """Read the owners the repository knows; returns how many."""
@@ -47,7 +52,7 @@ class NamespaceOwners:
         }
         with self._lock:
             for root, description in described.items():
-                self._owners[root] = description["tenant"]
+                self._own(root, description["tenant"])
                 namespace = description.get("namespace")
                 if isinstance(namespace, dict):
                     self._namespaces[root] = namespace
@@ -58,12 +63,29 @@ class NamespaceOwners:
         with self._lock:
             if self._owners.get(root) == tenant:
                 return
-            self._owners[root] = tenant
+            held = self._per_tenant.get(tenant, 0)
+            limit = None if self.limit is None else self.limit(tenant)
+            if limit is not None and held >= limit:
+                raise refuse(tenant, "namespaces", held, limit, "namespaces")
+            self._own(root, tenant)
             self._namespaces[root] = asdict(namespace)
         if self._repository is not None:
             self._repository.register_namespace(
                 root, {"tenant": tenant, "namespace": asdict(namespace)}
             )
+
+    def _own(self, root: bytes, tenant: str) -> None:
+        """``root`` belongs to ``tenant`` now (called with the lock held)."""
+        before = self._owners.get(root)
+        if before is not None:
+            self._per_tenant[before] -= 1
+        self._owners[root] = tenant
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+
+    def per_tenant(self) -> dict[str, int]:
+        """Roots owned per tenant."""
+        with self._lock:
+            return {t: n for t, n in self._per_tenant.items() if n}
 
     def owner(self, root: bytes) -> str | None:
         with self._lock:

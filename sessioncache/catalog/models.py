@@ -51,6 +51,10 @@ class NamespaceRow(Base):
     root: Mapped[bytes] = mapped_column(LargeBinary(ID_BYTES), primary_key=True)
     description: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created: Mapped[float] = mapped_column(Double, nullable=False)
+    tenant: Mapped[str | None] = mapped_column(String(TENANT_LEN), nullable=True)
+    """The owning tenant (None: a root no tenant claimed, such as a shared engine's)."""
+
+    __table_args__ = (Index("ix_namespaces_tenant", "tenant"),)
 
 
 class BlockRow(Base):

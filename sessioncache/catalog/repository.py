@@ -403,7 +403,13 @@ class Catalog:
 
     def register_namespace(self, root: bytes, description: dict[str, Any] | None = None) -> None:
         """Record a namespace (its root digest and, say, the ``Namespace`` fields) now."""
-        params = {"root": bytes(root), "description": description, "created": self._clock.now()}
+        tenant = description.get("tenant") if isinstance(description, dict) else None
+        params = {
+            "root": bytes(root),
+            "description": description,
+            "created": self._clock.now(),
+            "tenant": tenant if isinstance(tenant, str) else None,
+        }
         with self._write_lock, self.engine.begin() as conn:
             conn.execute(self._stmts.upsert_namespace_description, [params])
 

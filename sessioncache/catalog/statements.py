@@ -55,7 +55,11 @@ class Statements:
         )
         ns_insert = insert(n)
         self.upsert_namespace_description: Executable = ns_insert.on_conflict_do_update(
-            index_elements=[n.c.root], set_={"description": ns_insert.excluded.description}
+            index_elements=[n.c.root],
+            set_={
+                "description": ns_insert.excluded.description,
+                "tenant": ns_insert.excluded.tenant,
+            },
         )
         session_insert = insert(s)
         self.upsert_session: Executable = session_insert.on_conflict_do_update(

@@ -7,10 +7,11 @@ import json
 import socket
 import time
 
+import httpx
 import pytest
 
 from sessioncache.connector import StreamClient
-from sessioncache.errors import QuotaExceeded, StreamClosed
+from sessioncache.errors import InvalidInput, QuotaExceeded, StreamClosed
 from sessioncache.hashing import Namespace
 from tests.security.conftest import ALICE, BOB, Guarded, NodeFactory, client
 
@@ -109,3 +110,44 @@ def test_stream_connections_are_bounded_per_tenant(guarded_node: NodeFactory) ->
     finally:
         for c in held:
             c.close()
+
+
+def test_namespaces_are_bounded_per_tenant_on_every_carrier_and_after_a_restart(
+    guarded_node: NodeFactory,
+) -> None:
+    env = {"SESSIONCACHE_TENANT_LIMITS": json.dumps({"alice": {"namespaces": 5}})}
+    node = guarded_node(env)
+
+    def ns(i: int) -> dict[str, object]:
+        return {**NS, "kv_layout": f"layout-{i}"}
+
+    def lookup(c: httpx.Client, i: int) -> int:
+        return c.post("/v1/lookup", json={"namespace": ns(i), "tokens": [1]}).status_code
+
+    with StreamClient.discover(node.url, api_key="key-alice") as alice_stream:
+        with pytest.raises(InvalidInput, match="model"):  # REST's field limits, on the stream
+            alice_stream.resolve(Namespace("m" * 60_000, 1, "u8", "x"))
+        for i in range(3):
+            alice_stream.resolve(Namespace("bounds", 1, "u8", f"layout-{i}"))
+    with client(node, ALICE) as alice, client(node, BOB) as bob:
+        for i in range(3, 5):
+            assert (
+                alice.post("/v1/lookup", json={"namespace": ns(i), "tokens": [1]}).status_code
+                == 200
+            )
+        over = alice.post("/v1/lookup", json={"namespace": ns(5), "tokens": [1]})
+        assert over.status_code == 429 and "namespaces" in over.json()["detail"], over.text
+        assert alice.post("/v1/lookup", json={"namespace": ns(0), "tokens": [1]}).status_code == 200
+        for i in range(8):  # bob's namespaces are not alice's bound
+            assert (
+                bob.post("/v1/lookup", json={"namespace": ns(i), "tokens": [1]}).status_code == 200
+            )
+    node.stop()
+    again = guarded_node(env, data_dir=node.server.data_dir)
+    with client(again, ALICE) as alice:  # the catalog remembers whose roots are whose
+        assert lookup(alice, 6) == 429
+    with (
+        StreamClient.discover(again.url, api_key="key-alice") as alice_stream,
+        pytest.raises(QuotaExceeded),
+    ):
+        alice_stream.resolve(Namespace("bounds", 1, "u8", "layout-7"))

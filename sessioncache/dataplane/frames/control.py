@@ -19,7 +19,7 @@ from sessioncache.dataplane.frames.header import (
     encode_header,
 )
 from sessioncache.errors import FrameError, InvalidInput
-from sessioncache.hashing import HASH_BYTES, Namespace
+from sessioncache.hashing import HASH_BYTES, Namespace, check_client_namespace
 
 # -- JSON bodies (HELLO, RESOLVE, HELLO_OK) ------------------------------------------------
 
@@ -133,7 +133,7 @@ def decode_resolve(data: bytes) -> Namespace:
     if unknown:
         raise InvalidInput(f"RESOLVE: unknown namespace fields {sorted(unknown)}")
     try:
-        return Namespace(**body)
+        return check_client_namespace(Namespace(**body))
     except TypeError as exc:
         raise InvalidInput(f"RESOLVE: not a namespace: {exc}") from None
 

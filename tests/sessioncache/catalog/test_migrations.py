@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from sessioncache.catalog import Catalog, CatalogNotMigrated, make_engine
 from sessioncache.catalog import migrate as migrations
@@ -31,7 +32,7 @@ def test_upgrade_from_empty_creates_the_tables(db):
     assert not tables(db) & TABLES
     migrations.upgrade(db.url, schema=db.schema)
     assert tables(db) >= TABLES | {"alembic_version"}
-    assert migrations.current(db.url, schema=db.schema) == migrations.head() == "0001"
+    assert migrations.current(db.url, schema=db.schema) == migrations.head() == "0002"
     assert migrations.is_current(db.url, schema=db.schema)
 
 
@@ -92,12 +93,12 @@ def run(*argv: str) -> int:
 def test_db_command_upgrade_current_downgrade(db, capsys):
     target = ["--url", db.url] + (["--schema", db.schema] if db.schema else [])
     assert run("db", "current", *target) == 0
-    assert "at revision None (head is 0001)" in capsys.readouterr().out
+    assert "at revision None (head is 0002)" in capsys.readouterr().out
     assert run("db", "upgrade", *target) == 0
-    assert "at revision 0001" in capsys.readouterr().out
+    assert "at revision 0002" in capsys.readouterr().out
     assert tables(db) >= TABLES
     assert run("db", "current", *target) == 0
-    assert "at revision 0001 (up to date)" in capsys.readouterr().out
+    assert "at revision 0002 (up to date)" in capsys.readouterr().out
     assert run("db", "downgrade", "base", *target) == 0
     assert "at revision None" in capsys.readouterr().out
     assert not tables(db) & TABLES
@@ -109,7 +110,7 @@ def test_db_command_defaults_to_sqlite_under_the_data_dir(tmp_path, monkeypatch,
     monkeypatch.setenv("SESSIONCACHE_DATA_DIR", str(tmp_path / "data"))
     assert run("db", "upgrade") == 0
     assert (tmp_path / "data" / "catalog.db").exists()
-    assert migrations.current(f"sqlite:///{tmp_path / 'data' / 'catalog.db'}") == "0001"
+    assert migrations.current(f"sqlite:///{tmp_path / 'data' / 'catalog.db'}") == "0002"
 
 
 def test_url_precedence(tmp_path, monkeypatch):
@@ -123,3 +124,22 @@ def test_url_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("SESSIONCACHE_DATABASE_URL", "postgresql+psycopg://u@h/db")
     assert resolve_url() == "postgresql+psycopg://u@h/db"
     assert resolve_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_upgrade_to_0002_keeps_a_catalog_and_fills_each_namespace_tenant(db):
+    migrations.upgrade(db.url, schema=db.schema, revision="0001")
+    engine = db.engine()
+    owned = {"tenant": "alice", "namespace": {"model": "m"}}
+    with engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO namespaces (root, description, created) VALUES (:r, :d, 0)"),
+            [{"r": b"\x01" * 16, "d": json.dumps(owned)}, {"r": b"\x02" * 16, "d": None}],
+        )
+    migrations.upgrade(db.url, schema=db.schema)
+    with engine.connect() as conn:
+        rows = dict(conn.execute(text("SELECT root, tenant FROM namespaces")).all())
+    engine.dispose()
+    assert {bytes(k): v for k, v in rows.items()} == {b"\x01" * 16: "alice", b"\x02" * 16: None}
+    catalog = db.catalog()
+    assert catalog.namespaces()[b"\x01" * 16] == owned  # the description is as it was
+    catalog.close()

@@ -109,7 +109,7 @@ def test_sessions(open_server: Server) -> None:
 
 def test_errors_are_mapped_and_4xx_not_retried(open_server: Server) -> None:
     backoff = Recording()
-    bad = replace(NS, block_tokens=1 << 17)  # valid locally, beyond the server's limit
+    bad = replace(NS, model="m" * 600)  # valid locally, beyond the server's limit
     with SessionCacheClient(open_server.url, namespace=bad, retry=Retry(backoff, 5)) as c:
         with pytest.raises(InvalidRequest) as info:
             c.lookup(toks(4))

@@ -184,7 +184,7 @@ def test_bodies_that_disagree_with_their_counts():
         frames.decode_hello(b"\xff{")
     with pytest.raises(InvalidInput, match="unknown namespace fields"):
         frames.decode_resolve(b'{"model": "m", "block_tokens": 4, "kv_dtype": "x", "oops": 1}')
-    with pytest.raises(InvalidInput, match="block_tokens must be positive"):
+    with pytest.raises(InvalidInput, match="block_tokens must be within"):
         frames.decode_resolve(
             b'{"model": "m", "block_tokens": 0, "kv_dtype": "x", "kv_layout": "y"}'
         )
