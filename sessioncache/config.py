@@ -214,6 +214,9 @@ class Settings(BaseSettings):
     tenant_namespaces: int = Field(
         1024, gt=0, description="most namespaces (distinct roots) one tenant may use"
     )
+    tenant_sessions: int = Field(
+        65_536, gt=0, description="most sessions one tenant may hold open at once"
+    )
     tenant_limits: dict[str, dict[str, int]] = Field(
         default_factory=dict,
         description='JSON per tenant, any of its bounds: `{"<tenant>": {"upload_slots": n, '

@@ -56,6 +56,7 @@ def tenant_defaults(settings: Settings) -> TenantLimits:
         inflight_bytes=settings.tenant_inflight_bytes,
         engines=settings.max_engines_per_tenant,
         namespaces=settings.tenant_namespaces,
+        sessions=settings.tenant_sessions,
     )
 
 
@@ -91,6 +92,8 @@ class CacheNode:
         self.owners = owners or NamespaceOwners()
         self.owners.limit = lambda tenant: quotas.of(tenant).namespaces
         quotas.count("namespaces", self.owners.per_tenant)
+        sessions.limit = lambda tenant: quotas.of(tenant).sessions
+        quotas.count("sessions", sessions.per_tenant)
         quotas.count("upload_slots", self.uploads.per_tenant)
         quotas.count("inflight_bytes", self.inflight.held)
         self._roots: dict[tuple[str, Namespace], bytes] = {}

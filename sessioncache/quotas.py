@@ -6,10 +6,11 @@ the node keep for a while is counted per tenant and refused past the tenant's bo
 
 ``TenantLimits`` lists the bounds. Their defaults are flat settings (``tenant_upload_slots``,
 ``tenant_stream_connections``, ``tenant_inflight_bytes``, ``max_engines_per_tenant``,
-``tenant_namespaces``); ``tenant_limits`` overrides any of them for one tenant, as JSON beside
-the API keys: ``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``. The counts
-themselves stay with what they count (``UploadSlots``, ``InFlight``, the stream servers, the
-router, the namespace owners); ``Quotas.usage`` gathers them for ``/metrics``.
+``tenant_namespaces``, ``tenant_sessions``); ``tenant_limits`` overrides any of them for one
+tenant, as JSON beside the API keys:
+``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``. The counts themselves stay
+with what they count (``UploadSlots``, ``InFlight``, the stream servers, the router, the
+namespace owners, the session manager); ``Quotas.usage`` gathers them for ``/metrics``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class TenantLimits(NamedTuple):
     """Engines registered through ``POST /v1/engines``."""
     namespaces: int
     """Namespaces (distinct roots) the tenant has used."""
+    sessions: int
+    """Sessions open at once."""
 
 
 LIMITS = TenantLimits._fields

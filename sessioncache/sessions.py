@@ -41,6 +41,7 @@ from typing import Protocol
 from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
+from sessioncache.quotas import refuse
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, TieredStore, WriteResult
 from sessioncache.store.results import MAX_TTL_S, check_ttl
@@ -124,6 +125,9 @@ class SessionManager:
         self._repo = repository
         self._lock = threading.RLock()
         self._sessions: dict[str, Session] = {}
+        self._per_tenant: dict[str, int] = {}  # open sessions per tenant
+        self.limit: Callable[[str], int] | None = None
+        """A tenant's bound on its open sessions (``quotas.TenantLimits.sessions``)."""
         # Pinned sessions, least recently active first, with the ids their pins hold.
         self._pins: OrderedDict[str, list[BlockHash]] = OrderedDict()
         # When sessions expire, and when pinned ones go idle: a sweep visits the due ones only.
@@ -168,6 +172,10 @@ class SessionManager:
                 session.expires_at = max(session.expires_at, now + session.ttl_s)
                 self._save(session)
                 return replace(session)
+            held = self._per_tenant.get(tenant, 0)
+            limit = None if self.limit is None else self.limit(tenant)
+            if limit is not None and held >= limit:
+                raise refuse(tenant, "sessions", held, limit, "open sessions")
             ttl = self._kind_ttls[kind] if ttl_s is None else float(ttl_s)
             session = Session(
                 id=session_id or secrets.token_hex(16),
@@ -178,8 +186,7 @@ class SessionManager:
                 last_seen=now,
                 expires_at=now + ttl,
             )
-            self._sessions[session.id] = session
-            self._expiring.add(session.id, session.expires_at)
+            self._held(session)
             if self._repo is not None:
                 self._repo.create_session(replace(session))
             return replace(session)
@@ -234,7 +241,7 @@ class SessionManager:
         with self._lock:
             self._owned(session_id, tenant)
             self._unpin(session_id, "closed")
-            del self._sessions[session_id]
+            self._gone(session_id)
             if self._repo is not None:
                 self._repo.delete_session(session_id)
 
@@ -310,7 +317,7 @@ class SessionManager:
             expired = self._expiring.due(now, self._expired)
             for session_id in expired:
                 self._unpin(session_id, "expired")
-                del self._sessions[session_id]
+                self._gone(session_id)
                 if self._repo is not None:
                     self._repo.delete_session(session_id)
             idle = self._idling.due(now, self._idle)
@@ -331,8 +338,7 @@ class SessionManager:
                     self._repo.delete_session(session.id)
                     continue
                 session.pinned = False
-                self._sessions[session.id] = session
-                self._expiring.add(session.id, session.expires_at)
+                self._held(session)
                 loaded += 1
                 if session.head is not None and session.last_seen + self._idle_timeout > now:
                     chain = self._store.reads.chain_to(session.head)
@@ -374,9 +380,27 @@ class SessionManager:
             session = self._repo.load_session(session_id)
             if session is not None and session.expires_at > self._clock.now():
                 session.pinned = False
-                self._sessions[session_id] = session
-                self._expiring.add(session_id, session.expires_at)
+                self._held(session)
         return session
+
+    def _held(self, session: Session) -> None:
+        """``session`` is open here from now on."""
+        self._sessions[session.id] = session
+        self._expiring.add(session.id, session.expires_at)
+        self._per_tenant[session.tenant] = self._per_tenant.get(session.tenant, 0) + 1
+
+    def _gone(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id)
+        left = self._per_tenant.get(session.tenant, 0) - 1
+        if left > 0:
+            self._per_tenant[session.tenant] = left
+        else:
+            self._per_tenant.pop(session.tenant, None)
+
+    def per_tenant(self) -> dict[str, int]:
+        """Open sessions per tenant."""
+        with self._lock:
+            return dict(self._per_tenant)
 
     def _expired(self, session_id: str, now: float) -> tuple[str | None, float | None]:
         """For ``ExpiryIndex.due``: the id if the session has expired, else when to look again."""

@@ -151,3 +151,15 @@ def test_namespaces_are_bounded_per_tenant_on_every_carrier_and_after_a_restart(
         pytest.raises(QuotaExceeded),
     ):
         alice_stream.resolve(Namespace("bounds", 1, "u8", "layout-7"))
+
+
+def test_open_sessions_are_bounded_per_tenant(guarded_node: NodeFactory) -> None:
+    node = guarded_node({"SESSIONCACHE_TENANT_LIMITS": json.dumps({"bob": {"sessions": 3}})})
+    with client(node, BOB) as bob, client(node, ALICE) as alice:
+        ids = [bob.post("/v1/sessions", json={}).json()["id"] for _ in range(3)]
+        over = bob.post("/v1/sessions", json={})
+        assert over.status_code == 429 and "sessions" in over.json()["detail"], over.text
+        assert bob.post("/v1/sessions", json={"session_id": ids[0]}).status_code == 201  # his own
+        assert all(alice.post("/v1/sessions", json={}).status_code == 201 for _ in range(5))
+        assert bob.delete(f"/v1/sessions/{ids[0]}").status_code == 204
+        assert bob.post("/v1/sessions", json={}).status_code == 201  # room again
