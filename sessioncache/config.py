@@ -217,7 +217,15 @@ class Settings(BaseSettings):
     tenant_sessions: int = Field(
         65_536, gt=0, description="most sessions one tenant may hold open at once"
     )
-    tenant_limits: dict[str, dict[str, int]] = Field(
+    tenant_pin_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="largest share of any tier one tenant's pinned blocks (leases and sessions "
+        "together) may hold before its next lease or same-host staging is refused with 429; "
+        "`pin_share` still bounds every tenant's session pins together",
+    )
+    tenant_limits: dict[str, dict[str, int | float]] = Field(
         default_factory=dict,
         description='JSON per tenant, any of its bounds: `{"<tenant>": {"upload_slots": n, '
         '"stream_connections": n, "inflight_bytes": n, "engines": n, "namespaces": n}}`; the '

@@ -92,6 +92,8 @@ class BlockIndex:
         """Blocks held per tier."""
         self.pinned_bytes = [0] * num_tiers
         """Bytes of pinned blocks per tier."""
+        self.root_pinned: dict[bytes, list[int]] = {}
+        """The same per namespace root: a tenant's share is its roots' sum."""
         self._order = 1  # the next touch order: orders a chain's blocks
         self._ops = itertools.count(1)  # one per operation: orders same-instant touches
         policy.bind(self.get)
@@ -399,7 +401,7 @@ class BlockIndex:
         table.mask[slot] = mask
         self.tier_blocks[tier] += 1
         if table.ref[slot]:
-            self.pinned_bytes[tier] += table.nbytes[slot]
+            _pinned(self, slot, tier, table.nbytes[slot])
         table.children_in[slot * self._num_tiers + tier] = sum(
             1 for kid in table.kids(slot) if table.mask[kid] & bit
         )
@@ -425,7 +427,7 @@ class BlockIndex:
         table.mask[slot] = mask
         self.tier_blocks[tier] -= 1
         if table.ref[slot]:
-            self.pinned_bytes[tier] -= table.nbytes[slot]
+            _pinned(self, slot, tier, -table.nbytes[slot])
         parent = meta.parent
         owner = table.slot_of.get(parent) if parent is not None else None
         if owner is not None and table.mask[owner] & bit:
@@ -461,7 +463,7 @@ class BlockIndex:
             return
         if table.ref[slot] == 0:
             for tier in tier_set(table.mask[slot]):
-                self.pinned_bytes[tier] += table.nbytes[slot]
+                _pinned(self, slot, tier, table.nbytes[slot])
         table.ref[slot] += 1
 
     def unref(self, meta: BlockMeta) -> None:
@@ -476,7 +478,7 @@ class BlockIndex:
         tiers = tier_set(table.mask[slot])
         if ref == 0:
             for tier in tiers:
-                self.pinned_bytes[tier] -= table.nbytes[slot]
+                _pinned(self, slot, tier, -table.nbytes[slot])
                 self._policy.track(meta, tier)
         elif ref == table.pins[slot] and len(tiers) > 1:
             for tier in tiers:
@@ -550,3 +552,14 @@ class Leases:
 
     def __len__(self) -> int:
         return len(self._leases)
+
+
+def _pinned(index: BlockIndex, slot: int, tier: int, delta: int) -> None:
+    """``delta`` more pinned bytes in ``tier``, node-wide and under the slot's root."""
+    index.pinned_bytes[tier] += delta
+    table = index._table
+    root = table.root_list[table.root[slot]]
+    per_tier = index.root_pinned.get(root)
+    if per_tier is None:
+        per_tier = index.root_pinned[root] = [0] * len(index.pinned_bytes)
+    per_tier[tier] += delta

@@ -19,7 +19,7 @@ from typing import Protocol
 from sessioncache.accounting import TokenAccounting, TokenCounts
 from sessioncache.attribution import Attribution, DropLog, StoreView
 from sessioncache.config import Settings
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import InvalidInput, QuotaExceeded
 from sessioncache.events import UsageRecorder
 from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import (
@@ -57,6 +57,7 @@ def tenant_defaults(settings: Settings) -> TenantLimits:
         engines=settings.max_engines_per_tenant,
         namespaces=settings.tenant_namespaces,
         sessions=settings.tenant_sessions,
+        pin_share=settings.tenant_pin_share,
     )
 
 
@@ -93,7 +94,8 @@ class CacheNode:
         self.owners.limit = lambda tenant: quotas.of(tenant).namespaces
         quotas.count("namespaces", self.owners.per_tenant)
         sessions.limit = lambda tenant: quotas.of(tenant).sessions
-        quotas.count("sessions", sessions.per_tenant)
+        quotas.count("sessions", sessions.tenants.snapshot)
+        quotas.count("pin_share", self.pin_shares)
         quotas.count("upload_slots", self.uploads.per_tenant)
         quotas.count("inflight_bytes", self.inflight.held)
         self._roots: dict[tuple[str, Namespace], bytes] = {}
@@ -112,6 +114,37 @@ class CacheNode:
             max_sessions=settings.attribution_sessions,
         )
         sessions.on_unpin(self.attribution.unpinned)
+
+    def pin_shares(self) -> dict[str, float]:
+        """Per tenant owning blocks, the largest share of a tier its pinned blocks hold."""
+        tiers = self.store.stats_tiers()
+        out: dict[str, float] = {}
+        for tenant in self.owners.per_tenant():
+            pinned = self.store.reads.pinned_under(self.owners.roots(tenant))
+            share = max(
+                (
+                    n / t.capacity_bytes
+                    for n, t in zip(pinned, tiers, strict=True)
+                    if t.capacity_bytes
+                ),
+                default=0.0,
+            )
+            if share:
+                out[tenant] = share
+        return out
+
+    def check_pin_room(self, tenant: str) -> None:
+        """``QuotaExceeded`` when the tenant's pinned blocks hold more than its ``pin_share``
+        of some tier already (checked before a lease or a staging is taken)."""
+        share = self.quotas.of(tenant).pin_share
+        pinned = self.store.reads.pinned_under(self.owners.roots(tenant))
+        for n, t in zip(pinned, self.store.stats_tiers(), strict=True):
+            if n > share * t.capacity_bytes:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r} pins {n} bytes of the {t.name} tier, more than its share "
+                    f"{share} of {t.capacity_bytes} (pin_share: SESSIONCACHE_TENANT_LIMITS or "
+                    "SESSIONCACHE_TENANT_PIN_SHARE): release leases or close sessions first"
+                )
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far, on every path: found in the cache (hit) or not."""

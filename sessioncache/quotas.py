@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from sessioncache.errors import InvalidInput, QuotaExceeded
 
-__all__ = ["Quotas", "Tally", "TenantLimits", "refuse"]
+__all__ = ["Counts", "Quotas", "Tally", "TenantLimits", "refuse"]
 
 
 class TenantLimits(NamedTuple):
@@ -39,6 +39,9 @@ class TenantLimits(NamedTuple):
     """Namespaces (distinct roots) the tenant has used."""
     sessions: int
     """Sessions open at once."""
+    pin_share: float
+    """The largest share of any tier the tenant's pinned blocks (leases, sessions) may hold
+    before a new lease or staging is refused."""
 
 
 LIMITS = TenantLimits._fields
@@ -56,7 +59,7 @@ class Quotas:
     """The bounds of every tenant: ``defaults``, with ``overrides`` per tenant."""
 
     def __init__(
-        self, defaults: TenantLimits, overrides: Mapping[str, Mapping[str, int]] | None = None
+        self, defaults: TenantLimits, overrides: Mapping[str, Mapping[str, float]] | None = None
     ) -> None:
         self.defaults = defaults
         self._of: dict[str, TenantLimits] = {}
@@ -68,16 +71,21 @@ class Quotas:
                     f"bounds are {list(LIMITS)}"
                 )
             for name, value in fields.items():
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                if name == "pin_share":
+                    if isinstance(value, bool) or not isinstance(value, int | float):
+                        raise InvalidInput(f"tenant_limits[{tenant!r}]['pin_share'] is a number")
+                    if not 0 <= value <= 1:
+                        raise InvalidInput(f"tenant_limits[{tenant!r}]['pin_share'] is in [0, 1]")
+                elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidInput(f"tenant_limits[{tenant!r}][{name!r}] must be an int >= 0")
-            self._of[tenant] = defaults._replace(**fields)
-        self._counters: dict[str, Callable[[], Mapping[str, int]]] = {}
+            self._of[tenant] = defaults._replace(**dict(fields))  # type: ignore[arg-type]
+        self._counters: dict[str, Callable[[], Mapping[str, float]]] = {}
         self._tallies: dict[str, Tally] = {}
 
     def of(self, tenant: str) -> TenantLimits:
         return self._of.get(tenant, self.defaults)
 
-    def count(self, bound: str, counter: Callable[[], Mapping[str, int]]) -> None:
+    def count(self, bound: str, counter: Callable[[], Mapping[str, float]]) -> None:
         """Register where ``bound``'s usage per tenant is read (for ``usage``)."""
         self._counters[bound] = counter
 
@@ -89,7 +97,7 @@ class Quotas:
             self.count(bound, found.counts)
         return found
 
-    def usage(self) -> dict[str, dict[str, int]]:
+    def usage(self) -> dict[str, dict[str, float]]:
         """Per bound, what each tenant holds now (tenants holding none left out)."""
         return {bound: dict(read()) for bound, read in self._counters.items()}
 
@@ -124,3 +132,27 @@ class Tally:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._held)
+
+
+class Counts:
+    """A count per tenant, tenants at zero left out. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._n: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, tenant: str, n: int = 1) -> None:
+        with self._lock:
+            left = self._n.get(tenant, 0) + n
+            if left > 0:
+                self._n[tenant] = left
+            else:
+                self._n.pop(tenant, None)
+
+    def get(self, tenant: str) -> int:
+        with self._lock:
+            return self._n.get(tenant, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._n)

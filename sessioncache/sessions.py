@@ -41,7 +41,7 @@ from typing import Protocol
 from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
-from sessioncache.quotas import refuse
+from sessioncache.quotas import Counts, refuse
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, TieredStore, WriteResult
 from sessioncache.store.results import MAX_TTL_S, check_ttl
@@ -125,7 +125,8 @@ class SessionManager:
         self._repo = repository
         self._lock = threading.RLock()
         self._sessions: dict[str, Session] = {}
-        self._per_tenant: dict[str, int] = {}  # open sessions per tenant
+        self.tenants = Counts()
+        """Open sessions per tenant."""
         self.limit: Callable[[str], int] | None = None
         """A tenant's bound on its open sessions (``quotas.TenantLimits.sessions``)."""
         # Pinned sessions, least recently active first, with the ids their pins hold.
@@ -172,7 +173,7 @@ class SessionManager:
                 session.expires_at = max(session.expires_at, now + session.ttl_s)
                 self._save(session)
                 return replace(session)
-            held = self._per_tenant.get(tenant, 0)
+            held = self.tenants.get(tenant)
             limit = None if self.limit is None else self.limit(tenant)
             if limit is not None and held >= limit:
                 raise refuse(tenant, "sessions", held, limit, "open sessions")
@@ -241,7 +242,7 @@ class SessionManager:
         with self._lock:
             self._owned(session_id, tenant)
             self._unpin(session_id, "closed")
-            self._gone(session_id)
+            self.tenants.add(self._sessions.pop(session_id).tenant, -1)
             if self._repo is not None:
                 self._repo.delete_session(session_id)
 
@@ -317,7 +318,7 @@ class SessionManager:
             expired = self._expiring.due(now, self._expired)
             for session_id in expired:
                 self._unpin(session_id, "expired")
-                self._gone(session_id)
+                self.tenants.add(self._sessions.pop(session_id).tenant, -1)
                 if self._repo is not None:
                     self._repo.delete_session(session_id)
             idle = self._idling.due(now, self._idle)
@@ -387,20 +388,7 @@ class SessionManager:
         """``session`` is open here from now on."""
         self._sessions[session.id] = session
         self._expiring.add(session.id, session.expires_at)
-        self._per_tenant[session.tenant] = self._per_tenant.get(session.tenant, 0) + 1
-
-    def _gone(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id)
-        left = self._per_tenant.get(session.tenant, 0) - 1
-        if left > 0:
-            self._per_tenant[session.tenant] = left
-        else:
-            self._per_tenant.pop(session.tenant, None)
-
-    def per_tenant(self) -> dict[str, int]:
-        """Open sessions per tenant."""
-        with self._lock:
-            return dict(self._per_tenant)
+        self.tenants.add(session.tenant)
 
     def _expired(self, session_id: str, now: float) -> tuple[str | None, float | None]:
         """For ``ExpiryIndex.due``: the id if the session has expired, else when to look again."""

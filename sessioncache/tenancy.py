@@ -37,6 +37,7 @@ class NamespaceOwners:
         self._owners: dict[bytes, str] = {}
         self._namespaces: dict[bytes, dict[str, Any]] = {}  # the roots' descriptions
         self._per_tenant: dict[str, int] = {}
+        self._roots_of: dict[str, set[bytes]] = {}
         self._lock = threading.Lock()
         self.limit: Callable[[str], int] | None = None
         """A tenant's bound on its roots (``quotas.TenantLimits.namespaces``; None: none)."""
@@ -79,8 +80,15 @@ class NamespaceOwners:
         before = self._owners.get(root)
         if before is not None:
             self._per_tenant[before] -= 1
+            self._roots_of[before].discard(root)
         self._owners[root] = tenant
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        self._roots_of.setdefault(tenant, set()).add(root)
+
+    def roots(self, tenant: str) -> list[bytes]:
+        """The roots ``tenant`` owns."""
+        with self._lock:
+            return list(self._roots_of.get(tenant, ()))
 
     def per_tenant(self) -> dict[str, int]:
         """Roots owned per tenant."""

@@ -115,6 +115,7 @@ def lookup(node: CacheNode, caller: Caller, request: LookupRequest) -> LookupRes
     ids = request.ids
     if request.lease_s is not None:
         caller.room_for_lease(node.store.clock.now())
+        node.check_pin_room(caller.tenant)
     if request.keyed:
         held = node.store.reads.held_under(root, ids)
         own = held.index(False) if False in held else len(held)

@@ -263,6 +263,7 @@ def stage(node: CacheNode, caller: Caller, request: StoreRequest) -> Staged:
     """Slots in the shared-memory tier for a planned segment, held by the caller until
     ``commit`` or ``abort`` (or its end)."""
     caller.room_for_staging()
+    node.check_pin_room(caller.tenant)
     shm = node.store.shared_memory_tier_name
     if shm is None:
         raise InvalidInput("this store has no shared-memory tier (the same-host path is off)")

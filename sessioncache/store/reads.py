@@ -3,7 +3,7 @@ leased match lies in the shared-memory tier."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -148,6 +148,17 @@ class StoreReads:
         """Undo ``pin`` for the same ids."""
         with self._core.lock:
             self._core.index.unpin(hashes)
+
+    def pinned_under(self, roots: Iterable[bytes]) -> list[int]:
+        """Bytes of pinned blocks per tier (leases, sessions, moves) under ``roots``: one
+        tenant's share when they are its namespace roots."""
+        total = [0] * len(self._core.tiers)
+        with self._core.lock:
+            pinned = self._core.index.root_pinned
+            for root in roots:
+                for tier, n in enumerate(pinned.get(root, ())):
+                    total[tier] += n
+        return total
 
     def chain_to(self, head: BlockHash) -> list[BlockHash]:
         """The held chain ending at ``head``, root first, following parents while they are

@@ -163,3 +163,41 @@ def test_open_sessions_are_bounded_per_tenant(guarded_node: NodeFactory) -> None
         assert all(alice.post("/v1/sessions", json={}).status_code == 201 for _ in range(5))
         assert bob.delete(f"/v1/sessions/{ids[0]}").status_code == 204
         assert bob.post("/v1/sessions", json={}).status_code == 201  # room again
+
+
+def test_one_tenants_leases_pin_at_most_its_share_and_the_other_still_stores(
+    guarded_node: NodeFactory,
+) -> None:
+    mib = 1 << 20
+    node = guarded_node(
+        {
+            "SESSIONCACHE_CPU_BYTES": str(8 * mib),
+            "SESSIONCACHE_DISK_BYTES": "0",
+            "SESSIONCACHE_MAX_BODY_BYTES": str(2 * mib),
+            "SESSIONCACHE_CPU_SPARE_CHUNKS": "0",
+        }
+    )
+    ns = {**NS, "kv_layout": "pins"}
+    with client(node, ALICE) as alice, client(node, BOB) as bob:
+        for i in range(8):  # alice fills the CPU tier, a block per chain
+            plan = alice.post("/v1/store", json={"namespace": ns, "tokens": [i]}).json()
+            assert alice.put(f"/v1/blocks/{plan['missing'][0]}", content=b"a" * mib).is_success
+        answers = []
+        for i in range(8):  # and tries to pin all of it for an hour
+            r = alice.post(
+                "/v1/lookup", json={"namespace": ns, "tokens": [i], "lease_ms": 3_600_000}
+            )
+            answers.append(r.status_code)
+        assert answers.count(200) <= 5 and answers[-1] == 429, answers  # half, plus one lease
+        refused = alice.post("/v1/lookup", json={"namespace": ns, "tokens": [7], "lease_ms": 1000})
+        assert "pin_share" in refused.json()["detail"]
+        plan = bob.post("/v1/store", json={"namespace": ns, "tokens": [100, 101, 102]}).json()
+        statuses = [
+            bob.put(f"/v1/blocks/{h}", content=b"b" * mib).status_code for h in plan["missing"]
+        ]
+        assert statuses == [200, 200, 200], statuses  # room evicted from alice's unpinned
+        held = bob.post("/v1/lookup", json={"namespace": ns, "tokens": [100, 101, 102]})
+        assert held.json()["matched_blocks"] == 3
+        assert (
+            'sessioncache_tenant_held{bound="pin_share",tenant="alice"}' in bob.get("/metrics").text
+        )
