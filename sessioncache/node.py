@@ -29,7 +29,6 @@ from sessioncache.hashing import (
     tenant_namespace,
 )
 from sessioncache.history import Sample, StatsHistory, TierSample
-from sessioncache.inflight import InFlight
 from sessioncache.quotas import Quotas, TenantLimits
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
@@ -88,8 +87,8 @@ class CacheNode:
             ttl_s=settings.upload_ttl_s,
             limit=lambda tenant: quotas.of(tenant).upload_slots,
         )
-        self.inflight = InFlight(lambda tenant: quotas.of(tenant).inflight_bytes)
-        """Receive-buffer bytes each tenant's requests hold now, bounded per tenant."""
+        self.inflight = quotas.tally("inflight_bytes", "bytes of requests in flight")
+        """Receive-buffer bytes each tenant's requests hold now (``inflight.charge``)."""
         self.owners = owners or NamespaceOwners()
         self.owners.limit = lambda tenant: quotas.of(tenant).namespaces
         quotas.count("namespaces", self.owners.per_tenant)
@@ -97,7 +96,6 @@ class CacheNode:
         quotas.count("sessions", sessions.tenants.snapshot)
         quotas.count("pin_share", self.pin_shares)
         quotas.count("upload_slots", self.uploads.per_tenant)
-        quotas.count("inflight_bytes", self.inflight.held)
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()
         self._on_close = list(on_close)

@@ -9,7 +9,7 @@ the node keep for a while is counted per tenant and refused past the tenant's bo
 ``tenant_namespaces``, ``tenant_sessions``); ``tenant_limits`` overrides any of them for one
 tenant, as JSON beside the API keys:
 ``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``. The counts themselves stay
-with what they count (``UploadSlots``, ``InFlight``, the stream servers, the router, the
+with what they count (``UploadSlots``, the ``Tally`` objects below, the router, the
 namespace owners, the session manager); ``Quotas.usage`` gathers them for ``/metrics``.
 """
 
@@ -32,7 +32,7 @@ class TenantLimits(NamedTuple):
     stream_connections: int
     """Authenticated block-stream and same-host connections at once."""
     inflight_bytes: int
-    """Bytes of request bodies held in receive buffers at once (``inflight.InFlight``)."""
+    """Bytes of request bodies held in receive buffers at once (``inflight.charge``)."""
     engines: int
     """Engines registered through ``POST /v1/engines``."""
     namespaces: int
@@ -112,18 +112,18 @@ class Tally:
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def take(self, tenant: str) -> None:
-        """One more for ``tenant``; ``QuotaExceeded`` at its bound."""
+    def take(self, tenant: str, n: int = 1) -> None:
+        """``n`` more for ``tenant``; ``QuotaExceeded`` (and nothing taken) past its bound."""
         limit = getattr(self._quotas.of(tenant), self._bound)
         with self._lock:
             held = self._held.get(tenant, 0)
-            if held >= limit:
+            if held + n > limit:
                 raise refuse(tenant, self._bound, held, limit, self._what)
-            self._held[tenant] = held + 1
+            self._held[tenant] = held + n
 
-    def give(self, tenant: str) -> None:
+    def give(self, tenant: str, n: int = 1) -> None:
         with self._lock:
-            left = self._held.get(tenant, 0) - 1
+            left = self._held.get(tenant, 0) - n
             if left > 0:
                 self._held[tenant] = left
             else:

@@ -10,6 +10,7 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from sessioncache import inflight
 from sessioncache.api.deps import NodeDep, TenantDep
 from sessioncache.api.paths import BlockIdPath
 from sessioncache.api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
@@ -91,7 +92,7 @@ async def put_block(
     """Upload one block handed out by ``POST /v1/store`` (raw payload bytes)."""
     bid = from_hex(block_hash)
     limit = node.settings.max_body_bytes
-    with node.inflight.charge(tenant) as charge:
+    with inflight.charge(node.inflight, tenant) as charge:
         async with asynccontextmanager(read_body)(request, limit, _UPLOAD_BUFFERS, charge) as body:
             if not body:
                 raise InvalidInput("empty payload")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import ClassVar
 
+from sessioncache import inflight
 from sessioncache.attribution import REASONS, MissReport
 from sessioncache.buffers import BufferPool, Filling
 from sessioncache.config import Settings
@@ -364,7 +365,7 @@ class Connection:
         # received (a declared size costs nothing until sent), charged to the tenant.
         fillings: list[Filling] = []
         pending: Future[str] | None = None
-        with self.node.inflight.charge(caller.tenant) as charge:
+        with inflight.charge(self.node.inflight, caller.tenant) as charge:
             try:
                 for index in range(head.blocks):
                     if len(fillings) < 2:
