@@ -80,7 +80,8 @@ def history(node: CacheNode, since: float | None = None) -> dict[str, Any]:
 
 
 def namespaces(node: CacheNode, store: TieredStore) -> dict[str, Any]:
-    """Blocks, bytes and hit rate per namespace root, and the same summed per tenant."""
+    """Blocks, bytes and hit rate per namespace root, and the same summed per tenant with
+    what each tenant holds against its bounds (``bounds``: bound -> held, limit)."""
     usage = store.namespace_usage()
     tokens = node.namespace_tokens()
     rows: list[dict[str, Any]] = []
@@ -110,6 +111,13 @@ def namespaces(node: CacheNode, store: TieredStore) -> dict[str, Any]:
         total["namespaces"] += 1
         for key in ("blocks", "bytes", "hit_tokens", "miss_tokens"):
             total[key] = total.get(key, 0) + row[key]
+    for bound, per_tenant in node.quotas.usage().items():
+        for tenant, held in per_tenant.items():
+            total = tenants.setdefault(
+                tenant, {"tenant": tenant, "namespaces": 0, "blocks": 0, "bytes": 0}
+            )
+            limit = getattr(node.quotas.of(tenant), bound)
+            total.setdefault("bounds", {})[bound] = {"held": held, "limit": limit}
     for row in [*rows, *tenants.values()]:
         asked = row.get("hit_tokens", 0) + row.get("miss_tokens", 0)
         row["hit_rate"] = row.get("hit_tokens", 0) / asked if asked else None

@@ -175,6 +175,9 @@ def test_dashboard_end_to_end(server: Server, browser: Any, tmp_path: Path):
     expect(page.locator("#namespaces tbody tr")).to_have_count(2)
     expect(page.locator('#tenants tr[data-tenant="acme"]')).to_have_count(1)
     expect(page.locator('#tenants tr[data-tenant="globex"]')).to_have_count(1)
+    # what each tenant holds against its bounds
+    expect(page.locator('#tenants tr[data-tenant="acme"]')).to_contain_text("sessions 3/65536")
+    expect(page.locator('#tenants tr[data-tenant="acme"]')).to_contain_text("namespaces 1/1024")
 
     # a phone: the overview fits the width (tables scroll inside their boxes)
     page.set_viewport_size({"width": 390, "height": 844})

@@ -435,6 +435,11 @@ async function refreshNamespaces() {
     cell(tr, String(r.blocks), r.blocks);
     cell(tr, fmtBytes(r.bytes), r.bytes);
     cell(tr, FORMATS.pct(r.hit_rate), r.hit_rate);
+    const bounds = Object.entries(r.bounds || {}).map(([name, b]) =>
+      name === "pin_share"
+        ? `${name} ${FORMATS.pct(b.held)} of ${FORMATS.pct(b.limit)}`
+        : `${name} ${b.held}/${b.limit}`);
+    cell(tr, bounds.join(" · ") || "–");
     tb.appendChild(tr);
   }
 }
