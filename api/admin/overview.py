@@ -112,12 +112,12 @@ def namespaces(node: CacheNode, store: TieredStore) -> dict[str, Any]:
         for key in ("blocks", "bytes", "hit_tokens", "miss_tokens"):
             total[key] = total.get(key, 0) + row[key]
     for bound, per_tenant in node.quotas.usage().items():
-        for tenant, held in per_tenant.items():
+        for tenant, count in per_tenant.items():
             total = tenants.setdefault(
                 tenant, {"tenant": tenant, "namespaces": 0, "blocks": 0, "bytes": 0}
             )
             limit = getattr(node.quotas.of(tenant), bound)
-            total.setdefault("bounds", {})[bound] = {"held": held, "limit": limit}
+            total.setdefault("bounds", {})[bound] = {"held": count, "limit": limit}
     for row in [*rows, *tenants.values()]:
         asked = row.get("hit_tokens", 0) + row.get("miss_tokens", 0)
         row["hit_rate"] = row.get("hit_tokens", 0) / asked if asked else None
