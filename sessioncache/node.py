@@ -29,7 +29,7 @@ from sessioncache.hashing import (
     tenant_namespace,
 )
 from sessioncache.history import Sample, StatsHistory, TierSample
-from sessioncache.quotas import Quotas, TenantLimits
+from sessioncache.quotas import Counts, Quotas, TenantLimits
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tenancy import NamespaceOwners
@@ -95,6 +95,8 @@ class CacheNode:
         sessions.limit = lambda tenant: quotas.of(tenant).sessions
         quotas.count("sessions", sessions.tenants.snapshot)
         quotas.count("pin_share", self.pin_shares)
+        self.staged = Counts()
+        """Bytes of same-host staging each tenant holds: counted with its pins."""
         quotas.count("upload_slots", self.uploads.per_tenant)
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()
@@ -118,7 +120,7 @@ class CacheNode:
         tiers = self.store.stats_tiers()
         out: dict[str, float] = {}
         for tenant in self.owners.per_tenant():
-            pinned = self.store.reads.pinned_under(self.owners.roots(tenant))
+            pinned = self._pins_of(tenant)
             share = max(
                 (
                     n / t.capacity_bytes
@@ -131,11 +133,19 @@ class CacheNode:
                 out[tenant] = share
         return out
 
+    def _pins_of(self, tenant: str) -> list[int]:
+        """Per tier, the bytes the tenant's pins (leases, sessions) and stagings hold."""
+        pinned = self.store.reads.pinned_under(self.owners.roots(tenant))
+        shm = self.store.shared_memory_tier_name
+        if shm is not None:
+            pinned[self.store.tier_names().index(shm)] += self.staged.get(tenant)
+        return pinned
+
     def check_pin_room(self, tenant: str) -> None:
         """``QuotaExceeded`` when the tenant's pinned blocks hold more than its ``pin_share``
         of some tier already (checked before a lease or a staging is taken)."""
         share = self.quotas.of(tenant).pin_share
-        pinned = self.store.reads.pinned_under(self.owners.roots(tenant))
+        pinned = self._pins_of(tenant)
         for n, t in zip(pinned, self.store.stats_tiers(), strict=True):
             if n > share * t.capacity_bytes:
                 raise QuotaExceeded(

@@ -116,6 +116,8 @@ def drop(node: CacheNode, caller: Caller) -> tuple[int, int]:
     caller.leases.clear()
     freed = 0
     for staged in caller.stagings.values():
+        node.staged.add(caller.tenant, -staged.charged)
+        staged.charged = 0
         try:
             freed += node.store.writes.abort(staged.write)
         except Exception:  # the others must go all the same

@@ -249,6 +249,8 @@ class Staged:
 
     key: bytes
     plan: StorePlan
+    charged: int = 0
+    """Bytes of slots it holds against its tenant's pins (``CacheNode.staged``)."""
 
     @property
     def write(self) -> Write:
@@ -274,8 +276,16 @@ def stage(node: CacheNode, caller: Caller, request: StoreRequest) -> Staged:
         node.store.writes.abort(plan.write)
         raise
     key = secrets.token_bytes(16)
-    staged = caller.stagings[key] = Staged(key, plan)
+    reserved = plan.write.status.count(STORED) * (plan.write.nbytes or 0)
+    staged = caller.stagings[key] = Staged(key, plan, reserved)
+    node.staged.add(caller.tenant, reserved)
     return staged
+
+
+def unstage(node: CacheNode, caller: Caller, staged: Staged) -> None:
+    """A staging closed (committed whole, aborted, or its caller gone): its charge goes."""
+    node.staged.add(caller.tenant, -staged.charged)
+    staged.charged = 0
 
 
 def commit(
@@ -300,7 +310,7 @@ def commit(
         status = node.store.writes.commit(write, checksums, nbytes).status
     finally:
         if not write.open:
-            del caller.stagings[key]
+            unstage(node, caller, caller.stagings.pop(key))
     if not write.open:
         complete(node, caller, staged.plan, kept(staged.status))
     return staged, status
@@ -309,4 +319,7 @@ def commit(
 def abort(node: CacheNode, caller: Caller, key: bytes) -> int:
     """Free one of the caller's stagings (an unknown key is no error); slots freed."""
     staged = caller.stagings.pop(key, None)
-    return node.store.writes.abort(staged.write) if staged is not None else 0
+    if staged is None:
+        return 0
+    unstage(node, caller, staged)
+    return node.store.writes.abort(staged.write)

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import time
 
 import httpx
 import pytest
 
-from sessioncache.connector import StreamClient
+from sessioncache.connector import SameHostClient, StreamClient
+from sessioncache.connector.samehost import _abort
+from sessioncache.dataplane import frames
+from sessioncache.dataplane.frames import Op
 from sessioncache.errors import InvalidInput, QuotaExceeded, StreamClosed
 from sessioncache.hashing import Namespace
+from sessioncache.status import BlockStatus
 from tests.security.conftest import ALICE, BOB, Guarded, NodeFactory, client
 
 NS = {"model": "bounds", "block_tokens": 1, "kv_dtype": "u8", "kv_layout": "x"}
@@ -201,3 +206,31 @@ def test_one_tenants_leases_pin_at_most_its_share_and_the_other_still_stores(
         assert (
             'sessioncache_tenant_held{bound="pin_share",tenant="alice"}' in bob.get("/metrics").text
         )
+
+
+def test_same_host_staging_counts_with_the_tenants_pins(guarded_node: NodeFactory) -> None:
+    mib = 1 << 20
+    node = guarded_node(
+        {
+            "SESSIONCACHE_CPU_BYTES": str(8 * mib),
+            "SESSIONCACHE_DISK_BYTES": "0",
+            "SESSIONCACHE_CPU_SPARE_CHUNKS": "0",
+        }
+    )
+    lease = {"namespace": NS, "tokens": [1], "lease_ms": 60_000}
+    with (
+        SameHostClient.discover(node.url, api_key="key-alice") as alice,
+        client(node, ALICE) as rest,
+    ):
+        root = alice.resolve(Namespace("bounds", 1, "u8", "staging"))
+        head = frames.StoreHead(root, None, 1, 5, mib)
+        tokens = struct.pack("<5I", *range(5))
+        body = alice._c.call(Op.STAGE, lambda rid: frames.encode_stage(rid, head, tokens))
+        staged = frames.decode_stage_ok(body, mib)
+        assert staged.status == [BlockStatus.STORED] * 5  # 5 MiB of slots, never committed
+        refused = rest.post("/v1/lookup", json=lease)
+        assert refused.status_code == 429 and "pin_share" in refused.json()["detail"]
+        _abort(alice._c, staged.staging)
+        assert rest.post("/v1/lookup", json=lease).status_code == 200
+    with client(node, BOB) as bob:  # bob's pins were never alice's
+        assert bob.post("/v1/lookup", json=lease).status_code == 200
