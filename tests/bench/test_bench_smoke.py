@@ -114,6 +114,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"^cpu_only\.same_host +session_min_ms [\d.]+ .*\n(?s:.*)"
         r'^\{"same_host": \{"session_min_ms": [\d.]+, .*"stream": \{.*\}\}$',
     ),
+    "bench.integrity": (
+        ["--rounds", "1", "--json"],
+        r"(?m)^store\.min_ms +[\d.]+\n(?s:.*)^checksum\.load_over_plain +[\d.]+\n"
+        r"(?s:.*)^\{\"store\.min_ms\": [\d.]+, .*\"load\.over_memcpy\": [\d.]+\}$",
+    ),
     "bench.store_paths": (
         ["--rounds", "1", "--json"],
         r"(?m)^rest\.min_ms +[\d.]+\n(?s:.*)^dd_fdatasync\.min_ms +[\d.]+\n(?s:.*)"
