@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from sessioncache.connector import StreamClient
 from sessioncache.dataplane.frames import HEADER_SIZE, Op, decode_header, encode_header
 from sessioncache.dataplane.transport import parse_address
 from tests.security.conftest import ALICE, BOB, Guarded, NodeFactory, client
@@ -48,6 +49,8 @@ def test_numbers_out_of_range_are_422(guarded_node: NodeFactory) -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
     r = raw(node, "/v1/lookup", b'{"namespace": ' + deep + b"}", ALICE)
     assert 400 <= r.status_code < 500, r.text
+    with client(node, BOB) as bob:  # alice's bad input costs bob nothing
+        assert bob.post("/v1/lookup", json={"namespace": NS, "tokens": list(range(8))}).is_success
     no_tracebacks(node)
 
 
@@ -62,6 +65,8 @@ def test_a_hello_nested_deep_is_refused_without_a_traceback(guarded_node: NodeFa
         assert decode_header(head, requests=False).opcode is Op.ERROR
         (code,) = struct.unpack_from("<H", s.recv(2, socket.MSG_WAITALL))
         assert code == 2  # MALFORMED
+    with StreamClient.discover(node.url, api_key="key-bob") as bob:  # the stream still serves
+        assert bob.tenant == "bob"
     no_tracebacks(node)
 
 

@@ -1,6 +1,7 @@
 """A durable store that could not reach the disk says so, and its retry makes the block
 durable or says so again: never ``durable`` for a block in memory only. The fault is real:
-the process runs out of file descriptors while it writes."""
+the process runs out of file descriptors while it writes. (In-process, on the store itself:
+tests/security/test_connections.py runs the same fault through a node with two tenants.)"""
 
 from __future__ import annotations
 
