@@ -92,11 +92,12 @@ async def put_block(
     """Upload one block handed out by ``POST /v1/store`` (raw payload bytes)."""
     bid = from_hex(block_hash)
     limit = node.settings.max_body_bytes
+    caller = Caller(tenant)
+    stores.upload_slot(node, caller, bid)  # a 403 before a byte of the body is read
     with inflight.charge(node.inflight, tenant) as charge:
         async with asynccontextmanager(read_body)(request, limit, _UPLOAD_BUFFERS, charge) as body:
             if not body:
                 raise InvalidInput("empty payload")
-            caller = Caller(tenant)
             status = await anyio.to_thread.run_sync(stores.upload, node, caller, bid, body)
     if not status.held:
         raise NoRoom(

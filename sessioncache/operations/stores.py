@@ -42,6 +42,7 @@ from sessioncache.operations.messages import StoreRequest
 from sessioncache.status import BlockStatus, kept
 from sessioncache.store import Write
 from sessioncache.tiers.payload import Payload, as_memoryview
+from sessioncache.uploads import UploadSlot
 
 STORED, PRESENT, DROPPED, REJECTED = (
     BlockStatus.STORED,
@@ -104,17 +105,24 @@ def plan_upload(
     return UploadPlan(namespace.block_tokens, hashes, missing)
 
 
-def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payload) -> BlockStatus:
-    """Phase two: store one handed-out block; with ``durable_uploads`` (and a durable tier) it
-    is on disk when this returns. ``PRESENT`` when it was already held, ``DROPPED`` when no
-    tier could make room for it."""
-    tenant = caller.tenant
-    slot = node.uploads.peek(tenant, block_hash)
+def upload_slot(node: CacheNode, caller: Caller, block_hash: BlockHash) -> UploadSlot:
+    """The caller's open upload slot for ``block_hash`` (``UploadRefused`` without one):
+    checked before a byte of the upload is read, and again when it is stored."""
+    slot = node.uploads.peek(caller.tenant, block_hash)
     if slot is None:
         raise UploadRefused(
             f"block {block_hash.hex()} was not handed out to this caller by POST /v1/store "
             "(or its upload slot expired)"
         )
+    return slot
+
+
+def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payload) -> BlockStatus:
+    """Phase two: store one handed-out block; with ``durable_uploads`` (and a durable tier) it
+    is on disk when this returns. ``PRESENT`` when it was already held, ``DROPPED`` when no
+    tier could make room for it."""
+    tenant = caller.tenant
+    slot = upload_slot(node, caller, block_hash)
     if slot.used and _same_as_held(node, block_hash, payload):
         return PRESENT  # a retry whose first answer was lost
     status = node.store.writes.fill(slot.write, slot.index, payload)

@@ -120,3 +120,14 @@ def test_one_tenants_uploads_in_flight_are_bounded_and_not_the_others(
         assert r.status_code == 200, r.text
     for s in open_:
         s.close()
+
+
+def test_an_upload_not_handed_out_is_refused_before_its_body(guarded_node: NodeFactory) -> None:
+    node = guarded_node()
+    with client(node, ALICE) as alice:  # alice's id, which bob was never handed
+        plan = alice.post("/v1/store", json={"namespace": tiny_ns(3, 1), "tokens": [9]}).json()
+    with connect(node) as s:
+        s.sendall(put_head(node, "key-bob", plan["missing"][0], 2 * MiB))  # no body sent
+        s.settimeout(5)
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 403"), answer[:200]
