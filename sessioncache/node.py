@@ -117,7 +117,7 @@ class CacheNode:
 
     def pin_shares(self) -> dict[str, float]:
         """Per tenant owning blocks, the largest share of a tier its pinned blocks hold."""
-        tiers = self.store.stats_tiers()
+        tiers = self.store.tiers
         out: dict[str, float] = {}
         for tenant in self.owners.per_tenant():
             pinned = self._pins_of(tenant)
@@ -146,7 +146,7 @@ class CacheNode:
         of some tier already (checked before a lease or a staging is taken)."""
         share = self.quotas.of(tenant).pin_share
         pinned = self._pins_of(tenant)
-        for n, t in zip(pinned, self.store.stats_tiers(), strict=True):
+        for n, t in zip(pinned, self.store.tiers, strict=True):
             if n > share * t.capacity_bytes:
                 raise QuotaExceeded(
                     f"tenant {tenant!r} pins {n} bytes of the {t.name} tier, more than its share "

@@ -109,29 +109,19 @@ class Tally:
         self._quotas = quotas
         self._bound = bound
         self._what = what
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._held = Counts()
 
     def take(self, tenant: str, n: int = 1) -> None:
         """``n`` more for ``tenant``; ``QuotaExceeded`` (and nothing taken) past its bound."""
         limit = getattr(self._quotas.of(tenant), self._bound)
-        with self._lock:
-            held = self._held.get(tenant, 0)
-            if held + n > limit:
-                raise refuse(tenant, self._bound, held, limit, self._what)
-            self._held[tenant] = held + n
+        if not self._held.add(tenant, n, at_most=limit):
+            raise refuse(tenant, self._bound, self._held.get(tenant), limit, self._what)
 
     def give(self, tenant: str, n: int = 1) -> None:
-        with self._lock:
-            left = self._held.get(tenant, 0) - n
-            if left > 0:
-                self._held[tenant] = left
-            else:
-                self._held.pop(tenant, None)
+        self._held.add(tenant, -n)
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._held)
+        return self._held.snapshot()
 
 
 class Counts:
@@ -141,13 +131,18 @@ class Counts:
         self._n: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def add(self, tenant: str, n: int = 1) -> None:
+    def add(self, tenant: str, n: int = 1, *, at_most: float | None = None) -> bool:
+        """Add ``n`` (negative: take away); False, and nothing added, when the count would
+        pass ``at_most``."""
         with self._lock:
             left = self._n.get(tenant, 0) + n
+            if at_most is not None and left > at_most:
+                return False
             if left > 0:
                 self._n[tenant] = left
             else:
                 self._n.pop(tenant, None)
+            return True
 
     def get(self, tenant: str) -> int:
         with self._lock:

@@ -36,7 +36,6 @@ class NamespaceOwners:
         self._repository = repository
         self._owners: dict[bytes, str] = {}
         self._namespaces: dict[bytes, dict[str, Any]] = {}  # the roots' descriptions
-        self._per_tenant: dict[str, int] = {}
         self._roots_of: dict[str, set[bytes]] = {}
         self._lock = threading.Lock()
         self.limit: Callable[[str], int] | None = None
@@ -64,7 +63,7 @@ class NamespaceOwners:
         with self._lock:
             if self._owners.get(root) == tenant:
                 return
-            held = self._per_tenant.get(tenant, 0)
+            held = len(self._roots_of.get(tenant, ()))
             limit = None if self.limit is None else self.limit(tenant)
             if limit is not None and held >= limit:
                 raise refuse(tenant, "namespaces", held, limit, "namespaces")
@@ -79,10 +78,8 @@ class NamespaceOwners:
         """``root`` belongs to ``tenant`` now (called with the lock held)."""
         before = self._owners.get(root)
         if before is not None:
-            self._per_tenant[before] -= 1
             self._roots_of[before].discard(root)
         self._owners[root] = tenant
-        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         self._roots_of.setdefault(tenant, set()).add(root)
 
     def roots(self, tenant: str) -> list[bytes]:
@@ -93,7 +90,7 @@ class NamespaceOwners:
     def per_tenant(self) -> dict[str, int]:
         """Roots owned per tenant."""
         with self._lock:
-            return {t: n for t, n in self._per_tenant.items() if n}
+            return {t: len(roots) for t, roots in self._roots_of.items() if roots}
 
     def owner(self, root: bytes) -> str | None:
         with self._lock:
