@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from sessioncache.events import UsageRecorder
+from sessioncache.sessions import SessionKey
 
 MAX_TRACKED = 100_000
 """Most namespaces and sessions whose token counts are kept in memory."""
@@ -30,10 +31,12 @@ class TokenAccounting:
         self._tokens = TokenCounts()
         # per namespace root and per session (bounded: a flood starts them afresh)
         self._root_tokens: dict[bytes, TokenCounts] = {}
-        self._session_hits: dict[str, int] = {}
+        self._session_hits: dict[SessionKey, int] = {}
         self.usage = usage
 
-    def count(self, hit: int, asked: int, *, root: bytes, session_id: str | None = None) -> None:
+    def count(
+        self, hit: int, asked: int, *, root: bytes, session: SessionKey | None = None
+    ) -> None:
         """One lookup of ``asked`` tokens under ``root``, ``hit`` of them held."""
         with self._lock:
             self._tokens.hit += hit
@@ -45,10 +48,10 @@ class TokenAccounting:
                 per_root = self._root_tokens[root] = TokenCounts()
             per_root.hit += hit
             per_root.miss += asked - hit
-            if session_id is not None and hit:
-                if session_id not in self._session_hits and len(self._session_hits) >= MAX_TRACKED:
+            if session is not None and hit:
+                if session not in self._session_hits and len(self._session_hits) >= MAX_TRACKED:
                     self._session_hits.clear()
-                self._session_hits[session_id] = self._session_hits.get(session_id, 0) + hit
+                self._session_hits[session] = self._session_hits.get(session, 0) + hit
         if self.usage is not None:  # durable history, bucketed (write-behind, never blocks)
             self.usage.record_usage("hit_tokens", hit)
             self.usage.record_usage("miss_tokens", asked - hit)
@@ -61,6 +64,6 @@ class TokenAccounting:
         with self._lock:
             return {root: replace(t) for root, t in self._root_tokens.items()}
 
-    def session_hits(self, session_ids: Sequence[str]) -> dict[str, int]:
+    def session_hits(self, sessions: Sequence[SessionKey]) -> dict[SessionKey, int]:
         with self._lock:
-            return {sid: self._session_hits.get(sid, 0) for sid in session_ids}
+            return {key: self._session_hits.get(key, 0) for key in sessions}

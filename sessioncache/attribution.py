@@ -43,6 +43,7 @@ from typing import Literal, NamedTuple
 from sessioncache.blocks import BlockMeta
 from sessioncache.events import Touched
 from sessioncache.hashing import HASH_BYTES, BlockHash
+from sessioncache.sessions import SessionKey
 
 Reason = Literal["diverged", "evicted", "expired", "new"]
 REASONS: tuple[Reason, ...] = ("diverged", "evicted", "expired", "new")
@@ -185,7 +186,6 @@ class SessionTotals:
 
 @dataclass(slots=True)
 class _Trail:
-    tenant: str
     prev_ids: bytes = b""
     prev_tokens: bytes | None = None
     held: int = 0
@@ -216,7 +216,7 @@ class Attribution:
         self._store = store
         self.drops = drops
         self._max_sessions = max_sessions
-        self._trails: OrderedDict[str, _Trail] = OrderedDict()
+        self._trails: OrderedDict[SessionKey, _Trail] = OrderedDict()
         self._miss_tokens: dict[Reason, int] = dict.fromkeys(REASONS, 0)
         self._lock = threading.Lock()
 
@@ -231,15 +231,15 @@ class Attribution:
         asked_tokens: int,
         *,
         tokens: bytes | None = None,
-        session: tuple[str, str] | None = None,
+        session: SessionKey | None = None,
     ) -> MissReport:
         """Classify a lookup's missed tokens (``hashes[matched:]`` and the tokens past the last
-        full block), add them to the totals and, for a ``session`` (id, tenant), remember the
+        full block), add them to the totals and, for a ``session`` (tenant, id), remember the
         prompt as the session's previous one."""
         trail = None
         if session is not None:
             with self._lock:
-                trail = self._trail(*session)
+                trail = self._trail(session)
                 prev_ids, prev_tokens, held = trail.prev_ids, trail.prev_tokens, trail.held
                 budget = trail.budget_unpinned
         else:
@@ -311,36 +311,35 @@ class Attribution:
 
     def stored(
         self,
-        session_id: str,
-        tenant: str,
+        session: SessionKey,
         hashes: Sequence[BlockHash],
         tokens: bytes | None,
     ) -> None:
         """The session stored this prompt: it is now the session's previous prompt, held."""
         ids = b"".join(hashes)
         with self._lock:
-            trail = self._trail(session_id, tenant)
+            trail = self._trail(session)
             trail.prev_ids, trail.prev_tokens, trail.held = ids, tokens, len(hashes)
             trail.budget_unpinned = False
 
     # -- session events --------------------------------------------------------------------
 
-    def unpinned(self, session_id: str, cause: str) -> None:
+    def unpinned(self, session: SessionKey, cause: str) -> None:
         """The session's pins were dropped (``pin_budget``, ``idle``) or it ended
         (``closed``, ``expired``: its totals go with it)."""
         with self._lock:
             if cause in ("closed", "expired"):
-                self._trails.pop(session_id, None)
+                self._trails.pop(session, None)
                 return
-            trail = self._trails.get(session_id)
+            trail = self._trails.get(session)
             if trail is not None:
                 trail.budget_unpinned = cause == "pin_budget"
 
-    def session_totals(self, session_id: str, tenant: str) -> SessionTotals:
-        """The totals of a session of ``tenant`` (zeros when nothing is known of it)."""
+    def session_totals(self, session: SessionKey) -> SessionTotals:
+        """The totals of a session (zeros when nothing is known of it)."""
         with self._lock:
-            trail = self._trails.get(session_id)
-            if trail is None or trail.tenant != tenant:
+            trail = self._trails.get(session)
+            if trail is None:
                 return SessionTotals()
             t = trail.totals
             return SessionTotals(t.lookups, t.hit_tokens, dict(t.miss_tokens), t.last_divergence)
@@ -350,14 +349,14 @@ class Attribution:
         with self._lock:
             return dict(self._miss_tokens)
 
-    def _trail(self, session_id: str, tenant: str) -> _Trail:
-        trail = self._trails.get(session_id)
-        if trail is None or trail.tenant != tenant:
-            trail = self._trails[session_id] = _Trail(tenant)
+    def _trail(self, session: SessionKey) -> _Trail:
+        trail = self._trails.get(session)
+        if trail is None:
+            trail = self._trails[session] = _Trail()
             if len(self._trails) > self._max_sessions:
                 self._trails.popitem(last=False)
         else:
-            self._trails.move_to_end(session_id)
+            self._trails.move_to_end(session)
         return trail
 
 

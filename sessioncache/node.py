@@ -30,7 +30,7 @@ from sessioncache.hashing import (
 )
 from sessioncache.history import Sample, StatsHistory, TierSample
 from sessioncache.quotas import Counts, Quotas, TenantLimits
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions import SessionKey, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tenancy import NamespaceOwners
 from sessioncache.tiers.base import CheckedTier, SharedTier
@@ -162,9 +162,9 @@ class CacheNode:
         """Hit and miss tokens per namespace root, since the process started."""
         return self.accounting.per_namespace()
 
-    def session_hit_tokens(self, session_ids: Sequence[str]) -> dict[str, int]:
+    def session_hit_tokens(self, sessions: Sequence[SessionKey]) -> dict[SessionKey, int]:
         """Hit tokens of lookups naming each session, since the process started."""
-        return self.accounting.session_hits(session_ids)
+        return self.accounting.session_hits(sessions)
 
     def describe_root(self, root: bytes) -> tuple[str, dict[str, object]] | None:
         """(tenant, namespace fields) of a namespace root, when known."""

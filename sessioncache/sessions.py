@@ -57,6 +57,11 @@ read it alike): no '/', no whitespace, no control character."""
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 
 MAX_SESSION_ID_LEN = 128
+DEFAULT_TENANT = "default"
+
+SessionKey = tuple[str, str]
+"""A session's identity: (tenant, id). Ids are scoped by tenant: two tenants' sessions of one
+id are two sessions, and nothing one does with it shows in the other's."""
 
 
 @dataclass(slots=True)
@@ -70,6 +75,10 @@ class Session:
     expires_at: float
     head: BlockHash | None = None
     pinned: bool = False
+
+    @property
+    def key(self) -> SessionKey:
+        return (self.tenant, self.id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +100,11 @@ class SessionRepository(Protocol):
 
     def save_session(self, session: Session) -> None: ...
 
-    def delete_session(self, session_id: str) -> None: ...
+    def delete_session(self, key: SessionKey) -> None: ...
 
     def load_sessions(self) -> Iterable[Session]: ...
 
-    def load_session(self, session_id: str) -> Session | None: ...
+    def load_session(self, key: SessionKey) -> Session | None: ...
 
 
 class SessionManager:
@@ -124,20 +133,20 @@ class SessionManager:
         self._pin_share = pin_share
         self._repo = repository
         self._lock = threading.RLock()
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[SessionKey, Session] = {}
         self.tenants = Counts()
         """Open sessions per tenant."""
         self.limit: Callable[[str], int] | None = None
         """A tenant's bound on its open sessions (``quotas.TenantLimits.sessions``)."""
         # Pinned sessions, least recently active first, with the ids their pins hold.
-        self._pins: OrderedDict[str, list[BlockHash]] = OrderedDict()
+        self._pins: OrderedDict[SessionKey, list[BlockHash]] = OrderedDict()
         # When sessions expire, and when pinned ones go idle: a sweep visits the due ones only.
-        self._expiring: ExpiryIndex[str] = ExpiryIndex()
-        self._idling: ExpiryIndex[str] = ExpiryIndex()
-        self._unpin_listeners: list[Callable[[str, str], None]] = []
+        self._expiring: ExpiryIndex[SessionKey] = ExpiryIndex()
+        self._idling: ExpiryIndex[SessionKey] = ExpiryIndex()
+        self._unpin_listeners: list[Callable[[SessionKey, str], None]] = []
 
-    def on_unpin(self, listener: Callable[[str, str], None]) -> None:
-        """Call ``listener(session_id, cause)`` when a session's pins go: ``pin_budget``,
+    def on_unpin(self, listener: Callable[[SessionKey, str], None]) -> None:
+        """Call ``listener((tenant, session_id), cause)`` when a session's pins go: ``pin_budget``,
         ``idle``, ``closed`` or ``expired`` (miss attribution tells capacity pressure from the
         pin budget's). Called with the manager's lock held: it must not call back."""
         self._unpin_listeners.append(listener)
@@ -152,11 +161,11 @@ class SessionManager:
         self,
         session_id: str | None = None,
         *,
-        tenant: str = "default",
+        tenant: str = DEFAULT_TENANT,
         kind: str = "agent",
         ttl_s: float | None = None,
     ) -> Session:
-        """Open a session, or return the open one with that id (and tenant)."""
+        """Open a session, or return the tenant's open one with that id."""
         if kind not in self._kind_ttls:
             raise InvalidInput(
                 f"unknown session kind {kind!r}; kinds are {sorted(self._kind_ttls)}"
@@ -167,7 +176,7 @@ class SessionManager:
             _check_id(session_id)
         with self._lock:
             now = self._clock.now()
-            if session_id is not None and self._find(session_id) is not None:
+            if session_id is not None and self._find((tenant, session_id)) is not None:
                 session = self._owned(session_id, tenant)
                 session.last_seen = now
                 session.expires_at = max(session.expires_at, now + session.ttl_s)
@@ -192,7 +201,7 @@ class SessionManager:
                 self._repo.create_session(replace(session))
             return replace(session)
 
-    def get(self, session_id: str, *, tenant: str | None = None) -> Session:
+    def get(self, session_id: str, *, tenant: str = DEFAULT_TENANT) -> Session:
         with self._lock:
             return replace(self._owned(session_id, tenant))
 
@@ -215,13 +224,13 @@ class SessionManager:
             page = self._repo.query_sessions(query, now=now)
             with self._lock:
                 for session in page.sessions:
-                    session.pinned = session.id in self._pins
+                    session.pinned = session.key in self._pins
             return page
         with self._lock:
             return page_in_memory([replace(s) for s in self._sessions.values()], query, now=now)
 
     def extend(
-        self, session_id: str, *, tenant: str | None = None, ttl_s: float | None = None
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None
     ) -> Session:
         """Slide the session's expiry (optionally with a new, longer or shorter, TTL)."""
         if ttl_s is not None:
@@ -233,18 +242,14 @@ class SessionManager:
                 session.ttl_s = float(ttl_s)
             session.last_seen = now
             session.expires_at = now + session.ttl_s
-            self._expiring.add(session.id, session.expires_at)  # may be sooner than filed
+            self._expiring.add(session.key, session.expires_at)  # may be sooner than filed
             self._save(session)
             return replace(session)
 
-    def close(self, session_id: str, *, tenant: str | None = None) -> None:
+    def close(self, session_id: str, *, tenant: str = DEFAULT_TENANT) -> None:
         """End the session: its pins go; its blocks age out by their TTL."""
         with self._lock:
-            self._owned(session_id, tenant)
-            self._unpin(session_id, "closed")
-            self.tenants.add(self._sessions.pop(session_id).tenant, -1)
-            if self._repo is not None:
-                self._repo.delete_session(session_id)
+            self._drop(self._owned(session_id, tenant).key, "closed")
 
     # -- data path ----------------------------------------------------------------------
 
@@ -253,7 +258,7 @@ class SessionManager:
         session_id: str,
         hashes: Sequence[BlockHash],
         *,
-        tenant: str | None = None,
+        tenant: str = DEFAULT_TENANT,
         lease_s: float | None = None,
     ) -> Match:
         """``reads.lookup`` on behalf of a session: TTLs at least the session's, chain pinned."""
@@ -270,7 +275,7 @@ class SessionManager:
         *,
         namespace_root: bytes,
         prefix: Sequence[BlockHash] = (),
-        tenant: str | None = None,
+        tenant: str = DEFAULT_TENANT,
         durable: bool = False,
     ) -> WriteResult:
         """``writes.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
@@ -288,7 +293,7 @@ class SessionManager:
         return result
 
     def record(
-        self, session_id: str, chain: Sequence[BlockHash], *, tenant: str | None = None
+        self, session_id: str, chain: Sequence[BlockHash], *, tenant: str = DEFAULT_TENANT
     ) -> Session:
         """Note that the session's chain is now ``chain`` (blocks stored some other way, for
         instance PUT one by one over HTTP): slide its TTL, raise its blocks' TTLs, pin them."""
@@ -299,11 +304,11 @@ class SessionManager:
             self._end(session, chain)
             return replace(session)
 
-    def adopt(self, session_id: str, hashes: Sequence[BlockHash]) -> None:
+    def adopt(self, key: SessionKey, hashes: Sequence[BlockHash]) -> None:
         """Blocks of a pinned session's chain that arrived after its last request (uploaded
         one by one): pin them too."""
         with self._lock:
-            held = self._pins.get(session_id)
+            held = self._pins.get(key)
             if held is None:
                 return
             held.extend(self._store.reads.pin(hashes))
@@ -316,14 +321,11 @@ class SessionManager:
         with self._lock:
             now = self._clock.now()
             expired = self._expiring.due(now, self._expired)
-            for session_id in expired:
-                self._unpin(session_id, "expired")
-                self.tenants.add(self._sessions.pop(session_id).tenant, -1)
-                if self._repo is not None:
-                    self._repo.delete_session(session_id)
+            for key in expired:
+                self._drop(key, "expired")
             idle = self._idling.due(now, self._idle)
-            for session_id in idle:
-                self._unpin(session_id, "idle")
+            for key in idle:
+                self._unpin(key, "idle")
         return SweepReport(len(expired), len(idle), self._store.writes.expire())
 
     def restore(self) -> int:
@@ -336,7 +338,7 @@ class SessionManager:
             loaded = 0
             for session in self._repo.load_sessions():
                 if session.expires_at <= now:
-                    self._repo.delete_session(session.id)
+                    self._repo.delete_session(session.key)
                     continue
                 session.pinned = False
                 self._held(session)
@@ -348,14 +350,14 @@ class SessionManager:
             self._enforce_pin_budget()
             return loaded
 
-    def pinned_sessions(self) -> list[str]:
-        """Ids of sessions whose chains are pinned, least recently active first."""
+    def pinned_sessions(self) -> list[SessionKey]:
+        """Sessions whose chains are pinned, least recently active first."""
         with self._lock:
             return list(self._pins)
 
     # -- a store call between two holds of the lock (see the module docstring) -----------
 
-    def _begin(self, session_id: str, tenant: str | None) -> tuple[Session, float]:
+    def _begin(self, session_id: str, tenant: str) -> tuple[Session, float]:
         """The open session (``SessionNotFound`` otherwise) and its TTL, for the store call."""
         with self._lock:
             session = self._owned(session_id, tenant)
@@ -365,7 +367,7 @@ class SessionManager:
         """After the store call: ``chain`` is the session's activity (empty: none held), if
         the session is still the open one of its id."""
         with self._lock:
-            if self._sessions.get(session.id) is not session:
+            if self._sessions.get(session.key) is not session:
                 return  # closed, swept or replaced meanwhile: this came just before that
             if chain:
                 self._activity(session, chain)
@@ -374,11 +376,11 @@ class SessionManager:
 
     # -- internals (lock held) ----------------------------------------------------------
 
-    def _find(self, session_id: str) -> Session | None:
-        session = self._sessions.get(session_id)
+    def _find(self, key: SessionKey) -> Session | None:
+        session = self._sessions.get(key)
         if session is None and self._repo is not None:
             # Opened through another node sharing the catalog: it continues here.
-            session = self._repo.load_session(session_id)
+            session = self._repo.load_session(key)
             if session is not None and session.expires_at > self._clock.now():
                 session.pinned = False
                 self._held(session)
@@ -386,34 +388,42 @@ class SessionManager:
 
     def _held(self, session: Session) -> None:
         """``session`` is open here from now on."""
-        self._sessions[session.id] = session
-        self._expiring.add(session.id, session.expires_at)
+        self._sessions[session.key] = session
+        self._expiring.add(session.key, session.expires_at)
         self.tenants.add(session.tenant)
 
-    def _expired(self, session_id: str, now: float) -> tuple[str | None, float | None]:
-        """For ``ExpiryIndex.due``: the id if the session has expired, else when to look again."""
-        session = self._sessions.get(session_id)
+    def _drop(self, key: SessionKey, cause: str) -> None:
+        """The session ends (``closed``, ``expired``): pins, row and count go."""
+        self._unpin(key, cause)
+        self.tenants.add(self._sessions.pop(key).tenant, -1)
+        if self._repo is not None:
+            self._repo.delete_session(key)
+
+    def _expired(self, key: SessionKey, now: float) -> tuple[SessionKey | None, float | None]:
+        """For ``ExpiryIndex.due``: the key if the session has expired, else when to look
+        again."""
+        session = self._sessions.get(key)
         if session is None:
             return None, None
         if session.expires_at <= now:
-            return session_id, None
+            return key, None
         return None, session.expires_at
 
-    def _idle(self, session_id: str, now: float) -> tuple[str | None, float | None]:
-        """For ``ExpiryIndex.due``: the id if the pinned session is idle, else when to look
+    def _idle(self, key: SessionKey, now: float) -> tuple[SessionKey | None, float | None]:
+        """For ``ExpiryIndex.due``: the key if the pinned session is idle, else when to look
         again (never, once unpinned: a new pin files it again)."""
-        session = self._sessions.get(session_id)
-        if session is None or session_id not in self._pins:
+        session = self._sessions.get(key)
+        if session is None or key not in self._pins:
             return None, None
         due = session.last_seen + self._idle_timeout
         if due <= now:
-            return session_id, None
+            return key, None
         return None, due
 
-    def _owned(self, session_id: str, tenant: str | None) -> Session:
+    def _owned(self, session_id: str, tenant: str) -> Session:
         _check_id(session_id)  # before any catalog read: an id from the data plane is raw
-        session = self._find(session_id)
-        if session is None or (tenant is not None and session.tenant != tenant):
+        session = self._find((tenant, session_id))
+        if session is None:
             raise SessionNotFound(f"no open session {session_id!r}")
         if session.expires_at <= self._clock.now():
             raise SessionNotFound(f"session {session_id!r} has expired")
@@ -423,8 +433,8 @@ class SessionManager:
         now = self._clock.now()
         session.last_seen = now
         session.expires_at = max(session.expires_at, now + session.ttl_s)
-        if session.id in self._pins:
-            self._pins.move_to_end(session.id)
+        if session.key in self._pins:
+            self._pins.move_to_end(session.key)
         self._save(session)
 
     def _activity(self, session: Session, chain: Sequence[BlockHash]) -> None:
@@ -434,7 +444,7 @@ class SessionManager:
         self._enforce_pin_budget()
 
     def _pin(self, session: Session, chain: Sequence[BlockHash]) -> None:
-        old = self._pins.pop(session.id, None)
+        old = self._pins.pop(session.key, None)
         if old and len(chain) >= len(old) and chain[len(old) - 1] == old[-1]:
             # The usual turn: the chain only grew. Ids commit to their whole prefix, so equal
             # last ids mean the old pins are a prefix of the new chain: pin the growth only.
@@ -445,18 +455,18 @@ class SessionManager:
             new = self._store.reads.pin(chain)
             if old:
                 self._store.reads.unpin(old)
-        self._pins[session.id] = new
+        self._pins[session.key] = new
         if old is None:
-            self._idling.add(session.id, session.last_seen + self._idle_timeout)
+            self._idling.add(session.key, session.last_seen + self._idle_timeout)
         session.pinned = True
 
-    def _unpin(self, session_id: str, cause: str) -> None:
+    def _unpin(self, key: SessionKey, cause: str) -> None:
         for listener in self._unpin_listeners:
-            listener(session_id, cause)
-        held = self._pins.pop(session_id, None)
+            listener(key, cause)
+        held = self._pins.pop(key, None)
         if held:
             self._store.reads.unpin(held)
-        session = self._sessions.get(session_id)
+        session = self._sessions.get(key)
         if session is not None:
             session.pinned = False
 

@@ -149,7 +149,7 @@ def session_row(store: TieredStore, session: Session, hit_tokens: int) -> dict[s
 def session_detail(node: CacheNode, store: TieredStore, session: Session) -> dict[str, Any]:
     """The session's row and its chain, root first, each block with the tiers holding it."""
     chain = store.reads.chain_tiers(session.head) if session.head is not None else []
-    hits = node.session_hit_tokens([session.id])[session.id]
+    hits = node.session_hit_tokens([session.key])[session.key]
     return {
         **session_row(store, session, hits),
         "tiers": store.tier_names(),

@@ -184,28 +184,38 @@ def list_sessions(
         tenant=tenant,
     )
     page_ = sessions.page(query)
-    hits = node.session_hit_tokens([s.id for s in page_.sessions])
+    hits = node.session_hit_tokens([s.key for s in page_.sessions])
     return {
         "total": page_.total,
         "offset": offset,
         "limit": limit,
-        "sessions": [overview.session_row(store, s, hits[s.id]) for s in page_.sessions],
+        "sessions": [overview.session_row(store, s, hits[s.key]) for s in page_.sessions],
     }
 
 
-@router.get("/api/sessions/{session_id}")
+# A session is named by its tenant and its id: ids are scoped by tenant.
+ONE = "/api/sessions/{tenant}/{session_id}"
+
+
+@router.get(ONE)
 def get_session(
-    session_id: str, node: NodeDep, store: StoreDep, sessions: SessionsDep, admin: AdminDep
+    tenant: str,
+    session_id: str,
+    node: NodeDep,
+    store: StoreDep,
+    sessions: SessionsDep,
+    admin: AdminDep,
 ) -> dict[str, Any]:
-    return overview.session_detail(node, store, sessions.get(session_id))
+    return overview.session_detail(node, store, sessions.get(session_id, tenant=tenant))
 
 
 class ExtendIn(BaseModel):
     ttl_s: float | None = Field(None, gt=0, description="a new TTL; none: slide the current one")
 
 
-@router.post("/api/sessions/{session_id}/extend")
+@router.post(ONE + "/extend")
 def extend_session(
+    tenant: str,
     session_id: str,
     body: ExtendIn,
     node: NodeDep,
@@ -213,24 +223,24 @@ def extend_session(
     sessions: SessionsDep,
     admin: MutationDep,
 ) -> dict[str, Any]:
-    extended = sessions.extend(session_id, ttl_s=body.ttl_s)
-    hits = node.session_hit_tokens([session_id])[session_id]
+    extended = sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s)
+    hits = node.session_hit_tokens([extended.key])[extended.key]
     return overview.session_row(store, extended, hits)
 
 
-@router.post("/api/sessions/{session_id}/close", status_code=204)
-def close_session(session_id: str, sessions: SessionsDep, admin: MutationDep) -> None:
+@router.post(ONE + "/close", status_code=204)
+def close_session(tenant: str, session_id: str, sessions: SessionsDep, admin: MutationDep) -> None:
     """Close: the pins go, the blocks age out by their TTL."""
-    sessions.close(session_id)
+    sessions.close(session_id, tenant=tenant)
 
 
-@router.post("/api/sessions/{session_id}/purge")
+@router.post(ONE + "/purge")
 def purge_session(
-    session_id: str, store: StoreDep, sessions: SessionsDep, admin: MutationDep
+    tenant: str, session_id: str, store: StoreDep, sessions: SessionsDep, admin: MutationDep
 ) -> dict[str, int]:
     """Close and drop the session's chain from every tier now (blocks another live session
     pins, or a lease holds, stay)."""
-    session = sessions.get(session_id)
+    session = sessions.get(session_id, tenant=tenant)
     chain = store.reads.chain_to(session.head) if session.head is not None else []
-    sessions.close(session_id)
+    sessions.close(session_id, tenant=tenant)
     return {"dropped_blocks": store.writes.delete(chain[::-1])}  # tail first

@@ -74,7 +74,7 @@ def get_session(
     """The session, with its lookups' tokens hit and missed by reason and the last point
     where its prompt diverged from the one before (``attribution``)."""
     session = sessions.get(session_id, tenant=tenant)  # another tenant's: 404
-    return session_out(session, attribution.session_totals(session_id, tenant))
+    return session_out(session, attribution.session_totals(session.key))
 
 
 @router.post("/{session_id}/extend", response_model=SessionOut, responses=ERRORS)

@@ -90,8 +90,8 @@ class SessionRow(Base):
 
     __tablename__ = "sessions"
 
+    tenant: Mapped[str] = mapped_column(String(TENANT_LEN), primary_key=True)
     id: Mapped[str] = mapped_column(String(SESSION_ID_LEN), primary_key=True)
-    tenant: Mapped[str] = mapped_column(String(TENANT_LEN), nullable=False)
     kind: Mapped[str] = mapped_column(String(KIND_LEN), nullable=False)
     ttl_s: Mapped[float] = mapped_column(Double, nullable=False)
     created: Mapped[float] = mapped_column(Double, nullable=False)
@@ -99,10 +99,7 @@ class SessionRow(Base):
     expires_at: Mapped[float] = mapped_column(Double, nullable=False)
     head: Mapped[bytes | None] = mapped_column(LargeBinary(ID_BYTES), nullable=True)
 
-    __table_args__ = (
-        Index("ix_sessions_tenant", "tenant"),
-        Index("ix_sessions_expires_at", "expires_at"),
-    )
+    __table_args__ = (Index("ix_sessions_expires_at", "expires_at"),)
 
 
 class UsageCounterRow(Base):

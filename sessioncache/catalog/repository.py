@@ -56,7 +56,7 @@ from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import CatalogError, CatalogNotMigrated
 from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
-from sessioncache.sessions import Session
+from sessioncache.sessions import Session, SessionKey
 from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock, Tier
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class CatalogStats:
 class _Batch:
     blocks: dict[tuple[bytes, str], BlockRecord | None] = field(default_factory=dict)
     touches: dict[bytes, _Touch] = field(default_factory=dict)
-    sessions: dict[str, Session] = field(default_factory=dict)
+    sessions: dict[SessionKey, Session] = field(default_factory=dict)
     usage: dict[tuple[str, float], int] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -544,6 +544,7 @@ class Catalog:
                 stmts.save_session,
                 [
                     {
+                        "s_tenant": s.tenant,
                         "s_id": s.id,
                         "s_ttl_s": s.ttl_s,
                         "s_last_seen": s.last_seen,

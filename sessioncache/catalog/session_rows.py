@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import ColumnElement, delete, func, or_, select
 
 from sessioncache.catalog.models import sessions_table
 from sessioncache.catalog.retry import retried_on_disconnect
 from sessioncache.hashing import BlockHash
 from sessioncache.session_query import SessionPage, SessionQuery
-from sessioncache.sessions import Session
+from sessioncache.sessions import Session, SessionKey
 
 if TYPE_CHECKING:
     from sessioncache.catalog.repository import Catalog
@@ -26,7 +26,7 @@ class SessionRows:
     def create_session(self, session: Session) -> None:
         """Insert (or overwrite) the session's row; durable when this returns."""
         with self._catalog._qlock:
-            self._catalog._pending.sessions.pop(session.id, None)
+            self._catalog._pending.sessions.pop(session.key, None)
         params = session_params(session)
         with self._catalog._write_lock, self._catalog.engine.begin() as conn:
             conn.execute(self._catalog._stmts.upsert_session, [params])
@@ -34,18 +34,18 @@ class SessionRows:
     def save_session(self, session: Session) -> None:
         """Queue the session's new expiry and head (an update of its existing row)."""
         with self._catalog._qlock:
-            self._catalog._pending.sessions[session.id] = session
+            self._catalog._pending.sessions[session.key] = session
             size = len(self._catalog._pending.sessions)
         if size >= self._catalog._max_pending:
             self._catalog._flusher.wake()
 
     @retried_on_disconnect
-    def delete_session(self, session_id: str) -> None:
+    def delete_session(self, key: SessionKey) -> None:
         """Delete the session's row; durable when this returns."""
         with self._catalog._qlock:
-            self._catalog._pending.sessions.pop(session_id, None)
+            self._catalog._pending.sessions.pop(key, None)
         with self._catalog._write_lock, self._catalog.engine.begin() as conn:
-            conn.execute(delete(sessions_table).where(sessions_table.c.id == session_id))
+            conn.execute(delete(sessions_table).where(*_is(key)))
 
     @retried_on_disconnect
     def load_sessions(self) -> list[Session]:
@@ -53,15 +53,14 @@ class SessionRows:
         self._catalog.flush()
         t = sessions_table
         with self._catalog.engine.connect() as conn:
-            rows = conn.execute(select(t).order_by(t.c.created, t.c.id)).all()
+            rows = conn.execute(select(t).order_by(t.c.created, t.c.tenant, t.c.id)).all()
         return [session_of(r) for r in rows]
 
     @retried_on_disconnect
-    def load_session(self, session_id: str) -> Session | None:
+    def load_session(self, key: SessionKey) -> Session | None:
         """One stored session, e.g. opened through another node sharing this catalog."""
-        t = sessions_table
         with self._catalog.engine.connect() as conn:
-            row = conn.execute(select(t).where(t.c.id == session_id)).first()
+            row = conn.execute(select(sessions_table).where(*_is(key))).first()
         return session_of(row) if row is not None else None
 
     @retried_on_disconnect
@@ -82,13 +81,19 @@ class SessionRows:
                 )
             )
         column = t.c[query.sort]
-        order = [column.desc(), t.c.id.desc()] if query.descending else [column, t.c.id]
+        ties = [t.c.id, t.c.tenant]
+        order = [column.desc(), *(c.desc() for c in ties)] if query.descending else [column, *ties]
         with self._catalog.engine.connect() as conn:
             total = conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one()
             rows = conn.execute(
                 select(t).where(*where).order_by(*order).offset(query.offset).limit(query.limit)
             ).all()
         return SessionPage(int(total), [session_of(r) for r in rows])
+
+
+def _is(key: SessionKey) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
+    """The row of the session ``key`` (tenant, id)."""
+    return sessions_table.c.tenant == key[0], sessions_table.c.id == key[1]
 
 
 def session_params(s: Session) -> dict[str, Any]:

@@ -63,12 +63,16 @@ class Statements:
         )
         session_insert = insert(s)
         self.upsert_session: Executable = session_insert.on_conflict_do_update(
-            index_elements=[s.c.id],
-            set_={c.name: session_insert.excluded[c.name] for c in s.columns if c.name != "id"},
+            index_elements=[s.c.tenant, s.c.id],
+            set_={
+                c.name: session_insert.excluded[c.name]
+                for c in s.columns
+                if c.name not in ("tenant", "id")
+            },
         )
         self.save_session: Executable = (
             update(s)
-            .where(s.c.id == bindparam("s_id"))
+            .where(s.c.tenant == bindparam("s_tenant"), s.c.id == bindparam("s_id"))
             .values(
                 ttl_s=bindparam("s_ttl_s"),
                 last_seen=bindparam("s_last_seen"),

@@ -148,7 +148,8 @@ def _account(
     asked: int,
 ) -> MissReport:
     session_id = request.session_id
-    node.accounting.count(matched * block_tokens, asked, root=request.root, session_id=session_id)
+    session = (caller.tenant, session_id) if session_id is not None else None
+    node.accounting.count(matched * block_tokens, asked, root=request.root, session=session)
     return node.attribution.lookup(
         request.root,
         request.ids,
@@ -158,7 +159,7 @@ def _account(
         tokens=bytes(request.tokens)
         if request.tokens is not None and session_id is not None
         else None,
-        session=(session_id, caller.tenant) if session_id is not None else None,
+        session=session,
     )
 
 

@@ -101,7 +101,7 @@ def plan_upload(
         node.uploads.open_many(tenant, missing, write, session_id=session_id)
     if session_id is not None and hashes:
         node.sessions.record(session_id, hashes, tenant=tenant)
-        node.attribution.stored(session_id, tenant, hashes, bytes(token_bytes))
+        node.attribution.stored((tenant, session_id), hashes, bytes(token_bytes))
     return UploadPlan(namespace.block_tokens, hashes, missing)
 
 
@@ -130,7 +130,7 @@ def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payl
         return DROPPED  # the slot stays open: a later try may find room
     node.uploads.mark_used(tenant, block_hash)
     if slot.session_id is not None and status is STORED:
-        node.sessions.adopt(slot.session_id, [block_hash])
+        node.sessions.adopt((tenant, slot.session_id), [block_hash])
     return status
 
 
@@ -244,7 +244,7 @@ def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> Non
         return  # closed or expired since the plan: the blocks are stored all the same
     whole = not request.keyed and request.parent is None
     tokens = request.units[: 4 * request.block_tokens * kept] if whole else None
-    node.attribution.stored(session_id, caller.tenant, chain, tokens)
+    node.attribution.stored((caller.tenant, session_id), chain, tokens)
 
 
 # -- the same host: staged slots ------------------------------------------------------------

@@ -50,7 +50,7 @@ GETS = [
     "/admin/api/history",
     "/admin/api/namespaces",
     "/admin/api/sessions",
-    "/admin/api/sessions/acme-0-0",
+    "/admin/api/sessions/acme/acme-0-0",
 ]
 
 
@@ -64,7 +64,7 @@ def test_refused_without_the_token_or_with_a_wrong_one(server: Server):
         for path in GETS:
             r = httpx.get(server.url + path, headers=headers)
             assert r.status_code == 401, (path, headers, r.text)
-        r = httpx.post(server.url + "/admin/api/sessions/acme-0-0/close", headers=headers)
+        r = httpx.post(server.url + "/admin/api/sessions/acme/acme-0-0/close", headers=headers)
         assert r.status_code == 401
     assert httpx.post(server.url + "/admin/api/login", json={"token": "wrong"}).status_code == 401
     assert httpx.post(server.url + "/admin/api/login", json={}).status_code == 422
@@ -88,7 +88,7 @@ def test_login_cookie_and_csrf(server: Server):
         for path in GETS:
             assert client.get(path).status_code == 200, path
         # mutations without the CSRF token, or with another login's, are refused
-        url = "/admin/api/sessions/acme-0-1/extend"
+        url = "/admin/api/sessions/acme/acme-0-1/extend"
         assert client.post(url, json={}).status_code == 403
         another, other = logged_in(server)
         another.close()
@@ -105,16 +105,16 @@ def test_login_cookie_and_csrf(server: Server):
 
 def test_bearer_needs_no_csrf_and_purge_drops_the_chain(server: Server):
     with httpx.Client(base_url=server.url, headers=BEARER, timeout=30) as admin:
-        detail = admin.get("/admin/api/sessions/acme-0-2").json()
+        detail = admin.get("/admin/api/sessions/acme/acme-0-2").json()
         assert detail["blocks"] == 6 and {b["tiers"][0] for b in detail["chain"]} == {"cpu"}
         before = admin.get("/admin/api/overview").json()["blocks"]
-        r = admin.post("/admin/api/sessions/acme-0-2/purge")
+        r = admin.post("/admin/api/sessions/acme/acme-0-2/purge")
         assert r.status_code == 200
         # the 4 system-prompt blocks are pinned by the tenant's other sessions: they stay
         assert r.json() == {"dropped_blocks": 2}
         assert admin.get("/admin/api/overview").json()["blocks"] == before - 2
-        assert admin.get("/admin/api/sessions/acme-0-2").status_code == 404
-        assert admin.post("/admin/api/sessions/acme-0-2/close").status_code == 404
+        assert admin.get("/admin/api/sessions/acme/acme-0-2").status_code == 404
+        assert admin.post("/admin/api/sessions/acme/acme-0-2/close").status_code == 404
 
 
 def test_sessions_are_searched_sorted_and_paged(server: Server):
@@ -151,10 +151,11 @@ def test_bad_listing_parameters_are_422(server: Server, params: dict[str, object
 
 def test_unknown_session_and_bad_ttl(server: Server):
     with httpx.Client(base_url=server.url, headers=BEARER, timeout=30) as admin:
-        assert admin.get("/admin/api/sessions/nope").status_code == 404
-        assert admin.post("/admin/api/sessions/nope/extend", json={}).status_code == 404
+        assert admin.get("/admin/api/sessions/acme/nope").status_code == 404
+        assert admin.post("/admin/api/sessions/acme/nope/extend", json={}).status_code == 404
         assert (
-            admin.post("/admin/api/sessions/acme-0-3/extend", json={"ttl_s": -1}).status_code == 422
+            admin.post("/admin/api/sessions/acme/acme-0-3/extend", json={"ttl_s": -1}).status_code
+            == 422
         )
 
 
@@ -170,8 +171,10 @@ def test_open_local_mode_serves_the_dashboard_but_mutations_need_csrf(open_serve
         assert session["mode"] == "open" and session["csrf"]
         assert c.get("/admin/api/overview").status_code == 200
         c.post("/v1/sessions", json={"session_id": "open-1"})
-        assert c.post("/admin/api/sessions/open-1/close").status_code == 403
-        r = c.post("/admin/api/sessions/open-1/close", headers={"x-csrf-token": session["csrf"]})
+        assert c.post("/admin/api/sessions/default/open-1/close").status_code == 403
+        r = c.post(
+            "/admin/api/sessions/default/open-1/close", headers={"x-csrf-token": session["csrf"]}
+        )
         assert r.status_code == 204
         assert c.get("/v1/sessions/open-1").status_code == 404
 
@@ -233,3 +236,22 @@ def test_metrics_docs_and_grafana_agree_with_a_scrape(server: Server):
     }
     used.discard("sessioncache_overview")  # the dashboard's uid
     assert used - names - NO_FLEET == set(), "the Grafana board asks for unknown series"
+
+
+def test_a_session_is_named_by_its_tenant_and_its_id(server: Server):
+    for key, kind in (("key-acme", "chat"), ("key-globex", "agent")):
+        r = httpx.post(
+            server.url + "/v1/sessions",
+            json={"session_id": "twin", "kind": kind},
+            headers={"authorization": f"Bearer {key}"},
+        )
+        assert r.status_code == 201, r.text
+    with httpx.Client(base_url=server.url, headers=BEARER, timeout=30) as admin:
+        assert admin.get("/admin/api/sessions/acme/twin").json()["kind"] == "chat"
+        assert admin.get("/admin/api/sessions/globex/twin").json()["kind"] == "agent"
+        twins = admin.get("/admin/api/sessions", params={"q": "twin"}).json()
+        assert sorted(s["tenant"] for s in twins["sessions"]) == ["acme", "globex"]
+        assert admin.post("/admin/api/sessions/acme/twin/close").status_code == 204
+        assert admin.get("/admin/api/sessions/acme/twin").status_code == 404
+        assert admin.get("/admin/api/sessions/globex/twin").json()["kind"] == "agent"
+        assert admin.post("/admin/api/sessions/globex/twin/close").status_code == 204

@@ -199,7 +199,8 @@ def test_logged_out_page_shows_only_the_login(server: Server, browser: Any):
     sync_api.expect(page.locator("#view-overview")).to_be_hidden()
     # a request from the page without the login's CSRF token is refused
     status = page.evaluate(
-        "async () => (await fetch('/admin/api/sessions/acme-1-1/close', {method: 'POST'})).status"
+        "async () => (await fetch('/admin/api/sessions/acme/acme-1-1/close',"
+        " {method: 'POST'})).status"
     )
     assert status == 401
     context.close()

@@ -212,10 +212,10 @@ ADMIN_CALLS = [
     ("get", "/admin/api/history", None),
     ("get", "/admin/api/namespaces", None),
     ("get", "/admin/api/sessions", None),
-    ("get", "/admin/api/sessions/some-session", None),
-    ("post", "/admin/api/sessions/some-session/extend", {"ttl_s": 60}),
-    ("post", "/admin/api/sessions/some-session/close", None),
-    ("post", "/admin/api/sessions/some-session/purge", None),
+    ("get", "/admin/api/sessions/some-tenant/some-session", None),
+    ("post", "/admin/api/sessions/some-tenant/some-session/extend", {"ttl_s": 60}),
+    ("post", "/admin/api/sessions/some-tenant/some-session/close", None),
+    ("post", "/admin/api/sessions/some-tenant/some-session/purge", None),
     ("post", "/admin/api/logout", None),
 ]
 ENGINE = {"engine_id": "eng-hostile", "namespace": NS, "endpoint": "tcp://127.0.0.1:9"}
@@ -259,7 +259,9 @@ def test_admin_api_refuses_missing_or_wrong_tokens(guarded_server: Server) -> No
     # and the token itself still opens it (fewer wrong tries than the lock-out needs)
     r = httpx.get(f"{url}/admin/api/overview", headers=bearer(ADMIN_KEY))
     assert r.status_code == 200
-    r = httpx.post(f"{url}/admin/api/sessions/some-session/close", headers=bearer(ADMIN_KEY))
+    r = httpx.post(
+        f"{url}/admin/api/sessions/some-tenant/some-session/close", headers=bearer(ADMIN_KEY)
+    )
     assert r.status_code == 404  # authenticated: an unknown session, not a refusal
     text = Path(guarded_server.log).read_text()
     assert "wrong-admin-secret" not in text and ADMIN_KEY not in text
@@ -282,7 +284,7 @@ def test_routing_endpoints_refuse_missing_or_wrong_keys(guarded_server: Server) 
     "path",
     [
         "/admin/api/login",
-        "/admin/api/sessions/some-session/extend",
+        "/admin/api/sessions/some-tenant/some-session/extend",
         "/v1/engines",
         "/v1/route",
     ],

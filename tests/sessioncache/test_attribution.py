@@ -91,8 +91,8 @@ def test_rings_and_sessions_are_bounded():
     assert drops.find(ids(1, 1)[0]) is None and drops.find(ids(1, 1, 9)[0]) is not None
     attribution = Attribution(view(), drops, max_sessions=2)
     for sid in "abc":
-        attribution.lookup(ROOT, ids(2, 2), 0, BT, 2 * BT, session=(sid, "t"))
-    assert attribution.session_totals("a", "t").lookups == 0  # dropped, the oldest
-    assert attribution.session_totals("c", "t").lookups == 1
-    assert attribution.session_totals("c", "other").lookups == 0
+        attribution.lookup(ROOT, ids(2, 2), 0, BT, 2 * BT, session=("t", sid))
+    assert attribution.session_totals(("t", "a")).lookups == 0  # dropped, the oldest
+    assert attribution.session_totals(("t", "c")).lookups == 1
+    assert attribution.session_totals(("other", "c")).lookups == 0
     assert sum(attribution.miss_tokens().values()) == 3 * 2 * BT

@@ -117,7 +117,7 @@ def test_idle_timeout_releases_pins_and_the_next_turn_pins_again(clock: ManualCl
     sm.open("s")
     chain = block_hashes(NS, tokens(1, 4))
     store_turn(sm, "s", chain)
-    assert sm.pinned_sessions() == ["s"] and store.stats().pinned_blocks == 4
+    assert sm.pinned_sessions() == [("default", "s")] and store.stats().pinned_blocks == 4
     clock.advance(HOUR + 1)
     assert sm.sweep().idle_unpinned == 1
     assert store.stats().pinned_blocks == 0 and not sm.get("s").pinned
@@ -131,11 +131,11 @@ def test_pin_budget_unpins_the_least_recently_active_sessions(clock: ManualClock
         sm.open(sid)
         clock.advance(1)
         store_turn(sm, sid, block_hashes(NS, tokens(i, 4)))
-    assert sm.pinned_sessions() == ["mid", "new"]
+    assert [k[1] for k in sm.pinned_sessions()] == ["mid", "new"]
     assert store.stats_tiers()[0].pinned_bytes <= 10 * SIZE
     clock.advance(1)
     store_turn(sm, "old", block_hashes(NS, tokens(0, 4)))  # activity pins it again
-    assert sm.pinned_sessions() == ["new", "old"]
+    assert [k[1] for k in sm.pinned_sessions()] == ["new", "old"]
 
 
 def test_pins_never_make_the_cache_refuse_work(clock: ManualClock):
@@ -164,11 +164,13 @@ def test_record_pins_blocks_stored_by_other_means(clock: ManualClock):
 
 def test_tenants_cannot_see_each_others_sessions(clock: ManualClock):
     _, sm = make(8, clock)
-    sm.open("s", tenant="acme")
+    sm.open("s", tenant="acme", kind="chat")
     with pytest.raises(SessionNotFound):
         sm.get("s", tenant="other")
-    with pytest.raises(SessionNotFound):
-        sm.open("s", tenant="other")
+    # one id, two tenants: two sessions, each independent of the other
+    assert sm.open("s", tenant="other").kind == "agent"
+    assert sm.get("s", tenant="acme").kind == "chat"
+    sm.close("s", tenant="other")
     assert [s.id for s in sm.list_sessions(tenant="acme")] == ["s"]
     assert sm.list_sessions(tenant="other") == []
 

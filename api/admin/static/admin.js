@@ -123,7 +123,7 @@ function route() {
   for (const a of document.querySelectorAll("nav a")) {
     a.classList.toggle("active", a.dataset.view === (name === "session" ? "sessions" : name));
   }
-  state.detail = name === "session" ? decodeURIComponent(rest.join("/")) : null;
+  state.detail = name === "session" ? rest.join("/") : null; // "<tenant>/<id>", each encoded
   if (name === "overview" && !state.samples.length) loadHistory();
   startPolling();
 }
@@ -311,10 +311,10 @@ async function refreshSessions() {
   const body = $("#sessions tbody");
   body.replaceChildren();
   for (const s of page.sessions) {
-    const tr = el("tr", null, { "data-session": s.id });
+    const tr = el("tr", null, { "data-session": s.id, "data-tenant": s.tenant });
     cell(tr, s.tenant);
     const idCell = cell(tr, null);
-    idCell.appendChild(el("a", s.id, { href: "#session/" + encodeURIComponent(s.id) }));
+    idCell.appendChild(el("a", s.id, { href: "#session/" + sessionPath(s) }));
     cell(tr, s.kind);
     cell(tr, fmtTime(s.created), s.created);
     cell(tr, fmtTime(s.last_seen), s.last_seen);
@@ -326,7 +326,7 @@ async function refreshSessions() {
     for (const [label, action, cls] of [["Extend", "extend", ""], ["Close", "close", ""], ["Purge", "purge", "danger"]]) {
       const b = el("button", label, { type: "button", "data-action": action });
       if (cls) b.className = cls;
-      b.addEventListener("click", () => act(action, s.id));
+      b.addEventListener("click", () => act(action, s));
       actions.appendChild(b);
     }
     body.appendChild(tr);
@@ -341,10 +341,13 @@ async function refreshSessions() {
     th.classList.toggle("asc", th.dataset.sort === q.sort && q.order === "asc");
   }
 }
-async function act(action, id) {
+// A session is named by its tenant and its id (ids are scoped by tenant).
+function sessionPath(s) { return encodeURIComponent(s.tenant) + "/" + encodeURIComponent(s.id); }
+async function act(action, s) {
+  const id = `${s.tenant}/${s.id}`;
   if (action === "purge" && !confirm(`Purge session ${id}: close it and drop its blocks from every tier?`)) return;
   try {
-    await api(`/admin/api/sessions/${encodeURIComponent(id)}/${action}`, { method: "POST", body: {} });
+    await api(`/admin/api/sessions/${sessionPath(s)}/${action}`, { method: "POST", body: {} });
   } catch (err) {
     banner(`${action} ${id}: ${err.message}`);
     return;
@@ -375,7 +378,7 @@ $("#next").addEventListener("click", () => { state.sessions.offset += state.sess
 
 // -- one session's chain ---------------------------------------------------------------
 async function refreshDetail() {
-  const d = await api("/admin/api/sessions/" + encodeURIComponent(state.detail));
+  const d = await api("/admin/api/sessions/" + state.detail);
   $("#detail-id").textContent = d.id;
   const dl = $("#detail-fields");
   dl.replaceChildren();

@@ -62,11 +62,12 @@ while True:
             [(h * (cfg["size"] // 16))[: cfg["size"]] for h in seg],
             namespace_root=root,
             prefix=hashes[:j],
+            tenant="t",
             durable=True,
         )
         assert not result.dropped, result
         print("B", sid, *(h.hex() for h in seg), flush=True)
-        manager.lookup(sid, hashes[: j + 2])
+        manager.lookup(sid, hashes[: j + 2], tenant="t")
     i += 1
 """
 
@@ -143,11 +144,11 @@ def check_recovery(migrated, root, sessions, chains) -> None:
     for h in blocks:
         assert bytes(store.reads.get(h).numpy()) == data(h), h.hex()
     for sid in sessions:
-        session = manager.get(sid)
+        session = manager.get(sid, tenant="t")
         assert session.tenant == "t"
         chain = chains[sid]
         if chain:
-            assert manager.lookup(sid, chain).num_blocks == len(chain)
+            assert manager.lookup(sid, chain, tenant="t").num_blocks == len(chain)
     catalog.close()
     store.close()
 

@@ -45,7 +45,7 @@ def test_a_session_read_survives_its_backend_being_terminated(
     catalog = migrated.catalog()
     catalog.sessions.create_session(Session("s-1", "default", "agent", 60.0, 1.0, 1.0, 61.0))
     killed = terminate_next_select(catalog, "FROM sessions")
-    session = catalog.sessions.load_session("s-1")
+    session = catalog.sessions.load_session(("default", "s-1"))
     assert killed and session is not None and session.id == "s-1"
 
 
@@ -56,5 +56,5 @@ def test_a_session_write_survives_its_backend_being_terminated(
     catalog = migrated.catalog()
     killed = terminate_next_select(catalog, "INSERT INTO sessions")
     catalog.sessions.create_session(Session("s-2", "default", "agent", 60.0, 1.0, 1.0, 61.0))
-    session = catalog.sessions.load_session("s-2")
+    session = catalog.sessions.load_session(("default", "s-2"))
     assert killed and session is not None and session.expires_at == 61.0

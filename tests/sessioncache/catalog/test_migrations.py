@@ -32,7 +32,7 @@ def test_upgrade_from_empty_creates_the_tables(db):
     assert not tables(db) & TABLES
     migrations.upgrade(db.url, schema=db.schema)
     assert tables(db) >= TABLES | {"alembic_version"}
-    assert migrations.current(db.url, schema=db.schema) == migrations.head() == "0002"
+    assert migrations.current(db.url, schema=db.schema) == migrations.head() == "0003"
     assert migrations.is_current(db.url, schema=db.schema)
 
 
@@ -93,12 +93,12 @@ def run(*argv: str) -> int:
 def test_db_command_upgrade_current_downgrade(db, capsys):
     target = ["--url", db.url] + (["--schema", db.schema] if db.schema else [])
     assert run("db", "current", *target) == 0
-    assert "at revision None (head is 0002)" in capsys.readouterr().out
+    assert "at revision None (head is 0003)" in capsys.readouterr().out
     assert run("db", "upgrade", *target) == 0
-    assert "at revision 0002" in capsys.readouterr().out
+    assert "at revision 0003" in capsys.readouterr().out
     assert tables(db) >= TABLES
     assert run("db", "current", *target) == 0
-    assert "at revision 0002 (up to date)" in capsys.readouterr().out
+    assert "at revision 0003 (up to date)" in capsys.readouterr().out
     assert run("db", "downgrade", "base", *target) == 0
     assert "at revision None" in capsys.readouterr().out
     assert not tables(db) & TABLES
@@ -110,7 +110,7 @@ def test_db_command_defaults_to_sqlite_under_the_data_dir(tmp_path, monkeypatch,
     monkeypatch.setenv("SESSIONCACHE_DATA_DIR", str(tmp_path / "data"))
     assert run("db", "upgrade") == 0
     assert (tmp_path / "data" / "catalog.db").exists()
-    assert migrations.current(f"sqlite:///{tmp_path / 'data' / 'catalog.db'}") == "0002"
+    assert migrations.current(f"sqlite:///{tmp_path / 'data' / 'catalog.db'}") == "0003"
 
 
 def test_url_precedence(tmp_path, monkeypatch):
@@ -143,3 +143,32 @@ def test_upgrade_to_0002_keeps_a_catalog_and_fills_each_namespace_tenant(db):
     catalog = db.catalog()
     assert catalog.namespaces()[b"\x01" * 16] == owned  # the description is as it was
     catalog.close()
+
+
+def test_upgrade_to_0003_keys_sessions_by_tenant_and_keeps_them(db):
+    migrations.upgrade(db.url, schema=db.schema, revision="0002")
+    engine = db.engine()
+    row = "(:id, :tenant, 'agent', 60, 0, :seen, 1e12, NULL)"
+    insert = text(
+        "INSERT INTO sessions (id, tenant, kind, ttl_s, created, last_seen, expires_at, head)"
+        f" VALUES {row}"
+    )
+    with engine.begin() as conn:
+        conn.execute(insert, [{"id": "s1", "tenant": "alice", "seen": 1.0}])
+    migrations.upgrade(db.url, schema=db.schema)
+    key = inspect(engine).get_pk_constraint("sessions", schema=db.schema)
+    assert sorted(key["constrained_columns"]) == ["id", "tenant"]
+    with engine.begin() as conn:  # bob's s1 beside alice's
+        conn.execute(insert, [{"id": "s1", "tenant": "bob", "seen": 2.0}])
+    catalog = db.catalog()
+    assert {(s.tenant, s.id) for s in catalog.sessions.load_sessions()} == {
+        ("alice", "s1"),
+        ("bob", "s1"),
+    }
+    assert catalog.sessions.load_session(("alice", "s1")).last_seen == 1.0
+    catalog.close()
+    migrations.downgrade(db.url, "0002", schema=db.schema)  # one row per id: the latest
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT tenant, id FROM sessions")).all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [("bob", "s1")]

@@ -73,7 +73,7 @@ def test_the_manager_pages_through_its_repository(make_catalog):
     for i in range(4):
         manager.open(f"m{i}", tenant="acme")
         clock.advance(1)
-    manager.extend("m0")  # a write-behind save: paging flushes it first
+    manager.extend("m0", tenant="acme")  # a write-behind save: paging flushes it first
     page = manager.page(SessionQuery(sort="last_seen", limit=2))
     assert page.total == 4 and ids(page) == ["m0", "m3"]
     without = SessionManager(TieredStore([CpuTier(1 << 20)], clock=clock))

@@ -51,7 +51,7 @@ def test_round_trip_create_save_delete_load(make_catalog):
     assert stored(catalog, "s1").last_seen == 2000.0
     assert catalog.sessions.load_sessions() == [later, s2]
 
-    catalog.sessions.delete_session("s2")
+    catalog.sessions.delete_session(("acme", "s2"))
     assert stored(catalog, "s2") is None
     assert [s.id for s in catalog.sessions.load_sessions()] == ["s1"]
 
@@ -68,7 +68,7 @@ def test_a_deleted_session_is_not_revived_by_a_pending_save(make_catalog):
     catalog = make_catalog()
     catalog.sessions.create_session(session())
     catalog.sessions.save_session(replace(session(), last_seen=3000.0))
-    catalog.sessions.delete_session("s1")
+    catalog.sessions.delete_session(("acme", "s1"))
     catalog.flush()
     assert catalog.sessions.load_sessions() == []
     # Saves are updates: one for a session that is gone writes nothing.
@@ -94,7 +94,7 @@ def test_session_manager_restores_from_the_catalog(make_catalog, tmp_path):
     manager = SessionManager(store, repository=catalog.sessions)
     hashes = block_hashes(NS, np.arange(5 * NS.block_tokens))
     a = manager.open("a", tenant="t1")
-    manager.put("a", hashes, [bytes(64)] * 5, namespace_root=NS.root(), durable=True)
+    manager.put("a", hashes, [bytes(64)] * 5, namespace_root=NS.root(), tenant="t1", durable=True)
     manager.open("b", kind="chat")
     manager.open("gone")
     manager.close("gone")
@@ -105,10 +105,10 @@ def test_session_manager_restores_from_the_catalog(make_catalog, tmp_path):
     store = TieredStore([DiskTier.open(tmp_path / "disk", 1 << 24)], clock=clock)
     manager = SessionManager(store, repository=catalog.sessions)
     assert manager.restore() == 2
-    restored = manager.get("a")
+    restored = manager.get("a", tenant="t1")
     assert (restored.tenant, restored.head, restored.created) == ("t1", hashes[-1], a.created)
     assert manager.get("b").kind == "chat"
-    assert manager.lookup("a", hashes).num_blocks == 5
+    assert manager.lookup("a", hashes, tenant="t1").num_blocks == 5
     # Expired sessions are dropped from the catalog on restore.
     clock.advance(8 * 86400.0)
     manager = SessionManager(store, repository=catalog.sessions)
