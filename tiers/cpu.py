@@ -8,7 +8,10 @@ a GPU: they exercise unpinned slabs only, never a pinned allocation.
 same-host data path, ``docs/dataplane.md``): each chunk is one anonymous memory file
 (``memfd_create``) mapped into the node, a *segment* with a small integer id. A process the
 node hands a segment's descriptor to (over its Unix socket, ``SCM_RIGHTS``) maps the same
-pages and copies blocks straight out of them or into reserved slots. Nothing has a name in
+pages, read-only: a segment is sealed against every writable mapping but the node's own
+(``F_SEAL_FUTURE_WRITE``), so no peer can change a block under its readers; peers write the
+blocks they store into staging memory of their own (``dataplane.staging``), which the node
+copies into a reserved slot at COMMIT. Nothing has a name in
 ``/dev/shm``: the kernel frees a segment with its last descriptor and mapping, so a node killed
 with ``kill -9`` leaves nothing behind. A shared tier is never pinned: registering its pages
 with CUDA (``cudaHostRegister``) is not built, so on a CUDA host the factory keeps the pinned
@@ -18,6 +21,7 @@ with CUDA (``cudaHostRegister``) is not built, so on a CUDA host the factory kee
 from __future__ import annotations
 
 import fcntl
+import functools
 import itertools
 import mmap
 import os
@@ -30,14 +34,52 @@ from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import SlotLocation, StagedSlot
 from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Memory, _Slab, _Slot
 
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; not in fcntl
+
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """A segment's size is fixed once made: a peer holding its descriptor cannot truncate it
 under the node (which would kill the node with SIGBUS on its next access)."""
 
+_SEALS_READ_ONLY = _SEALS | F_SEAL_FUTURE_WRITE
+"""Also no write and no writable mapping from now on, through any descriptor, ``mprotect``
+included; the node's mapping, made before the seal, stays writable."""
+
+
+def shared_segment(name: str, nbytes: int, *, read_only: bool = False) -> tuple[int, torch.Tensor]:
+    """A new memfd segment of ``nbytes``, sized for good, mapped writable into this process
+    and populated: its descriptor and a flat ``uint8`` tensor over the mapping. With
+    ``read_only`` every other mapping of it can only read."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        # Populated now (as a pinned allocation would be): no page faults on the data path.
+        memory = mmap.mmap(
+            fd,
+            nbytes,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS_READ_ONLY if read_only else _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, torch.frombuffer(memory, dtype=torch.uint8)
+
+
+@functools.cache
+def _seals_work() -> bool:
+    try:
+        fd, _ = shared_segment("sessioncache-probe", mmap.PAGESIZE, read_only=True)
+    except OSError:
+        return False  # a kernel before 5.1: no F_SEAL_FUTURE_WRITE
+    os.close(fd)
+    return True
+
 
 def shared_memory_available() -> bool:
-    """Whether this platform has what ``SharedCpuTier`` needs (Linux: memfd, SCM_RIGHTS)."""
-    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+    """Whether this platform has what ``SharedCpuTier`` needs (Linux 5.1: memfd, its seals,
+    SCM_RIGHTS)."""
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and _seals_work()
 
 
 def _close_all(fds: dict[int, int]) -> None:
@@ -124,23 +166,8 @@ class SharedCpuTier(CpuTier):
         # Called by a put (lock held) or by the spares' thread (no lock): touches only the
         # id counter (``itertools.count`` is atomic) and new objects.
         segment = next(self._segment_ids)
-        fd = os.memfd_create(
-            f"sessioncache-{self.name}-{segment}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-        )
-        try:
-            os.ftruncate(fd, nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            # Populated now (as a pinned allocation would be): no page faults on the data path.
-            memory = mmap.mmap(
-                fd,
-                nbytes,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            )
-        except BaseException:
-            os.close(fd)
-            raise
-        return _Memory(torch.frombuffer(memory, dtype=torch.uint8), fd, segment)
+        fd, tensor = shared_segment(f"sessioncache-{self.name}-{segment}", nbytes, read_only=True)
+        return _Memory(tensor, fd, segment)
 
     @staticmethod
     def _drop_memory(memory: _Memory) -> None:

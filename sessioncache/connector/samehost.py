@@ -31,6 +31,7 @@ ends.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import mmap
 import os
@@ -75,6 +76,8 @@ from sessioncache.errors import (
     StreamClosed,
 )
 from sessioncache.status import BlockStatus
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; not in fcntl
 
 __all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup"]
 
@@ -212,12 +215,15 @@ class SegmentMaps:
 
     @staticmethod
     def _map(fd: int) -> npt.NDArray[np.uint8]:
+        """Map a segment: the CPU tier's read-only (the node sealed it against writers), this
+        connection's staging memory writable."""
         size = os.fstat(fd).st_size
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_WRITE)
         memory = mmap.mmap(
             fd,
             size,
             flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            prot=mmap.PROT_READ if sealed else mmap.PROT_READ | mmap.PROT_WRITE,
         )
         return np.frombuffer(memory, np.uint8)
 

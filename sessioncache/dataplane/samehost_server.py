@@ -9,10 +9,13 @@ node's own uid, checked with ``SO_PEERCRED``). Then besides every stream request
 - SEGMENTS: descriptors of the CPU tier's memfd segments, passed with ``SCM_RIGHTS``;
 - LOCATE: a LOOKUP whose leased blocks are answered with where they lie in those segments
   (copied there first when held only lower) and their XXH3-64;
-- STAGE / COMMIT / ABORT: slots to fill in place, published when their checksums match.
+- STAGE / COMMIT / ABORT: slots to fill, in staging memory of this connection alone
+  (``dataplane.staging``); a COMMIT copies each into the CPU tier and publishes the copy when
+  its checksum matches.
 
-No payload byte crosses the socket. Trusted means trusted: a peer that maps the segments can
-read and write every block of every tenant in the CPU tier, whatever the ops answer it.
+No payload byte crosses the socket. A trusted peer may read every block of every tenant in
+the CPU tier, whatever the ops answer it; no peer can change one: the tier's segments are
+mapped read-only outside the node.
 
 Crash safety: everything a connection holds, its leases and its staged slots, is released when
 it ends, however it ends (a client killed with ``kill -9`` closes its socket in the kernel).
@@ -35,11 +38,13 @@ from sessioncache.dataplane.server import (
     lookup_request,
     store_request,
 )
+from sessioncache.dataplane.staging import Region, StagingMemory
 from sessioncache.dataplane.transport import SocketTransport, Transport, UnixListener
-from sessioncache.errors import AuthRefused, InvalidInput, StreamClosed
+from sessioncache.errors import AuthRefused, InvalidInput, StreamClosed, TierUnavailable
 from sessioncache.node import OPEN_TENANT, CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
+from sessioncache.tiers.base import StagedSlot
 
 log = logging.getLogger("sessioncache.connector.samehost")
 
@@ -57,14 +62,18 @@ def peer_credentials(transport: Transport) -> tuple[int, int, int] | None:
 
 class SameHostConnection(Connection):
     """One same-host peer: a stream connection with the shared-memory ops (module doc). It
-    adds only what shared memory needs: descriptor passing, peer credentials, and the slots
-    the operation layer's stagings name; the caller's stagings go with it (``Caller``)."""
+    adds only what shared memory needs: descriptor passing, peer credentials, and the
+    staging memory its client writes the blocks it stores into; the caller's stagings go with
+    it (``Caller``), and so does that memory."""
 
     def __init__(self, server: SameHostServer, transport: Transport) -> None:
         super().__init__(server, transport)
         self.tier = server.tier
         self.trusted = server.trusted
         self.credentials = peer_credentials(transport)
+        self.staging = StagingMemory()
+        # per open staging: its region, and which slot there each new block has
+        self._regions: dict[bytes, tuple[Region, dict[int, int]]] = {}
 
     def run(self) -> None:
         """Serve the peer (never raises); whatever it held goes when it ends."""
@@ -81,6 +90,13 @@ class SameHostConnection(Connection):
             return
         super().run()
 
+    def _drop(self) -> None:
+        try:
+            super()._drop()
+        finally:
+            self._regions.clear()
+            self.staging.close()
+
     def _admit(self, caller: Caller) -> None:
         if caller.tenant not in self.trusted:
             raise AuthRefused(
@@ -92,7 +108,8 @@ class SameHostConnection(Connection):
 
     def _segments(self, header: Header, session: str | None) -> None:
         wanted = frames.decode_segments(self._body())
-        live = self.tier.segments()
+        own = self.staging.segments()
+        live = [*own, *self.tier.segments()]
         alive = set(live)
         sent: list[int] = []
         fds: list[int] = []
@@ -101,7 +118,8 @@ class SameHostConnection(Connection):
                 if segment not in alive or len(sent) == MAX_FDS:
                     continue
                 try:
-                    fds.append(self.tier.segment_fd(segment))
+                    source = self.staging if segment in own else self.tier
+                    fds.append(source.segment_fd(segment))
                 except KeyError:
                     continue  # retired since: not live any more
                 sent.append(segment)
@@ -150,23 +168,50 @@ class SameHostConnection(Connection):
         head = frames.decode_stage_head(fixed, header, self.limits, session)
         request = store_request(head, self._body(head.token_bytes))
         staged = stores.stage(self.node, self._caller, request)
+        new = [i for i, slot in enumerate(staged.write.slots) if slot is not None]
+        try:
+            region = self.staging.take(len(new), staged.write.nbytes or 1) if new else Region()
+        except OSError as exc:
+            stores.abort(self.node, self._caller, staged.key)
+            raise TierUnavailable(f"no staging memory for {len(new)} blocks: {exc}") from exc
+        except BaseException:
+            stores.abort(self.node, self._caller, staged.key)
+            raise
+        index = {i: k for k, i in enumerate(new)}
+        self._regions[staged.key] = (region, index)
+        where = [
+            region.locations[index[i]] if i in index else None
+            for i in range(len(staged.write.slots))
+        ]
         ok = frames.StageOk(
             staged.key,
             staged.plan.durable,
             list(staged.plan.ids),
             list(staged.status),
-            [
-                Slot(where.segment, where.offset, where.nbytes) if where is not None else None
-                for where in staged.write.locations
-            ],
+            [Slot(w.segment, w.offset, w.nbytes) if w is not None else None for w in where],
         )
         self.transport.send([frames.encode_stage_ok(header.request_id, ok)])
 
     def _commit(self, header: Header, session: str | None) -> None:
         commit = frames.decode_commit(self._body(), self.limits)
-        staged, status = stores.commit(
-            self.node, self._caller, commit.staging, commit.start, commit.checksums, commit.nbytes
-        )
+        region, index = self._regions.get(commit.staging, (Region(), {}))
+
+        def copy_in(i: int, slot: StagedSlot) -> None:
+            slot.payload.copy_(region.views[index[i]])  # then checked: the node's own copy
+
+        try:
+            staged, status = stores.commit(
+                self.node,
+                self._caller,
+                commit.staging,
+                commit.start,
+                commit.checksums,
+                commit.nbytes,
+                copy_in=copy_in,
+            )
+        finally:
+            if commit.staging not in self._caller.stagings:  # committed whole, or failed
+                self._give(commit.staging)
         end = commit.start + len(commit.checksums)
         ok = frames.StoreOk(
             staged.plan.durable,
@@ -176,8 +221,16 @@ class SameHostConnection(Connection):
         self.transport.send([frames.encode_commit_ok(header.request_id, ok)])
 
     def _abort(self, header: Header, session: str | None) -> None:
-        stores.abort(self.node, self._caller, frames.decode_abort(self._body()))
+        key = frames.decode_abort(self._body())
+        stores.abort(self.node, self._caller, key)
+        self._give(key)
         self.transport.send([frames.encode_abort_ok(header.request_id)])
+
+    def _give(self, key: bytes) -> None:
+        """A staging is over: its staging memory is free."""
+        region, _ = self._regions.pop(key, (None, None))
+        if region is not None:
+            self.staging.give(region)
 
 
 SameHostConnection.HANDLERS = {

@@ -19,6 +19,7 @@ an id they could not have derived from their own chain.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sessioncache.errors import (
@@ -41,6 +42,7 @@ from sessioncache.operations.lookups import readable_meta, resolve
 from sessioncache.operations.messages import StoreRequest
 from sessioncache.status import BlockStatus, kept
 from sessioncache.store import Write
+from sessioncache.tiers.base import StagedSlot
 from sessioncache.tiers.payload import Payload, as_memoryview
 from sessioncache.uploads import UploadSlot
 
@@ -303,11 +305,13 @@ def commit(
     start: int,
     checksums: list[int],
     nbytes: list[int],
+    *,
+    copy_in: Callable[[int, StagedSlot], None] | None = None,
 ) -> tuple[Staged, list[BlockStatus]]:
     """Publish blocks ``start ..`` of one of the caller's stagings whose slots hold what the
     caller says it wrote (length and XXH3-64); each block's status. The blocks are committed
     in order, in one call or several; once the last is, the staging is closed and its session
-    (if any) completed."""
+    (if any) completed. ``copy_in``: see ``writes.commit``."""
     staged = caller.staging(key)
     write = staged.write
     if start != write.claimed:
@@ -315,7 +319,7 @@ def commit(
             f"COMMIT from block {start}; the staging is committed up to {write.claimed}"
         )
     try:
-        status = node.store.writes.commit(write, checksums, nbytes).status
+        status = node.store.writes.commit(write, checksums, nbytes, copy_in=copy_in).status
     finally:
         if not write.open:
             unstage(node, caller, caller.stagings.pop(key))

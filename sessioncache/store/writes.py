@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.errors import (
@@ -322,6 +322,8 @@ class StoreWrites:
         write: Write,
         checksums: Sequence[int],
         lengths: Sequence[int] | None = None,
+        *,
+        copy_in: Callable[[int, StagedSlot], None] | None = None,
     ) -> WriteResult:
         """Publish the next ``len(checksums)`` blocks of a staged write (all of them in one
         call, or in order over several: a writer may commit the blocks it has filled while it
@@ -330,7 +332,11 @@ class StoreWrites:
         is rejected, and every later block of the staging is dropped (they would hang off it).
         Published blocks are written through as a ``fill`` does; when a durable write's block
         cannot reach its durable tier, the rest of the write is aborted and
-        ``DurableStoreFailed`` raised. Entries of present or dropped blocks are ignored."""
+        ``DurableStoreFailed`` raised. Entries of present or dropped blocks are ignored.
+
+        ``copy_in(i, slot)``, when given, fills the slot of block ``i`` just before it is
+        checked: the writer wrote the block elsewhere (a same-host connection's staging
+        memory), so what is checked and published is the node's own copy."""
         shm_index, tier = self._core.require_shm()
         n = len(checksums)
         if lengths is not None and len(lengths) != n:
@@ -364,6 +370,8 @@ class StoreWrites:
                     tier.release_reserved(slot)
                     status.append(BlockStatus.DROPPED)
                     continue
+                if copy_in is not None:
+                    copy_in(i, slot)
                 good = (lengths is None or lengths[k] == slot.location.nbytes) and (
                     xxh3(as_memoryview(slot.payload)) == checksums[k]
                 )

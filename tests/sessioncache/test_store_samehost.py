@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import xxhash
 
 from sessioncache.clock import ManualClock
@@ -37,7 +38,9 @@ def data(h: bytes, size: int = SIZE) -> bytes:
 
 
 class Peer:
-    """What a same-host client sees: the segments mapped from descriptors the tier hands out."""
+    """What a same-host client sees: the segments mapped (read-only: nothing else may map
+    them writable) from descriptors the tier hands out. Its writes stand for the node's copy of
+    what the client staged (a same-host connection's ``copy_in``), into the node's mapping."""
 
     def __init__(self, store: TieredStore) -> None:
         tier = store.shared_memory_tier
@@ -49,7 +52,8 @@ class Peer:
         if where.segment not in self.maps:
             fd = self.tier.segment_fd(where.segment)
             try:
-                self.maps[where.segment] = mmap.mmap(fd, os.fstat(fd).st_size)
+                size = os.fstat(fd).st_size
+                self.maps[where.segment] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
         return memoryview(self.maps[where.segment])[where.offset : where.offset + where.nbytes]
@@ -58,7 +62,41 @@ class Peer:
         return bytes(self.view(where))
 
     def write(self, where: SlotLocation, payload: bytes) -> None:
-        self.view(where)[:] = payload
+        node = next(
+            c.tensor
+            for slab in self.tier._slabs.values()
+            for c in slab.chunks
+            if c is not None and c.segment == where.segment
+        )
+        flat = node.view(-1)
+        flat[where.offset : where.offset + where.nbytes] = torch.frombuffer(
+            bytearray(payload), dtype=torch.uint8
+        )
+
+
+def test_no_peer_can_map_a_segment_writable(clock: ManualClock):
+    store = shm_store(clock)
+    hashes = chain(1, 1)
+    store.writes.put(hashes, [data(hashes[0])], namespace_root=ROOT)
+    tier = store.shared_memory_tier
+    assert isinstance(tier, SharedCpuTier)
+    [segment] = tier.segments()
+    fd = tier.segment_fd(segment)
+    try:
+        size = os.fstat(fd).st_size
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, size)  # shared and writable
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(reopened, size)
+        finally:
+            os.close(reopened)
+    finally:
+        os.close(fd)
+    assert store.reads.get_bytes(hashes[0]) == data(hashes[0])
 
 
 @pytest.fixture

@@ -29,10 +29,13 @@ def bid(i: int) -> BlockHash:
 
 
 def mapping(tier: SharedCpuTier, segment: int) -> mmap.mmap:
-    """The segment as another process maps it: from a descriptor the tier hands out."""
+    """The segment as another process maps it: from a descriptor the tier hands out, read-only
+    (the tier's seal refuses any other mapping a writable one)."""
     fd = tier.segment_fd(segment)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, os.fstat(fd).st_size)
+        return mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
 
@@ -63,8 +66,7 @@ def test_a_reserved_slot_is_invisible_until_published_and_then_not_copied():
     tier = SharedCpuTier(1 << 20, chunk_bytes=8192)
     slot = tier.reserve(1000)
     assert tier.used_bytes == 1000 and len(tier._reserved) == 1
-    view = mapping(tier, slot.location.segment)
-    view[slot.location.offset : slot.location.offset + 1000] = b"\x09" * 1000  # another writer
+    slot.payload.numpy()[:] = 9  # the node's writer (its copy of what a client staged)
     assert tier.get(bid(1)) is None and tier.locate(bid(1)) is None and tier.keys() == []
     assert tier.publish(bid(1), slot)
     assert tier.locate(bid(1)) == slot.location and len(tier._reserved) == 0

@@ -1,0 +1,131 @@
+"""A same-host connection's staging memory: where its client writes the blocks it stores.
+
+Published blocks live in the CPU tier's segments, which clients map read-only (the node seals
+them against every new writable mapping, ``tiers.cpu``). A STAGE reserves a published slot per
+new block as before, and hands the client a slot here instead: memory of this connection
+alone, in memfd segments of their own, mapped writable by the client. A COMMIT copies each
+staged block into its published slot (memory only the node writes), checksums that copy, and
+publishes it only if it matches what the client says it wrote. So no client, trusted or not,
+can change a published block, and none can touch another connection's stagings: their
+segments are handed only to the connection that owns them.
+
+Memory: chunks of ``chunk_bytes`` (or one block, if larger), each used by one staging at a
+time; a staging's blocks lie in its chunks back to back. A chunk freed by a COMMIT or ABORT
+is kept for the next staging, up to ``keep_chunks``; the rest are unmapped at once. All of
+them go with the connection.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from sessioncache.tiers.base import SlotLocation
+from sessioncache.tiers.cpu import shared_segment
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_KEEP_CHUNKS = 2
+
+STAGING_SEGMENT_BASE = 1 << 31
+"""Staging segment ids count up from here, apart from the CPU tier's (which count from 1)."""
+
+_ids: Iterator[int] = itertools.count(STAGING_SEGMENT_BASE)  # never reused in the process
+
+
+@dataclass(slots=True)
+class _Chunk:
+    segment: int
+    fd: int
+    memory: torch.Tensor  # flat uint8, the node's writable mapping
+
+
+@dataclass(slots=True)
+class Region:
+    """One staging's slots: block ``k`` of the staging's new blocks at ``locations[k]``."""
+
+    chunks: list[_Chunk] = field(default_factory=list)
+    locations: list[SlotLocation] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+class StagingMemory:
+    """The staging chunks of one connection (module docstring). Not thread-safe: one
+    connection serves one request at a time."""
+
+    def __init__(
+        self,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep_chunks: int = DEFAULT_KEEP_CHUNKS,
+        name: str = "staging",
+    ) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._keep = keep_chunks
+        self._name = name
+        self._used: dict[int, _Chunk] = {}
+        self._free: list[_Chunk] = []
+
+    def take(self, count: int, nbytes: int) -> Region:
+        """Slots for ``count`` blocks of ``nbytes`` each."""
+        region = Region()
+        per = max(1, self._chunk_bytes // nbytes)
+        try:
+            for first in range(0, count, per):
+                chunk = self._chunk(max(self._chunk_bytes, nbytes))
+                region.chunks.append(chunk)
+                for k in range(min(per, count - first)):
+                    offset = k * nbytes
+                    region.locations.append(SlotLocation(chunk.segment, offset, nbytes))
+                    region.views.append(chunk.memory[offset : offset + nbytes])
+        except BaseException:
+            self.give(region)
+            raise
+        return region
+
+    def give(self, region: Region) -> None:
+        """The staging is over (committed, aborted): its chunks are free."""
+        for chunk in region.chunks:
+            if self._used.pop(chunk.segment, None) is None:
+                continue
+            if len(self._free) < self._keep and chunk.memory.numel() == self._chunk_bytes:
+                self._free.append(chunk)
+            else:
+                os.close(chunk.fd)  # the mapping goes with the tensor
+        region.chunks.clear()
+        region.views.clear()
+
+    def segments(self) -> list[int]:
+        """This connection's segments: in use by open stagings, or kept for the next."""
+        return sorted([*self._used, *(c.segment for c in self._free)])
+
+    def segment_fd(self, segment: int) -> int:
+        """A new descriptor of one of this connection's segments (``KeyError`` otherwise;
+        the caller closes it)."""
+        chunk = self._used.get(segment)
+        if chunk is None:
+            chunk = next((c for c in self._free if c.segment == segment), None)
+        if chunk is None:
+            raise KeyError(segment)
+        return os.dup(chunk.fd)
+
+    def close(self) -> None:
+        for chunk in [*self._used.values(), *self._free]:
+            os.close(chunk.fd)
+        self._used.clear()
+        self._free.clear()
+
+    def _chunk(self, nbytes: int) -> _Chunk:
+        if nbytes == self._chunk_bytes and self._free:
+            chunk = self._free.pop()
+        else:
+            segment = next(_ids)
+            if segment >= 1 << 32:
+                raise RuntimeError("staging segment ids are used up")
+            fd, memory = shared_segment(f"sessioncache-{self._name}-{segment}", nbytes)
+            chunk = _Chunk(segment, fd, memory)
+        self._used[chunk.segment] = chunk
+        return chunk
