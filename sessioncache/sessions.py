@@ -151,10 +151,6 @@ class SessionManager:
         pin budget's). Called with the manager's lock held: it must not call back."""
         self._unpin_listeners.append(listener)
 
-    @property
-    def kind_ttls(self) -> dict[str, float]:
-        return dict(self._kind_ttls)
-
     # -- lifecycle ----------------------------------------------------------------------
 
     def open(

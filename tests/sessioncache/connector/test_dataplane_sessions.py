@@ -110,7 +110,9 @@ def test_a_session_travels_with_the_bytes(node: Server, path: str):
         assert hit_tokens(node) - hits == 6 * BT
         assert prefill_hit_tokens(node) - prefill == 6 * BT
         # the dashboard's session: its chain of 9 blocks, every one pinned, its hit tokens
-        detail = httpx.get(f"{node.url}/admin/api/sessions/{session.id}", timeout=10).json()
+        detail = httpx.get(
+            f"{node.url}/admin/api/sessions/{session.tenant}/{session.id}", timeout=10
+        ).json()
         assert detail["blocks"] == 9 and all(b["pinned"] for b in detail["chain"]), detail
         assert detail["hit_tokens"] == 6 * BT
 
