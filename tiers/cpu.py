@@ -100,6 +100,7 @@ class CpuTier(SlabTier):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         spare_chunks: int = 0,
         preallocate: bool = False,
+        grow_chunks: bool = True,
     ) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
@@ -111,6 +112,7 @@ class CpuTier(SlabTier):
             chunk_bytes=chunk_bytes,
             spare_chunks=spare_chunks,
             preallocate=preallocate,
+            grow_chunks=grow_chunks,
         )
         if type(self) is CpuTier:
             self._start_spares(preallocate)
@@ -132,6 +134,7 @@ class SharedCpuTier(CpuTier):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         spare_chunks: int = 0,
         preallocate: bool = False,
+        grow_chunks: bool = True,
     ) -> None:
         if not shared_memory_available():
             raise RuntimeError("a shared-memory CPU tier needs Linux (memfd_create)")
@@ -142,6 +145,7 @@ class SharedCpuTier(CpuTier):
             chunk_bytes=chunk_bytes,
             spare_chunks=spare_chunks,
             preallocate=preallocate,
+            grow_chunks=grow_chunks,
         )
         self._segment_ids = itertools.count(1)
         self._fds: dict[int, int] = {}

@@ -2,7 +2,11 @@
 
 Memory is carved into one slab per payload size in use. A slab grows chunk by chunk (one torch
 tensor of ``slots x payload_size`` bytes) while the tier's allocation stays within its capacity,
-and freed slots are reused before anything new is allocated. A chunk that falls entirely free
+and freed slots are reused before anything new is allocated. A slab's chunks grow
+geometrically: its first holds one slot, each next one as many as the slab holds already, up to
+``chunk_bytes``. So a payload size costs at most twice what its blocks use (plus one
+chunk): a few blocks of many sizes, held or pinned, cannot squat the tier's capacity in
+mostly empty chunks. A chunk that falls entirely free
 may be released so that another payload size can grow; in the usual deployment (one model, one
 KV layout) there is a single payload size and a single slab.
 
@@ -87,11 +91,14 @@ class SlabTier:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         spare_chunks: int = 0,
         preallocate: bool = False,
+        grow_chunks: bool = True,
     ) -> None:
         """``spare_chunks``: chunks of ``chunk_bytes`` made ahead of need by a background
         thread, within the capacity; ``preallocate``: make every chunk that fits now (the
         constructor returns once they are made), e.g. so that a node's first stores do not
-        pay for its memory."""
+        pay for its memory; its chunks are all ``chunk_bytes`` (the memory is made anyway).
+        ``grow_chunks``: a slab's chunks grow from one slot (see the module docstring); False:
+        every chunk is ``chunk_bytes``, as under ``preallocate``."""
         if spare_chunks < 0:
             raise ValueError(f"spare_chunks must be >= 0, got {spare_chunks}")
         if capacity_bytes < 0:
@@ -103,6 +110,7 @@ class SlabTier:
         self.device: Final = device
         self._pin = pin_memory and device.type == "cpu"
         self._chunk_bytes = chunk_bytes
+        self._grow = grow_chunks and not preallocate
         self._lock = threading.Lock()
         self._slabs: dict[int, _Slab] = {}
         self._index: dict[BlockHash, _Slot] = {}
@@ -268,7 +276,10 @@ class SlabTier:
             room = self.capacity_bytes - self._allocated
             if room < nbytes:
                 raise TierFull(f"{self.name}: no free slot of {nbytes} bytes")
-            slots = max(1, min(self._chunk_bytes, room) // nbytes)
+            grown = self._chunk_bytes
+            if self._grow:
+                grown = max(nbytes, sum(c.tensor.numel() for c in slab.chunks if c is not None))
+            slots = max(1, min(self._chunk_bytes, room, grown) // nbytes)
             index = self._reuse_chunk_index(slab)
             slab.chunks[index] = self._new_chunk(slots, nbytes)
             self._allocated += slots * nbytes

@@ -12,9 +12,10 @@ memory the tier holds (its chunks, the spares, the ones being made) leaves room 
 chunk within its capacity: spares never take the tier over its capacity. ``target`` may be
 "as many as fit" (``fill``), which makes the whole tier at once (``preallocate``).
 
-A spare is taken for any chunk of at most ``chunk_bytes``; a chunk of another size (the
-last, smaller one that fills the capacity, or one bigger than ``chunk_bytes`` for a block
-bigger than it) is made when needed, as before, after dropping spares if it needs their room.
+A spare is taken for a chunk of more than half ``chunk_bytes`` and at most ``chunk_bytes``;
+a chunk of another size (a slab's first, small ones, the last one that fills the capacity, or
+one bigger than ``chunk_bytes`` for a block bigger than it) is made when needed, after
+dropping spares if it needs their room: a small chunk never holds a whole spare's memory.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class SparePool(Generic[M]):
         ``chunk_bytes``, maybe more than asked): a spare if one is ready or being made (waits
         for it), else made now in the caller's thread. Then the pool refills itself."""
         with self._cond:
-            if nbytes <= self.chunk_bytes:
+            if self.chunk_bytes // 2 < nbytes <= self.chunk_bytes:
                 # A spare being made is nearer to ready than a new one made beside it (which
                 # would also compete with it for the same cores and memory bandwidth).
                 while not self._spares and self._making and not self._closed:

@@ -234,3 +234,33 @@ def test_same_host_staging_counts_with_the_tenants_pins(guarded_node: NodeFactor
         assert rest.post("/v1/lookup", json=lease).status_code == 200
     with client(node, BOB) as bob:  # bob's pins were never alice's
         assert bob.post("/v1/lookup", json=lease).status_code == 200
+
+
+def test_pinned_blocks_of_many_sizes_do_not_squat_the_tier(guarded_node: NodeFactory) -> None:
+    mib = 1 << 20
+    node = guarded_node(
+        {
+            "SESSIONCACHE_CPU_BYTES": str(256 * mib),  # four 64 MiB slab chunks
+            "SESSIONCACHE_DISK_BYTES": "0",
+            "SESSIONCACHE_CPU_SPARE_CHUNKS": "0",
+        }
+    )
+    with client(node, ALICE) as alice, client(node, BOB) as bob:
+        for i in range(4):  # one small block of its own size per namespace, leased for an hour
+            ns = {**NS, "kv_layout": f"squat-{i}"}
+            plan = alice.post("/v1/store", json={"namespace": ns, "tokens": [i]}).json()
+            put = alice.put(f"/v1/blocks/{plan['missing'][0]}", content=b"a" * (4096 + i))
+            assert put.status_code == 200, put.text
+            r = alice.post(
+                "/v1/lookup", json={"namespace": ns, "tokens": [i], "lease_ms": 3_600_000}
+            )
+            assert r.status_code == 200 and r.json()["matched_blocks"] == 1, r.text
+        ns = {**NS, "kv_layout": "bob"}
+        plan = bob.post("/v1/store", json={"namespace": ns, "tokens": [1, 2, 3]}).json()
+        statuses = [
+            bob.put(f"/v1/blocks/{h}", content=bytes([k]) * mib).status_code
+            for k, h in enumerate(plan["missing"])
+        ]
+        assert statuses == [200, 200, 200], statuses  # alice's 16 KiB hold no 256 MiB
+        held = bob.post("/v1/lookup", json={"namespace": ns, "tokens": [1, 2, 3]}).json()
+        assert held["matched_blocks"] == 3

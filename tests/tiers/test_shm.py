@@ -49,7 +49,7 @@ def test_only_the_shared_tier_is_a_shared_memory_tier():
 
 
 def test_a_block_is_where_locate_says_in_another_mapping():
-    tier = SharedCpuTier(1 << 20, chunk_bytes=4000)
+    tier = SharedCpuTier(1 << 20, chunk_bytes=4000, grow_chunks=False)
     for i in range(12):  # 1000-byte blocks, 4 per chunk: three segments
         tier.put(PutItem(bid(i), bytes([i]) * 1000, NS))
     assert tier.segments() == [1, 2, 3]
@@ -63,7 +63,7 @@ def test_a_block_is_where_locate_says_in_another_mapping():
 
 
 def test_a_reserved_slot_is_invisible_until_published_and_then_not_copied():
-    tier = SharedCpuTier(1 << 20, chunk_bytes=8192)
+    tier = SharedCpuTier(1 << 20, chunk_bytes=8192, grow_chunks=False)
     slot = tier.reserve(1000)
     assert tier.used_bytes == 1000 and len(tier._reserved) == 1
     slot.payload.numpy()[:] = 9  # the node's writer (its copy of what a client staged)
@@ -91,7 +91,7 @@ def test_publishing_a_held_id_frees_the_slot_and_keeps_the_held_bytes():
 
 
 def test_released_slots_are_reused_and_reservations_respect_capacity():
-    tier = SharedCpuTier(3000, chunk_bytes=3000)
+    tier = SharedCpuTier(3000, chunk_bytes=3000, grow_chunks=False)
     slots = [tier.reserve(1000) for _ in range(3)]
     with pytest.raises(TierFull):
         tier.reserve(1000)
@@ -108,7 +108,7 @@ def test_released_slots_are_reused_and_reservations_respect_capacity():
 
 
 def test_segment_sizes_are_sealed_against_peers():
-    tier = SharedCpuTier(1 << 20, chunk_bytes=4096)
+    tier = SharedCpuTier(1 << 20, chunk_bytes=4096, grow_chunks=False)
     tier.put(PutItem(bid(1), b"\x01" * 1024, NS))
     fd = tier.segment_fd(1)
     try:
@@ -122,7 +122,7 @@ def test_segment_sizes_are_sealed_against_peers():
 
 
 def test_a_reclaimed_chunk_retires_its_segment_and_ids_are_not_reused():
-    tier = SharedCpuTier(1000, chunk_bytes=1000)
+    tier = SharedCpuTier(1000, chunk_bytes=1000, grow_chunks=False)
     for i in range(10):
         tier.put(PutItem(bid(i), b"\x00" * 100, NS))
     assert tier.segments() == [1]
@@ -152,7 +152,7 @@ def test_segments_have_no_name_in_dev_shm_and_close_frees_their_descriptors():
     gc.collect()
     shm_before = set(os.listdir("/dev/shm")) if Path("/dev/shm").is_dir() else set()
     before = Counter(own_memfds())  # other tiers of this test process, if any
-    tier = SharedCpuTier(1 << 20, chunk_bytes=4096, name="shmtest")
+    tier = SharedCpuTier(1 << 20, chunk_bytes=4096, name="shmtest", grow_chunks=False)
     for i in range(4):
         tier.put(PutItem(bid(i), b"\x01" * 2048, NS))
     # each twice: the tier's descriptor and the one its mapping keeps
@@ -170,7 +170,7 @@ def test_segments_have_no_name_in_dev_shm_and_close_frees_their_descriptors():
 
 
 def test_a_tier_dropped_without_close_gives_its_descriptors_back():
-    tier = SharedCpuTier(1 << 20, chunk_bytes=4096, name="dropped")
+    tier = SharedCpuTier(1 << 20, chunk_bytes=4096, name="dropped", grow_chunks=False)
     tier.put(PutItem(bid(1), b"\x01" * 2048, NS))
     assert any("sessioncache-dropped-" in name for name in own_memfds())
     del tier
@@ -179,7 +179,7 @@ def test_a_tier_dropped_without_close_gives_its_descriptors_back():
 
 
 def test_a_child_process_inherits_no_segment():
-    tier = SharedCpuTier(1 << 20, chunk_bytes=4096)
+    tier = SharedCpuTier(1 << 20, chunk_bytes=4096, grow_chunks=False)
     tier.put(PutItem(bid(1), b"\x01" * 2048, NS))
     code = (
         "import os; print(sum('sessioncache-' in os.readlink(f'/proc/self/fd/{f}') "
@@ -191,7 +191,7 @@ def test_a_child_process_inherits_no_segment():
 
 
 def test_concurrent_reserve_publish_and_puts_keep_every_block_intact():
-    tier = SharedCpuTier(64 * 512, chunk_bytes=16 * 512)
+    tier = SharedCpuTier(64 * 512, chunk_bytes=16 * 512, grow_chunks=False)
     errors: list[BaseException] = []
 
     def writer(w: int) -> None:

@@ -43,7 +43,7 @@ def own_memfds(tag: str) -> int:
 
 
 def test_spares_are_made_after_the_first_chunk_and_taken_by_the_next():
-    tier = SharedCpuTier(8 * CHUNK, chunk_bytes=CHUNK, spare_chunks=2)
+    tier = SharedCpuTier(8 * CHUNK, chunk_bytes=CHUNK, spare_chunks=2, grow_chunks=False)
     assert tier.spare_bytes == 0  # an unused tier holds no memory
     for i in range(4):  # 1 KiB blocks: one chunk
         tier.put(PutItem(bid(i), bytes([i]) * 1024, NS))
@@ -59,7 +59,7 @@ def test_spares_are_made_after_the_first_chunk_and_taken_by_the_next():
 
 
 def test_spares_never_take_the_tier_over_its_capacity():
-    tier = SharedCpuTier(3 * CHUNK, chunk_bytes=CHUNK, spare_chunks=5)
+    tier = SharedCpuTier(3 * CHUNK, chunk_bytes=CHUNK, spare_chunks=5, grow_chunks=False)
     tier.put(PutItem(bid(0), b"\x00" * 1024, NS))
     wait_for(lambda: tier.spare_bytes == 2 * CHUNK)
     time.sleep(0.05)
@@ -73,7 +73,7 @@ def test_spares_never_take_the_tier_over_its_capacity():
 
 
 def test_a_block_bigger_than_a_chunk_drops_spares_to_make_room():
-    tier = CpuTier(4 * CHUNK, chunk_bytes=CHUNK, spare_chunks=3)
+    tier = CpuTier(4 * CHUNK, chunk_bytes=CHUNK, spare_chunks=3, grow_chunks=False)
     tier.put(PutItem(bid(0), b"\x00" * 1024, NS))
     wait_for(lambda: tier.spare_bytes == 3 * CHUNK)
     tier.put(PutItem(bid(1), b"\x01" * (2 * CHUNK), NS))  # one slot of two chunks' size, made now
@@ -165,3 +165,16 @@ def test_a_failed_spare_leaves_the_chunk_to_be_made_when_needed():
     memory, size = pool.take(100)
     assert len(memory) == 100 and size == 100 and False in calls
     pool.close()
+
+
+def test_chunks_grow_from_one_slot_so_many_sizes_cannot_squat_the_tier() -> None:
+    tier = CpuTier(8 * CHUNK, chunk_bytes=CHUNK)
+    for i in range(4):  # one block each of four sizes: four slots, not four whole chunks
+        tier.put(PutItem(bid(i), b"s" * (100 + i), NS))
+    assert tier.allocated_bytes == sum(100 + i for i in range(4))
+    for i in range(64):  # a fifth size grows 1, 1, 2, 4, ... slots, up to a chunk
+        tier.put(PutItem(bid(100 + i), bytes([i]) * 256, NS))
+    assert tier.allocated_bytes - 406 <= 2 * 64 * 256
+    sizes = sorted({c.tensor.shape[0] for c in tier._slabs[256].chunks if c is not None})
+    assert sizes[0] == 1 and max(sizes) <= CHUNK // 256
+    tier.close()
