@@ -90,6 +90,28 @@ class StoreCollector(Collector):
         )
         degraded.add_metric([], 1 if node.health_problems() else 0)
         yield degraded
+        behind = store.write_behind
+        if behind is not None:
+            backlog = GaugeMetricFamily(
+                "sessioncache_write_behind_bytes",
+                "Bytes of blocks queued for the disk tier (write-behind), per tenant",
+                labels=["tenant"],
+            )
+            for tenant, n in sorted(behind.tenants.snapshot().items()):
+                backlog.add_metric([tenant], n)
+            yield backlog
+            bound = GaugeMetricFamily(
+                "sessioncache_write_behind_bound_bytes", "The write-behind queue's bound"
+            )
+            bound.add_metric([], behind.bound_bytes)
+            yield bound
+            for name, value, what in (
+                ("written", behind.written, "Blocks the write-behind queue copied to disk"),
+                ("failed", behind.failed, "Blocks the write-behind queue could not copy"),
+            ):
+                family = CounterMetricFamily(f"sessioncache_write_behind_{name}", what)
+                family.add_metric([], value)
+                yield family
         if node.fleet is not None:
             pending = GaugeMetricFamily("sessioncache_fleet_pending", "Queued fleet updates")
             pending.add_metric([], node.fleet.pending)

@@ -246,7 +246,25 @@ class Settings(BaseSettings):
     )
     max_tokens: int = Field(2_000_000, gt=0, description="most tokens in one request")
     durable_uploads: bool = Field(
-        True, description="write uploaded blocks through to disk before answering"
+        False,
+        description="make every store durable: answer only once its blocks are on disk "
+        "(fsync-ed), as a store asking `durable` does; false: a store is answered once its "
+        "first tier holds it (`durable: false`) and its disk copy follows (write-behind)",
+    )
+    write_behind_bytes: int = Field(
+        1 * GiB,
+        ge=0,
+        description="bound of the write-behind queue (blocks held in memory on their way to "
+        "disk): a store that would pass it waits; a crash loses at most this much of the "
+        "stores answered `durable: false`; 0 turns write-behind off (blocks reach disk when "
+        "evicted from memory)",
+    )
+    tenant_write_behind_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="largest share of `write_behind_bytes` one tenant's blocks may take: a "
+        "tenant's flood stalls that tenant",
     )
     upload_ttl_s: float = Field(
         600.0, gt=0, description="how long the upload slots of a store stay open"

@@ -91,6 +91,8 @@ def build_store(
         promote_on_get=settings.promote_on_get,
         max_lease_s=settings.max_lease_s,
         observers=observers,
+        write_behind_bytes=settings.write_behind_bytes,
+        write_behind_tenant_share=settings.tenant_write_behind_share,
     )
 
 
@@ -153,6 +155,8 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             max_lease_s=settings.max_lease_s,
             observers=observers,
             write_through=write_through,
+            write_behind_bytes=settings.write_behind_bytes,
+            write_behind_tenant_share=settings.tenant_write_behind_share,
         )
         closers.append(store.close)
         if refresher is not None and shared is not None:

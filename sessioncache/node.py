@@ -98,6 +98,8 @@ class CacheNode:
         self.staged = Counts()
         """Bytes of same-host staging each tenant holds: counted with its pins."""
         quotas.count("upload_slots", self.uploads.per_tenant)
+        if store.write_behind is not None:
+            store.write_behind.owner = lambda root: self.owners.owner(root) or ""
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()
         self._on_close = list(on_close)
@@ -265,6 +267,12 @@ class CacheNode:
             problem = check.problem()
             if problem:
                 problems.append(problem)
+        behind = self.store.write_behind
+        if behind is not None and behind.degraded():
+            problems.append(
+                f"write-behind: {behind.backlog_bytes} of {behind.bound_bytes} bytes queued for "
+                "disk for 10 s or more (the disk is slower than the stores)"
+            )
         return problems
 
     def locations(self, hashes: Sequence[BlockHash]) -> list[dict[str, list[str]]] | None:

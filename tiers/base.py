@@ -212,6 +212,15 @@ class LazyStartTier(Protocol):
 
 
 @runtime_checkable
+class GroupCommitTier(Protocol):
+    """A durable tier that makes several blocks durable with one round of syncs
+    (``DiskTier.put_group``): per item, None (stored or held) or the error ``put`` would
+    raise; one item's error leaves the others stored."""
+
+    def put_group(self, items: Sequence[PutItem]) -> list[Exception | None]: ...
+
+
+@runtime_checkable
 class CheckedTier(Protocol):
     """A tier that can tell whether it is able to serve right now (for ``/readyz``)."""
 

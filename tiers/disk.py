@@ -47,7 +47,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -61,9 +61,11 @@ from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull, TierUn
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.tiers.base import PutItem, RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.fileio import (
+    PendingFile,
     fsync_dir,
     mtime,
     read_full,
+    sync_and_rename,
     sync_file_range,
     write_all,
     write_with_writeback,
@@ -94,6 +96,14 @@ _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _xxh3 = xxhash.xxh3_64_intdigest
+
+
+def _os_error(name: str, exc: OSError) -> Exception:
+    """What a put answers for a file it could not write."""
+    if exc.errno in _NO_SPACE:
+        return TierFull(f"{name} tier: filesystem full: {exc}")
+    # out of descriptors, an I/O error: not written, not a crash
+    return TierUnavailable(f"{name} tier: cannot write a block: {exc}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -407,6 +417,69 @@ class DiskTier:
     # ------------------------------------------------------------------------------------ put
 
     def put(self, item: PutItem) -> None:
+        [error] = self.put_group([item])
+        if error is not None:
+            raise error
+
+    def put_group(self, items: Sequence[PutItem]) -> list[Exception | None]:
+        """Store several blocks with one round of syncs (group commit): every file is written
+        with its write-back started, then each is ``fdatasync``-ed and renamed into place,
+        then each shard folder is ``fsync``-ed once. Durable when this returns, as ``put``.
+        Per item: None (stored, or held already) or the error ``put`` would raise
+        (``TierFull``, ``TierUnavailable``, a bad argument); one item's error leaves the
+        others stored."""
+        results: list[Exception | None] = [None] * len(items)
+        claimed: list[tuple[int, BlockHash, threading.Event, int]] = []
+        try:
+            for i, item in enumerate(items):
+                try:
+                    claim = self._claim(item)
+                except (TierFull, InvalidInput, PayloadSizeError) as exc:
+                    results[i] = exc
+                    continue
+                if claim is not None:
+                    claimed.append((i, item.block_hash, *claim))
+            pending: list[tuple[int, PendingFile]] = []
+            for i, _, _, nbytes in claimed:
+                item = items[i]
+                try:
+                    pending.append(
+                        (
+                            i,
+                            self._begin_file(
+                                item.block_hash,
+                                as_memoryview(item.payload),
+                                item.namespace_root,
+                                item.parent,
+                                nbytes,
+                            ),
+                        )
+                    )
+                except OSError as exc:
+                    results[i] = _os_error(self.name, exc)
+                except PayloadSizeError as exc:
+                    results[i] = exc
+            files = [p for _, p in pending]
+            failed = sync_and_rename(files, fsync=self._fsync, unlink=self._unlink_quiet)
+            for i, error in failed.items():
+                results[pending[i][0]] = _os_error(self.name, error)
+            for i, f in enumerate(files):
+                if i not in failed:
+                    self._ready_dirs.update(f.new_dirs)
+        finally:
+            with self._lock:
+                for i, block_hash, _, nbytes in claimed:
+                    self._reserved -= nbytes
+                    if results[i] is None:
+                        self._index[block_hash] = _Entry(nbytes, items[i].namespace_root)
+                        self._used += nbytes
+                    del self._inflight[block_hash]
+            for _, _, done, _ in claimed:
+                done.set()
+        return results
+
+    def _claim(self, item: PutItem) -> tuple[threading.Event, int] | None:
+        """Reserve the item's bytes and mark its id in flight; None when it is held."""
         block_hash, payload, namespace_root, parent, _ = item
         check_id(block_hash, "block id")
         check_id(namespace_root, "namespace root")
@@ -416,7 +489,7 @@ class DiskTier:
         while True:
             with self._lock:
                 if block_hash in self._index:
-                    return
+                    return None
                 waiting = self._inflight.get(block_hash)
                 if waiting is None:
                     if self._used + self._reserved + nbytes > self.capacity_bytes:
@@ -427,30 +500,18 @@ class DiskTier:
                     self._reserved += nbytes
                     done = threading.Event()
                     self._inflight[block_hash] = done
-                    break
+                    return done, nbytes
             waiting.wait()  # another thread writes, deletes or quarantines this id
-        entry: _Entry | None = None
-        try:
-            entry = self._write(block_hash, as_memoryview(payload), namespace_root, parent, nbytes)
-        except OSError as exc:  # out of descriptors, an I/O error: not written, not a crash
-            raise TierUnavailable(f"{self.name} tier: cannot write a block: {exc}") from exc
-        finally:
-            with self._lock:
-                self._reserved -= nbytes
-                if entry is not None:
-                    self._index[block_hash] = entry
-                    self._used += nbytes
-                del self._inflight[block_hash]
-            done.set()
 
-    def _write(
+    def _begin_file(
         self,
         block_hash: bytes,
         view: memoryview,
         namespace_root: bytes,
         parent: BlockHash | None,
         n: int,
-    ) -> _Entry:
+    ) -> PendingFile:
+        """Write the block's temp file, its device write started; left open for its sync."""
         if view.nbytes != n:
             raise PayloadSizeError(f"payload changed size ({view.nbytes} != {n})")
         hexid = block_hash.hex()
@@ -467,32 +528,17 @@ class DiskTier:
         final = os.path.join(shard, hexid + _BLOCK_SUFFIX)
         tmp = os.path.join(shard, f".{hexid}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
         header = encode_header(block_hash, namespace_root, parent, n, _xxh3(view))
+        fd = os.open(tmp, _WRITE_FLAGS, 0o644)
         try:
-            fd = os.open(tmp, _WRITE_FLAGS, 0o644)
-            try:
-                if self._fsync and sync_file_range is not None:
-                    write_with_writeback(fd, memoryview(header), view, sync_file_range)
-                else:
-                    write_all(fd, [memoryview(header), view])
-                if self._fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, final)
-        except OSError as exc:
+            if self._fsync and sync_file_range is not None:
+                write_with_writeback(fd, memoryview(header), view, sync_file_range)
+            else:
+                write_all(fd, [memoryview(header), view])
+        except BaseException:
+            os.close(fd)
             self._unlink_quiet(tmp)
-            if exc.errno in _NO_SPACE:
-                raise TierFull(f"{self.name} tier: filesystem full: {exc}") from exc
             raise
-        if self._fsync:
-            fsync_dir(shard)
-            # A folder made (or first seen) by this process: make its entry in its parent
-            # durable too. Done after the shard's fsync, whose journal commit usually
-            # already carried these entries, so these calls are cheap.
-            for path in new_dirs:
-                fsync_dir(os.path.dirname(path))
-        self._ready_dirs.update(new_dirs)
-        return _Entry(n, namespace_root)
+        return PendingFile(fd, tmp, final, new_dirs)
 
     def _ensure_dir(self, path: str) -> None:
         """Create ``path`` if needed and make it and its entry in the parent durable."""

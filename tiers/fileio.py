@@ -8,6 +8,7 @@ import ctypes
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -94,3 +95,48 @@ def mtime(path: str) -> float:
         return os.stat(path).st_mtime
     except FileNotFoundError:
         return float("inf")  # gone: nothing to remove
+
+
+@dataclass(frozen=True, slots=True)
+class PendingFile:
+    """A file written to ``tmp``, still open, to be synced and renamed to ``final``;
+    ``new_dirs``: folders made for it whose entries in their parents are not durable yet."""
+
+    fd: int
+    tmp: str
+    final: str
+    new_dirs: list[str]
+
+
+def sync_and_rename(
+    files: list[PendingFile], *, fsync: bool, unlink: Callable[[str], None]
+) -> dict[int, OSError]:
+    """Group commit: ``fdatasync`` and close each file, rename each into place, then ``fsync``
+    each folder once (and the parents of new folders). A file appears under its name only
+    once synced. The errors by position (a failed file's temp file is removed)."""
+    errors: dict[int, OSError] = {}
+    for i, f in enumerate(files):
+        try:
+            if fsync:
+                os.fdatasync(f.fd)
+        except OSError as exc:
+            errors[i] = exc
+        finally:
+            os.close(f.fd)
+        if i not in errors:
+            try:
+                os.rename(f.tmp, f.final)
+            except OSError as exc:
+                errors[i] = exc
+        if i in errors:
+            unlink(f.tmp)
+    if fsync:
+        done = [f for i, f in enumerate(files) if i not in errors]
+        for folder in dict.fromkeys(os.path.dirname(f.final) for f in done):
+            fsync_dir(folder)
+        # A folder made (or first seen) by this process: make its entry in its parent durable
+        # too. Done after the folders' fsyncs, whose journal commit usually already carried
+        # these entries, so these calls are cheap.
+        for path in dict.fromkeys(p for f in done for p in f.new_dirs):
+            fsync_dir(os.path.dirname(path))
+    return errors

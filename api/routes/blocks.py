@@ -3,11 +3,13 @@ is specified in ``sessioncache/wire.py`` and docs/api.md."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from sessioncache import inflight
@@ -87,7 +89,18 @@ _UPLOAD_BUFFERS = BufferPool()
     },
 )
 async def put_block(
-    block_hash: BlockIdPath, request: Request, node: NodeDep, tenant: TenantDep
+    block_hash: BlockIdPath,
+    request: Request,
+    node: NodeDep,
+    tenant: TenantDep,
+    durable: Annotated[
+        bool,
+        Query(
+            description="Answer once the block is on the durable tier (fsync-ed); without it "
+            "the answer comes once the first tier holds it, and its durable copy follows "
+            "(unless the node makes every store durable)"
+        ),
+    ] = False,
 ) -> UploadResponse:
     """Upload one block handed out by ``POST /v1/store`` (raw payload bytes)."""
     bid = from_hex(block_hash)
@@ -98,7 +111,9 @@ async def put_block(
         async with asynccontextmanager(read_body)(request, limit, _UPLOAD_BUFFERS, charge) as body:
             if not body:
                 raise InvalidInput("empty payload")
-            status = await anyio.to_thread.run_sync(stores.upload, node, caller, bid, body)
+            status = await anyio.to_thread.run_sync(
+                functools.partial(stores.upload, node, caller, bid, body, durable=durable)
+            )
     if not status.held:
         raise NoRoom(
             f"block {block_hash} was not stored: no tier could make room for it, or its parent "
@@ -108,7 +123,7 @@ async def put_block(
         hash=block_hash,
         stored=status is BlockStatus.STORED,
         status=status,
-        durable=node.durable_uploads,
+        durable=stores.held_durably(node, bid),
     )
 
 

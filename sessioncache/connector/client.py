@@ -238,10 +238,12 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         *,
         session_id: str | None = None,
         ttl_s: float | None = None,
+        durable: bool = False,
     ) -> StoreResult:
         """Store the KV of ``tokens``' full blocks: plan with ``POST /v1/store``, then upload
         each block the server lacks. ``payloads`` is a function of the block index or a
-        sequence with one payload per full block; only the missing blocks' are read."""
+        sequence with one payload per full block; only the missing blocks' are read.
+        ``durable``: each upload is answered once its block is on disk."""
         p = self._prompt(self._effective_namespace(), tokens)
         request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
         plan = protocol.parse_store(self._send(request), p)
@@ -250,7 +252,9 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
             h = plan.missing[chunk.start]
             payload = protocol.payload_for(payloads, plan.index[h])
             try:
-                up = protocol.parse_upload(self._send(protocol.upload_request(h, payload)))
+                up = protocol.parse_upload(
+                    self._send(protocol.upload_request(h, payload, durable=durable))
+                )
             except NoRoom:
                 up = protocol.DROPPED_UPLOAD
             loop.done([h], [up.status], up.durable)
@@ -414,10 +418,12 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         *,
         session_id: str | None = None,
         ttl_s: float | None = None,
+        durable: bool = False,
     ) -> StoreResult:
         """Store the KV of ``tokens``' full blocks: plan with ``POST /v1/store``, then upload
         each block the server lacks. ``payloads`` is a function of the block index or a
-        sequence with one payload per full block; only the missing blocks' are read."""
+        sequence with one payload per full block; only the missing blocks' are read.
+        ``durable``: each upload is answered once its block is on disk."""
         p = self._prompt(await self._effective_namespace(), tokens)
         request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
         plan = protocol.parse_store(await self._send(request), p)
@@ -426,7 +432,9 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
             h = plan.missing[chunk.start]
             payload = protocol.payload_for(payloads, plan.index[h])
             try:
-                up = protocol.parse_upload(await self._send(protocol.upload_request(h, payload)))
+                up = protocol.parse_upload(
+                    await self._send(protocol.upload_request(h, payload, durable=durable))
+                )
             except NoRoom:
                 up = protocol.DROPPED_UPLOAD
             loop.done([h], [up.status], up.durable)

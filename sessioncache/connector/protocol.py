@@ -452,10 +452,10 @@ def payload_for(source: PayloadSource, index: int) -> bytes:
     return data
 
 
-def upload_request(block_hash: BlockHash, payload: bytes) -> Request:
+def upload_request(block_hash: BlockHash, payload: bytes, *, durable: bool = False) -> Request:
     return Request(
         "PUT",
-        f"/v1/blocks/{block_hash.hex()}",
+        f"/v1/blocks/{block_hash.hex()}" + ("?durable=true" if durable else ""),
         content=payload,
         headers={"content-type": "application/octet-stream"},
     )

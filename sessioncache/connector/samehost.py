@@ -273,6 +273,9 @@ class SameHostClient(StreamClient):
     batch_bytes = 64 * MiB
     """Bytes copied into slots per COMMIT (a batch the node checks while the next is
     copied)."""
+    segment_bytes = 256 * MiB
+    """Most bytes one STAGE reserves: the node's staging memory for this connection is kept
+    at that size between stores (``dataplane.staging``)."""
 
     def __init__(self, transport: Transport, **options: Unpack[HelloOptions]) -> None:
         if not isinstance(transport, SocketTransport) or transport.socket.family != socket.AF_UNIX:

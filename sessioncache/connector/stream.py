@@ -276,6 +276,8 @@ class StreamClient:
 
     client_name: ClassVar[str] = "sessioncache-stream/1"
     """How the client names itself in its HELLO."""
+    segment_bytes: ClassVar[int | None] = None
+    """Most payload bytes one store request carries (None: ``max_ids`` blocks)."""
 
     def __init__(self, transport: Transport, **options: Unpack[HelloOptions]) -> None:
         api_key = options.get("api_key")
@@ -563,17 +565,26 @@ class StreamClient:
         parent: bytes | None = None,
         ttl_s: float | None = None,
         session_id: str | None = None,
+        durable: bool = False,
     ) -> StoreAck:
         """Store a chain segment under ``root``: one payload per full block of ``tokens``
         (exactly), continuing from ``parent`` (a held block of this root; default: the root
         itself). The node derives the ids; each block is published only once its whole
         payload arrived. More blocks than one request carries go in several.
         ``session_id``: on behalf of that open session (its TTL at least; its chain, pins and
-        head end at the last block kept)."""
+        head end at the last block kept). ``durable``: answered once the blocks are on disk
+        (else once the node's first tier holds them; ``StoreAck.durable`` says which)."""
         namespace = self._namespace(root)
         token_bytes = store_tokens(namespace, tokens, len(payloads))
         return self._store(
-            root, namespace.block_tokens, token_bytes, payloads, parent, ttl_s, session=session_id
+            root,
+            namespace.block_tokens,
+            token_bytes,
+            payloads,
+            parent,
+            ttl_s,
+            session=session_id,
+            durable=durable,
         )
 
     def store_keyed(
@@ -585,11 +596,13 @@ class StreamClient:
         parent: bytes | None = None,
         linked: bool = True,
         ttl_s: float | None = None,
+        durable: bool = False,
     ) -> StoreAck:
         """Store keyed blocks under ``root``: one payload per 16-byte block key
         (``hashing.block_key``); their ids are ``key_ids(root, keys)``. ``linked`` records the
         batch as a chain (block ``i`` hangs off block ``i - 1``, block 0 off ``parent`` when
-        given), for tail-first eviction; else each block stands alone."""
+        given), for tail-first eviction; else each block stands alone. ``durable`` as in
+        ``store``."""
         self._namespace(root)
         if len(keys) != len(payloads):
             raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
@@ -602,6 +615,7 @@ class StreamClient:
             ttl_s,
             keyed=True,
             linked=linked,
+            durable=durable,
         )
 
     def _store(
@@ -616,6 +630,7 @@ class StreamClient:
         keyed: bool = False,
         linked: bool = True,
         session: str | None = None,
+        durable: bool = False,
     ) -> StoreAck:
         """The store loop of both data-plane clients (``StoreLoop``): one segment of at most
         ``max_ids`` blocks at a time, sent by ``_store_segment``."""
@@ -624,10 +639,22 @@ class StreamClient:
         items, size = self._store_payloads(payloads)
         step = 4 * block_tokens
         ttl_ms = store_ttl_ms(ttl_s)
-        loop = StoreLoop(len(items), per=self._c.limits.max_ids, parent=parent, linked=linked)
+        per = self._c.limits.max_ids
+        if self.segment_bytes is not None:
+            per = max(1, min(per, self.segment_bytes // max(size, 1)))
+        loop = StoreLoop(len(items), per=per, parent=parent, linked=linked)
         while (chunk := loop.next()) is not None:
             head = StoreHead(
-                root, loop.parent, block_tokens, len(chunk), size, ttl_ms, keyed, linked, session
+                root,
+                loop.parent,
+                block_tokens,
+                len(chunk),
+                size,
+                ttl_ms,
+                keyed,
+                linked,
+                session,
+                durable,
             )
             segment = token_bytes[chunk.start * step : chunk.stop * step]
             ours = segment_ids(head, segment, self.seed)

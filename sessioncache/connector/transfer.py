@@ -191,11 +191,13 @@ class KVTransfer:
         session_id: str | None = None,
         ttl_s: float | None = None,
         first_block: int = 0,
+        durable: bool = False,
     ) -> Transferred:
         """Store one payload per full block of ``tokens`` from block ``first_block`` on
         (blocks before it are held already: their ids chain the new ones; the node derives
         every id and skips those it holds); ``blocks`` counts the blocks the node kept (stored
-        or already held; a full tier drops the rest of a chain)."""
+        or already held; a full tier drops the rest of a chain). ``durable``: answered once
+        the blocks are on disk; else once the node's first tier holds them (write-behind)."""
         self._check_tokens()
         path, conn = self.path, self._conn
         bt = self.client.namespace.block_tokens
@@ -217,7 +219,9 @@ class KVTransfer:
                     raise InvalidInput(f"block {i} is not held and its payload was not given")
                 return views[i - first_block]
 
-            result = self.client.store(head, payload, session_id=session_id, ttl_s=ttl_s)
+            result = self.client.store(
+                head, payload, session_id=session_id, ttl_s=ttl_s, durable=durable
+            )
             kept = max(0, result.kept - first_block)
         else:
             root = self.root(self.client.namespace)
@@ -229,6 +233,7 @@ class KVTransfer:
                 parent=parent,
                 ttl_s=ttl_s,
                 session_id=session_id,
+                durable=durable,
             )
             kept = ack.kept
         nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads[:kept])

@@ -82,6 +82,7 @@ def store_request(head: StoreHead, units: bytes) -> StoreRequest:
         head.keyed,
         head.linked,
         head.session_id,
+        head.durable,
     )
 
 
@@ -381,6 +382,7 @@ class Connection:
                     )
                 self._stored(pending, head.blocks - 1, head.blocks)
                 pending = None
+                stores.settle(self.node, plan)  # a durable STORE: its blocks in one sync
             finally:
                 if pending is not None:
                     wait([pending])  # its buffer goes back to the pool only once it is done

@@ -11,7 +11,8 @@ segments are handed only to the connection that owns them.
 
 Memory: chunks of ``chunk_bytes`` (or one block, if larger), each used by one staging at a
 time; a staging's blocks lie in its chunks back to back. A chunk freed by a COMMIT or ABORT
-is kept for the next staging, up to ``keep_chunks``; the rest are unmapped at once. All of
+is kept for the next staging, up to ``keep_chunks`` (four: 256 MiB); the rest are unmapped
+at once. All of
 them go with the connection.
 """
 
@@ -28,7 +29,8 @@ from sessioncache.tiers.base import SlotLocation
 from sessioncache.tiers.cpu import shared_segment
 
 DEFAULT_CHUNK_BYTES = 64 << 20
-DEFAULT_KEEP_CHUNKS = 2
+DEFAULT_KEEP_CHUNKS = 4
+"""256 MiB: what one STAGE of ``SameHostClient`` reserves at most (``segment_bytes``)."""
 
 STAGING_SEGMENT_BASE = 1 << 31
 """Staging segment ids count up from here, apart from the CPU tier's (which count from 1)."""

@@ -59,3 +59,5 @@ class StoreRequest(NamedTuple):
     linked: bool = True
     """Keyed blocks: block ``i`` hangs off block ``i - 1`` (a chain segment always does)."""
     session_id: str | None = None
+    durable: bool = False
+    """Answer once every block is on the durable tier (else: write-behind)."""

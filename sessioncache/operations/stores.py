@@ -119,21 +119,35 @@ def upload_slot(node: CacheNode, caller: Caller, block_hash: BlockHash) -> Uploa
     return slot
 
 
-def upload(node: CacheNode, caller: Caller, block_hash: BlockHash, payload: Payload) -> BlockStatus:
-    """Phase two: store one handed-out block; with ``durable_uploads`` (and a durable tier) it
-    is on disk when this returns. ``PRESENT`` when it was already held, ``DROPPED`` when no
-    tier could make room for it."""
+def upload(
+    node: CacheNode,
+    caller: Caller,
+    block_hash: BlockHash,
+    payload: Payload,
+    *,
+    durable: bool = False,
+) -> BlockStatus:
+    """Phase two: store one handed-out block; with ``durable`` (or ``durable_uploads``) it
+    is on the durable tier when this returns, else its copy there follows (write-behind).
+    ``PRESENT`` when it was already held, ``DROPPED`` when no tier could make room for it."""
     tenant = caller.tenant
     slot = upload_slot(node, caller, block_hash)
     if slot.used and _same_as_held(node, block_hash, payload):
         return PRESENT  # a retry whose first answer was lost
-    status = node.store.writes.fill(slot.write, slot.index, payload)
+    status = node.store.writes.fill(slot.write, slot.index, payload, durable=durable)
     if status is DROPPED:
         return DROPPED  # the slot stays open: a later try may find room
     node.uploads.mark_used(tenant, block_hash)
     if slot.session_id is not None and status is STORED:
         node.sessions.adopt((tenant, slot.session_id), [block_hash])
     return status
+
+
+def held_durably(node: CacheNode, block_hash: BlockHash) -> bool:
+    """Whether a durable tier holds the block now (what an answer's ``durable`` says)."""
+    meta = node.store.reads.meta(block_hash)
+    tiers = node.store.tiers
+    return meta is not None and any(tiers[t].durable for t in meta.tiers)
 
 
 def _same_as_held(node: CacheNode, block_hash: BlockHash, payload: Payload) -> bool:
@@ -217,15 +231,22 @@ def plan_store(
         parents=parents,
         ttl_s=ttl_s,
         tier=tier,
-        durable=node.durable_uploads,
+        durable=request.durable or node.durable_uploads,
     )
     return StorePlan(request, write)
 
 
 def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> BlockStatus:
     """Store block ``index`` of the plan (its whole payload received); returns its status.
-    After a dropped block the rest of the segment is dropped (``TieredStore.writes.fill``)."""
-    return node.store.writes.fill(plan.write, index, payload)
+    After a dropped block the rest of the segment is dropped (``TieredStore.writes.fill``).
+    A durable plan's blocks reach the durable tier at ``settle``, several per sync."""
+    return node.store.writes.fill(plan.write, index, payload, settle=False)
+
+
+def settle(node: CacheNode, plan: StorePlan) -> None:
+    """A durable plan: wait until its stored blocks are on the durable tier
+    (``DurableStoreFailed`` when one could not be)."""
+    node.store.writes.settle(plan.write)
 
 
 def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> None:

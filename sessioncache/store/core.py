@@ -8,7 +8,7 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -40,6 +40,9 @@ from sessioncache.tiers.base import (
 )
 from sessioncache.tiers.payload import Payload
 
+if TYPE_CHECKING:
+    from sessioncache.store.behind import WriteBehind
+
 log = logging.getLogger("sessioncache.store")
 
 
@@ -53,7 +56,12 @@ class StoreOptions(TypedDict, total=False):
     max_lease_s: float
     observers: Sequence[StoreObserver]
     write_through: Sequence[str]
-    """Names of the tiers every write also goes to (durable uploads: the disk tier)."""
+    """Names of the tiers every write also goes to (the shared tier, under write-through)."""
+    write_behind_bytes: int
+    """The write-behind queue's bound (``store.behind``); 0: no write-behind (a block reaches
+    the durable tier by eviction, or by a durable write's own copy)."""
+    write_behind_tenant_share: float
+    """The share of that bound one tenant's blocks may take."""
 
 
 class StoreCore:
@@ -71,6 +79,8 @@ class StoreCore:
         max_lease_s: float = 3600.0,
         observers: Sequence[StoreObserver] = (),
         write_through: Sequence[str] = (),
+        write_behind_bytes: int = 0,
+        write_behind_tenant_share: float = 0.5,
     ) -> None:
         if not tiers:
             raise InvalidInput("a store needs at least one tier")
@@ -111,6 +121,13 @@ class StoreCore:
             for mask in range(1 << len(names))
         ]
         self.counters = Counters()
+        if write_behind_bytes < 0 or not 0 < write_behind_tenant_share <= 1:
+            raise InvalidInput("write_behind_bytes >= 0, write_behind_tenant_share in (0, 1]")
+        self.write_behind_bytes = write_behind_bytes
+        self.write_behind_tenant_share = write_behind_tenant_share
+        self.behind: WriteBehind | None = None
+        """The write-behind queue to the first durable tier below the first (``TieredStore``
+        makes it)."""
 
     def place(
         self, meta: BlockMeta, payload: Payload, start: int, *, stop: int | None = None

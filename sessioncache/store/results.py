@@ -3,6 +3,7 @@ slots, counters and figures."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -24,6 +25,17 @@ DEFAULT_TTL_S = 3 * 24 * 3600.0
 """Blocks stored without a TTL live three days past their last access (the agent default)."""
 
 _PLACE_ATTEMPTS = 8
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """A block queued for the durable tier (``store.behind``): ``done`` once its copy there is
+    made (``ok``) or failed."""
+
+    nbytes: int
+    tenant: str
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
 
 
 class Match(NamedTuple):
@@ -120,6 +132,9 @@ class Write:
     """Staged blocks a ``publish`` took so far (done or under way): the next starts here."""
     broken: bool = False
     """A staged block was rejected: every later one is dropped."""
+    tickets: list[tuple[BlockHash, Ticket]] = field(default_factory=list)
+    """A durable write's blocks queued for the durable tier, not waited for yet
+    (``StoreWrites.settle``)."""
 
     @property
     def locations(self) -> list[SlotLocation | None]:

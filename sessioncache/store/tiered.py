@@ -12,6 +12,7 @@ import numpy as np
 from sessioncache.clock import Clock
 from sessioncache.events import DropObserver, StoreObserver
 from sessioncache.policy import EvictionPolicy
+from sessioncache.store.behind import WriteBehind
 from sessioncache.store.core import StoreCore, StoreOptions
 from sessioncache.store.reads import StoreReads
 from sessioncache.store.recovery import StoreRecovery
@@ -38,6 +39,14 @@ class TieredStore:
         **options: Unpack[StoreOptions],
     ) -> None:
         self._core = StoreCore(tiers, policy, **options)
+        durable = self._core.first_durable(1) if len(self._core.tiers) > 1 else None
+        if self._core.write_behind_bytes and durable is not None:
+            self._core.behind = WriteBehind(
+                self._core,
+                durable,
+                bound_bytes=self._core.write_behind_bytes,
+                tenant_share=self._core.write_behind_tenant_share,
+            )
         self.reads = StoreReads(self._core)
         """Lookups, leases, touches, pins, presence, payloads and same-host locates."""
         self.writes = StoreWrites(self._core)
@@ -116,7 +125,14 @@ class TieredStore:
                 counters=replace(self._core.counters),
             )
 
+    @property
+    def write_behind(self) -> WriteBehind | None:
+        """The queue of blocks on their way to the durable tier (None: none)."""
+        return self._core.behind
+
     def close(self) -> None:
+        if self._core.behind is not None:
+            self._core.behind.close()  # what is queued is written first
         for tier in self._core.tiers:
             tier.close()
 

@@ -71,7 +71,8 @@ class StoreWrites:
             durable=durable,
         )
         for i, payload in enumerate(payloads):
-            self.fill(write, i, payload)
+            self.fill(write, i, payload, settle=False)
+        self.settle(write)
         return WriteResult(write.hashes, [s or BlockStatus.DROPPED for s in write.status])
 
     def prepare(
@@ -121,13 +122,28 @@ class StoreWrites:
             status=[None] * n,
         )
 
-    def fill(self, write: Write, index: int, payload: Payload) -> BlockStatus:
+    def fill(
+        self,
+        write: Write,
+        index: int,
+        payload: Payload,
+        *,
+        settle: bool = True,
+        durable: bool = False,
+    ) -> BlockStatus:
         """Store block ``index`` of a prepared write from ``payload``: ``STORED``, ``PRESENT``
         (held already, or another caller is storing it) or ``DROPPED`` (no tier could make
         room, or its parent is neither held nor being stored: a block never hangs off a parent
         the store lacks, so a chain is filled in order and the rest of it is dropped after a
         dropped block). Raises ``DurableStoreFailed`` when a durable write's block could not
-        reach the durable tier (it is then held, in memory only)."""
+        reach the durable tier (it is then held, in memory only). With write-behind a block
+        of any write is queued for the durable tier; a durable write waits for it here, or
+        (``settle=False``: several blocks share one sync) at ``settle``. ``durable``: this
+        block is durable whatever its write says (a REST upload asking for it)."""
+        if durable and write.durable_tier is None:
+            write.durable_tier = self._core.first_durable(write.tier)
+            if write.durable_tier is None:
+                raise InvalidInput("durable=true but this node has no durable tier")
         block_hash = write.hashes[index]
         nbytes = payload_nbytes(payload)
         if write.nbytes is None:
@@ -176,17 +192,44 @@ class StoreWrites:
         self._count(stored=int(placed is not None), dropped=int(placed is None))
         if not durable:
             self._durable_failed(write, block_hash)
+        if settle:
+            self.settle(write)
         return status
 
+    def settle(self, write: Write) -> None:
+        """Wait for the durable copies of a durable write's blocks queued so far (one sync
+        for many: ``store.behind``); ``DurableStoreFailed`` when one could not be made."""
+        tickets, write.tickets = write.tickets, []
+        behind = self._core.behind
+        if not tickets or behind is None:
+            return
+        behind.wait([t for _, t in tickets])
+        for block_hash, ticket in tickets:
+            if not ticket.ok:
+                with self._core.lock:
+                    meta = self._core.index.get(block_hash)
+                    there = meta is not None and write.durable_tier in meta.tiers
+                if not there:
+                    self._durable_failed(write, block_hash)
+
     def _write_through(self, write: Write, meta: BlockMeta, payload: Payload, placed: int) -> bool:
-        """Copy a block just placed in tier ``placed`` to the write-through tiers and, for a
-        durable write, to its durable tier; False when that durable copy could not be made."""
+        """Copy a block just placed in tier ``placed`` to the write-through tiers, and queue it
+        for the durable tier (write-behind; a durable write's ticket is kept for ``settle``),
+        or without write-behind copy a durable write's block there now; False when that
+        durable copy could not be made."""
         also = [t for t in self._core.write_through_tiers if t != placed]
-        if write.durable_tier is not None and write.durable_tier not in (placed, *also):
+        behind = self._core.behind
+        queued = behind is not None and placed < behind.durable and behind.durable not in also
+        if queued:
+            assert behind is not None
+            ticket = behind.submit(meta)  # waits while the queue is full: back-pressure
+            if write.durable_tier is not None:
+                write.tickets.append((meta.block_hash, ticket))
+        elif write.durable_tier is not None and write.durable_tier not in (placed, *also):
             also.append(write.durable_tier)
         for extra in also:
             self._core.place(meta, payload, extra, stop=extra + 1)
-        return write.durable_tier is None or write.durable_tier in meta.tiers
+        return queued or write.durable_tier is None or write.durable_tier in meta.tiers
 
     def _ensure_durable(self, write: Write, block_hash: BlockHash) -> None:
         """A block of a durable write found held already (a retry after a durable write
@@ -400,6 +443,11 @@ class StoreWrites:
         if unsaved is not None:
             self.abort(write)
             self._durable_failed(write, unsaved)
+        try:
+            self.settle(write)  # this COMMIT's blocks: one sync
+        except DurableStoreFailed:
+            self.abort(write)
+            raise
         return result
 
     def abort(self, write: Write) -> int:

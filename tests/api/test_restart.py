@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from tests.support.servers import Server, start_server
+from tests.support.servers import DURABLE_NODE, Server, start_server
 
 NS = {"model": "restart-model", "block_tokens": 16, "kv_dtype": "bf16", "kv_layout": "x"}
 
@@ -26,7 +26,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def test_kill_9_and_restart_keeps_acknowledged_blocks_and_sessions(tmp_path: Path):
     data = tmp_path / "data"
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     toks = tokens(1, 16 * 12)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
@@ -43,7 +43,7 @@ def test_kill_9_and_restart_keeps_acknowledged_blocks_and_sessions(tmp_path: Pat
             time.sleep(1.0)
     finally:
         kill_9(server)
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
             session = c.get(f"/v1/sessions/{sid}")
@@ -77,7 +77,7 @@ def test_blocks_that_expired_while_the_node_was_down_miss_after_a_restart(tmp_pa
     finally:
         kill_9(server)
     time.sleep(2.5)
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
             lookup = {"namespace": NS, "tokens": short}

@@ -14,7 +14,7 @@ import numpy as np
 
 from sessioncache.connector import StreamClient, discover
 from sessioncache.wire import decode_batch
-from tests.support.servers import start_server
+from tests.support.servers import DURABLE_NODE, start_server
 
 NS = {"model": "corrupt-model", "block_tokens": 4, "kv_dtype": "bf16", "kv_layout": "x"}
 BLOCK = 4096
@@ -39,7 +39,7 @@ def corrupt_reads(url: str) -> float:
 
 def test_damaged_files_are_never_served(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     toks = [int(t) for t in np.random.default_rng(3).integers(0, 9999, 4 * 9)]
     try:
         plan = httpx.post(
@@ -62,7 +62,7 @@ def test_damaged_files_are_never_served(tmp_path: Path) -> None:
             at = len(raw) - 10 if n % 3 == 0 else 3
             raw[at] ^= 0x55
         path.write_bytes(bytes(raw))
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         url = server.url
         before = corrupt_reads(url)

@@ -16,7 +16,7 @@ import pytest
 from sessioncache.connector import StreamClient, discover
 from sessioncache.errors import DurableStoreFailed
 from sessioncache.hashing import Namespace
-from tests.support.servers import start_server
+from tests.support.servers import DURABLE_NODE, start_server
 
 NS = {"model": "disk-full-model", "block_tokens": 4, "kv_dtype": "bf16", "kv_layout": "x"}
 NS_STREAM = Namespace("disk-full-stream", block_tokens=4, kv_dtype="bf16", kv_layout="x")
@@ -60,7 +60,11 @@ def test_disk_full_answers_507_and_recovers(small_fs: Path) -> None:
     data = small_fs.parent
     server = start_server(
         data,
-        {"SESSIONCACHE_CPU_BYTES": str(64 << 20), "SESSIONCACHE_DISK_BYTES": str(256 << 20)},
+        {
+            **DURABLE_NODE,
+            "SESSIONCACHE_CPU_BYTES": str(64 << 20),
+            "SESSIONCACHE_DISK_BYTES": str(256 << 20),
+        },
     )
     acked: list[str] = []
     try:
@@ -102,7 +106,7 @@ def test_disk_full_answers_507_and_recovers(small_fs: Path) -> None:
     finally:
         server.stop()
     # nothing acknowledged was damaged: all there after a restart, byte-exact
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         for h in acked:
             r = httpx.get(f"{server.url}/v1/blocks/{h}")

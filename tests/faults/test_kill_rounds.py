@@ -25,7 +25,7 @@ import pytest
 from sessioncache.connector import StreamClient, discover
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.hashing import Namespace
-from tests.support.servers import Server, start_server
+from tests.support.servers import DURABLE_NODE, Server, start_server
 
 ROUNDS = int(os.environ.get("SESSIONCACHE_FAULT_ROUNDS", "2"))
 LOAD_S = float(os.environ.get("SESSIONCACHE_FAULT_LOAD_S", "1.5"))
@@ -148,7 +148,7 @@ def test_kill_9_under_load_on_every_path(tmp_path: Path) -> None:
     data = tmp_path / "data"
     shm_before = set(os.listdir("/dev/shm"))
     acked: dict[str, list[bytes]] = {name: [] for name in PATHS}
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     for round_ in range(ROUNDS):
         workers = [make(server, 1 + round_ * 10 + i) for i, make in enumerate(PATHS.values())]
         for w in workers:
@@ -166,7 +166,7 @@ def test_kill_9_under_load_on_every_path(tmp_path: Path) -> None:
             if isinstance(w, StreamWorker) and w.client is not None:
                 w.client.close()
         assert not os.path.exists(f"/proc/{old}")
-        server = start_server(data)
+        server = start_server(data, DURABLE_NODE)
         # every acknowledged block of every round so far: present and byte-exact, once the
         # restart's background pass has adopted the files whose catalog rows were still queued
         # when the node died (the node serves the catalog's blocks at once, the rest after it)

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.sessioncache.catalog.conftest import postgres_url
-from tests.support.servers import start_server
+from tests.support.servers import DURABLE_NODE, start_server
 
 NS = {"model": "pg-terminate", "block_tokens": 4, "kv_dtype": "bf16", "kv_layout": "x"}
 
@@ -45,6 +45,7 @@ def test_terminated_backends_lose_no_acknowledged_row(
     server = start_server(
         tmp_path / "data",
         {
+            **DURABLE_NODE,
             "SESSIONCACHE_DATABASE_URL": f"{url}?application_name={app}",
             "SESSIONCACHE_DATABASE_SCHEMA": schema,
         },

@@ -45,7 +45,7 @@ def test_half_open_connections_neither_starve_nor_break_the_node(
                 plan = bob.post("/v1/store", json={"namespace": NS, "tokens": tokens})
                 assert plan.status_code == 200, plan.text
                 for h in plan.json()["missing"]:
-                    r = bob.put(f"/v1/blocks/{h}", content=bytes([turn]) * BLOCK)
+                    r = bob.put(f"/v1/blocks/{h}?durable=true", content=bytes([turn]) * BLOCK)
                     assert r.status_code < 500, r.text
                     assert r.status_code == 200 and r.json()["durable"], r.text
                 durable.append(tokens)

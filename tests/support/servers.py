@@ -93,6 +93,10 @@ def wait_ready(server: Server, timeout_s: float = 90.0) -> Server:
     raise RuntimeError(f"server did not start: {server.log.read_text()}")
 
 
+DURABLE_NODE = {"SESSIONCACHE_DURABLE_UPLOADS": "true"}
+"""A node that makes every store durable (answered once on disk), as crash tests want."""
+
+
 def start_server(
     data_dir: Path, env: dict[str, str] | None = None, *, nofile: int | None = None
 ) -> Server:

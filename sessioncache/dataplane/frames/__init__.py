@@ -188,6 +188,9 @@ from sessioncache.dataplane.frames.header import (
     F_SESSION as F_SESSION,
 )
 from sessioncache.dataplane.frames.header import (
+    F_STORE_DURABLE as F_STORE_DURABLE,
+)
+from sessioncache.dataplane.frames.header import (
     F_STORE_KEYED as F_STORE_KEYED,
 )
 from sessioncache.dataplane.frames.header import (

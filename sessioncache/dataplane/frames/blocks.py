@@ -13,6 +13,7 @@ from sessioncache.dataplane.frames.header import (
     F_LOAD_RELEASE,
     F_LOOKUP_EXPLAIN,
     F_LOOKUP_KEYED,
+    F_STORE_DURABLE,
     F_STORE_KEYED,
     F_STORE_LINKED,
     F_STORE_PARENT,
@@ -304,12 +305,16 @@ class StoreHead(NamedTuple):
     """``F_STORE_LINKED`` for keyed blocks (a chain segment always is)."""
     session_id: str | None = None
     """``F_SESSION``: on behalf of this session (its TTL, chain pins and head)."""
+    durable: bool = False
+    """``F_STORE_DURABLE``: answered once every block is on the durable tier."""
 
     @property
     def flags(self) -> int:
         flags = F_STORE_PARENT if self.parent is not None else 0
         if self.keyed:
             flags |= F_STORE_KEYED | (F_STORE_LINKED if self.linked else 0)
+        if self.durable:
+            flags |= F_STORE_DURABLE
         return flags
 
     @property
@@ -349,6 +354,7 @@ def _head(
         keyed,
         bool(flags & F_STORE_LINKED) or not keyed,
         session_id,
+        bool(flags & F_STORE_DURABLE),
     )
 
 

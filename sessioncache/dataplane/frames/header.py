@@ -90,6 +90,10 @@ F_STORE_LINKED = 0x4
 """STORE, STAGE of keyed blocks: block ``i`` hangs off block ``i - 1`` (the batch is one
 request's consecutive chunks), so that tail-first eviction treats it as a chain; without it
 every keyed block but a parented block 0 stands alone."""
+F_STORE_DURABLE = 0x8
+"""STORE, STAGE: answer once every block is on the durable tier (fsync-ed), and say
+``durable``; without it a block is acknowledged once its first tier holds it, and its durable
+copy follows (write-behind), unless the node makes every store durable."""
 F_LOOKUP_KEYED = 0x1
 """LOOKUP, LOCATE: the ids are keyed ids, each held under the root on its own (not a chain):
 the match is the run of them, from the first, that the node holds under the root."""

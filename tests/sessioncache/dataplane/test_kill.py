@@ -23,7 +23,7 @@ from tests.sessioncache.dataplane.conftest import (
     tokens,
     wait_until,
 )
-from tests.support.servers import Server, start_server
+from tests.support.servers import DURABLE_NODE, Server, start_server
 
 ROOT_DIR = Path(__file__).parents[3]
 SCRIPT = Path(__file__).with_name("killed_client.py")
@@ -107,7 +107,7 @@ def test_client_killed_mid_store(open_server: Server):
 
 def test_node_killed_and_restarted_keeps_acknowledged_blocks(tmp_path: Path):
     data = tmp_path / "data"
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         with connect(server) as client:
             root = client.resolve(NS)
@@ -118,7 +118,7 @@ def test_node_killed_and_restarted_keeps_acknowledged_blocks(tmp_path: Path):
     finally:
         server.process.send_signal(signal.SIGKILL)
         assert server.process.wait(10) == -signal.SIGKILL
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         with connect(server) as client:  # a new stream port: found again through REST
             root = client.resolve(NS)

@@ -93,7 +93,7 @@ def test_store_and_load_are_byte_exact_through_shared_memory(open_server: Server
             data[4].tobytes(),
             torch.from_numpy(data[5].copy()),
         ]
-        ack = client.store(root, toks, payloads)
+        ack = client.store(root, toks, payloads, durable=True)  # answered once on disk
         assert ack.status == ["stored"] * 6 and ack.hashes == ids and ack.durable
         assert client.store(root, toks, data).status == ["present"] * 6
 

@@ -17,7 +17,7 @@ import numpy as np
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.hashing import block_key
 from tests.sessioncache.dataplane.conftest import BLOCK, NS, pattern, rest, tokens, wait_until
-from tests.support.servers import Server, start_server
+from tests.support.servers import DURABLE_NODE, Server, start_server
 
 ROOT_DIR = Path(__file__).parents[3]
 SCRIPT = Path(__file__).with_name("samehost_client.py")
@@ -195,7 +195,7 @@ def test_node_killed_and_restarted_leaves_no_segment_and_keeps_acknowledged_bloc
 ):
     data = tmp_path / "data"
     shm_before = set(os.listdir("/dev/shm"))
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         with SameHostClient.connect(socket_path(server)) as client:
             root = client.resolve(NS)
@@ -213,7 +213,7 @@ def test_node_killed_and_restarted_leaves_no_segment_and_keeps_acknowledged_bloc
     # never named there in the first place (other programs may come and go there)
     assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if "sessioncache" in n]
 
-    server = start_server(data)
+    server = start_server(data, DURABLE_NODE)
     try:
         assert memfds(server.process.pid) == []  # a fresh CPU tier: nothing of the old life
         with SameHostClient.connect(socket_path(server)) as client:

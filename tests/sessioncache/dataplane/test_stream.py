@@ -59,7 +59,7 @@ def test_store_then_load_many_blocks_byte_exact(open_server: Server):
         ids = client.block_hashes(root, toks)
         assert ids == block_hashes(NS, toks)
         payloads = [np.random.default_rng(i).integers(0, 256, BLOCK, np.uint8) for i in range(96)]
-        ack = client.store(root, toks, payloads)
+        ack = client.store(root, toks, payloads, durable=True)  # answered once on disk
         assert ack.hashes == ids and ack.status == ["stored"] * 96 and ack.durable
         assert client.store(root, toks, payloads).status == ["present"] * 96
 

@@ -1,0 +1,256 @@
+"""Write-behind: blocks on their way to the durable tier, written by one thread in batches.
+
+A store is acknowledged once its first tier holds the block. Its copy on the durable tier (the
+disk) follows from this queue: a thread takes up to ``batch_blocks`` blocks (``batch_bytes``)
+at a time and writes them with one round of syncs (``DiskTier.put_group``: group commit).
+A durable store (on request, or every store with ``durable_uploads``) goes through the same
+queue and waits for its blocks' tickets before it answers, so concurrent durable stores share
+their syncs too.
+
+Bounds and back-pressure: the queue holds at most ``bound_bytes``, and one tenant at most
+``tenant_share`` of that (the tenant of a block's namespace root, ``owner``). A store that
+would pass either waits until the queue drains: one tenant's flood stalls that tenant, and a
+disk slower than the stores slows the stores, never drops or lies.
+
+What a crash loses: a block acknowledged as not durable is lost only if it was still queued
+(at most ``bound_bytes``); a durable one never (its answer waited for the sync).
+
+A queued block is not pinned: if its tier evicts it first, the eviction demotes it to the
+disk (a copy the queue then finds done). While the thread copies a block it holds it in
+flight (``BlockIndex.ref``), so its slot is not reused under the copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from sessioncache.blocks import BlockMeta
+from sessioncache.errors import TierFull
+from sessioncache.quotas import Counts
+from sessioncache.store.core import StoreCore
+from sessioncache.store.results import Ticket
+from sessioncache.tiers.base import GroupCommitTier, PutItem
+
+log = logging.getLogger("sessioncache.store.behind")
+
+DEFAULT_BOUND_BYTES = 1 << 30
+DEFAULT_TENANT_SHARE = 0.5
+DEFAULT_BATCH_BLOCKS = 64
+DEFAULT_BATCH_BYTES = 64 << 20
+DEGRADED_SHARE = 0.8
+DEGRADED_AFTER_S = 10.0
+
+
+@dataclass(slots=True)
+class _Queued:
+    meta: BlockMeta
+    ticket: Ticket
+
+
+class WriteBehind:
+    """The write-behind queue of a store with a durable tier (module docstring)."""
+
+    def __init__(
+        self,
+        core: StoreCore,
+        durable: int,
+        *,
+        bound_bytes: int = DEFAULT_BOUND_BYTES,
+        tenant_share: float = DEFAULT_TENANT_SHARE,
+        batch_blocks: int = DEFAULT_BATCH_BLOCKS,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+    ) -> None:
+        self._core = core
+        self.durable: Final = durable
+        """The index of the durable tier."""
+        self.bound_bytes = bound_bytes
+        self._tenant_bytes = max(1, int(bound_bytes * tenant_share))
+        self._batch_blocks = batch_blocks
+        self._batch_bytes = batch_bytes
+        self.owner: Callable[[bytes], str] = lambda root: ""
+        """The tenant of a namespace root (the node sets it): whose share a block counts in."""
+        self._cond = threading.Condition()
+        self._queue: deque[_Queued] = deque()
+        self._bytes = 0
+        self._writing = 0  # bytes taken by the thread, not written yet
+        self.tenants = Counts()
+        """Bytes queued per tenant."""
+        self._closed = False
+        self._above_since: float | None = None
+        self.written = 0
+        self.failed = 0
+        self._thread = threading.Thread(
+            target=self._run, name="sessioncache-write-behind", daemon=True
+        )
+        self._thread.start()
+
+    # -- the stores' side ------------------------------------------------------------------
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes queued or being written."""
+        with self._cond:
+            return self._bytes
+
+    def degraded(self) -> bool:
+        """Whether the backlog has stayed above 80% of its bound for 10 s."""
+        with self._cond:
+            since = self._above_since
+        return since is not None and time.monotonic() - since >= DEGRADED_AFTER_S
+
+    def submit(self, meta: BlockMeta) -> Ticket:
+        """Queue a block held in a tier above the durable one, once there is room for it (it
+        waits: back-pressure). Call without the store's lock."""
+        tenant = self.owner(meta.namespace_root)
+        ticket = Ticket(meta.nbytes, tenant)
+        with self._cond:
+            while not self._closed and (
+                (self._bytes and self._bytes + meta.nbytes > self.bound_bytes)
+                or (
+                    self.tenants.get(tenant)
+                    and self.tenants.get(tenant) + meta.nbytes > self._tenant_bytes
+                )
+            ):
+                self._cond.wait()
+            if self._closed:
+                ticket.done.set()
+                return ticket
+            self._queue.append(_Queued(meta, ticket))
+            self._bytes += meta.nbytes
+            self.tenants.add(tenant, meta.nbytes)
+            self._note_level()
+            self._cond.notify_all()
+        return ticket
+
+    @staticmethod
+    def wait(tickets: Sequence[Ticket]) -> bool:
+        """Wait for ``tickets``; whether every block reached the durable tier."""
+        for ticket in tickets:
+            ticket.done.wait()
+        return all(t.ok for t in tickets)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the queue is empty (what is queued now and later); False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._bytes:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is queued (within ``timeout_s``), then stop the thread."""
+        self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch: list[_Queued] = []
+                size = 0
+                while (
+                    self._queue
+                    and len(batch) < self._batch_blocks
+                    and (not batch or size + self._queue[0].meta.nbytes <= self._batch_bytes)
+                ):
+                    batch.append(self._queue.popleft())
+                    size += batch[-1].meta.nbytes
+            try:
+                self._write(batch)
+            except Exception:
+                log.exception("write-behind: a batch of %d blocks failed", len(batch))
+            finally:
+                with self._cond:
+                    for queued in batch:
+                        t = queued.ticket
+                        self._bytes -= t.nbytes
+                        self.tenants.add(t.tenant, -t.nbytes)
+                        t.done.set()
+                    self._note_level()
+                    self._cond.notify_all()
+
+    def _write(self, batch: list[_Queued]) -> None:
+        """Copy a batch's blocks to the durable tier with one round of syncs."""
+        core, d = self._core, self.durable
+        tier = core.tiers[d]
+        todo: list[tuple[_Queued, BlockMeta]] = []
+        with core.lock:
+            for queued in batch:
+                meta = core.index.get(queued.meta.block_hash)
+                if meta is None or not meta.tiers:
+                    continue  # dropped or expired meanwhile: nothing to keep
+                if d in meta.tiers:
+                    queued.ticket.ok = True  # there already (an eviction demoted it)
+                    continue
+                core.index.ref(meta)  # in flight: its slot is not reused under the copy
+                todo.append((queued, meta))
+        try:
+            items: list[PutItem] = []
+            kept: list[tuple[_Queued, BlockMeta]] = []
+            for queued, meta in todo:
+                data = core.tiers[min(meta.tiers)].get(meta.block_hash)
+                if data is None:
+                    continue
+                items.append(
+                    PutItem(
+                        meta.block_hash, data, meta.namespace_root, meta.parent, meta.expires_at
+                    )
+                )
+                kept.append((queued, meta))
+            need = sum(m.nbytes for _, m in kept)
+            while kept and not tier.fits(need):
+                if not core.evict_one(d, kept[0][1]):
+                    break
+            if isinstance(tier, GroupCommitTier):
+                errors: list[Exception | None] = tier.put_group(items)
+            else:
+                errors = [TierFull("no group commit") for _ in items]
+            for k, (queued, meta) in enumerate(kept):
+                error = errors[k]
+                if isinstance(error, TierFull):
+                    # the room went to another writer, or the tier commits one by one: alone
+                    ok = core.place(meta, items[k].payload, d, stop=d + 1) is not None
+                elif error is None:
+                    with core.lock:
+                        if meta.live:
+                            core.add_to_tier(meta, d)
+                            ok = True
+                        else:
+                            tier.delete(meta.block_hash)
+                            ok = False
+                else:
+                    log.warning("write-behind: block %s: %s", meta.block_hash.hex(), error)
+                    ok = False
+                queued.ticket.ok = ok
+                if ok:
+                    self.written += 1
+                else:
+                    self.failed += 1
+        finally:
+            for _, meta in todo:
+                core.unclaim(meta)
+
+    def _note_level(self) -> None:
+        """(condition held) Track how long the backlog has stayed above 80% of its bound."""
+        if self._bytes > DEGRADED_SHARE * self.bound_bytes:
+            if self._above_since is None:
+                self._above_since = time.monotonic()
+        else:
+            self._above_since = None
