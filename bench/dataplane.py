@@ -1,6 +1,8 @@
 """The block stream (docs/dataplane.md): load and store throughput of 2 MiB blocks through a
-real ``sessioncache serve`` process (CPU tier holding two rounds of blocks, no disk), printed
-beside references measured in the same run on the same bytes:
+real ``sessioncache serve`` process, the node README starts (its disk tier on, stores written
+behind to it; the CPU tier holding two rounds of blocks), or with ``--stripped`` one without
+its disk tier (labelled so), printed beside references measured in the same run on the same
+bytes:
 
 - memcpy:   numpy copies of the blocks between two arrays (the memory bound of this machine)
 - socket:   a plain Python socket stream over loopback between two processes (``sendall`` of
@@ -203,6 +205,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of GB/s")
+    parser.add_argument(
+        "--stripped", action="store_true", help="a node without its disk tier (not README's)"
+    )
     compare.add_arguments(parser)
     args = parser.parse_args()
     if compare.run_if_asked(
@@ -236,7 +241,8 @@ def main() -> None:
         # Two rounds: a store evicts the chain stored a round before, never the chain the
         # other path has just loaded, whose lease a LOAD with release may still hold for an
         # instant after its last block reached the client.
-        proc, url = start(Path(tmp) / "data", cpu_bytes=2 * n * size)
+        node = {} if args.stripped else {"SESSIONCACHE_DISK_BYTES": str(64 << 30)}
+        proc, url = start(Path(tmp) / "data", cpu_bytes=2 * n * size, extra_env=node)
         node_tunables = next(
             (
                 e.decode().partition("=")[2]
@@ -272,7 +278,11 @@ def main() -> None:
     seconds["redis_set"], seconds["redis_get"] = redis_set_get(args.redis, n, data[0].tobytes())
 
     rate = {k: gb / v for k, v in seconds.items()}
-    print(f"{n} blocks of {args.block_mib:g} MiB ({gb:.2f} GB per case), best of {args.repeats}")
+    label = "stripped node (no disk tier)" if args.stripped else "README node (disk tier on)"
+    print(
+        f"{label}: {n} blocks of {args.block_mib:g} MiB ({gb:.2f} GB per case), "
+        f"best of {args.repeats}"
+    )
     print(
         f"GLIBC_TUNABLES: client {os.environ.get('GLIBC_TUNABLES', '')!r}, node {node_tunables!r}"
     )

@@ -9,8 +9,10 @@ Cases (GB/s of payload; each round a fresh chain):
   blocks) and ``socket`` (a plain loopback socket from another process, ``recv_into``).
 - ``durable``: the same-host store with ``durable=True`` (answered once on disk). Reference:
   ``dd`` (the chain's bytes to one file in the data dir, one ``fdatasync``).
-- ``steady``: ingest with the CPU tier full: ``--steady-gib`` (1.5) stored into a node whose
-  CPU tier holds 256 MiB, timed until the last block is on disk (every block kept there).
+- ``steady``: ingest with the CPU tier full: ``--steady-gib`` (1.5) stored in chains of 64
+  blocks into a node whose CPU tier holds 256 MiB, timed until the last block is on disk
+  (every block kept there). A chain longer than the tier cannot be staged whole on the same
+  host: its tail would evict its own head.
   Reference: ``dd``.
 
 Run: ``python -m bench.ingest [--blocks 256] [--rounds 3] [--json]``.
@@ -38,6 +40,7 @@ from sessioncache.hashing import Namespace
 
 BLOCK = 2 << 20
 BLOCK_TOKENS = 32
+STEADY_CHAIN = 64
 README_NODE = {"SESSIONCACHE_DISK_BYTES": str(64 << 30)}
 """The README's defaults that ``bench.lookup.start`` turns off (the disk tier)."""
 
@@ -108,7 +111,9 @@ def burst(url: str, data_dir: Path, blocks: list[np.ndarray], rounds: int) -> di
 
 
 def steady(url: str, data_dir: Path, blocks: list[np.ndarray], gib: float) -> dict[str, float]:
+    """Chains of 64 blocks (128 MiB) into a 256 MiB CPU tier: each evicts older chains."""
     rng = np.random.default_rng(2)
+    blocks = blocks[:STEADY_CHAIN]
     n = len(blocks)
     chains = max(1, int(gib * (1 << 30)) // (n * BLOCK))
     kv = transfer(url, "same_host", "ingest-steady")

@@ -53,13 +53,15 @@ from sessioncache.tiers.payload import Payload
 class PutItem(NamedTuple):
     """One block to store: ``Tier.put``'s argument (``RedisTier.put_many`` takes a list).
     ``parent`` (the previous block of the chain) and ``expires_at`` (epoch seconds; None: the
-    tier's default) are hints a tier may keep."""
+    tier's default) are hints a tier may keep; ``checksum``, the payload's XXH3-64 (seed 0)
+    when the store has it, spares a tier that checksums its copies a pass over the payload."""
 
     block_hash: BlockHash
     payload: Payload
     namespace_root: bytes
     parent: BlockHash | None = None
     expires_at: float | None = None
+    checksum: int | None = None
 
 
 @runtime_checkable

@@ -452,6 +452,7 @@ class DiskTier:
                                 item.namespace_root,
                                 item.parent,
                                 nbytes,
+                                item.checksum,
                             ),
                         )
                     )
@@ -480,7 +481,7 @@ class DiskTier:
 
     def _claim(self, item: PutItem) -> tuple[threading.Event, int] | None:
         """Reserve the item's bytes and mark its id in flight; None when it is held."""
-        block_hash, payload, namespace_root, parent, _ = item
+        block_hash, payload, namespace_root, parent = item[:4]
         check_id(block_hash, "block id")
         check_id(namespace_root, "namespace root")
         if parent is not None:
@@ -510,6 +511,7 @@ class DiskTier:
         namespace_root: bytes,
         parent: BlockHash | None,
         n: int,
+        checksum: int | None = None,
     ) -> PendingFile:
         """Write the block's temp file, its device write started; left open for its sync."""
         if view.nbytes != n:
@@ -527,7 +529,8 @@ class DiskTier:
                 new_dirs.append(top)
         final = os.path.join(shard, hexid + _BLOCK_SUFFIX)
         tmp = os.path.join(shard, f".{hexid}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
-        header = encode_header(block_hash, namespace_root, parent, n, _xxh3(view))
+        checksum = _xxh3(view) if checksum is None else checksum
+        header = encode_header(block_hash, namespace_root, parent, n, checksum)
         fd = os.open(tmp, _WRITE_FLAGS, 0o644)
         try:
             if self._fsync and sync_file_range is not None:

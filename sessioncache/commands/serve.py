@@ -59,9 +59,22 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--host", args.host]
     if args.port is not None:
         argv += ["--port", str(args.port)]
+    if args.stream_port is not None:
+        argv += ["--stream-port", str(args.stream_port)]
     if args.data_dir is not None:
         argv += ["--data-dir", str(args.data_dir)]
     return argv
+
+
+def stream_port_for(args: argparse.Namespace, environ: Mapping[str, str]) -> int | None:
+    """The block stream's port the command line asks for: ``--stream-port``, else ``--port``
+    plus one (unless ``SESSIONCACHE_STREAM_PORT`` is set), so that a second node started with
+    its own ``--port`` never collides with the first's stream; None: the settings' own."""
+    if args.stream_port is not None:
+        return int(args.stream_port)
+    if args.port is not None and "SESSIONCACHE_STREAM_PORT" not in environ:
+        return int(args.port) + 1 if 0 < args.port < 65535 else 0
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         overrides["host"] = args.host
     if args.port is not None:
         overrides["port"] = args.port
+    stream_port = stream_port_for(args, os.environ)
+    if stream_port is not None:
+        overrides["stream_port"] = stream_port
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
     settings = Settings(**overrides)
@@ -160,5 +176,12 @@ def register(sub: Any) -> None:
     parser = sub.add_parser("serve", help="run the REST API (uvicorn) and the block stream")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    parser.add_argument(
+        "--stream-port",
+        type=int,
+        default=None,
+        help="port of the block stream (default: --port plus one when --port is given, else "
+        "SESSIONCACHE_STREAM_PORT or 8081; 0 picks a free one)",
+    )
     parser.add_argument("--data-dir", type=Path, default=None, help="disk tier and catalog")
     parser.set_defaults(func=run)

@@ -196,8 +196,8 @@ class SameHostConnection(Connection):
         commit = frames.decode_commit(self._body(), self.limits)
         region, index = self._regions.get(commit.staging, (Region(), {}))
 
-        def copy_in(i: int, slot: StagedSlot) -> None:
-            slot.payload.copy_(region.views[index[i]])  # then checked: the node's own copy
+        def copy_in(i: int, slot: StagedSlot) -> int:
+            return region.copy_out(index[i], slot.payload)  # the node's own copy is checked
 
         try:
             staged, status = stores.commit(

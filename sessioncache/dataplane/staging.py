@@ -23,12 +23,15 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+import xxhash
 
 from sessioncache.tiers.base import SlotLocation
 from sessioncache.tiers.cpu import shared_segment
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+_PIECE = 256 << 10  # copied, then hashed while in cache
 DEFAULT_KEEP_CHUNKS = 4
 """256 MiB: what one STAGE of ``SameHostClient`` reserves at most (``segment_bytes``)."""
 
@@ -52,6 +55,17 @@ class Region:
     chunks: list[_Chunk] = field(default_factory=list)
     locations: list[SlotLocation] = field(default_factory=list)
     views: list[torch.Tensor] = field(default_factory=list)
+
+    def copy_out(self, k: int, dst: torch.Tensor) -> int:
+        """Copy block ``k`` into ``dst`` piece by piece, hashing each piece of ``dst`` while
+        it is still in cache; the XXH3-64 of what ``dst`` now holds."""
+        src, out = self.views[k].numpy(), dst.numpy()
+        hasher = xxhash.xxh3_64()
+        for start in range(0, out.nbytes, _PIECE):
+            piece = out[start : start + _PIECE]
+            np.copyto(piece, src[start : start + _PIECE])
+            hasher.update(piece.data)
+        return int(hasher.intdigest())
 
 
 class StagingMemory:

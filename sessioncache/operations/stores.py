@@ -327,7 +327,7 @@ def commit(
     checksums: list[int],
     nbytes: list[int],
     *,
-    copy_in: Callable[[int, StagedSlot], None] | None = None,
+    copy_in: Callable[[int, StagedSlot], int] | None = None,
 ) -> tuple[Staged, list[BlockStatus]]:
     """Publish blocks ``start ..`` of one of the caller's stagings whose slots hold what the
     caller says it wrote (length and XXH3-64); each block's status. The blocks are committed

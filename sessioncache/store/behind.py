@@ -15,6 +15,11 @@ disk slower than the stores slows the stores, never drops or lies.
 What a crash loses: a block acknowledged as not durable is lost only if it was still queued
 (at most ``bound_bytes``); a durable one never (its answer waited for the sync).
 
+The thread lets a burst of stores finish before it writes: it starts once the stores have
+paused for ``IDLE_S`` (50 ms), or the backlog passes half its bound, or a durable store waits.
+A busy node thus copies its stores first and writes them to disk right after, rather than
+making both compete for the same cores.
+
 A queued block is not pinned: if its tier evicts it first, the eviction demotes it to the
 disk (a copy the queue then finds done). While the thread copies a block it holds it in
 flight (``BlockIndex.ref``), so its slot is not reused under the copy.
@@ -43,6 +48,7 @@ DEFAULT_BOUND_BYTES = 1 << 30
 DEFAULT_TENANT_SHARE = 0.5
 DEFAULT_BATCH_BLOCKS = 64
 DEFAULT_BATCH_BYTES = 64 << 20
+IDLE_S = 0.05
 DEGRADED_SHARE = 0.8
 DEGRADED_AFTER_S = 10.0
 
@@ -82,6 +88,8 @@ class WriteBehind:
         self.tenants = Counts()
         """Bytes queued per tenant."""
         self._closed = False
+        self._urgent = 0  # durable blocks queued: written at once
+        self._last_submit = 0.0
         self._above_since: float | None = None
         self.written = 0
         self.failed = 0
@@ -104,11 +112,12 @@ class WriteBehind:
             since = self._above_since
         return since is not None and time.monotonic() - since >= DEGRADED_AFTER_S
 
-    def submit(self, meta: BlockMeta) -> Ticket:
+    def submit(self, meta: BlockMeta, *, durable: bool = False) -> Ticket:
         """Queue a block held in a tier above the durable one, once there is room for it (it
-        waits: back-pressure). Call without the store's lock."""
+        waits: back-pressure); a ``durable`` one (its store waits for it) is written at once.
+        Call without the store's lock."""
         tenant = self.owner(meta.namespace_root)
-        ticket = Ticket(meta.nbytes, tenant)
+        ticket = Ticket(meta.nbytes, tenant, urgent=durable)
         with self._cond:
             while not self._closed and (
                 (self._bytes and self._bytes + meta.nbytes > self.bound_bytes)
@@ -122,6 +131,8 @@ class WriteBehind:
                 ticket.done.set()
                 return ticket
             self._queue.append(_Queued(meta, ticket))
+            self._urgent += durable
+            self._last_submit = time.monotonic()
             self._bytes += meta.nbytes
             self.tenants.add(tenant, meta.nbytes)
             self._note_level()
@@ -159,8 +170,14 @@ class WriteBehind:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
+                while not self._closed:
+                    if not self._queue:
+                        self._cond.wait()
+                        continue
+                    idle = time.monotonic() - self._last_submit
+                    if self._urgent or self._bytes > self.bound_bytes / 2 or idle >= IDLE_S:
+                        break
+                    self._cond.wait(IDLE_S - idle)  # a burst under way: let it finish
                 if not self._queue:
                     return
                 batch: list[_Queued] = []
@@ -180,6 +197,7 @@ class WriteBehind:
                 with self._cond:
                     for queued in batch:
                         t = queued.ticket
+                        self._urgent -= t.urgent
                         self._bytes -= t.nbytes
                         self.tenants.add(t.tenant, -t.nbytes)
                         t.done.set()
@@ -210,7 +228,12 @@ class WriteBehind:
                     continue
                 items.append(
                     PutItem(
-                        meta.block_hash, data, meta.namespace_root, meta.parent, meta.expires_at
+                        meta.block_hash,
+                        data,
+                        meta.namespace_root,
+                        meta.parent,
+                        meta.expires_at,
+                        meta.checksum,  # known for same-host commits: no second hash
                     )
                 )
                 kept.append((queued, meta))

@@ -34,6 +34,8 @@ class Ticket:
 
     nbytes: int
     tenant: str
+    urgent: bool = False
+    """A durable store waits for it."""
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
 

@@ -222,7 +222,8 @@ class StoreWrites:
         queued = behind is not None and placed < behind.durable and behind.durable not in also
         if queued:
             assert behind is not None
-            ticket = behind.submit(meta)  # waits while the queue is full: back-pressure
+            # waits while the queue is full: back-pressure
+            ticket = behind.submit(meta, durable=write.durable_tier is not None)
             if write.durable_tier is not None:
                 write.tickets.append((meta.block_hash, ticket))
         elif write.durable_tier is not None and write.durable_tier not in (placed, *also):
@@ -366,7 +367,7 @@ class StoreWrites:
         checksums: Sequence[int],
         lengths: Sequence[int] | None = None,
         *,
-        copy_in: Callable[[int, StagedSlot], None] | None = None,
+        copy_in: Callable[[int, StagedSlot], int] | None = None,
     ) -> WriteResult:
         """Publish the next ``len(checksums)`` blocks of a staged write (all of them in one
         call, or in order over several: a writer may commit the blocks it has filled while it
@@ -378,8 +379,9 @@ class StoreWrites:
         ``DurableStoreFailed`` raised. Entries of present or dropped blocks are ignored.
 
         ``copy_in(i, slot)``, when given, fills the slot of block ``i`` just before it is
-        checked: the writer wrote the block elsewhere (a same-host connection's staging
-        memory), so what is checked and published is the node's own copy."""
+        checked and returns the XXH3-64 of what it copied there (hashed piece by piece from
+        the slot itself): the writer wrote the block elsewhere (a same-host connection's
+        staging memory), so what is checked and published is the node's own copy."""
         shm_index, tier = self._core.require_shm()
         n = len(checksums)
         if lengths is not None and len(lengths) != n:
@@ -414,9 +416,11 @@ class StoreWrites:
                     status.append(BlockStatus.DROPPED)
                     continue
                 if copy_in is not None:
-                    copy_in(i, slot)
+                    checksum = copy_in(i, slot)
+                else:
+                    checksum = xxh3(as_memoryview(slot.payload))
                 good = (lengths is None or lengths[k] == slot.location.nbytes) and (
-                    xxh3(as_memoryview(slot.payload)) == checksums[k]
+                    checksum == checksums[k]
                 )
                 if not good:
                     tier.release_reserved(slot)
@@ -443,11 +447,12 @@ class StoreWrites:
         if unsaved is not None:
             self.abort(write)
             self._durable_failed(write, unsaved)
-        try:
-            self.settle(write)  # this COMMIT's blocks: one sync
-        except DurableStoreFailed:
-            self.abort(write)
-            raise
+        if not write.open:
+            try:
+                self.settle(write)  # the last COMMIT answers once every block is on disk
+            except DurableStoreFailed:
+                self.abort(write)
+                raise
         return result
 
     def abort(self, write: Write) -> int:
