@@ -3,7 +3,9 @@
 payload sizes: store and load GB/s, and ours over theirs.
 
 Everything runs on this host, in two regimes, each on fresh backends (a new
-``sessioncache serve`` with its CPU tier in shared memory and no disk tier, a new private
+``sessioncache serve`` as README starts it: its CPU tier in shared memory, its disk tier on,
+stores written behind to it; with ``--stripped``, labelled, one without the disk tier; a new
+private
 ``redis-server`` without persistence, an empty temporary directory for ``fs``):
 
 - ``fresh``: each backend grows its memory from nothing during the run, as a node or a Redis
@@ -69,6 +71,10 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     raise RuntimeError("redis-server did not start")
 
 
+STRIPPED = False
+"""Run the node without its disk tier (``--stripped``)."""
+
+
 class Backend:
     """The store one run benchmarks, started fresh, and the ``--l2-adapter`` JSON naming it.
     ``name`` is ``sessioncache same_host``, ``sessioncache stream``, ``lmcache resp (redis)``
@@ -98,6 +104,8 @@ class Backend:
     def __enter__(self) -> dict[str, Any]:
         if self.name.startswith("sessioncache"):
             env = {"SESSIONCACHE_CPU_PREALLOCATE": "true"} if self.warm else {}
+            if not STRIPPED:
+                env["SESSIONCACHE_DISK_BYTES"] = str(64 << 30)  # README's node
             self.process, url = start(self.dir, cpu_bytes=self.cpu_bytes, extra_env=env)
             path = self.name.split()[1]
             return {
@@ -207,7 +215,13 @@ def main() -> None:
         "--regimes", nargs="+", choices=["fresh", "warm"], default=["fresh", "warm"]
     )
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    parser.add_argument(
+        "--stripped", action="store_true", help="a node without its disk tier (not README's)"
+    )
     args = parser.parse_args()
+    global STRIPPED
+    STRIPPED = args.stripped
+    print("node:", "stripped (no disk tier)" if STRIPPED else "README's (disk tier on)")
 
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-l2-"))
     per_run = args.keys * (args.rounds + 1) * max(args.sizes_kb) * 1024
