@@ -3,12 +3,13 @@
 Memory is carved into one slab per payload size in use. A slab grows chunk by chunk (one torch
 tensor of ``slots x payload_size`` bytes) while the tier's allocation stays within its capacity,
 and freed slots are reused before anything new is allocated. A slab's chunks grow
-geometrically: its first holds one slot, each next one as many as the slab holds already, up to
-``chunk_bytes``. So a payload size costs at most twice what its blocks use (plus one
-chunk): a few blocks of many sizes, held or pinned, cannot squat the tier's capacity in
-mostly empty chunks. A chunk that falls entirely free
-may be released so that another payload size can grow; in the usual deployment (one model, one
-KV layout) there is a single payload size and a single slab.
+geometrically once the tier holds another payload size: its first holds one slot, each next
+one as many as the slab holds already, up to ``chunk_bytes``. So every payload size but the
+first costs at most twice what its blocks use: a few blocks of many sizes, held or pinned,
+cannot squat the tier's capacity in mostly empty chunks, while the usual deployment's one
+size gets whole chunks (made ahead of need, ``spare_chunks``) from its first store. A chunk
+that falls entirely free may be released so that another payload size can grow; in the usual
+deployment (one model, one KV layout) there is a single payload size and a single slab.
 
 ``get`` returns a view into the slot: zero-copy, valid until the block is deleted from the tier
 (the store leases blocks across a load so that this cannot happen under a reader).
@@ -277,7 +278,10 @@ class SlabTier:
             if room < nbytes:
                 raise TierFull(f"{self.name}: no free slot of {nbytes} bytes")
             grown = self._chunk_bytes
-            if self._grow:
+            if self._grow and any(
+                size != nbytes and any(c is not None for c in other.chunks)
+                for size, other in self._slabs.items()
+            ):
                 grown = max(nbytes, sum(c.tensor.numel() for c in slab.chunks if c is not None))
             slots = max(1, min(self._chunk_bytes, room, grown) // nbytes)
             index = self._reuse_chunk_index(slab)
