@@ -265,9 +265,11 @@ class SameHostClient(StreamClient):
     _find = staticmethod(discover_same_host)
 
     client_name = "sessioncache-samehost/1"
-    hash_ahead = True
-    """Checksum host payloads in a thread of this client, ahead of the copies (else each just
-    before its copy, in the calling thread)."""
+    hash_ahead = False
+    """Checksum host payloads in a thread of this client, ahead of the copies; by default each
+    is hashed piece by piece as it is copied (each piece of the slot while in cache), which
+    reads the source once: faster now that the node copies every staged block too (same
+    machine, both cores busy; docs/benchmarks.md)."""
     commits_in_flight = 2
     """COMMITs sent whose answers are not awaited yet while the next batch is copied."""
     batch_bytes = 64 * MiB
