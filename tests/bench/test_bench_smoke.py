@@ -119,6 +119,16 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?m)^store\.min_ms +[\d.]+\n(?s:.*)^checksum\.load_over_plain +[\d.]+\n"
         r"(?s:.*)^\{\"store\.min_ms\": [\d.]+, .*\"load\.over_memcpy\": [\d.]+\}$",
     ),
+    "bench.group_commit": (
+        ["--blocks", "4", "--size", "65536", "--batch", "2", "--rounds", "1", "--json"],
+        r"(?m)^file_batch +[\d.]+ +[\d.]+ +[\d.]+\n(?s:.*)"
+        r'^\{"dd\.gbs": [\d.]+, .*"segment\.over_dd": [\d.]+\}$',
+    ),
+    "bench.ingest": (
+        ["--blocks", "4", "--rounds", "1", "--steady-gib", "0.01", "--json"],
+        r"(?m)^same_host\.over_memcpy +[\d.]+\n(?s:.*)"
+        r'^\{"same_host": [\d.]+, .*"steady\.over_dd": [\d.]+\}$',
+    ),
     "bench.store_paths": (
         ["--rounds", "1", "--json"],
         r"(?m)^rest\.min_ms +[\d.]+\n(?s:.*)^dd_fdatasync\.min_ms +[\d.]+\n(?s:.*)"
