@@ -441,27 +441,17 @@ class DiskTier:
                     claimed.append((i, item.block_hash, *claim))
             pending: list[tuple[int, PendingFile]] = []
             for i, _, _, nbytes in claimed:
-                item = items[i]
                 try:
-                    pending.append(
-                        (
-                            i,
-                            self._begin_file(
-                                item.block_hash,
-                                as_memoryview(item.payload),
-                                item.namespace_root,
-                                item.parent,
-                                nbytes,
-                                item.checksum,
-                            ),
-                        )
-                    )
+                    pending.append((i, self._begin_file(items[i], nbytes)))
                 except OSError as exc:
                     results[i] = _os_error(self.name, exc)
                 except PayloadSizeError as exc:
                     results[i] = exc
             files = [p for _, p in pending]
-            failed = sync_and_rename(files, fsync=self._fsync, unlink=self._unlink_quiet)
+            try:
+                failed = sync_and_rename(files, fsync=self._fsync, unlink=self._unlink_quiet)
+            except OSError as exc:  # a folder's fsync: none of them is known durable
+                failed = dict.fromkeys(range(len(files)), exc)
             for i, error in failed.items():
                 results[pending[i][0]] = _os_error(self.name, error)
             for i, f in enumerate(files):
@@ -504,16 +494,9 @@ class DiskTier:
                     return done, nbytes
             waiting.wait()  # another thread writes, deletes or quarantines this id
 
-    def _begin_file(
-        self,
-        block_hash: bytes,
-        view: memoryview,
-        namespace_root: bytes,
-        parent: BlockHash | None,
-        n: int,
-        checksum: int | None = None,
-    ) -> PendingFile:
+    def _begin_file(self, item: PutItem, n: int) -> PendingFile:
         """Write the block's temp file, its device write started; left open for its sync."""
+        block_hash, view = item.block_hash, as_memoryview(item.payload)
         if view.nbytes != n:
             raise PayloadSizeError(f"payload changed size ({view.nbytes} != {n})")
         hexid = block_hash.hex()
@@ -529,8 +512,8 @@ class DiskTier:
                 new_dirs.append(top)
         final = os.path.join(shard, hexid + _BLOCK_SUFFIX)
         tmp = os.path.join(shard, f".{hexid}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
-        checksum = _xxh3(view) if checksum is None else checksum
-        header = encode_header(block_hash, namespace_root, parent, n, checksum)
+        checksum = _xxh3(view) if item.checksum is None else item.checksum
+        header = encode_header(block_hash, item.namespace_root, item.parent, n, checksum)
         fd = os.open(tmp, _WRITE_FLAGS, 0o644)
         try:
             if self._fsync and sync_file_range is not None:

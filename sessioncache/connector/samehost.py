@@ -66,6 +66,7 @@ from sessioncache.dataplane.frames import (
     StageOk,
     StoreHead,
 )
+from sessioncache.dataplane.slots import copy_and_hash
 from sessioncache.dataplane.transport import SocketTransport, Transport
 from sessioncache.errors import (
     ChecksumMismatch,
@@ -144,19 +145,10 @@ def _copy_in(dst: npt.NDArray[np.uint8], payload: Any) -> int | None:
     return None
 
 
-_PIECE = 512 << 10
-
-
 def _copy_and_hash(dst: npt.NDArray[np.uint8], payload: Any) -> int:
-    """Copy a host payload into a slot piece by piece, hashing each piece of the slot while it
-    is still in cache: the source is read from memory once."""
-    src = np.frombuffer(as_buffer(payload, writable=False), np.uint8)
-    hasher = xxhash.xxh3_64()
-    for start in range(0, src.nbytes, _PIECE):
-        piece = dst[start : start + _PIECE]
-        np.copyto(piece, src[start : start + _PIECE])
-        hasher.update(piece.data)
-    return int(hasher.intdigest())
+    """Copy a host payload into a slot, hashing the slot's pieces as they are copied
+    (``dataplane.slots``): the source is read from memory once."""
+    return copy_and_hash(dst, np.frombuffer(as_buffer(payload, writable=False), np.uint8))
 
 
 def _checksum(payload: Any) -> int:

@@ -72,8 +72,8 @@ class SameHostConnection(Connection):
         self.trusted = server.trusted
         self.credentials = peer_credentials(transport)
         self.staging = StagingMemory()
-        # per open staging: its region, and which slot there each new block has
-        self._regions: dict[bytes, tuple[Region, dict[int, int]]] = {}
+        self._regions: dict[bytes, Region] = {}
+        """Each open staging's slots in ``staging``."""
 
     def run(self) -> None:
         """Serve the peer (never raises); whatever it held goes when it ends."""
@@ -170,19 +170,15 @@ class SameHostConnection(Connection):
         staged = stores.stage(self.node, self._caller, request)
         new = [i for i, slot in enumerate(staged.write.slots) if slot is not None]
         try:
-            region = self.staging.take(len(new), staged.write.nbytes or 1) if new else Region()
+            region = self.staging.take(new, staged.write.nbytes or 1)
         except OSError as exc:
             stores.abort(self.node, self._caller, staged.key)
             raise TierUnavailable(f"no staging memory for {len(new)} blocks: {exc}") from exc
         except BaseException:
             stores.abort(self.node, self._caller, staged.key)
             raise
-        index = {i: k for k, i in enumerate(new)}
-        self._regions[staged.key] = (region, index)
-        where = [
-            region.locations[index[i]] if i in index else None
-            for i in range(len(staged.write.slots))
-        ]
+        self._regions[staged.key] = region
+        where = [region.locations.get(i) for i in range(len(staged.write.slots))]
         ok = frames.StageOk(
             staged.key,
             staged.plan.durable,
@@ -194,10 +190,10 @@ class SameHostConnection(Connection):
 
     def _commit(self, header: Header, session: str | None) -> None:
         commit = frames.decode_commit(self._body(), self.limits)
-        region, index = self._regions.get(commit.staging, (Region(), {}))
+        region = self._regions.get(commit.staging, Region())
 
         def copy_in(i: int, slot: StagedSlot) -> int:
-            return region.copy_out(index[i], slot.payload)  # the node's own copy is checked
+            return region.copy_out(i, slot.payload)  # the node's own copy is checked
 
         try:
             staged, status = stores.commit(
@@ -228,7 +224,7 @@ class SameHostConnection(Connection):
 
     def _give(self, key: bytes) -> None:
         """A staging is over: its staging memory is free."""
-        region, _ = self._regions.pop(key, (None, None))
+        region = self._regions.pop(key, None)
         if region is not None:
             self.staging.give(region)
 

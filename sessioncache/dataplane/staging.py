@@ -23,15 +23,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-import xxhash
 
+from sessioncache.dataplane.slots import copy_and_hash
 from sessioncache.tiers.base import SlotLocation
 from sessioncache.tiers.cpu import shared_segment
 
 DEFAULT_CHUNK_BYTES = 64 << 20
-_PIECE = 256 << 10  # copied, then hashed while in cache
 DEFAULT_KEEP_CHUNKS = 4
 """256 MiB: what one STAGE of ``SameHostClient`` reserves at most (``segment_bytes``)."""
 
@@ -50,22 +48,16 @@ class _Chunk:
 
 @dataclass(slots=True)
 class Region:
-    """One staging's slots: block ``k`` of the staging's new blocks at ``locations[k]``."""
+    """One staging's slots: block ``i`` of the staging (one it stores) at ``locations[i]``."""
 
     chunks: list[_Chunk] = field(default_factory=list)
-    locations: list[SlotLocation] = field(default_factory=list)
-    views: list[torch.Tensor] = field(default_factory=list)
+    locations: dict[int, SlotLocation] = field(default_factory=dict)
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def copy_out(self, k: int, dst: torch.Tensor) -> int:
-        """Copy block ``k`` into ``dst`` piece by piece, hashing each piece of ``dst`` while
-        it is still in cache; the XXH3-64 of what ``dst`` now holds."""
-        src, out = self.views[k].numpy(), dst.numpy()
-        hasher = xxhash.xxh3_64()
-        for start in range(0, out.nbytes, _PIECE):
-            piece = out[start : start + _PIECE]
-            np.copyto(piece, src[start : start + _PIECE])
-            hasher.update(piece.data)
-        return int(hasher.intdigest())
+    def copy_out(self, i: int, dst: torch.Tensor) -> int:
+        """Copy block ``i`` into ``dst``; the XXH3-64 of what ``dst`` now holds, hashed from
+        ``dst`` itself as it is copied (``dataplane.slots``)."""
+        return copy_and_hash(dst.numpy(), self.views[i].numpy())
 
 
 class StagingMemory:
@@ -85,18 +77,18 @@ class StagingMemory:
         self._used: dict[int, _Chunk] = {}
         self._free: list[_Chunk] = []
 
-    def take(self, count: int, nbytes: int) -> Region:
-        """Slots for ``count`` blocks of ``nbytes`` each."""
+    def take(self, blocks: list[int], nbytes: int) -> Region:
+        """Slots of ``nbytes`` for the staging's blocks ``blocks`` (the ones it stores)."""
         region = Region()
         per = max(1, self._chunk_bytes // nbytes)
         try:
-            for first in range(0, count, per):
+            for first in range(0, len(blocks), per):
                 chunk = self._chunk(max(self._chunk_bytes, nbytes))
                 region.chunks.append(chunk)
-                for k in range(min(per, count - first)):
+                for k, i in enumerate(blocks[first : first + per]):
                     offset = k * nbytes
-                    region.locations.append(SlotLocation(chunk.segment, offset, nbytes))
-                    region.views.append(chunk.memory[offset : offset + nbytes])
+                    region.locations[i] = SlotLocation(chunk.segment, offset, nbytes)
+                    region.views[i] = chunk.memory[offset : offset + nbytes]
         except BaseException:
             self.give(region)
             raise

@@ -84,7 +84,6 @@ class WriteBehind:
         self._cond = threading.Condition()
         self._queue: deque[_Queued] = deque()
         self._bytes = 0
-        self._writing = 0  # bytes taken by the thread, not written yet
         self.tenants = Counts()
         """Bytes queued per tenant."""
         self._closed = False

@@ -448,11 +448,7 @@ class StoreWrites:
             self.abort(write)
             self._durable_failed(write, unsaved)
         if not write.open:
-            try:
-                self.settle(write)  # the last COMMIT answers once every block is on disk
-            except DurableStoreFailed:
-                self.abort(write)
-                raise
+            self.settle(write)  # the last COMMIT answers once every block is on disk
         return result
 
     def abort(self, write: Write) -> int:
