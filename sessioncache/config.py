@@ -252,12 +252,13 @@ class Settings(BaseSettings):
         "first tier holds it (`durable: false`) and its disk copy follows (write-behind)",
     )
     write_behind_bytes: int = Field(
-        1 * GiB,
+        4 * GiB,
         ge=0,
-        description="bound of the write-behind queue (blocks held in memory on their way to "
-        "disk): a store that would pass it waits; a crash loses at most this much of the "
-        "stores answered `durable: false`; 0 turns write-behind off (blocks reach disk when "
-        "evicted from memory)",
+        description="bound of the write-behind queue (blocks of the memory tiers not on disk "
+        "yet; the queue holds no copy of them): a store that would pass it waits; a crash "
+        "loses at most this much of the stores answered `durable: false` (it loses the memory "
+        "tiers anyway: the default is the CPU tier's); 0 turns write-behind off (blocks reach "
+        "disk when evicted from memory)",
     )
     tenant_write_behind_share: float = Field(
         0.5,
@@ -361,7 +362,8 @@ class Settings(BaseSettings):
         return {"agent": self.agent_ttl_s, "chat": self.chat_ttl_s, **self.session_kinds}
 
     def shm_socket_path(self) -> Path:
-        return self.shm_socket or self.data_dir / "sessioncache.sock"
+        """Absolute: it is advertised to clients, whose working directory is their own."""
+        return (self.shm_socket or self.data_dir / "sessioncache.sock").absolute()
 
     def catalog_url(self) -> str:
         if self.database_url:

@@ -265,8 +265,12 @@ class SameHostClient(StreamClient):
     commits_in_flight = 2
     """COMMITs sent whose answers are not awaited yet while the next batch is copied."""
     batch_bytes = 64 * MiB
-    """Bytes copied into slots per COMMIT (a batch the node checks while the next is
+    """Most bytes copied into slots per COMMIT (a batch the node checks while the next is
     copied)."""
+    min_batches = 4
+    """A staging is committed in at least this many batches (none under ``min_batch_bytes``),
+    so that a small store's copies overlap the node's too."""
+    min_batch_bytes = 4 * MiB
     segment_bytes = 256 * MiB
     """Most bytes one STAGE reserves: the node's staging memory for this connection is kept
     at that size between stores (``dataplane.staging``)."""
@@ -443,7 +447,8 @@ class SameHostClient(StreamClient):
         self._maps.ensure(s.segment for s in staged.slots if s is not None)
         n = len(staged.ids)
         size = next((s.nbytes for s in staged.slots if s is not None), 1)
-        batch = max(1, self.batch_bytes // size)
+        per_batch = min(self.batch_bytes, max(self.min_batch_bytes, n * size // self.min_batches))
+        batch = max(1, per_batch // size)
         if self._hasher is None and self.hash_ahead:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="samehost-xxh3")
         hashes: list[Future[int] | None] = [

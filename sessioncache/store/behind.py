@@ -44,7 +44,7 @@ from sessioncache.tiers.base import GroupCommitTier, PutItem
 
 log = logging.getLogger("sessioncache.store.behind")
 
-DEFAULT_BOUND_BYTES = 1 << 30
+DEFAULT_BOUND_BYTES = 4 << 30
 DEFAULT_TENANT_SHARE = 0.5
 DEFAULT_BATCH_BLOCKS = 64
 DEFAULT_BATCH_BYTES = 64 << 20

@@ -69,3 +69,12 @@ def test_markdown_prints_the_table(capsys: pytest.CaptureFixture[str]):
 def test_missing_markers_are_an_error():
     with pytest.raises(ValueError, match="settings table"):
         readme_table("# no table here\n")
+
+
+def test_the_same_host_socket_is_advertised_absolute(tmp_path, monkeypatch):
+    # `sessioncache serve` on its defaults keeps its data in ./.sessioncache: a client in
+    # another directory must still find the socket the node advertises
+    monkeypatch.chdir(tmp_path)
+    path = Settings().shm_socket_path()
+    assert path.is_absolute()
+    assert path == tmp_path.absolute() / ".sessioncache" / "sessioncache.sock"
