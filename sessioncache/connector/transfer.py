@@ -137,6 +137,12 @@ class KVTransfer:
         return self._path
 
     @property
+    def connection(self) -> StreamClient:
+        """The data-plane connection (same host or stream; connecting on first use): for
+        callers that place the blocks themselves. Raises where the path is REST."""
+        return self._dataplane("connection")
+
+    @property
     def connected(self) -> bool:
         """A path is chosen and its connection is usable (else the next operation connects)."""
         return self._path is not None and (self._conn is None or not self._conn.broken)

@@ -1,0 +1,495 @@
+"""``SessionCacheConnector``: a vLLM KV connector (``KVConnectorBase_V1``) on a sessioncache
+node, loaded by configuration alone (``docs/vllm.md``)::
+
+    KVTransferConfig(kv_connector="SessionCacheConnector",
+                     kv_connector_module_path="sessioncache.connector.vllm",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"url": "http://127.0.0.1:8080"})
+
+One sessioncache block is one vLLM block (``block_size`` tokens) of every attention layer of
+this rank, the layers' block slices back to back (``PagedLayout``). The namespace
+(``vllm_namespace``) names the model, the KV dtype, the paged layout of this device and rank
+(each tensor-parallel rank holds a slice of the KV heads and stores its own), the request's
+``cache_salt`` (the tenant salt) and its LoRA.
+
+Scheduler side: ``get_num_new_matched_tokens`` asks the node, over the data plane, for the
+longest held prefix of the prompt's full blocks (one LOOKUP, counted as the prompt's hit and
+miss tokens, under the request's session when ``kv_transfer_params`` names one); at least one
+prompt token is always left to compute. ``update_state_after_alloc`` plans the load into the
+blocks vLLM allocated; ``request_finished`` plans the save of the request's computed full
+blocks past those the node held and keeps vLLM from freeing them until the save is done
+(``get_finished``).
+
+Worker side: loads run in ``start_load_kv``, before the forward pass: one leased LOCATE (same
+host) or LOOKUP (stream) per request, each block copied into the request's paged blocks. A
+block that could not be loaded is reported by ``get_block_ids_with_load_errors``, and vLLM
+recomputes it. Saves run on a thread of their own, with their own connection: each block
+gathered from the paged cache and stored with ``KVTransfer.store_from``. A node that is down
+makes lookups miss, loads fail (recomputed) and saves drop; the engine never stops for it.
+
+Bytes move over the same-host path when the node is on this host, else over the block stream;
+never per-block HTTP (``paths=DATA_PLANE_PATHS``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
+from sessioncache.hashing import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("sessioncache.connector.vllm")
+
+BlockBytes = npt.NDArray[np.uint8]
+
+DEFAULT_LEASE_MS = 30_000
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One request's blocks ``first .. first + len(block_ids)`` to load or save: the tokens up
+    to their end, and the vLLM blocks they go to or come from."""
+
+    req_id: str
+    tokens: list[int]
+    first: int
+    block_ids: list[int]
+    salt: str | None = None
+    lora: str | None = None
+    session_id: str | None = None
+
+
+@dataclass
+class SessionCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One scheduler step's loads and saves, for the workers."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config``."""
+
+    url: str
+    api_key: str | None = None
+    data_path: str = "auto"
+    model: str | None = None
+    """The model's name in the namespace (default: vLLM's served model name)."""
+    lease_ms: int = DEFAULT_LEASE_MS
+    timeout_s: float = 30.0
+    save: bool = True
+    load: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"SessionCacheConnector: unknown kv_connector_extra_config {unknown}")
+        if not extra.get("url"):
+            raise ValueError('SessionCacheConnector needs kv_connector_extra_config {"url": ...}')
+        return cls(**extra)
+
+
+def vllm_namespace(
+    config: VllmConfig,
+    settings: ConnectorSettings,
+    *,
+    rank: int,
+    salt: str | None,
+    lora: str | None,
+) -> Namespace:
+    """The namespace of this engine's KV at one tensor-parallel ``rank``."""
+    model = config.model_config
+    parallel = config.parallel_config
+    cache = config.cache_config
+    name = settings.model or model.served_model_name or model.model
+    if isinstance(name, list):
+        name = name[0]
+    dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(model.dtype)
+    from vllm.platforms import current_platform
+
+    layout = (
+        f"vllm-paged/{current_platform.device_type}/l{model.get_num_layers(parallel)}"
+        f"/h{model.get_num_kv_heads(parallel)}x{model.get_head_size()}"
+        f"/tp{parallel.tensor_parallel_size}.{rank}"
+    )
+    return Namespace(
+        str(name), cache.block_size, str(dtype).removeprefix("torch."), layout, salt, lora
+    )
+
+
+def _request_fields(request: Request) -> tuple[str | None, str | None, str | None]:
+    """A request's ``(salt, lora, session_id)``."""
+    params = request.kv_transfer_params or {}
+    session = params.get("session_id")
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    return request.cache_salt, lora, str(session) if session else None
+
+
+class PagedLayout:
+    """Where one vLLM block lies in the paged KV tensors of this worker: in each layer, the
+    block's slice (the block dimension first, as vLLM's CPU backend lays it out, or second
+    after K/V, as the CUDA backends do). A sessioncache block holds every layer's slice, in
+    the layers' order, back to back."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self.names = list(kv_caches)
+        self.views: list[torch.Tensor] = []
+        self.kv_major = False
+        for name, tensor in kv_caches.items():
+            raw = tensor.view(torch.uint8) if tensor.is_contiguous() else None
+            if raw is None:
+                raise ValueError(f"{name}: a non-contiguous KV cache tensor")
+            if tensor.shape[0] % num_blocks == 0 and tensor.shape[0] >= num_blocks:
+                self.views.append(raw.reshape(num_blocks, -1))
+            elif tensor.shape[0] == 2 and tensor.shape[1] % num_blocks == 0:
+                self.kv_major = True
+                self.views.append(raw.reshape(2, num_blocks, -1))
+            else:
+                raise ValueError(f"{name}: no block dimension of {num_blocks} in {tensor.shape}")
+        self.piece = [v[0].numel() if v.dim() == 2 else 2 * v.shape[2] for v in self.views]
+        self.nbytes = sum(self.piece)
+        self.device = next(iter(kv_caches.values())).device
+        self._np = [v.numpy() for v in self.views] if self.device.type == "cpu" else None
+
+    def gather(self, block_id: int, out: BlockBytes) -> None:
+        """Copy block ``block_id`` of every layer into ``out`` (``nbytes`` of uint8)."""
+        pos = 0
+        if self._np is not None:
+            for view, n in zip(self._np, self.piece, strict=True):
+                part = out[pos : pos + n]
+                if view.ndim == 3:
+                    np.copyto(part.reshape(2, -1), view[:, block_id])
+                else:
+                    np.copyto(part, view[block_id])
+                pos += n
+            return
+        dst = torch.from_numpy(out)
+        for layer, n in zip(self.views, self.piece, strict=True):
+            piece = layer[:, block_id] if layer.dim() == 3 else layer[block_id]
+            dst[pos : pos + n].view(piece.shape).copy_(piece)
+            pos += n
+
+    def scatter(self, block_id: int, src: BlockBytes) -> None:
+        """Copy a block (``nbytes`` of uint8) into block ``block_id`` of every layer."""
+        pos = 0
+        if self._np is not None:
+            for view, n in zip(self._np, self.piece, strict=True):
+                part = src[pos : pos + n]
+                if view.ndim == 3:
+                    np.copyto(view[:, block_id], part.reshape(2, -1))
+                else:
+                    np.copyto(view[block_id], part)
+                pos += n
+            return
+        source = torch.from_numpy(src)
+        for layer, n in zip(self.views, self.piece, strict=True):
+            piece = layer[:, block_id] if layer.dim() == 3 else layer[block_id]
+            piece.copy_(source[pos : pos + n].view(piece.shape), non_blocking=True)
+            pos += n
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class _Node:
+    """This process's data-plane connection to the node, per namespace root (one
+    ``KVTransfer``; calls are serialized by the caller)."""
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self._kv: KVTransfer | None = None
+        self._sessions: set[str] = set()
+        """Sessions opened on the node from here (``open_session`` is idempotent)."""
+
+    @property
+    def kv(self) -> KVTransfer:
+        if self._kv is None:
+            s = self.settings
+            self._kv = KVTransfer.from_url(
+                s.url,
+                api_key=s.api_key,
+                timeout=s.timeout_s,
+                path=s.data_path,  # type: ignore[arg-type]
+                paths=DATA_PLANE_PATHS,
+                lease_ms=s.lease_ms,
+            )
+        return self._kv
+
+    def held_blocks(
+        self, namespace: Namespace, tokens: Sequence[int], session_id: str | None
+    ) -> int:
+        """How many of ``tokens``' full blocks the node holds, from the first (the prompt's
+        question: counted)."""
+        kv = self.kv
+        root = kv.root(namespace)
+        conn = kv.connection
+        ids = conn.block_hashes(root, tokens)
+        if not ids:
+            return 0
+        if session_id is not None and session_id not in self._sessions:
+            kv.client.open_session(session_id)  # or the open one of that id
+            self._sessions.add(session_id)
+        return conn.lookup(root, ids, session_id=session_id).matched
+
+    def load(self, namespace: Namespace, transfer: Transfer, out: Sequence[BlockBytes]) -> int:
+        """Load the transfer's blocks into ``out``; how many, from the first, were loaded."""
+        kv = self.kv
+        root = kv.root(namespace)
+        conn = kv.connection
+        ids = conn.block_hashes(root, transfer.tokens)[transfer.first :]
+        lease_ms = self.settings.lease_ms
+        if isinstance(conn, SameHostClient):
+            found = conn.locate(root, ids, lease_ms=lease_ms, counted=False)
+            n = found.located
+            if n:
+                conn.load_into(found, out[:n])
+            elif found.lease is not None:
+                conn.release_checked(found)
+            return n
+        lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False)
+        if lookup.matched:
+            conn.load_into(lookup, out[: lookup.matched], release=True)
+        return lookup.matched
+
+    def save(self, namespace: Namespace, transfer: Transfer, payloads: Sequence[BlockBytes]) -> int:
+        kv = self.kv
+        root = kv.root(namespace)
+        conn = kv.connection
+        ids = conn.block_hashes(root, transfer.tokens[: transfer.first * namespace.block_tokens])
+        parent = ids[transfer.first - 1] if transfer.first else None
+        ack = conn.store(
+            root,
+            transfer.tokens[transfer.first * namespace.block_tokens :],
+            payloads,
+            parent=parent,
+            session_id=transfer.session_id,
+        )
+        return sum(ack.held)
+
+    def close(self) -> None:
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+
+
+class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector on a sessioncache node (module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None
+        self.settings = ConnectorSettings.from_extra(
+            dict(transfer_config.kv_connector_extra_config)
+        )
+        self.block_size = vllm_config.cache_config.block_size
+        self._config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
+        self._rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = get_tensor_model_parallel_rank()
+        # scheduler side
+        self._node = _Node(self.settings)
+        self._matched: dict[str, int] = {}
+        self._loads: list[Transfer] = []
+        self._saves: list[Transfer] = []
+        # worker side
+        self._layout: PagedLayout | None = None
+        self._load_errors: set[int] = set()
+        self._saver = _Node(self.settings)
+        self._saving: list[Transfer] = []
+        self._saved: set[str] = set()
+        self._save_cond = threading.Condition()
+        self._save_thread: threading.Thread | None = None
+
+    def _namespace(self, salt: str | None, lora: str | None) -> Namespace:
+        key = (salt, lora)
+        ns = self._namespaces.get(key)
+        if ns is None:
+            ns = self._namespaces[key] = vllm_namespace(
+                self._config, self.settings, rank=self._rank, salt=salt, lora=lora
+            )
+        return ns
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self.settings.load:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        full = (len(tokens) - 1) // self.block_size  # at least one token left to compute
+        if full * self.block_size <= num_computed_tokens:
+            return 0, False
+        salt, lora, session = _request_fields(request)
+        try:
+            held = self._node.held_blocks(
+                self._namespace(salt, lora), tokens[: full * self.block_size], session
+            )
+        except Exception as exc:  # the node down or slow: a miss, never a failed request
+            log.warning("sessioncache lookup failed, recomputing: %s", exc)
+            self._node.close()
+            return 0, False
+        self._matched[request.request_id] = held
+        extra = held * self.block_size - num_computed_tokens
+        return max(0, extra), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        first = request.num_computed_tokens // self.block_size
+        end = (request.num_computed_tokens + num_external_tokens) // self.block_size
+        block_ids = blocks.get_block_ids()[0]
+        salt, lora, session = _request_fields(request)
+        tokens = list(request.prompt_token_ids or [])[: end * self.block_size]
+        self._loads.append(
+            Transfer(
+                request.request_id, tokens, first, list(block_ids[first:end]), salt, lora, session
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = SessionCacheMetadata(self._loads, self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        held = self._matched.pop(request.request_id, 0)
+        if not self.settings.save:
+            return False, None
+        full = min(request.num_computed_tokens // self.block_size, len(block_ids))
+        if full <= held:
+            return False, None
+        salt, lora, session = _request_fields(request)
+        tokens = list(request.all_token_ids[: full * self.block_size])
+        self._saves.append(
+            Transfer(
+                request.request_id, tokens, held, list(block_ids[held:full]), salt, lora, session
+            )
+        )
+        return True, None  # vLLM frees the blocks once a worker reports the save done
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._kv_cache_config is not None
+        self._layout = PagedLayout(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SessionCacheMetadata)
+        layout = self._layout
+        if layout is None:
+            return
+        for transfer in meta.loads:
+            out = [np.empty(layout.nbytes, np.uint8) for _ in transfer.block_ids]
+            try:
+                n = self._node.load(self._namespace(transfer.salt, transfer.lora), transfer, out)
+            except Exception as exc:
+                log.warning("sessioncache load of %s failed, recomputing: %s", transfer.req_id, exc)
+                self._node.close()
+                n = 0
+            for block_id, payload in zip(transfer.block_ids[:n], out, strict=False):
+                layout.scatter(block_id, payload)
+            self._load_errors.update(transfer.block_ids[n:])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # saves copy whole blocks once their request finished (request_finished)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SessionCacheMetadata)
+        if not meta.saves:
+            return
+        with self._save_cond:
+            self._saving.extend(meta.saves)
+            self._save_cond.notify()
+            if self._save_thread is None:
+                self._save_thread = threading.Thread(
+                    target=self._save_loop, name="sessioncache-save", daemon=True
+                )
+                self._save_thread.start()
+
+    def _save_loop(self) -> None:
+        while True:
+            with self._save_cond:
+                while not self._saving:
+                    self._save_cond.wait()
+                transfer = self._saving.pop(0)
+            try:
+                self._save(transfer)
+            except Exception as exc:
+                log.warning("sessioncache save of %s dropped: %s", transfer.req_id, exc)
+                self._saver.close()
+            with self._save_cond:
+                self._saved.add(transfer.req_id)
+
+    def _save(self, transfer: Transfer) -> None:
+        layout = self._layout
+        assert layout is not None
+        payloads = [np.empty(layout.nbytes, np.uint8) for _ in transfer.block_ids]
+        for block_id, out in zip(transfer.block_ids, payloads, strict=True):
+            layout.gather(block_id, out)
+        self._saver.save(self._namespace(transfer.salt, transfer.lora), transfer, payloads)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._save_cond:
+            done, self._saved = self._saved, set()
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._node.close()
+        self._saver.close()
