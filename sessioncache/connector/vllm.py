@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,11 +62,25 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("sessioncache.connector.vllm")
+log = logging.getLogger("vllm.sessioncache")
+"""Under vLLM's logger, whose handlers print in every engine process."""
 
 BlockBytes = npt.NDArray[np.uint8]
 
 DEFAULT_LEASE_MS = 30_000
+SAVE_DRAIN_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What of a request decides where its blocks live: its ``cache_salt`` and LoRA (the
+    namespace), its session, and the API key of ``kv_transfer_params`` (its tenant; else the
+    engine's)."""
+
+    salt: str | None = None
+    lora: str | None = None
+    session_id: str | None = None
+    api_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +92,7 @@ class Transfer:
     tokens: list[int]
     first: int
     block_ids: list[int]
-    salt: str | None = None
-    lora: str | None = None
-    session_id: str | None = None
+    scope: Scope = Scope()
 
 
 @dataclass
@@ -143,12 +156,14 @@ def vllm_namespace(
     )
 
 
-def _request_fields(request: Request) -> tuple[str | None, str | None, str | None]:
-    """A request's ``(salt, lora, session_id)``."""
+def request_scope(request: Request) -> Scope:
     params = request.kv_transfer_params or {}
     session = params.get("session_id")
+    key = params.get("api_key")
     lora = request.lora_request.lora_name if request.lora_request is not None else None
-    return request.cache_salt, lora, str(session) if session else None
+    return Scope(
+        request.cache_salt, lora, str(session) if session else None, str(key) if key else None
+    )
 
 
 class PagedLayout:
@@ -217,48 +232,48 @@ class PagedLayout:
 
 
 class _Node:
-    """This process's data-plane connection to the node, per namespace root (one
-    ``KVTransfer``; calls are serialized by the caller)."""
+    """This process's data-plane connections to the node: one ``KVTransfer`` per API key
+    (the engine's, or a request's own; calls are serialized by the caller)."""
 
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
-        self._kv: KVTransfer | None = None
-        self._sessions: set[str] = set()
+        self._kvs: dict[str | None, KVTransfer] = {}
+        self._sessions: set[tuple[str | None, str]] = set()
         """Sessions opened on the node from here (``open_session`` is idempotent)."""
 
-    @property
-    def kv(self) -> KVTransfer:
-        if self._kv is None:
+    def kv(self, scope: Scope) -> KVTransfer:
+        key = scope.api_key or self.settings.api_key
+        kv = self._kvs.get(key)
+        if kv is None:
             s = self.settings
-            self._kv = KVTransfer.from_url(
+            kv = self._kvs[key] = KVTransfer.from_url(
                 s.url,
-                api_key=s.api_key,
+                api_key=key,
                 timeout=s.timeout_s,
                 path=s.data_path,  # type: ignore[arg-type]
                 paths=DATA_PLANE_PATHS,
                 lease_ms=s.lease_ms,
             )
-        return self._kv
+        return kv
 
-    def held_blocks(
-        self, namespace: Namespace, tokens: Sequence[int], session_id: str | None
-    ) -> int:
+    def held_blocks(self, namespace: Namespace, tokens: Sequence[int], scope: Scope) -> int:
         """How many of ``tokens``' full blocks the node holds, from the first (the prompt's
         question: counted)."""
-        kv = self.kv
+        kv = self.kv(scope)
         root = kv.root(namespace)
         conn = kv.connection
         ids = conn.block_hashes(root, tokens)
         if not ids:
             return 0
-        if session_id is not None and session_id not in self._sessions:
-            kv.client.open_session(session_id)  # or the open one of that id
-            self._sessions.add(session_id)
-        return conn.lookup(root, ids, session_id=session_id).matched
+        session = scope.session_id
+        if session is not None and (scope.api_key, session) not in self._sessions:
+            kv.client.open_session(session)  # or the open one of that id
+            self._sessions.add((scope.api_key, session))
+        return conn.lookup(root, ids, session_id=session).matched
 
     def load(self, namespace: Namespace, transfer: Transfer, out: Sequence[BlockBytes]) -> int:
         """Load the transfer's blocks into ``out``; how many, from the first, were loaded."""
-        kv = self.kv
+        kv = self.kv(transfer.scope)
         root = kv.root(namespace)
         conn = kv.connection
         ids = conn.block_hashes(root, transfer.tokens)[transfer.first :]
@@ -277,7 +292,7 @@ class _Node:
         return lookup.matched
 
     def save(self, namespace: Namespace, transfer: Transfer, payloads: Sequence[BlockBytes]) -> int:
-        kv = self.kv
+        kv = self.kv(transfer.scope)
         root = kv.root(namespace)
         conn = kv.connection
         ids = conn.block_hashes(root, transfer.tokens[: transfer.first * namespace.block_tokens])
@@ -287,14 +302,14 @@ class _Node:
             transfer.tokens[transfer.first * namespace.block_tokens :],
             payloads,
             parent=parent,
-            session_id=transfer.session_id,
+            session_id=transfer.scope.session_id,
         )
         return sum(ack.held)
 
     def close(self) -> None:
-        if self._kv is not None:
-            self._kv.close()
-            self._kv = None
+        kvs, self._kvs = self._kvs, {}
+        for kv in kvs.values():
+            kv.close()
 
 
 class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -332,15 +347,16 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._saver = _Node(self.settings)
         self._saving: list[Transfer] = []
         self._saved: set[str] = set()
+        self._busy = False
         self._save_cond = threading.Condition()
         self._save_thread: threading.Thread | None = None
 
-    def _namespace(self, salt: str | None, lora: str | None) -> Namespace:
-        key = (salt, lora)
+    def _namespace(self, scope: Scope) -> Namespace:
+        key = (scope.salt, scope.lora)
         ns = self._namespaces.get(key)
         if ns is None:
             ns = self._namespaces[key] = vllm_namespace(
-                self._config, self.settings, rank=self._rank, salt=salt, lora=lora
+                self._config, self.settings, rank=self._rank, salt=scope.salt, lora=scope.lora
             )
         return ns
 
@@ -355,10 +371,10 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         full = (len(tokens) - 1) // self.block_size  # at least one token left to compute
         if full * self.block_size <= num_computed_tokens:
             return 0, False
-        salt, lora, session = _request_fields(request)
+        scope = request_scope(request)
         try:
             held = self._node.held_blocks(
-                self._namespace(salt, lora), tokens[: full * self.block_size], session
+                self._namespace(scope), tokens[: full * self.block_size], scope
             )
         except Exception as exc:  # the node down or slow: a miss, never a failed request
             log.warning("sessioncache lookup failed, recomputing: %s", exc)
@@ -376,11 +392,14 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         first = request.num_computed_tokens // self.block_size
         end = (request.num_computed_tokens + num_external_tokens) // self.block_size
         block_ids = blocks.get_block_ids()[0]
-        salt, lora, session = _request_fields(request)
         tokens = list(request.prompt_token_ids or [])[: end * self.block_size]
         self._loads.append(
             Transfer(
-                request.request_id, tokens, first, list(block_ids[first:end]), salt, lora, session
+                request.request_id,
+                tokens,
+                first,
+                list(block_ids[first:end]),
+                request_scope(request),
             )
         )
 
@@ -398,11 +417,10 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         full = min(request.num_computed_tokens // self.block_size, len(block_ids))
         if full <= held:
             return False, None
-        salt, lora, session = _request_fields(request)
         tokens = list(request.all_token_ids[: full * self.block_size])
         self._saves.append(
             Transfer(
-                request.request_id, tokens, held, list(block_ids[held:full]), salt, lora, session
+                request.request_id, tokens, held, list(block_ids[held:full]), request_scope(request)
             )
         )
         return True, None  # vLLM frees the blocks once a worker reports the save done
@@ -420,9 +438,10 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if layout is None:
             return
         for transfer in meta.loads:
+            start = time.perf_counter()
             out = [np.empty(layout.nbytes, np.uint8) for _ in transfer.block_ids]
             try:
-                n = self._node.load(self._namespace(transfer.salt, transfer.lora), transfer, out)
+                n = self._node.load(self._namespace(transfer.scope), transfer, out)
             except Exception as exc:
                 log.warning("sessioncache load of %s failed, recomputing: %s", transfer.req_id, exc)
                 self._node.close()
@@ -430,6 +449,13 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for block_id, payload in zip(transfer.block_ids[:n], out, strict=False):
                 layout.scatter(block_id, payload)
             self._load_errors.update(transfer.block_ids[n:])
+            log.info(
+                "sessioncache load: %d of %d blocks, %d bytes in %.6f s",
+                n,
+                len(transfer.block_ids),
+                n * layout.nbytes,
+                time.perf_counter() - start,
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -465,13 +491,16 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 while not self._saving:
                     self._save_cond.wait()
                 transfer = self._saving.pop(0)
+                self._busy = True
             try:
                 self._save(transfer)
             except Exception as exc:
                 log.warning("sessioncache save of %s dropped: %s", transfer.req_id, exc)
                 self._saver.close()
             with self._save_cond:
+                self._busy = False
                 self._saved.add(transfer.req_id)
+                self._save_cond.notify_all()
 
     def _save(self, transfer: Transfer) -> None:
         layout = self._layout
@@ -479,7 +508,7 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         payloads = [np.empty(layout.nbytes, np.uint8) for _ in transfer.block_ids]
         for block_id, out in zip(transfer.block_ids, payloads, strict=True):
             layout.gather(block_id, out)
-        self._saver.save(self._namespace(transfer.salt, transfer.lora), transfer, payloads)
+        self._saver.save(self._namespace(transfer.scope), transfer, payloads)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._save_cond:
@@ -491,5 +520,10 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def shutdown(self) -> None:
+        """Let the saves under way end (for ``SAVE_DRAIN_S`` at most), then close."""
+        deadline = time.monotonic() + SAVE_DRAIN_S
+        with self._save_cond:
+            while (self._saving or self._busy) and time.monotonic() < deadline:
+                self._save_cond.wait(0.05)
         self._node.close()
         self._saver.close()

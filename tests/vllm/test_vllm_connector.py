@@ -20,12 +20,16 @@ from typing import Any
 import httpx
 import pytest
 
+from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
+from sessioncache.hashing import Namespace
 from tests.support.servers import Server, start_server
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("SESSIONCACHE_VLLM_PYTHON", ROOT_DIR / ".venv-vllm/bin/python"))
 ENGINE = Path(__file__).with_name("engine.py")
 BLOCK = 32
+KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
+MODEL_NAME = "tiny-llama"
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -53,7 +57,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(
-        tmp_path_factory.mktemp("vllm") / "data", {"SESSIONCACHE_CPU_BYTES": str(512 << 20)}
+        tmp_path_factory.mktemp("vllm") / "data",
+        {"SESSIONCACHE_CPU_BYTES": str(512 << 20), "SESSIONCACHE_API_KEYS": json.dumps(KEYS)},
     )
     yield server
     server.stop()
@@ -66,29 +71,50 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def engine(model: Path, node: Server, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One engine process with the connector; each prompt's greedy tokens and cached count."""
+def engine_process(
+    model: Path, node: Server, prompts: list[dict[str, Any]]
+) -> subprocess.Popen[str]:
+    """One engine process with the connector, started; ``results`` reads what it printed."""
     spec = {
         "model": str(model),
         "connector": "sessioncache",
-        "extra": {"url": node.url},
+        "extra": {"url": node.url, "api_key": "sk-a", "timeout_s": 10, "model": MODEL_NAME},
         "prompts": prompts,
         "max_tokens": 8,
         "block_size": BLOCK,
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    run = subprocess.run(
+    return subprocess.Popen(
         [str(VLLM_PYTHON), str(ENGINE), json.dumps(spec)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one pipe: vLLM's log cannot fill a second one unread
         text=True,
-        timeout=400,
         env=env,
     )
-    results = [
-        json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")
-    ]
-    assert run.returncode == 0 and len(results) == len(prompts), run.stderr[-5000:]
-    return results
+
+
+def results(process: subprocess.Popen[str], stdout: str, count: int) -> list[dict[str, Any]]:
+    out, _ = process.communicate(timeout=400)
+    text = stdout + out
+    found = [json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")]
+    assert process.returncode == 0 and len(found) == count, text[-5000:]
+    return found
+
+
+def engine(model: Path, node: Server, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One engine process with the connector; each prompt's greedy tokens and cached count."""
+    return results(engine_process(model, node, prompts), "", len(prompts))
+
+
+def held_blocks(node: Server, api_key: str, prompt: list[int]) -> int:
+    """How many of the prompt's full blocks the node holds for this key, in the namespace the
+    connector derives for the tiny Llama on CPU (``vllm_namespace``)."""
+    layout = "vllm-paged/cpu/l4/h2x64/tp1.0"
+    namespace = Namespace(MODEL_NAME, BLOCK, "bfloat16", layout)
+    with KVTransfer.from_url(node.url, api_key=api_key, paths=DATA_PLANE_PATHS) as kv:
+        root = kv.root(namespace)
+        conn = kv.connection
+        return conn.lookup(root, conn.block_hashes(root, prompt), counted=False).matched
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -97,34 +123,68 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path):
+def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, tmp_path: Path):
     prefix = tokens(2048, 1)
     turn = prefix + tokens(96, 2)
+    other = tokens(512, 3)
     session = "agent-session-1"
-    # Engine A: the first turn, stored; then the second turn under another cache_salt (another
-    # namespace: a miss on the node and no local prefix hit), which computes it in full.
-    first, reference = engine(
+    # Engine A, tenant A (the engine's API key): the first turn, stored under a session; then
+    # the reference: the prompts B serves below, computed in full for tenant B (a per-request
+    # key) under another cache_salt (no local prefix hit), as misses on the node.
+    for_b = {"api_key": "sk-b"}
+    first, reference, reference_other = engine(
         model,
         node,
         [
             {"tokens": prefix, "params": {"session_id": session}},
-            {"tokens": turn, "cache_salt": "another-tenant"},
+            {"tokens": turn, "params": for_b, "cache_salt": "b"},
+            {"tokens": other, "params": for_b, "cache_salt": "b"},
         ],
     )
     assert first["cached"] == 0
-    assert reference["cached"] == 0  # the other salt's prefix was a miss for it
-    # Engine B, a fresh process with an empty prefix cache: the second turn.
-    (second,) = engine(model, node, [{"tokens": turn, "params": {"session_id": session}}])
+    assert reference["cached"] == 0 and reference_other["cached"] == 0
+    # Tenant A's prefix, asked for by its ids in the connector's namespace: held for A, a miss
+    # for B.
+    assert held_blocks(node, "sk-a", prefix) == len(prefix) // BLOCK
+    assert held_blocks(node, "sk-b", prefix) == 0
+    # Engine B, a fresh process with an empty prefix cache, tenant A: the second turn; then
+    # the node is killed and B serves a new prompt without it.
+    gate = tmp_path / "gate"
+    b = engine_process(
+        model,
+        node,
+        [
+            {"tokens": turn, "params": {"session_id": session}},
+            {"tokens": other, "gate": str(gate)},
+        ],
+    )
+    assert b.stdout is not None
+    seen = ""
+    while True:
+        line = b.stdout.readline()
+        assert line, f"engine B ended before its second prompt: {seen[-5000:]}"
+        seen += line
+        if line.strip() == "GATE":
+            break
+    headers = {"Authorization": "Bearer sk-a"}
+    answer = httpx.get(f"{node.url}/v1/sessions/{session}", headers=headers, timeout=10)
+    assert answer.status_code == 200, answer.text
+    info = answer.json()
+    metrics = httpx.get(f"{node.url}/metrics", headers=headers, timeout=10).text
+    node.process.kill()  # kill -9: B's next lookup, load and save meet a dead node
+    node.process.wait()
+    gate.touch()
+    second, after_kill = results(b, seen, 2)
+
     assert second["cached"] >= 1900, second
     assert second["cached"] == len(prefix)  # every full block of the first turn
     assert second["tokens"] == reference["tokens"]  # loaded KV computes what a full prefill does
+    assert after_kill["cached"] == 0
+    assert after_kill["tokens"] == reference_other["tokens"]  # recomputed without the node
 
-    answer = httpx.get(f"{node.url}/v1/sessions/{session}", timeout=10)
-    assert answer.status_code == 200, answer.text
-    info = answer.json()
+    assert info["tenant"] == "tenant-a"
     assert info["head"] is not None and info["pinned"], info  # the engine's stores set its head
     assert info["attribution"]["hit_tokens"] >= len(prefix), info  # B's lookup, counted
-    metrics = httpx.get(f"{node.url}/metrics", timeout=10).text
     hit = [
         line for line in metrics.splitlines() if line.startswith("sessioncache_hit_tokens_total")
     ]

