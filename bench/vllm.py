@@ -47,7 +47,8 @@ def engine(
         "model": str(model),
         "url": url,
         "block_size": BLOCK,
-        "warmup": [random.Random(99).randrange(3, 49_000) for _ in range(96)],
+        # a warm-up of its own per engine: never a hit on what another engine stored
+        "warmup": [random.Random(os.urandom(8)).randrange(3, 49_000) for _ in range(96)],
         "prompts": prompts,
         "linger_s": linger_s,
     }
@@ -105,6 +106,8 @@ def main() -> None:
     without, _ = engine(model, turns, None)  # C
     loads = [tuple(float(x) for x in m.groups()) for m in LOAD.finditer(log)]
     loads = [entry for entry in loads if entry[0] > 0]
+    for match in LOAD.finditer(log):
+        print("engine B:", match.group(0))
     print("node: README's (disk tier on); model: SmolLM2-135M-Instruct; block", BLOCK, "tokens")
     print(
         f"{'prompt':>7} {'TTFT B':>9} {'TTFT C':>9} {'C / B':>6} {'cached':>7} "
