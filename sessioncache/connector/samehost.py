@@ -37,7 +37,7 @@ import mmap
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Unpack
 
@@ -393,6 +393,25 @@ class SameHostClient(StreamClient):
                 if xxhash.xxh3_64_intdigest(data) != slot.checksum:
                     raise ChecksumMismatch(f"block {start + i} does not match its checksum")
         return [i < len(slots) for i in range(len(out))]
+
+    @contextlib.contextmanager
+    def reading(self, source: SameHostLookup) -> Iterator[list[npt.NDArray[np.uint8]]]:
+        """The located blocks in place: read-only views of their slots in the node's shared
+        memory, for a caller that copies them where they go itself (no buffer between). On
+        exit the lease is released, and ``LeaseLost`` raised if it ran out meanwhile (the
+        copies made may be torn: discard them)."""
+        self._maps.ensure(s.segment for s in source.slots)
+        views = [self._maps.view(slot) for slot in source.slots]
+        try:
+            yield views
+        finally:
+            views.clear()
+            live = self.release_checked(source)
+        if not live:
+            raise LeaseLost(
+                "the lease ran out before the copy ended: the blocks copied may be torn; "
+                "look up again"
+            )
 
     def load(
         self,

@@ -271,8 +271,10 @@ class _Node:
             self._sessions.add((scope.api_key, session))
         return conn.lookup(root, ids, session_id=session).matched
 
-    def load(self, namespace: Namespace, transfer: Transfer, out: Sequence[BlockBytes]) -> int:
-        """Load the transfer's blocks into ``out``; how many, from the first, were loaded."""
+    def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> int:
+        """Load the transfer's blocks into their paged blocks; how many, from the first, were
+        loaded. On the same host each is copied straight out of the node's shared memory
+        (``SameHostClient.reading``); over the stream, through a buffer."""
         kv = self.kv(transfer.scope)
         root = kv.root(namespace)
         conn = kv.connection
@@ -280,16 +282,22 @@ class _Node:
         lease_ms = self.settings.lease_ms
         if isinstance(conn, SameHostClient):
             found = conn.locate(root, ids, lease_ms=lease_ms, counted=False)
-            n = found.located
-            if n:
-                conn.load_into(found, out[:n])
-            elif found.lease is not None:
-                conn.release_checked(found)
-            return n
+            if not found.located:
+                if found.lease is not None:
+                    conn.release_checked(found)
+                return 0
+            with conn.reading(found) as views:
+                for block_id, view in zip(transfer.block_ids, views, strict=False):
+                    layout.scatter(block_id, view)
+            return found.located
         lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False)
-        if lookup.matched:
-            conn.load_into(lookup, out[: lookup.matched], release=True)
-        return lookup.matched
+        n = lookup.matched
+        if n:
+            out = [np.empty(layout.nbytes, np.uint8) for _ in range(n)]
+            conn.load_into(lookup, out, release=True)
+            for block_id, payload in zip(transfer.block_ids, out, strict=False):
+                layout.scatter(block_id, payload)
+        return n
 
     def save(self, namespace: Namespace, transfer: Transfer, payloads: Sequence[BlockBytes]) -> int:
         kv = self.kv(transfer.scope)
@@ -439,15 +447,12 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         for transfer in meta.loads:
             start = time.perf_counter()
-            out = [np.empty(layout.nbytes, np.uint8) for _ in transfer.block_ids]
             try:
-                n = self._node.load(self._namespace(transfer.scope), transfer, out)
+                n = self._node.load(self._namespace(transfer.scope), transfer, layout)
             except Exception as exc:
                 log.warning("sessioncache load of %s failed, recomputing: %s", transfer.req_id, exc)
                 self._node.close()
                 n = 0
-            for block_id, payload in zip(transfer.block_ids[:n], out, strict=False):
-                layout.scatter(block_id, payload)
             self._load_errors.update(transfer.block_ids[n:])
             log.info(
                 "sessioncache load: %d of %d blocks, %d bytes in %.6f s",
