@@ -80,7 +80,7 @@ from sessioncache.status import BlockStatus
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; not in fcntl
 
-__all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup"]
+__all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup", "reading"]
 
 MiB = 1 << 20
 DEFAULT_LEASE_MS = 30_000
@@ -394,25 +394,6 @@ class SameHostClient(StreamClient):
                     raise ChecksumMismatch(f"block {start + i} does not match its checksum")
         return [i < len(slots) for i in range(len(out))]
 
-    @contextlib.contextmanager
-    def reading(self, source: SameHostLookup) -> Iterator[list[npt.NDArray[np.uint8]]]:
-        """The located blocks in place: read-only views of their slots in the node's shared
-        memory, for a caller that copies them where they go itself (no buffer between). On
-        exit the lease is released, and ``LeaseLost`` raised if it ran out meanwhile (the
-        copies made may be torn: discard them)."""
-        self._maps.ensure(s.segment for s in source.slots)
-        views = [self._maps.view(slot) for slot in source.slots]
-        try:
-            yield views
-        finally:
-            views.clear()
-            live = self.release_checked(source)
-        if not live:
-            raise LeaseLost(
-                "the lease ran out before the copy ended: the blocks copied may be torn; "
-                "look up again"
-            )
-
     def load(
         self,
         source: SameHostLookup | StreamLookup | bytes | Sequence[bytes],
@@ -522,6 +503,28 @@ class SameHostClient(StreamClient):
                     _abort(self._c, staged.staging)  # frees what is left (the node would, at close)
             raise failure
         return codes
+
+
+@contextlib.contextmanager
+def reading(
+    client: SameHostClient, source: SameHostLookup
+) -> Iterator[list[npt.NDArray[np.uint8]]]:
+    """The located blocks in place: read-only views of their slots in the node's shared
+    memory, for a caller that copies them where they go itself (no buffer between). On exit
+    the lease is released, and ``LeaseLost`` raised if it ran out meanwhile (the copies made
+    may be torn: discard them)."""
+    maps = client._maps
+    maps.ensure(s.segment for s in source.slots)
+    views = [maps.view(slot) for slot in source.slots]
+    try:
+        yield views
+    finally:
+        views.clear()
+        live = client.release_checked(source)
+    if not live:
+        raise LeaseLost(
+            "the lease ran out before the copy ended: the blocks copied may be torn; look up again"
+        )
 
 
 def _commit_answer(conn: StreamConnection, rid: int) -> list[BlockStatus]:

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.samehost import SameHostClient, reading
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.hashing import Namespace
 
@@ -286,7 +286,7 @@ class _Node:
                 if found.lease is not None:
                     conn.release_checked(found)
                 return 0
-            with conn.reading(found) as views:
+            with reading(conn, found) as views:
                 for block_id, view in zip(transfer.block_ids, views, strict=False):
                     layout.scatter(block_id, view)
             return found.located

@@ -20,7 +20,7 @@ import pytest
 import torch
 import xxhash
 
-from sessioncache.connector.samehost import SameHostClient
+from sessioncache.connector.samehost import SameHostClient, reading
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import Op, StoreHead
 from sessioncache.errors import AuthRefused, ChecksumMismatch, InvalidInput, LeaseLost
@@ -128,16 +128,16 @@ def test_store_and_load_are_byte_exact_through_shared_memory(open_server: Server
 def test_reading_in_place_gives_the_slots_and_releases_the_lease(open_server: Server):
     with connect(open_server) as client:
         root = client.resolve(NS)
-        toks = tokens(3, 11)
+        toks = tokens(31, 3)
         ids = client.block_hashes(root, toks)
         client.store(root, toks, [pattern(h) for h in ids])
         found = client.locate(root, ids, lease_ms=10_000)
-        with client.reading(found) as views:
+        with reading(client, found) as views:
             assert [v.tobytes() for v in views] == [pattern(h).tobytes() for h in ids]
             assert not views[0].flags.writeable  # the node's published memory: read-only
         assert rest(open_server, "/v1/stats")["leases"] == 0  # released on exit
         found = client.locate(root, ids, lease_ms=150)
-        with pytest.raises(LeaseLost), client.reading(found):
+        with pytest.raises(LeaseLost), reading(client, found):
             time.sleep(0.4)  # the copies "took" longer than the lease: they may be torn
 
 
