@@ -173,60 +173,49 @@ class PagedLayout:
     the layers' order, back to back."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.names = list(kv_caches)
         self.views: list[torch.Tensor] = []
-        self.kv_major = False
+        """Each layer as ``[k, num_blocks, bytes]``: k is 1 (block-first) or 2 (K/V first)."""
         for name, tensor in kv_caches.items():
-            raw = tensor.view(torch.uint8) if tensor.is_contiguous() else None
-            if raw is None:
+            if not tensor.is_contiguous():
                 raise ValueError(f"{name}: a non-contiguous KV cache tensor")
+            raw = tensor.view(torch.uint8)
             if tensor.shape[0] % num_blocks == 0 and tensor.shape[0] >= num_blocks:
-                self.views.append(raw.reshape(num_blocks, -1))
+                self.views.append(raw.reshape(1, num_blocks, -1))
             elif tensor.shape[0] == 2 and tensor.shape[1] % num_blocks == 0:
-                self.kv_major = True
                 self.views.append(raw.reshape(2, num_blocks, -1))
             else:
                 raise ValueError(f"{name}: no block dimension of {num_blocks} in {tensor.shape}")
-        self.piece = [v[0].numel() if v.dim() == 2 else 2 * v.shape[2] for v in self.views]
+        self.piece = [v.shape[0] * v.shape[2] for v in self.views]
         self.nbytes = sum(self.piece)
         self.device = next(iter(kv_caches.values())).device
         self._np = [v.numpy() for v in self.views] if self.device.type == "cpu" else None
 
+    def _parts(self, block: BlockBytes) -> list[BlockBytes]:
+        """``block`` cut into each layer's piece, shaped as that layer's block slice."""
+        out: list[BlockBytes] = []
+        pos = 0
+        for view, n in zip(self.views, self.piece, strict=True):
+            out.append(block[pos : pos + n].reshape(view.shape[0], -1))
+            pos += n
+        return out
+
     def gather(self, block_id: int, out: BlockBytes) -> None:
         """Copy block ``block_id`` of every layer into ``out`` (``nbytes`` of uint8)."""
-        pos = 0
         if self._np is not None:
-            for view, n in zip(self._np, self.piece, strict=True):
-                part = out[pos : pos + n]
-                if view.ndim == 3:
-                    np.copyto(part.reshape(2, -1), view[:, block_id])
-                else:
-                    np.copyto(part, view[block_id])
-                pos += n
+            for view, part in zip(self._np, self._parts(out), strict=True):
+                np.copyto(part, view[:, block_id])
             return
-        dst = torch.from_numpy(out)
-        for layer, n in zip(self.views, self.piece, strict=True):
-            piece = layer[:, block_id] if layer.dim() == 3 else layer[block_id]
-            dst[pos : pos + n].view(piece.shape).copy_(piece)
-            pos += n
+        for layer, part in zip(self.views, self._parts(out), strict=True):
+            torch.from_numpy(part).copy_(layer[:, block_id])
 
     def scatter(self, block_id: int, src: BlockBytes) -> None:
         """Copy a block (``nbytes`` of uint8) into block ``block_id`` of every layer."""
-        pos = 0
         if self._np is not None:
-            for view, n in zip(self._np, self.piece, strict=True):
-                part = src[pos : pos + n]
-                if view.ndim == 3:
-                    np.copyto(view[:, block_id], part.reshape(2, -1))
-                else:
-                    np.copyto(view[block_id], part)
-                pos += n
+            for view, part in zip(self._np, self._parts(src), strict=True):
+                np.copyto(view[:, block_id], part)
             return
-        source = torch.from_numpy(src)
-        for layer, n in zip(self.views, self.piece, strict=True):
-            piece = layer[:, block_id] if layer.dim() == 3 else layer[block_id]
-            piece.copy_(source[pos : pos + n].view(piece.shape), non_blocking=True)
-            pos += n
+        for layer, part in zip(self.views, self._parts(src), strict=True):
+            layer[:, block_id].copy_(torch.from_numpy(part), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
