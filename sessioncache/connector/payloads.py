@@ -4,10 +4,12 @@ STAGE (its tokens or keys, its payloads' one size, its TTL, the ids the node wil
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from sessioncache.dataplane.frames import StoreHead
 from sessioncache.errors import InvalidInput, PayloadSizeError
@@ -19,6 +21,30 @@ from sessioncache.hashing import (
     keyed_block_ids,
     tokens_to_le_bytes,
 )
+
+
+class Filler(abc.ABC):
+    """A payload that copies itself where it goes (a block gathered from an engine's paged
+    cache, ``connector.paged``): the same-host store fills its staging slot in place, the
+    stream fills a buffer it then sends. A base class, not a protocol: the clients tell it
+    from a buffer once per block, and ``isinstance`` of a protocol costs microseconds."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int: ...
+
+    @abc.abstractmethod
+    def write_into(self, dst: npt.NDArray[np.uint8]) -> None:
+        """Write the payload's ``nbytes`` bytes into ``dst``."""
+
+
+def filled(payload: Filler) -> npt.NDArray[np.uint8]:
+    """A filler's bytes in a new array."""
+    out = np.empty(payload.nbytes, np.uint8)
+    payload.write_into(out)
+    return out
 
 
 def _torch_view(obj: Any, writable: bool) -> memoryview:
@@ -40,7 +66,12 @@ def _torch_view(obj: Any, writable: bool) -> memoryview:
 
 def as_buffer(obj: Any, *, writable: bool) -> memoryview:
     """A flat byte view of a numpy array, a torch tensor, or anything with the buffer
-    protocol, without copying (a device tensor is copied to the host for reading only)."""
+    protocol, without copying (a device tensor is copied to the host for reading only; a
+    ``Filler`` is filled into a new array)."""
+    if isinstance(obj, Filler):
+        if writable:
+            raise InvalidInput("a filler payload cannot be loaded into")
+        obj = filled(obj)
     if type(obj).__module__.startswith("torch"):
         view = _torch_view(obj, writable)
     elif isinstance(obj, np.ndarray):

@@ -46,7 +46,7 @@ import numpy.typing as npt
 import xxhash
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError
-from sessioncache.connector.payloads import as_buffer, one_size
+from sessioncache.connector.payloads import Filler, as_buffer, one_size
 from sessioncache.connector.stream import (
     HelloOptions,
     StreamClient,
@@ -147,7 +147,13 @@ def _copy_in(dst: npt.NDArray[np.uint8], payload: Any) -> int | None:
 
 def _copy_and_hash(dst: npt.NDArray[np.uint8], payload: Any) -> int:
     """Copy a host payload into a slot, hashing the slot's pieces as they are copied
-    (``dataplane.slots``): the source is read from memory once."""
+    (``dataplane.slots``): the source is read from memory once. A ``Filler`` fills the slot
+    itself, which is hashed after (while it is still in cache)."""
+    if isinstance(payload, Filler):
+        if payload.nbytes != dst.nbytes:
+            raise PayloadSizeError(f"a payload of {payload.nbytes} bytes for a {dst.nbytes} slot")
+        payload.write_into(dst)
+        return int(xxhash.xxh3_64(dst.data).intdigest())
     return copy_and_hash(dst, np.frombuffer(as_buffer(payload, writable=False), np.uint8))
 
 
@@ -219,6 +225,13 @@ class SegmentMaps:
         )
         return np.frombuffer(memory, np.uint8)
 
+    def ensure_live(self) -> None:
+        """Map every segment the node has now (its CPU tier's, this connection's staging)."""
+        ok, fds = self._call([])
+        for fd in fds:
+            os.close(fd)
+        self.ensure(ok.live)
+
     def _call(self, wanted: list[int]) -> tuple[SegmentsOk, list[int]]:
         """SEGMENTS; its answer's first byte carries the descriptors."""
         with self._conn.lock:
@@ -287,6 +300,11 @@ class SameHostClient(StreamClient):
     def mapped_segments(self) -> list[int]:
         """The segments this client has mapped."""
         return self._maps.mapped
+
+    def map_segments(self) -> None:
+        """Map every segment the node has now, ahead of the loads that will read them (each
+        mapping faults in its page tables: an engine does it once, at start)."""
+        self._maps.ensure_live()
 
     def close(self) -> None:
         self._maps.clear()
@@ -418,6 +436,8 @@ class SameHostClient(StreamClient):
         size = one_size(
             (p.numel() * p.element_size())
             if _is_device_tensor(p)
+            else p.nbytes
+            if isinstance(p, Filler)
             else as_buffer(p, writable=False).nbytes
             for p in payloads
         )
@@ -457,6 +477,7 @@ class SameHostClient(StreamClient):
             and staged.slots[i] is not None
             and staged.status[i] is BlockStatus.STORED
             and not _is_device_tensor(payloads[i])
+            and not isinstance(payloads[i], Filler)
             else None
             for i in range(n)
         ]

@@ -36,12 +36,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -49,8 +46,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from sessioncache.connector.samehost import SameHostClient, reading
-from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
+from sessioncache.connector.paged import (
+    EngineNode,
+    NodeSettings,
+    PagedLayout,
+    Scope,
+    Transfer,
+)
 from sessioncache.hashing import Namespace
 
 if TYPE_CHECKING:
@@ -65,34 +67,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.sessioncache")
 """Under vLLM's logger, whose handlers print in every engine process."""
 
-BlockBytes = npt.NDArray[np.uint8]
-
 DEFAULT_LEASE_MS = 30_000
 SAVE_DRAIN_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class Scope:
-    """What of a request decides where its blocks live: its ``cache_salt`` and LoRA (the
-    namespace), its session, and the API key of ``kv_transfer_params`` (its tenant; else the
-    engine's)."""
-
-    salt: str | None = None
-    lora: str | None = None
-    session_id: str | None = None
-    api_key: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One request's blocks ``first .. first + len(block_ids)`` to load or save: the tokens up
-    to their end, and the vLLM blocks they go to or come from."""
-
-    req_id: str
-    tokens: list[int]
-    first: int
-    block_ids: list[int]
-    scope: Scope = Scope()
 
 
 @dataclass
@@ -126,6 +102,9 @@ class ConnectorSettings:
         if not extra.get("url"):
             raise ValueError('SessionCacheConnector needs kv_connector_extra_config {"url": ...}')
         return cls(**extra)
+
+    def node(self) -> NodeSettings:
+        return NodeSettings(self.url, self.api_key, self.data_path, self.lease_ms, self.timeout_s)
 
 
 def vllm_namespace(
@@ -166,149 +145,6 @@ def request_scope(request: Request) -> Scope:
     )
 
 
-class PagedLayout:
-    """Where one vLLM block lies in the paged KV tensors of this worker: in each layer, the
-    block's slice (the block dimension first, as vLLM's CPU backend lays it out, or second
-    after K/V, as the CUDA backends do). A sessioncache block holds every layer's slice, in
-    the layers' order, back to back."""
-
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.views: list[torch.Tensor] = []
-        """Each layer as ``[k, num_blocks, bytes]``: k is 1 (block-first) or 2 (K/V first)."""
-        for name, tensor in kv_caches.items():
-            if not tensor.is_contiguous():
-                raise ValueError(f"{name}: a non-contiguous KV cache tensor")
-            raw = tensor.view(torch.uint8)
-            if tensor.shape[0] % num_blocks == 0 and tensor.shape[0] >= num_blocks:
-                self.views.append(raw.reshape(1, num_blocks, -1))
-            elif tensor.shape[0] == 2 and tensor.shape[1] % num_blocks == 0:
-                self.views.append(raw.reshape(2, num_blocks, -1))
-            else:
-                raise ValueError(f"{name}: no block dimension of {num_blocks} in {tensor.shape}")
-        self.piece = [v.shape[0] * v.shape[2] for v in self.views]
-        self.nbytes = sum(self.piece)
-        self.device = next(iter(kv_caches.values())).device
-        self._np = [v.numpy() for v in self.views] if self.device.type == "cpu" else None
-
-    def _parts(self, block: BlockBytes) -> list[BlockBytes]:
-        """``block`` cut into each layer's piece, shaped as that layer's block slice."""
-        out: list[BlockBytes] = []
-        pos = 0
-        for view, n in zip(self.views, self.piece, strict=True):
-            out.append(block[pos : pos + n].reshape(view.shape[0], -1))
-            pos += n
-        return out
-
-    def gather(self, block_id: int, out: BlockBytes) -> None:
-        """Copy block ``block_id`` of every layer into ``out`` (``nbytes`` of uint8)."""
-        if self._np is not None:
-            for view, part in zip(self._np, self._parts(out), strict=True):
-                np.copyto(part, view[:, block_id])
-            return
-        for layer, part in zip(self.views, self._parts(out), strict=True):
-            torch.from_numpy(part).copy_(layer[:, block_id])
-
-    def scatter(self, block_id: int, src: BlockBytes) -> None:
-        """Copy a block (``nbytes`` of uint8) into block ``block_id`` of every layer."""
-        if self._np is not None:
-            for view, part in zip(self._np, self._parts(src), strict=True):
-                np.copyto(view[:, block_id], part)
-            return
-        for layer, part in zip(self.views, self._parts(src), strict=True):
-            layer[:, block_id].copy_(torch.from_numpy(part), non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-class _Node:
-    """This process's data-plane connections to the node: one ``KVTransfer`` per API key
-    (the engine's, or a request's own; calls are serialized by the caller)."""
-
-    def __init__(self, settings: ConnectorSettings) -> None:
-        self.settings = settings
-        self._kvs: dict[str | None, KVTransfer] = {}
-        self._sessions: set[tuple[str | None, str]] = set()
-        """Sessions opened on the node from here (``open_session`` is idempotent)."""
-
-    def kv(self, scope: Scope) -> KVTransfer:
-        key = scope.api_key or self.settings.api_key
-        kv = self._kvs.get(key)
-        if kv is None:
-            s = self.settings
-            kv = self._kvs[key] = KVTransfer.from_url(
-                s.url,
-                api_key=key,
-                timeout=s.timeout_s,
-                path=s.data_path,  # type: ignore[arg-type]
-                paths=DATA_PLANE_PATHS,
-                lease_ms=s.lease_ms,
-            )
-        return kv
-
-    def held_blocks(self, namespace: Namespace, tokens: Sequence[int], scope: Scope) -> int:
-        """How many of ``tokens``' full blocks the node holds, from the first (the prompt's
-        question: counted)."""
-        kv = self.kv(scope)
-        root = kv.root(namespace)
-        conn = kv.connection
-        ids = conn.block_hashes(root, tokens)
-        if not ids:
-            return 0
-        session = scope.session_id
-        if session is not None and (scope.api_key, session) not in self._sessions:
-            kv.client.open_session(session)  # or the open one of that id
-            self._sessions.add((scope.api_key, session))
-        return conn.lookup(root, ids, session_id=session).matched
-
-    def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> int:
-        """Load the transfer's blocks into their paged blocks; how many, from the first, were
-        loaded. On the same host each is copied straight out of the node's shared memory
-        (``SameHostClient.reading``); over the stream, through a buffer."""
-        kv = self.kv(transfer.scope)
-        root = kv.root(namespace)
-        conn = kv.connection
-        ids = conn.block_hashes(root, transfer.tokens)[transfer.first :]
-        lease_ms = self.settings.lease_ms
-        if isinstance(conn, SameHostClient):
-            found = conn.locate(root, ids, lease_ms=lease_ms, counted=False)
-            if not found.located:
-                if found.lease is not None:
-                    conn.release_checked(found)
-                return 0
-            with reading(conn, found) as views:
-                for block_id, view in zip(transfer.block_ids, views, strict=False):
-                    layout.scatter(block_id, view)
-            return found.located
-        lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False)
-        n = lookup.matched
-        if n:
-            out = [np.empty(layout.nbytes, np.uint8) for _ in range(n)]
-            conn.load_into(lookup, out, release=True)
-            for block_id, payload in zip(transfer.block_ids, out, strict=False):
-                layout.scatter(block_id, payload)
-        return n
-
-    def save(self, namespace: Namespace, transfer: Transfer, payloads: Sequence[BlockBytes]) -> int:
-        kv = self.kv(transfer.scope)
-        root = kv.root(namespace)
-        conn = kv.connection
-        ids = conn.block_hashes(root, transfer.tokens[: transfer.first * namespace.block_tokens])
-        parent = ids[transfer.first - 1] if transfer.first else None
-        ack = conn.store(
-            root,
-            transfer.tokens[transfer.first * namespace.block_tokens :],
-            payloads,
-            parent=parent,
-            session_id=transfer.scope.session_id,
-        )
-        return sum(ack.held)
-
-    def close(self) -> None:
-        kvs, self._kvs = self._kvs, {}
-        for kv in kvs.values():
-            kv.close()
-
-
 class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM's KV connector on a sessioncache node (module docstring)."""
 
@@ -334,14 +170,14 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
             self._rank = get_tensor_model_parallel_rank()
         # scheduler side
-        self._node = _Node(self.settings)
+        self._node = EngineNode(self.settings.node())
         self._matched: dict[str, int] = {}
         self._loads: list[Transfer] = []
         self._saves: list[Transfer] = []
         # worker side
         self._layout: PagedLayout | None = None
         self._load_errors: set[int] = set()
-        self._saver = _Node(self.settings)
+        self._saver = EngineNode(self.settings.node())
         self._saving: list[Transfer] = []
         self._saved: set[str] = set()
         self._busy = False
@@ -427,6 +263,12 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._kv_cache_config is not None
         self._layout = PagedLayout(kv_caches, self._kv_cache_config.num_blocks)
+        if self.settings.load:
+            try:  # connected and the node's memory mapped before the first load
+                self._node.connect()
+            except Exception as exc:
+                log.warning("sessioncache node not reachable at start (loads will retry): %s", exc)
+                self._node.close()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -499,10 +341,15 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _save(self, transfer: Transfer) -> None:
         layout = self._layout
         assert layout is not None
-        payloads = [np.empty(layout.nbytes, np.uint8) for _ in transfer.block_ids]
-        for block_id, out in zip(transfer.block_ids, payloads, strict=True):
-            layout.gather(block_id, out)
-        self._saver.save(self._namespace(transfer.scope), transfer, payloads)
+        start = time.perf_counter()
+        held = self._saver.save(self._namespace(transfer.scope), transfer, layout)
+        log.info(
+            "sessioncache save: %d of %d blocks, %d bytes in %.6f s",
+            held,
+            len(transfer.block_ids),
+            len(transfer.block_ids) * layout.nbytes,
+            time.perf_counter() - start,
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._save_cond:

@@ -74,6 +74,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?m)^(\(unset\)|'.*') +[\d.]+ +[\d.]+ +[\d.]+\n"
         r"'glibc\.cpu\.x86_non_temporal_threshold=0x100000' +[\d.]+ +[\d.]+ +[\d.]+$",
     ),
+    "bench.paged": (
+        ["--blocks", "8", "--rounds", "2"],
+        r"(?m)^ +8 memcpy \(reference\)( +[\d.]+){4}\n(?s:.*)^ +8 save( +[\d.]+){4}$",
+    ),
     "bench.route": (
         [
             *("--engines", "2", "--blocks", "512", "--tokens", "1024"),

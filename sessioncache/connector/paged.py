@@ -1,0 +1,395 @@
+"""An engine's paged KV cache against a node: its blocks copied straight between the cache's
+tensors and the node's buffers, whatever the engine (``connector.vllm`` is the first user).
+
+A paged KV cache holds each attention layer as a tensor with a block dimension. One
+sessioncache block is one engine block of every layer, the layers' slices back to back in the
+layers' order. ``PagedLayout`` finds from the tensors' shapes and strides where each layer's
+slice of a block lies: *runs* of bytes that are contiguous in the cache, one per layer (two
+when K and V lead as planes of their own), merged where consecutive layers' slices are
+adjacent, as in a block-major layout, where one block of every layer is one run.
+
+Copies move whole runs between precomputed addresses: on the host one ``memmove`` per run
+(the GIL released, no array built per run); on a device a ``copy_`` per run, synchronised
+before the copy returns, so that a lease on the source is released only after it.
+
+``EngineNode`` is one engine process's side of the node: a data-plane connection per API key,
+a counted lookup per request, a leased load straight into the paged blocks (out of the node's
+shared memory on the same host, through a reused buffer over the stream), and a save that
+gathers the blocks straight into the node's staging memory (same host) or the stream's frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from sessioncache.connector.payloads import Filler
+from sessioncache.connector.samehost import SameHostClient, reading
+from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
+from sessioncache.errors import InvalidInput, PayloadSizeError, SessionCacheError
+from sessioncache.hashing import Namespace
+
+BlockBytes = npt.NDArray[np.uint8]
+
+_memmove = ctypes.memmove
+COPY_THREADS = 2
+"""Threads that copy a load's blocks into the cache (the caller's among them)."""
+MIN_SHARED_BLOCKS = 8
+"""Fewer blocks than this are copied by the caller alone."""
+STREAM_CHUNK_BYTES = 32 << 20
+"""Most bytes one stream load receives into its reused buffer before scattering them."""
+
+
+class Run(NamedTuple):
+    """One contiguous piece of every block: block ``b``'s bytes ``offset .. offset + length``
+    (in the sessioncache block) lie at byte ``start + b * stride`` of ``storage``."""
+
+    storage: torch.Tensor
+    """The cache's whole storage as a flat uint8 tensor."""
+    start: int
+    stride: int
+    length: int
+    offset: int
+
+    @property
+    def base(self) -> int:
+        return int(self.storage.data_ptr()) + self.start
+
+    def view(self, num_blocks: int) -> torch.Tensor:
+        """The run of every block, ``[num_blocks, length]``."""
+        return self.storage.as_strided((num_blocks, self.length), (self.stride, 1), self.start)
+
+
+def _block_runs(tensor: torch.Tensor, block_dim: int, num_blocks: int) -> list[Run]:
+    """``tensor``'s slices of each block, one run per plane before the block dimension (none,
+    or K and V); ``offset`` left at 0."""
+    size = tensor.shape[block_dim]
+    if size % num_blocks:
+        raise InvalidInput(f"a block dimension of {size} for {num_blocks} blocks")
+    per = size // num_blocks  # kernel blocks per engine block
+    storage = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    item = tensor.element_size()
+    out: list[Run] = []
+    for plane in [tensor] if block_dim == 0 else list(tensor.unbind(0)):
+        first = plane.narrow(0, 0, per)
+        if not first.is_contiguous():
+            raise InvalidInput(f"a block's slice of a KV tensor {tuple(tensor.shape)} has gaps")
+        start = int(plane.storage_offset()) * item
+        stride = plane.stride(0) * per * item
+        out.append(Run(storage, start, stride, first.numel() * item, 0))
+    return out
+
+
+class PagedLayout:
+    """Where one engine block lies in the paged KV tensors of a worker (module docstring).
+    ``tensors``: the layers' caches in order, each with the block dimension first or second
+    after a leading K/V dimension of 2."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        *,
+        copy_threads: int = COPY_THREADS,
+    ) -> None:
+        if not tensors or num_blocks <= 0:
+            raise InvalidInput("a paged layout needs KV tensors and blocks")
+        pieces: list[Run] = []
+        for name, tensor in tensors.items():
+            if tensor.shape[0] >= num_blocks and tensor.shape[0] % num_blocks == 0:
+                block_dim = 0
+            elif tensor.dim() > 1 and tensor.shape[0] == 2 and tensor.shape[1] % num_blocks == 0:
+                block_dim = 1
+            else:
+                raise InvalidInput(f"{name}: no block dimension of {num_blocks} in {tensor.shape}")
+            pieces += _block_runs(tensor, block_dim, num_blocks)
+        self.num_blocks = num_blocks
+        self.device = pieces[0].storage.device
+        self.runs: list[Run] = []
+        offset = 0
+        for piece in pieces:
+            last = self.runs[-1] if self.runs else None
+            if (
+                last is not None
+                and last.storage.data_ptr() == piece.storage.data_ptr()
+                and last.stride == piece.stride
+                and last.base + last.length == piece.base
+            ):  # adjacent in every block (a block-major layout): one run
+                self.runs[-1] = last._replace(length=last.length + piece.length)
+            else:
+                self.runs.append(piece._replace(offset=offset))
+            offset += piece.length
+        self.nbytes = offset
+        """Bytes of one block of every layer (a sessioncache block)."""
+        self._host = self.device.type == "cpu"
+        self._plan = [(r.base, r.stride, r.length, r.offset) for r in self.runs]
+        self._views = [r.view(num_blocks) for r in self.runs]
+        self._pool = (
+            ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="sessioncache-copy")
+            if self._host and copy_threads > 1
+            else None
+        )
+        self.copy_threads = max(1, copy_threads)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _copy(self, pairs: list[tuple[int, int]], into_cache: bool) -> None:
+        """Host copies of whole blocks, ``(block id, buffer address)`` each, run by run;
+        shared among the copy threads (``memmove`` releases the GIL) when there are many."""
+        if self._pool is None or len(pairs) < MIN_SHARED_BLOCKS:
+            _copy_runs(self._plan, pairs, into_cache)
+            return
+        per = -(-len(pairs) // self.copy_threads)
+        parts = [pairs[i : i + per] for i in range(0, len(pairs), per)]
+        futures = [self._pool.submit(_copy_runs, self._plan, p, into_cache) for p in parts[1:]]
+        try:
+            _copy_runs(self._plan, parts[0], into_cache)
+        finally:
+            for future in futures:
+                future.result()  # every copy over before the buffers may go
+
+    def scatter(self, block_ids: Sequence[int], sources: Sequence[BlockBytes]) -> None:
+        """Copy ``sources[i]`` (one block each, host memory) into block ``block_ids[i]`` of
+        every layer; on a device, synchronised before returning."""
+        self._move(block_ids, sources, into_cache=True)
+
+    def gather(self, block_ids: Sequence[int], out: Sequence[BlockBytes]) -> None:
+        """Copy block ``block_ids[i]`` of every layer into ``out[i]`` (host memory)."""
+        self._move(block_ids, out, into_cache=False)
+
+    def _move(
+        self, block_ids: Sequence[int], buffers: Sequence[BlockBytes], *, into_cache: bool
+    ) -> None:
+        if len(block_ids) != len(buffers):
+            raise InvalidInput(f"{len(buffers)} buffers for {len(block_ids)} blocks")
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise InvalidInput(f"block {block_id} is not one of {self.num_blocks}")
+        for buf in buffers:
+            if buf.nbytes != self.nbytes or not buf.flags.c_contiguous:
+                raise PayloadSizeError(
+                    f"a block of {buf.nbytes} bytes for a layout of {self.nbytes}"
+                )
+            if not into_cache and not buf.flags.writeable:
+                raise InvalidInput("a read-only buffer cannot be gathered into")
+        if self._host:
+            pairs = [(b, buf.ctypes.data) for b, buf in zip(block_ids, buffers, strict=True)]
+            self._copy(pairs, into_cache)
+            return
+        for block_id, buf in zip(block_ids, buffers, strict=True):
+            host = torch.from_numpy(buf)
+            for run, view in zip(self.runs, self._views, strict=True):
+                piece = host[run.offset : run.offset + run.length]
+                if into_cache:
+                    view[block_id].copy_(piece, non_blocking=True)
+                else:
+                    piece.copy_(view[block_id], non_blocking=True)
+        torch.cuda.synchronize(self.device)
+
+    def block(self, block_id: int) -> PagedBlock:
+        """Block ``block_id`` as a payload that gathers itself into a store's buffer."""
+        if not 0 <= block_id < self.num_blocks:
+            raise InvalidInput(f"block {block_id} is not one of {self.num_blocks}")
+        return PagedBlock(self, block_id)
+
+
+def _copy_runs(
+    plan: list[tuple[int, int, int, int]], pairs: list[tuple[int, int]], into_cache: bool
+) -> None:
+    """Each run of each block between the cache and its buffer (addresses checked by the
+    caller: block ids in range, buffers of the block's size)."""
+    for block_id, address in pairs:
+        for base, stride, length, offset in plan:
+            if into_cache:
+                _memmove(base + block_id * stride, address + offset, length)
+            else:
+                _memmove(address + offset, base + block_id * stride, length)
+
+
+class PagedBlock(Filler):
+    """A payload filled in place: the store copies it straight from the paged cache into the
+    node's staging memory, or into the frame it sends."""
+
+    __slots__ = ("block_id", "layout")
+
+    def __init__(self, layout: PagedLayout, block_id: int) -> None:
+        self.layout = layout
+        self.block_id = block_id
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def write_into(self, dst: BlockBytes) -> None:
+        self.layout.gather([self.block_id], [dst])
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What of a request decides where its blocks live: its salt and LoRA (the namespace),
+    its session, and its own API key (its tenant; else the engine's)."""
+
+    salt: str | None = None
+    lora: str | None = None
+    session_id: str | None = None
+    api_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One request's blocks ``first .. first + len(block_ids)`` to load or save: the tokens up
+    to their end, and the engine blocks they go to or come from."""
+
+    req_id: str
+    tokens: list[int]
+    first: int
+    block_ids: list[int]
+    scope: Scope = Scope()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """How an engine reaches its node."""
+
+    url: str
+    api_key: str | None = None
+    data_path: str = "auto"
+    lease_ms: int = 30_000
+    timeout_s: float = 30.0
+
+
+class EngineNode:
+    """One engine process's data-plane connections to the node: one ``KVTransfer`` per API
+    key (the engine's, or a request's own). Calls are serialized by the caller (one
+    ``EngineNode`` per thread)."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        self.settings = settings
+        self._kvs: dict[str | None, KVTransfer] = {}
+        self._sessions: set[tuple[str | None, str]] = set()
+        """Sessions opened on the node from here (``open_session`` is idempotent)."""
+        self._bounce: BlockBytes | None = None
+
+    def kv(self, scope: Scope) -> KVTransfer:
+        key = scope.api_key or self.settings.api_key
+        kv = self._kvs.get(key)
+        if kv is None:
+            s = self.settings
+            kv = self._kvs[key] = KVTransfer.from_url(
+                s.url,
+                api_key=key,
+                timeout=s.timeout_s,
+                path=s.data_path,  # type: ignore[arg-type]
+                paths=DATA_PLANE_PATHS,
+                lease_ms=s.lease_ms,
+            )
+        return kv
+
+    def connect(self, scope: Scope = Scope()) -> None:
+        """Connect for ``scope`` now, and on the same host map the node's memory ahead of the
+        first load."""
+        conn = self.kv(scope).connection
+        if isinstance(conn, SameHostClient):
+            conn.map_segments()
+
+    def held_blocks(self, namespace: Namespace, tokens: Sequence[int], scope: Scope) -> int:
+        """How many of ``tokens``' full blocks the node holds, from the first: the prompt's
+        question, counted as its hit and miss tokens (under its session, opened here the
+        first time it is seen)."""
+        kv = self.kv(scope)
+        root = kv.root(namespace)
+        conn = kv.connection
+        ids = conn.block_hashes(root, tokens)
+        if not ids:
+            return 0
+        session = scope.session_id
+        if session is not None and (scope.api_key, session) not in self._sessions:
+            kv.client.open_session(session)  # or the open one of that id
+            self._sessions.add((scope.api_key, session))
+        return conn.lookup(root, ids, session_id=session).matched
+
+    def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> int:
+        """Load the transfer's blocks into their paged blocks under one lease; how many, from
+        the first, were loaded. On the same host each is copied straight out of the node's
+        shared memory; over the stream, through a reused buffer. A lease lost during the
+        copies raises ``LeaseLost`` (the blocks copied may be torn: the caller recomputes)."""
+        kv = self.kv(transfer.scope)
+        root = kv.root(namespace)
+        conn = kv.connection
+        first, want = transfer.first, len(transfer.block_ids)
+        # The lease covers the chain from its first block (a lookup proves the caller's chain
+        # from there); only the blocks from ``first`` on are copied.
+        ids = conn.block_hashes(root, transfer.tokens)[: first + want]
+        lease_ms = self.settings.lease_ms
+        if isinstance(conn, SameHostClient):
+            found = conn.locate(root, ids, lease_ms=lease_ms, counted=False)
+            n = max(0, found.located - first)
+            if not n:
+                if found.lease is not None:
+                    conn.release_checked(found)
+                return 0
+            with reading(conn, found) as views:
+                layout.scatter(transfer.block_ids[:n], views[first : first + n])
+            return n
+        lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False)
+        n = max(0, lookup.matched - first)
+        if not n:
+            if lookup.lease is not None:
+                conn.release(lookup)
+            return 0
+        per = max(1, STREAM_CHUNK_BYTES // layout.nbytes)
+        for done in range(0, n, per):
+            count = min(per, n - done)
+            buffers = list(self._buffers(layout.nbytes, count))
+            last = done + count >= n
+            loaded = conn.load_into(lookup, buffers, start=first + done, release=last)
+            got = loaded.index(False) if False in loaded else count
+            layout.scatter(transfer.block_ids[done : done + got], buffers[:got])
+            if got < count:  # gone under the lease (the node lost it): the rest recomputes
+                if not last:
+                    with contextlib.suppress(SessionCacheError):
+                        conn.release(lookup)
+                return done + got
+        return n
+
+    def _buffers(self, nbytes: int, count: int) -> Iterator[BlockBytes]:
+        """``count`` block buffers of one reused allocation."""
+        need = nbytes * count
+        if self._bounce is None or self._bounce.nbytes < need:
+            self._bounce = np.empty(max(need, STREAM_CHUNK_BYTES), np.uint8)
+        for i in range(count):
+            yield self._bounce[i * nbytes : (i + 1) * nbytes]
+
+    def save(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> int:
+        """Store the transfer's blocks, gathered from the paged cache straight into the
+        carrier's buffers; how many the node holds."""
+        kv = self.kv(transfer.scope)
+        root = kv.root(namespace)
+        conn = kv.connection
+        size = namespace.block_tokens
+        ids = conn.block_hashes(root, transfer.tokens[: transfer.first * size])
+        parent = ids[transfer.first - 1] if transfer.first else None
+        ack = conn.store(
+            root,
+            transfer.tokens[transfer.first * size :],
+            [layout.block(b) for b in transfer.block_ids],
+            parent=parent,
+            session_id=transfer.scope.session_id,
+        )
+        return sum(ack.held)
+
+    def close(self) -> None:
+        kvs, self._kvs = self._kvs, {}
+        self._sessions.clear()
+        for kv in kvs.values():
+            kv.close()
