@@ -2,7 +2,8 @@
 (CPU build) on the real SmolLM2-135M-Instruct, against the node a user starts (README
 defaults, disk tier on).
 
-Per prompt length (``--lengths``, 2,048 and 6,144 tokens of a prefix plus a 32-token turn):
+Per prompt length (``--lengths``, 2,048 and 6,144 tokens of a prefix plus a 32-token turn, of
+real text: this Python's standard library sources in the model's tokenizer):
 engine A stores the prefix through the node; engine B, a fresh process with its own prefix
 cache empty, serves prefix + turn with the connector; engine C serves the same prompt without
 one (a full prefill). Each engine warms up on a prompt of its own first. Printed: both TTFTs
@@ -38,6 +39,7 @@ VLLM_PYTHON = Path(os.environ.get("SESSIONCACHE_VLLM_PYTHON", ROOT / ".venv-vllm
 BLOCK = 32
 TURN = 32
 LOAD = re.compile(r"sessioncache load: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s")
+SAVE = re.compile(r"sessioncache save: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s")
 
 
 def engine(
@@ -67,6 +69,20 @@ def engine(
     return found, text
 
 
+def source_tokens(model: Path, count: int) -> list[int]:
+    """``count`` tokens of real text of the kind agents send: this Python's standard library
+    sources, in the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out: list[int] = []
+    for path in sorted(Path(os.__file__).parent.glob("*.py")):
+        out += tokenizer(path.read_text(errors="replace"))["input_ids"]
+        if len(out) >= count:
+            return out[:count]
+    raise RuntimeError("not enough text")
+
+
 def memcpy_gbps(nbytes: int, block: int) -> float:
     blocks = max(1, nbytes // block)
     src = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8) for i in range(blocks)]
@@ -91,14 +107,17 @@ def main() -> None:
         subprocess.run(
             [str(VLLM_PYTHON), "-m", "bench.engines.smollm2", str(model)], check=True, cwd=ROOT
         )
-    rng = random.Random(1)
-    prefixes = [[rng.randrange(3, 49_000) for _ in range(n)] for n in args.lengths]
-    turns = [p + [rng.randrange(3, 49_000) for _ in range(TURN)] for p in prefixes]
+    text = source_tokens(model, sum(args.lengths) + TURN * len(args.lengths))
+    prefixes, turns, at = [], [], 0
+    for n in args.lengths:  # each its own stretch of text: no prompt a prefix of another
+        prefixes.append(text[at : at + n])
+        turns.append(text[at : at + n + TURN])
+        at += n + TURN
     proc, url = start(
         work / "node", cpu_bytes=2 << 30, extra_env={"SESSIONCACHE_DISK_BYTES": str(64 << 30)}
     )
     try:
-        engine(model, prefixes, url, linger_s=5)  # A: the prefixes stored
+        _, stored = engine(model, prefixes, url, linger_s=5)  # A: the prefixes stored
         with_connector, log = engine(model, turns, url)  # B
     finally:
         proc.terminate()
@@ -106,22 +125,29 @@ def main() -> None:
     without, _ = engine(model, turns, None)  # C
     loads = [tuple(float(x) for x in m.groups()) for m in LOAD.finditer(log)]
     loads = [entry for entry in loads if entry[0] > 0]
+    saves = [tuple(float(x) for x in m.groups()) for m in SAVE.finditer(stored)]
+    saves = saves[-len(args.lengths) :]  # the prefixes' (the warm-up's came first)
+    for match in SAVE.finditer(stored):
+        print("engine A:", match.group(0))
     for match in LOAD.finditer(log):
         print("engine B:", match.group(0))
     print("node: README's (disk tier on); model: SmolLM2-135M-Instruct; block", BLOCK, "tokens")
     print(
         f"{'prompt':>7} {'TTFT B':>9} {'TTFT C':>9} {'C / B':>6} {'cached':>7} "
-        f"{'load GB/s':>9} {'memcpy':>7} {'ratio':>6} same token"
+        f"{'load GB/s':>9} {'memcpy':>7} {'ratio':>6} {'save GB/s':>9} {'ratio':>6} same token"
     )
     for i, n in enumerate(args.lengths):
         b, c = with_connector[i], without[i]
         blocks, _, nbytes, seconds = loads[i] if i < len(loads) else (0, 0, 0, 0)
         gbps = nbytes / seconds / 1e9 if seconds else 0.0
         ref = memcpy_gbps(int(nbytes), int(nbytes // blocks)) if blocks else 0.0
+        _, _, saved, save_s = saves[i] if i < len(saves) else (0, 0, 0, 0)
+        save_gbps = saved / save_s / 1e9 if save_s else 0.0
         print(
             f"{n + TURN:>7} {b['seconds'] * 1e3:7.1f}ms {c['seconds'] * 1e3:7.1f}ms "
             f"{c['seconds'] / b['seconds']:5.2f}x {b['cached'] / (n + TURN):6.1%} {gbps:9.2f} "
-            f"{ref:7.2f} {gbps / ref if ref else 0:5.2f} {b['token'] == c['token']}"
+            f"{ref:7.2f} {gbps / ref if ref else 0:5.2f} {save_gbps:9.2f} "
+            f"{save_gbps / ref if ref else 0:5.2f} {b['token'] == c['token']}"
         )
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +45,8 @@ COPY_THREADS = 2
 """Threads that copy a load's blocks into the cache (the caller's among them)."""
 MIN_SHARED_BLOCKS = 8
 """Fewer blocks than this are copied by the caller alone."""
+BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
 STREAM_CHUNK_BYTES = 32 << 20
 """Most bytes one stream load receives into its reused buffer before scattering them."""
 
@@ -265,20 +268,43 @@ class NodeSettings:
     api_key: str | None = None
     data_path: str = "auto"
     lease_ms: int = 30_000
-    timeout_s: float = 30.0
+    timeout_s: float = 5.0
 
 
 class EngineNode:
     """One engine process's data-plane connections to the node: one ``KVTransfer`` per API
     key (the engine's, or a request's own). Calls are serialized by the caller (one
-    ``EngineNode`` per thread)."""
+    ``EngineNode`` per thread).
 
-    def __init__(self, settings: NodeSettings) -> None:
+    A caller that met a failure says so (``failed``): the connections are closed and the node
+    is ``down`` for a backoff that doubles with each failure in a row (``BACKOFF_S`` up to
+    ``MAX_BACKOFF_S``), so that a node that is dead or silent costs one timeout per backoff,
+    not one per request. ``ok`` after a call that succeeded ends the run of failures."""
+
+    def __init__(self, settings: NodeSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock
+        self._backoff = 0.0
+        self._retry_at = 0.0
         self._kvs: dict[str | None, KVTransfer] = {}
         self._sessions: set[tuple[str | None, str]] = set()
         """Sessions opened on the node from here (``open_session`` is idempotent)."""
         self._bounce: BlockBytes | None = None
+
+    @property
+    def down(self) -> bool:
+        """Within the backoff after a failure: callers skip the node (a miss, a dropped save)."""
+        return self._clock() < self._retry_at
+
+    def failed(self) -> float:
+        """A call failed: close the connections, back off; the backoff's seconds."""
+        self.close()
+        self._backoff = min(MAX_BACKOFF_S, max(BACKOFF_S, 2 * self._backoff))
+        self._retry_at = self._clock() + self._backoff
+        return self._backoff
+
+    def ok(self) -> None:
+        self._backoff = 0.0
 
     def kv(self, scope: Scope) -> KVTransfer:
         key = scope.api_key or self.settings.api_key

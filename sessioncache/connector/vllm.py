@@ -20,12 +20,14 @@ blocks vLLM allocated; ``request_finished`` plans the save of the request's comp
 blocks past those the node held and keeps vLLM from freeing them until the save is done
 (``get_finished``).
 
-Worker side: loads run in ``start_load_kv``, before the forward pass: one leased LOCATE (same
-host) or LOOKUP (stream) per request, each block copied into the request's paged blocks. A
-block that could not be loaded is reported by ``get_block_ids_with_load_errors``, and vLLM
-recomputes it. Saves run on a thread of their own, with their own connection: each block
-gathered from the paged cache and stored with ``KVTransfer.store_from``. A node that is down
-makes lookups miss, loads fail (recomputed) and saves drop; the engine never stops for it.
+Worker side (``connector.paged``, which knows nothing of vLLM): loads run in
+``start_load_kv``, before the forward pass: one leased LOCATE (same host) or LOOKUP (stream)
+per request, each block copied run by run into the request's paged blocks. A block that could
+not be loaded is reported by ``get_block_ids_with_load_errors``, and vLLM recomputes it. Saves
+run on a thread of their own, with their own connection: each block gathered from the paged
+cache straight into the node's staging memory (same host) or the stream's frame. A node that
+is down makes lookups miss, loads fail (recomputed) and saves drop; the engine never stops
+for it.
 
 Bytes move over the same-host path when the node is on this host, else over the block stream;
 never per-block HTTP (``paths=DATA_PLANE_PATHS``).
@@ -47,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from sessioncache.connector.paged import (
+    COPY_THREADS,
     EngineNode,
     NodeSettings,
     PagedLayout,
@@ -89,9 +92,11 @@ class ConnectorSettings:
     model: str | None = None
     """The model's name in the namespace (default: vLLM's served model name)."""
     lease_ms: int = DEFAULT_LEASE_MS
-    timeout_s: float = 30.0
+    timeout_s: float = 5.0
     save: bool = True
     load: bool = True
+    copy_threads: int = COPY_THREADS
+    """Threads that copy a load's blocks into the paged cache on the host."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -204,15 +209,18 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         full = (len(tokens) - 1) // self.block_size  # at least one token left to compute
         if full * self.block_size <= num_computed_tokens:
             return 0, False
+        if self._node.down:  # backing off after a failure: a miss without a call
+            return 0, False
         scope = request_scope(request)
         try:
             held = self._node.held_blocks(
                 self._namespace(scope), tokens[: full * self.block_size], scope
             )
         except Exception as exc:  # the node down or slow: a miss, never a failed request
-            log.warning("sessioncache lookup failed, recomputing: %s", exc)
-            self._node.close()
+            backoff = self._node.failed()
+            log.warning("sessioncache lookup failed (retry in %.0f s): %s", backoff, exc)
             return 0, False
+        self._node.ok()
         self._matched[request.request_id] = held
         extra = held * self.block_size - num_computed_tokens
         return max(0, extra), False
@@ -262,13 +270,15 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._kv_cache_config is not None
-        self._layout = PagedLayout(kv_caches, self._kv_cache_config.num_blocks)
+        self._layout = PagedLayout(
+            kv_caches, self._kv_cache_config.num_blocks, copy_threads=self.settings.copy_threads
+        )
         if self.settings.load:
             try:  # connected and the node's memory mapped before the first load
                 self._node.connect()
             except Exception as exc:
                 log.warning("sessioncache node not reachable at start (loads will retry): %s", exc)
-                self._node.close()
+                self._node.close()  # no backoff: a load comes only after a lookup succeeded
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -281,8 +291,8 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             try:
                 n = self._node.load(self._namespace(transfer.scope), transfer, layout)
             except Exception as exc:
+                self._node.close()  # the next load connects again (a lookup said it is up)
                 log.warning("sessioncache load of %s failed, recomputing: %s", transfer.req_id, exc)
-                self._node.close()
                 n = 0
             self._load_errors.update(transfer.block_ids[n:])
             log.info(
@@ -329,10 +339,19 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 transfer = self._saving.pop(0)
                 self._busy = True
             try:
-                self._save(transfer)
+                if self._saver.down:
+                    log.warning("sessioncache save of %s dropped: backing off", transfer.req_id)
+                else:
+                    self._save(transfer)
+                    self._saver.ok()
             except Exception as exc:
-                log.warning("sessioncache save of %s dropped: %s", transfer.req_id, exc)
-                self._saver.close()
+                backoff = self._saver.failed()
+                log.warning(
+                    "sessioncache save of %s dropped (retry in %.0f s): %s",
+                    transfer.req_id,
+                    backoff,
+                    exc,
+                )
             with self._save_cond:
                 self._busy = False
                 self._saved.add(transfer.req_id)
@@ -368,3 +387,5 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._save_cond.wait(0.05)
         self._node.close()
         self._saver.close()
+        if self._layout is not None:
+            self._layout.close()

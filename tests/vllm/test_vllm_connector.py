@@ -13,6 +13,7 @@ import json
 import os
 import random
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.hashing import Namespace
-from tests.support.servers import Server, start_server
+from tests.support.servers import Server, free_port, start_server
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("SESSIONCACHE_VLLM_PYTHON", ROOT_DIR / ".venv-vllm/bin/python"))
@@ -72,17 +73,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_process(
-    model: Path, node: Server, prompts: list[dict[str, Any]]
+    model: Path, node: Server | None, prompts: list[dict[str, Any]], **connector: Any
 ) -> subprocess.Popen[str]:
-    """One engine process with the connector, started; ``results`` reads what it printed."""
+    """One engine process, started (``results`` reads what it printed): with the connector
+    on ``node``; with ``connector`` settings of ``tests/vllm/engine.py`` instead (vLLM's own
+    ``ExampleConnector``); with neither, no connector at all."""
     spec = {
         "model": str(model),
-        "connector": "sessioncache",
-        "extra": {"url": node.url, "api_key": "sk-a", "timeout_s": 10, "model": MODEL_NAME},
         "prompts": prompts,
         "max_tokens": 8,
         "block_size": BLOCK,
+        **connector,
     }
+    if node is not None:
+        spec["connector"] = "sessioncache"
+        spec["extra"] = {"url": node.url, "api_key": "sk-a", "timeout_s": 10, "model": MODEL_NAME}
     env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "VLLM_CPU_KVCACHE_SPACE": "1"}
     return subprocess.Popen(
         [str(VLLM_PYTHON), str(ENGINE), json.dumps(spec)],
@@ -101,14 +106,17 @@ def results(process: subprocess.Popen[str], stdout: str, count: int) -> list[dic
     return found
 
 
-def engine(model: Path, node: Server, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One engine process with the connector; each prompt's greedy tokens and cached count."""
-    return results(engine_process(model, node, prompts), "", len(prompts))
+def engine(
+    model: Path, node: Server | None, prompts: list[dict[str, Any]], **connector: Any
+) -> list[dict[str, Any]]:
+    """One engine process (``engine_process``); each prompt's greedy tokens and cached count."""
+    return results(engine_process(model, node, prompts, **connector), "", len(prompts))
 
 
 def held_blocks(node: Server, api_key: str, prompt: list[int]) -> int:
     """How many of the prompt's full blocks the node holds for this key, in the namespace the
-    connector derives for the tiny Llama on CPU (``vllm_namespace``)."""
+    connector derives for the tiny Llama on CPU (``vllm_namespace``; the model's name is the
+    engine's served one, or the connector's ``model``)."""
     layout = "vllm-paged/cpu/l4/h2x64/tp1.0"
     namespace = Namespace(MODEL_NAME, BLOCK, "bfloat16", layout)
     with KVTransfer.from_url(node.url, api_key=api_key, paths=DATA_PLANE_PATHS) as kv:
@@ -122,10 +130,37 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 32000) for _ in range(n)]
 
 
+PREFIX = tokens(2048, 1)
+TURN = PREFIX + tokens(96, 2)
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path) -> list[dict[str, Any]]:
+    """The first and second turns, each computed by an engine with no connector at all."""
+    return engine(model, None, [{"tokens": PREFIX}, {"tokens": TURN}])
+
+
+@pytest.mark.timeout(600)
+def test_vllms_own_example_connector_gives_the_same_tokens(
+    model: Path, plain: list[dict[str, Any]], tmp_path: Path
+):
+    """The equality the next test asks of us holds for vLLM's own connector on this model:
+    KV computed by one engine and loaded by a fresh one gives a full prefill's tokens. (Its
+    ``ExampleConnector`` finds a request's KV by the hash of the whole prompt: engine B asks
+    for the prompt engine A computed.)"""
+    example = {"connector": "example", "path": str(tmp_path / "kv")}
+    (first,) = engine(model, None, [{"tokens": PREFIX}], **example)
+    (again,) = engine(model, None, [{"tokens": PREFIX}], **example)
+    assert first["cached"] == 0
+    assert again["cached"] >= 1900, again
+    assert again["tokens"] == first["tokens"] == plain[0]["tokens"]
+
+
 @pytest.mark.timeout(900)
-def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, tmp_path: Path):
-    prefix = tokens(2048, 1)
-    turn = prefix + tokens(96, 2)
+def test_two_engines_share_a_prefix_through_the_node(
+    node: Server, model: Path, plain: list[dict[str, Any]], tmp_path: Path
+):
+    prefix, turn = PREFIX, TURN
     other = tokens(512, 3)
     session = "agent-session-1"
     # Engine A, tenant A (the engine's API key): the first turn, stored under a session; then
@@ -179,6 +214,7 @@ def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, 
     assert second["cached"] >= 1900, second
     assert second["cached"] == len(prefix)  # every full block of the first turn
     assert second["tokens"] == reference["tokens"]  # loaded KV computes what a full prefill does
+    assert reference["tokens"] == plain[1]["tokens"]  # and what an engine without us does
     assert after_kill["cached"] == 0
     assert after_kill["tokens"] == reference_other["tokens"]  # recomputed without the node
 
@@ -189,3 +225,78 @@ def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, 
         line for line in metrics.splitlines() if line.startswith("sessioncache_hit_tokens_total")
     ]
     assert hit and float(hit[0].rsplit(" ", 1)[1]) >= len(prefix), hit
+
+
+@pytest.mark.timeout(600)
+def test_vllm_serve_takes_the_connector_and_sessions_from_the_openai_api(
+    model: Path, tmp_path: Path
+):
+    """``vllm serve --kv-transfer-config``, configuration alone; an agent names its session
+    in the request body's ``kv_transfer_params`` (an OpenAI client's ``extra_body``)."""
+    node = start_server(tmp_path / "data", {"SESSIONCACHE_API_KEYS": json.dumps(KEYS)})
+    port = free_port()
+    config = {
+        "kv_connector": "SessionCacheConnector",
+        "kv_connector_module_path": "sessioncache.connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"url": node.url, "api_key": "sk-a", "timeout_s": 10},
+    }
+    # The CPU build's `vllm` command fails at start (it asks for the version of a package
+    # named vllm; this one is vllm-cpu): its server module takes the same flags.
+    args = [
+        *("-m", "vllm.entrypoints.openai.api_server", "--model", str(model)),
+        *("--port", str(port), "--served-model-name", MODEL_NAME),
+        *("--skip-tokenizer-init", "--load-format", "dummy", "--block-size", str(BLOCK)),
+        *("--max-model-len", "4096", "--enable-prefix-caching", "--enforce-eager"),
+        *("--dtype", "bfloat16", "--kv-transfer-config", json.dumps(config)),
+    ]
+    log = (tmp_path / "vllm-serve.log").open("w")
+    env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    serve = subprocess.Popen(
+        [str(VLLM_PYTHON), *args], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    session = "agent-from-openai"
+    headers = {"Authorization": "Bearer sk-a"}
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert serve.poll() is None, (tmp_path / "vllm-serve.log").read_text()[-5000:]
+            assert time.monotonic() < deadline, "vllm serve did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+        def complete(prompt: list[int]) -> httpx.Response:
+            body = {
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": 4,
+                "temperature": 0,
+                "kv_transfer_params": {"session_id": session},
+            }
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+        first = complete(PREFIX)
+        assert first.status_code == 200, first.text
+        deadline = time.monotonic() + 60  # the save runs after the request finished
+        while held_blocks(node, "sk-a", PREFIX) < len(PREFIX) // BLOCK:
+            assert time.monotonic() < deadline, "the first turn was not stored"
+            time.sleep(0.5)
+        second = complete(TURN)
+        assert second.status_code == 200, second.text
+        info = httpx.get(f"{node.url}/v1/sessions/{session}", headers=headers, timeout=10).json()
+        assert info["tenant"] == "tenant-a" and info["head"] is not None and info["pinned"], info
+        assert info["attribution"]["hit_tokens"] >= len(PREFIX) - BLOCK, info
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()
+        log.close()
+        node.stop()

@@ -4,6 +4,8 @@ to and from a real node, on both data-plane paths, for two tenants."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -182,3 +184,28 @@ def test_a_node_that_is_gone_fails_the_calls_and_writes_nothing(node: Server) ->
         )
     gone.close()
     assert [expected(engine, i) for i in range(BLOCKS)] == before
+
+
+def test_a_silent_node_costs_one_timeout_per_backoff() -> None:
+    """A node that accepts connections and never answers (a half-open peer): the first call
+    times out; after ``failed`` the node is ``down`` (callers skip it) for a backoff that
+    doubles, and ``ok`` ends the run of failures."""
+    now = [100.0]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        engine = EngineNode(NodeSettings(url, timeout_s=0.5), clock=lambda: now[0])
+        start = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - a timeout, in whichever layer
+            engine.held_blocks(NS, tokens(4 * TOKENS, 1), Scope())
+        assert time.monotonic() - start < 5
+    assert not engine.down
+    assert engine.failed() == 1.0 and engine.down
+    now[0] += 1.0
+    assert not engine.down
+    assert engine.failed() == 2.0 and engine.failed() == 4.0
+    now[0] += 3.9
+    assert engine.down
+    engine.ok()
+    assert engine.failed() == 1.0  # a new run of failures starts over
