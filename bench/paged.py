@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 192])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--path", choices=["same_host", "stream"], default="same_host")
-    parser.add_argument("--copy-threads", type=int, default=COPY_THREADS)
+    parser.add_argument("--copy-threads", type=int, default=COPY_THREADS)  # on two cores
     parser.add_argument(
         "--stripped", action="store_true", help="a node without its disk tier (labelled)"
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,15 @@ BlockBytes = npt.NDArray[np.uint8]
 
 _memmove = ctypes.memmove
 COPY_THREADS = 2
-"""Threads that copy a load's blocks into the cache (the caller's among them)."""
+"""Most threads that copy a load's blocks into the cache (the caller's among them)."""
+
+
+def default_copy_threads() -> int:
+    """``COPY_THREADS``, or fewer where this process may run on fewer cores (vLLM's CPU
+    worker binds itself to its cores: threads of its own would share them)."""
+    return max(1, min(COPY_THREADS, len(os.sched_getaffinity(0))))
+
+
 MIN_SHARED_BLOCKS = 8
 """Fewer blocks than this are copied by the caller alone."""
 BACKOFF_S = 1.0
@@ -101,7 +110,7 @@ class PagedLayout:
         tensors: Mapping[str, torch.Tensor],
         num_blocks: int,
         *,
-        copy_threads: int = COPY_THREADS,
+        copy_threads: int | None = None,
     ) -> None:
         if not tensors or num_blocks <= 0:
             raise InvalidInput("a paged layout needs KV tensors and blocks")
@@ -135,12 +144,13 @@ class PagedLayout:
         self._host = self.device.type == "cpu"
         self._plan = [(r.base, r.stride, r.length, r.offset) for r in self.runs]
         self._views = [r.view(num_blocks) for r in self.runs]
+        threads = default_copy_threads() if copy_threads is None else max(1, copy_threads)
+        self.copy_threads = threads if self._host else 1
         self._pool = (
-            ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="sessioncache-copy")
-            if self._host and copy_threads > 1
+            ThreadPoolExecutor(threads - 1, thread_name_prefix="sessioncache-copy")
+            if self.copy_threads > 1
             else None
         )
-        self.copy_threads = max(1, copy_threads)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -49,7 +49,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from sessioncache.connector.paged import (
-    COPY_THREADS,
     EngineNode,
     NodeSettings,
     PagedLayout,
@@ -95,8 +94,9 @@ class ConnectorSettings:
     timeout_s: float = 5.0
     save: bool = True
     load: bool = True
-    copy_threads: int = COPY_THREADS
-    """Threads that copy a load's blocks into the paged cache on the host."""
+    copy_threads: int | None = None
+    """Threads that copy a load's blocks into the paged cache on the host (default:
+    ``paged.default_copy_threads``)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
