@@ -134,7 +134,7 @@ def measure(
     firsts = []
     for r, tokens in enumerate(prompts):
         t0 = time.perf_counter()
-        assert loader.load(NS, Transfer(f"f{r}", tokens, 0, dst_ids), layout_b1) == n
+        assert loader.load(NS, Transfer(f"f{r}", tokens, 0, dst_ids), layout_b1).blocks == n
         firsts.append(time.perf_counter() - t0)
     settle(url)  # loads meet an idle node, as an engine's loads of blocks stored earlier do
     for r, tokens in enumerate(prompts):
@@ -143,7 +143,7 @@ def measure(
             t0 = time.perf_counter()
             got = loader.load(NS, Transfer(f"l{r}", tokens, 0, dst_ids), layout)
             into.append(time.perf_counter() - t0)
-            assert got == n, got
+            assert got.blocks == n, got
     probe = np.empty((2, size), np.uint8)
     layout_a.gather([src_ids[-1]], [probe[0]])
     layout_b.gather([dst_ids[-1]], [probe[1]])

@@ -33,19 +33,27 @@ from typing import Any
 import numpy as np
 
 from bench.lookup import start
+from bench.paged import settle
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("SESSIONCACHE_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
 BLOCK = 32
 TURN = 32
-LOAD = re.compile(r"sessioncache load: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s")
+LOAD = re.compile(
+    r"sessioncache load: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s \(copies ([0-9.]+) s\)"
+)
 SAVE = re.compile(r"sessioncache save: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s")
 
 
 def engine(
-    model: Path, prompts: list[list[int]], url: str | None, linger_s: float = 0
+    model: Path,
+    prompts: list[list[int]],
+    url: str | None,
+    linger_s: float = 0,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     spec = {
+        "extra": extra or {},
         "model": str(model),
         "url": url,
         "block_size": BLOCK,
@@ -100,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 6144])
     parser.add_argument("--model", type=Path, help="a converted SmolLM2 folder (default: made)")
+    parser.add_argument("--copy-threads", type=int, help="the connector's (default: its own)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     model = args.model or work / "smollm2"
@@ -118,7 +127,9 @@ def main() -> None:
     )
     try:
         _, stored = engine(model, prefixes, url, linger_s=5)  # A: the prefixes stored
-        with_connector, log = engine(model, turns, url)  # B
+        settle(url)  # B comes later: the node has written A's blocks to disk by then
+        config = {} if args.copy_threads is None else {"copy_threads": args.copy_threads}
+        with_connector, log = engine(model, turns, url, extra=config)  # B
     finally:
         proc.terminate()
         proc.wait(30)
@@ -129,7 +140,7 @@ def main() -> None:
     saves = saves[-len(args.lengths) :]  # the prefixes' (the warm-up's came first)
     for match in SAVE.finditer(stored):
         print("engine A:", match.group(0))
-    for match in LOAD.finditer(log):
+    for match in re.finditer(r"sessioncache: blocks of .*|sessioncache load: .*", log):
         print("engine B:", match.group(0))
     print("node: README's (disk tier on); model: SmolLM2-135M-Instruct; block", BLOCK, "tokens")
     print(
@@ -138,7 +149,7 @@ def main() -> None:
     )
     for i, n in enumerate(args.lengths):
         b, c = with_connector[i], without[i]
-        blocks, _, nbytes, seconds = loads[i] if i < len(loads) else (0, 0, 0, 0)
+        blocks, _, nbytes, seconds, _ = loads[i] if i < len(loads) else (0, 0, 0, 0, 0)
         gbps = nbytes / seconds / 1e9 if seconds else 0.0
         ref = memcpy_gbps(int(nbytes), int(nbytes // blocks)) if blocks else 0.0
         _, _, saved, save_s = saves[i] if i < len(saves) else (0, 0, 0, 0)

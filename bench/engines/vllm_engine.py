@@ -23,7 +23,7 @@ def main() -> None:
             kv_connector="SessionCacheConnector",
             kv_connector_module_path="sessioncache.connector.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"url": spec["url"]},
+            kv_connector_extra_config={"url": spec["url"], **spec.get("extra", {})},
         )
     llm = LLM(
         model=spec["model"],

@@ -270,6 +270,14 @@ class Transfer:
     scope: Scope = Scope()
 
 
+class Loaded(NamedTuple):
+    """What a load did: blocks loaded (from the first), and seconds spent copying them into
+    the cache (the rest of its time went to the node and the carrier)."""
+
+    blocks: int
+    copy_s: float
+
+
 @dataclass(frozen=True, slots=True)
 class NodeSettings:
     """How an engine reaches its node."""
@@ -354,11 +362,12 @@ class EngineNode:
             self._sessions.add((scope.api_key, session))
         return conn.lookup(root, ids, session_id=session).matched
 
-    def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> int:
+    def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> Loaded:
         """Load the transfer's blocks into their paged blocks under one lease; how many, from
-        the first, were loaded. On the same host each is copied straight out of the node's
-        shared memory; over the stream, through a reused buffer. A lease lost during the
-        copies raises ``LeaseLost`` (the blocks copied may be torn: the caller recomputes)."""
+        the first, were loaded, and the seconds spent copying. On the same host each is copied
+        straight out of the node's shared memory; over the stream, through a reused buffer. A
+        lease lost during the copies raises ``LeaseLost`` (the blocks copied may be torn: the
+        caller recomputes)."""
         kv = self.kv(transfer.scope)
         root = kv.root(namespace)
         conn = kv.connection
@@ -373,30 +382,35 @@ class EngineNode:
             if not n:
                 if found.lease is not None:
                     conn.release_checked(found)
-                return 0
+                return Loaded(0, 0.0)
             with reading(conn, found) as views:
+                start = time.perf_counter()
                 layout.scatter(transfer.block_ids[:n], views[first : first + n])
-            return n
+                copy_s = time.perf_counter() - start
+            return Loaded(n, copy_s)
         lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False)
         n = max(0, lookup.matched - first)
         if not n:
             if lookup.lease is not None:
                 conn.release(lookup)
-            return 0
+            return Loaded(0, 0.0)
         per = max(1, STREAM_CHUNK_BYTES // layout.nbytes)
+        copy_s = 0.0
         for done in range(0, n, per):
             count = min(per, n - done)
             buffers = list(self._buffers(layout.nbytes, count))
             last = done + count >= n
             loaded = conn.load_into(lookup, buffers, start=first + done, release=last)
             got = loaded.index(False) if False in loaded else count
+            start = time.perf_counter()
             layout.scatter(transfer.block_ids[done : done + got], buffers[:got])
+            copy_s += time.perf_counter() - start
             if got < count:  # gone under the lease (the node lost it): the rest recomputes
                 if not last:
                     with contextlib.suppress(SessionCacheError):
                         conn.release(lookup)
-                return done + got
-        return n
+                return Loaded(done + got, copy_s)
+        return Loaded(n, copy_s)
 
     def _buffers(self, nbytes: int, count: int) -> Iterator[BlockBytes]:
         """``count`` block buffers of one reused allocation."""

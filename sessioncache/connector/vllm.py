@@ -270,8 +270,15 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._kv_cache_config is not None
-        self._layout = PagedLayout(
+        layout = self._layout = PagedLayout(
             kv_caches, self._kv_cache_config.num_blocks, copy_threads=self.settings.copy_threads
+        )
+        log.info(
+            "sessioncache: blocks of %d bytes in %d runs on %s, %d copy threads",
+            layout.nbytes,
+            len(layout.runs),
+            layout.device,
+            layout.copy_threads,
         )
         if self.settings.load:
             try:  # connected and the node's memory mapped before the first load
@@ -289,18 +296,19 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for transfer in meta.loads:
             start = time.perf_counter()
             try:
-                n = self._node.load(self._namespace(transfer.scope), transfer, layout)
+                n, copy_s = self._node.load(self._namespace(transfer.scope), transfer, layout)
             except Exception as exc:
                 self._node.close()  # the next load connects again (a lookup said it is up)
                 log.warning("sessioncache load of %s failed, recomputing: %s", transfer.req_id, exc)
-                n = 0
+                n, copy_s = 0, 0.0
             self._load_errors.update(transfer.block_ids[n:])
             log.info(
-                "sessioncache load: %d of %d blocks, %d bytes in %.6f s",
+                "sessioncache load: %d of %d blocks, %d bytes in %.6f s (copies %.6f s)",
                 n,
                 len(transfer.block_ids),
                 n * layout.nbytes,
                 time.perf_counter() - start,
+                copy_s,
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
