@@ -34,7 +34,7 @@ import numpy.typing as npt
 import torch
 
 from sessioncache.connector.payloads import Filler
-from sessioncache.connector.samehost import SameHostClient, reading
+from sessioncache.connector.samehost import SameHostClient, map_segments, reading
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.errors import InvalidInput, PayloadSizeError, SessionCacheError
 from sessioncache.hashing import Namespace
@@ -344,7 +344,7 @@ class EngineNode:
         first load."""
         conn = self.kv(scope).connection
         if isinstance(conn, SameHostClient):
-            conn.map_segments()
+            map_segments(conn)
 
     def held_blocks(self, namespace: Namespace, tokens: Sequence[int], scope: Scope) -> int:
         """How many of ``tokens``' full blocks the node holds, from the first: the prompt's

@@ -80,7 +80,14 @@ from sessioncache.status import BlockStatus
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; not in fcntl
 
-__all__ = ["ChecksumMismatch", "LeaseLost", "SameHostClient", "SameHostLookup", "reading"]
+__all__ = [
+    "ChecksumMismatch",
+    "LeaseLost",
+    "SameHostClient",
+    "SameHostLookup",
+    "map_segments",
+    "reading",
+]
 
 MiB = 1 << 20
 DEFAULT_LEASE_MS = 30_000
@@ -301,11 +308,6 @@ class SameHostClient(StreamClient):
         """The segments this client has mapped."""
         return self._maps.mapped
 
-    def map_segments(self) -> None:
-        """Map every segment the node has now, ahead of the loads that will read them (each
-        mapping faults in its page tables: an engine does it once, at start)."""
-        self._maps.ensure_live()
-
     def close(self) -> None:
         self._maps.clear()
         if self._hasher is not None:
@@ -524,6 +526,12 @@ class SameHostClient(StreamClient):
                     _abort(self._c, staged.staging)  # frees what is left (the node would, at close)
             raise failure
         return codes
+
+
+def map_segments(client: SameHostClient) -> None:
+    """Map every segment the node has now, ahead of the loads that will read them (each
+    mapping faults in its page tables: an engine does it once, at start)."""
+    client._maps.ensure_live()
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ def main() -> None:
         load_format="dummy",
         block_size=spec.get("block_size", 32),
         max_model_len=spec.get("max_model_len", 4096),
-        enable_prefix_caching=True,
+        enable_prefix_caching=spec.get("prefix_caching", True),
         kv_transfer_config=transfer,
         seed=0,
         enforce_eager=True,
