@@ -339,12 +339,14 @@ class EngineNode:
             )
         return kv
 
-    def connect(self, scope: Scope = Scope()) -> None:
+    def connect(self, scope: Scope = Scope()) -> str:
         """Connect for ``scope`` now, and on the same host map the node's memory ahead of the
-        first load."""
-        conn = self.kv(scope).connection
+        first load; the path taken (``same_host`` or ``stream``)."""
+        kv = self.kv(scope)
+        conn = kv.connection
         if isinstance(conn, SameHostClient):
             map_segments(conn)
+        return kv.path
 
     def held_blocks(self, namespace: Namespace, tokens: Sequence[int], scope: Scope) -> int:
         """How many of ``tokens``' full blocks the node holds, from the first: the prompt's

@@ -282,7 +282,7 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         if self.settings.load:
             try:  # connected and the node's memory mapped before the first load
-                self._node.connect()
+                log.info("sessioncache: loads over %s", self._node.connect())
             except Exception as exc:
                 log.warning("sessioncache node not reachable at start (loads will retry): %s", exc)
                 self._node.close()  # no backoff: a load comes only after a lookup succeeded

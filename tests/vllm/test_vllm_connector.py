@@ -59,7 +59,12 @@ pytestmark = pytest.mark.skipif(
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(
         tmp_path_factory.mktemp("vllm") / "data",
-        {"SESSIONCACHE_CPU_BYTES": str(512 << 20), "SESSIONCACHE_API_KEYS": json.dumps(KEYS)},
+        {
+            "SESSIONCACHE_CPU_BYTES": str(512 << 20),
+            "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
+            # both tenants may map the node's memory: loads take the same-host path
+            "SESSIONCACHE_SHM_TRUSTED_TENANTS": json.dumps(sorted(KEYS.values())),
+        },
     )
     yield server
     server.stop()
@@ -204,6 +209,9 @@ def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, 
 
     assert second["cached"] >= 1900, second
     assert second["cached"] == len(prefix)  # every full block of the first turn
+    assert "sessioncache: loads over same_host" in seen, seen[-5000:]
+    blocks = len(prefix) // BLOCK
+    assert f"sessioncache load: {blocks} of {blocks} blocks" in seen, seen[-5000:]
     assert second["tokens"] == reference["tokens"]  # loaded KV computes what a full prefill does
     assert after_kill["cached"] == 0
     assert after_kill["tokens"] == reference_other["tokens"]  # recomputed without the node
