@@ -41,6 +41,7 @@ BLOCK = 32
 TURN = 32
 LOAD = re.compile(
     r"sessioncache load: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s \(copies ([0-9.]+) s\)"
+    r", from block \d+"
 )
 SAVE = re.compile(r"sessioncache save: (\d+) of (\d+) blocks, (\d+) bytes in ([0-9.]+) s")
 

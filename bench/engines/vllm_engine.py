@@ -24,6 +24,7 @@ def main() -> None:
             kv_connector_module_path="sessioncache.connector.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"url": spec["url"], **spec.get("extra", {})},
+            kv_load_failure_policy="recompute",
         )
     llm = LLM(
         model=spec["model"],

@@ -33,10 +33,20 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from sessioncache.connector.errors import IdMismatch
 from sessioncache.connector.payloads import Filler
 from sessioncache.connector.samehost import SameHostClient, map_segments, reading
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
-from sessioncache.errors import InvalidInput, PayloadSizeError, SessionCacheError
+from sessioncache.errors import (
+    AuthRefused,
+    InvalidInput,
+    NotFound,
+    PayloadSizeError,
+    QuotaExceeded,
+    RateLimited,
+    Refused,
+    SessionCacheError,
+)
 from sessioncache.hashing import Namespace
 
 BlockBytes = npt.NDArray[np.uint8]
@@ -54,6 +64,16 @@ def default_copy_threads() -> int:
 
 MIN_SHARED_BLOCKS = 8
 """Fewer blocks than this are copied by the caller alone."""
+REQUEST_ERRORS = (
+    InvalidInput,
+    AuthRefused,
+    Refused,
+    NotFound,
+    QuotaExceeded,
+    RateLimited,
+    IdMismatch,
+)
+"""What a node answers about one request: that request misses; the node stays up."""
 BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 STREAM_CHUNK_BYTES = 32 << 20
@@ -96,7 +116,10 @@ def _block_runs(tensor: torch.Tensor, block_dim: int, num_blocks: int) -> list[R
             raise InvalidInput(f"a block's slice of a KV tensor {tuple(tensor.shape)} has gaps")
         start = int(plane.storage_offset()) * item
         stride = plane.stride(0) * per * item
-        out.append(Run(storage, start, stride, first.numel() * item, 0))
+        length = first.numel() * item
+        if stride < length:
+            raise InvalidInput(f"blocks of a KV tensor {tuple(tensor.shape)} overlap")
+        out.append(Run(storage, start, stride, length, 0))
     return out
 
 
@@ -115,14 +138,17 @@ class PagedLayout:
         if not tensors or num_blocks <= 0:
             raise InvalidInput("a paged layout needs KV tensors and blocks")
         pieces: list[Run] = []
+        devices = {t.device for t in tensors.values()}
+        if len(devices) != 1:
+            raise InvalidInput(f"KV tensors on several devices: {sorted(map(str, devices))}")
         for name, tensor in tensors.items():
-            if tensor.shape[0] >= num_blocks and tensor.shape[0] % num_blocks == 0:
-                block_dim = 0
-            elif tensor.dim() > 1 and tensor.shape[0] == 2 and tensor.shape[1] % num_blocks == 0:
-                block_dim = 1
-            else:
+            first = tensor.shape[0] >= num_blocks and tensor.shape[0] % num_blocks == 0
+            kv = tensor.dim() > 1 and tensor.shape[0] == 2 and tensor.shape[1] % num_blocks == 0
+            if first and kv:
+                raise InvalidInput(f"{name}: {tuple(tensor.shape)} is ambiguous for {num_blocks}")
+            if not first and not kv:
                 raise InvalidInput(f"{name}: no block dimension of {num_blocks} in {tensor.shape}")
-            pieces += _block_runs(tensor, block_dim, num_blocks)
+            pieces += _block_runs(tensor, 0 if first else 1, num_blocks)
         self.num_blocks = num_blocks
         self.device = pieces[0].storage.device
         self.runs: list[Run] = []
@@ -189,6 +215,8 @@ class PagedLayout:
             if not 0 <= block_id < self.num_blocks:
                 raise InvalidInput(f"block {block_id} is not one of {self.num_blocks}")
         for buf in buffers:
+            if buf.dtype != np.uint8 or buf.ndim != 1:
+                raise InvalidInput("a block buffer is a flat uint8 array")
             if buf.nbytes != self.nbytes or not buf.flags.c_contiguous:
                 raise PayloadSizeError(
                     f"a block of {buf.nbytes} bytes for a layout of {self.nbytes}"
@@ -324,6 +352,14 @@ class EngineNode:
     def ok(self) -> None:
         self._backoff = 0.0
 
+    def failure(self, exc: BaseException) -> float | None:
+        """A call raised ``exc``: a refusal of the request itself (bad input, a key or session
+        the node refuses, a tenant's bound) leaves the node up (None); anything else is the
+        node's or the carrier's (``failed``: the backoff's seconds)."""
+        if isinstance(exc, REQUEST_ERRORS):
+            return None
+        return self.failed()
+
     def kv(self, scope: Scope) -> KVTransfer:
         key = scope.api_key or self.settings.api_key
         kv = self._kvs.get(key)
@@ -355,7 +391,7 @@ class EngineNode:
         kv = self.kv(scope)
         root = kv.root(namespace)
         conn = kv.connection
-        ids = conn.block_hashes(root, tokens)
+        ids = conn.block_hashes(root, tokens)[: conn.limits.max_ids]  # one request's most
         if not ids:
             return 0
         session = scope.session_id

@@ -166,6 +166,12 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             dict(transfer_config.kv_connector_extra_config)
         )
         self.block_size = vllm_config.cache_config.block_size
+        if transfer_config.kv_load_failure_policy != "recompute":
+            log.warning(
+                "SessionCacheConnector: kv_load_failure_policy is %r: a block the node cannot "
+                'load fails its request; set kv_load_failure_policy="recompute" to recompute it',
+                transfer_config.kv_load_failure_policy,
+            )
         self._config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
@@ -216,9 +222,12 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             held = self._node.held_blocks(
                 self._namespace(scope), tokens[: full * self.block_size], scope
             )
-        except Exception as exc:  # the node down or slow: a miss, never a failed request
-            backoff = self._node.failed()
-            log.warning("sessioncache lookup failed (retry in %.0f s): %s", backoff, exc)
+        except Exception as exc:  # a miss, never a failed request
+            backoff = self._node.failure(exc)
+            if backoff is None:  # refused for this request alone
+                log.warning("sessioncache lookup of %s refused: %s", request.request_id, exc)
+            else:  # the node down or slow
+                log.warning("sessioncache lookup failed (retry in %.0f s): %s", backoff, exc)
             return 0, False
         self._node.ok()
         self._matched[request.request_id] = held
@@ -230,8 +239,10 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> None:
         if num_external_tokens <= 0:
             return
-        first = request.num_computed_tokens // self.block_size
-        end = (request.num_computed_tokens + num_external_tokens) // self.block_size
+        # The node's blocks end where the lookup said; vLLM's own prefix cache holds those
+        # before the external tokens (``request.num_computed_tokens`` is not updated yet).
+        end = self._matched[request.request_id]
+        first = end - num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0]
         tokens = list(request.prompt_token_ids or [])[: end * self.block_size]
         self._loads.append(
@@ -255,7 +266,9 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         held = self._matched.pop(request.request_id, 0)
         if not self.settings.save:
             return False, None
-        full = min(request.num_computed_tokens // self.block_size, len(block_ids))
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        computed = min(computed, len(request.all_token_ids))  # KV computed, not in flight
+        full = min(computed // self.block_size, len(block_ids))
         if full <= held:
             return False, None
         tokens = list(request.all_token_ids[: full * self.block_size])
@@ -293,22 +306,27 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         layout = self._layout
         if layout is None:
             return
+        down = False  # after a failure of the node, this step's other loads are not tried
         for transfer in meta.loads:
             start = time.perf_counter()
+            n, copy_s = 0, 0.0
             try:
-                n, copy_s = self._node.load(self._namespace(transfer.scope), transfer, layout)
+                if not down:
+                    n, copy_s = self._node.load(self._namespace(transfer.scope), transfer, layout)
             except Exception as exc:
-                self._node.close()  # the next load connects again (a lookup said it is up)
+                if self._node.failure(exc) is not None:
+                    down = True
                 log.warning("sessioncache load of %s failed, recomputing: %s", transfer.req_id, exc)
-                n, copy_s = 0, 0.0
             self._load_errors.update(transfer.block_ids[n:])
             log.info(
-                "sessioncache load: %d of %d blocks, %d bytes in %.6f s (copies %.6f s)",
+                "sessioncache load: %d of %d blocks, %d bytes in %.6f s (copies %.6f s), "
+                "from block %d",
                 n,
                 len(transfer.block_ids),
                 n * layout.nbytes,
                 time.perf_counter() - start,
                 copy_s,
+                transfer.first,
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -353,7 +371,7 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._save(transfer)
                     self._saver.ok()
             except Exception as exc:
-                backoff = self._saver.failed()
+                backoff = self._saver.failure(exc) or 0.0
                 log.warning(
                     "sessioncache save of %s dropped (retry in %.0f s): %s",
                     transfer.req_id,

@@ -23,6 +23,7 @@ def main() -> None:
             kv_connector_module_path="sessioncache.connector.vllm",
             kv_role="kv_both",
             kv_connector_extra_config=spec["extra"],
+            kv_load_failure_policy="recompute",
         )
     elif spec.get("connector") == "example":
         transfer = KVTransferConfig(

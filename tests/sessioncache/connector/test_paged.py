@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from sessioncache.connector.paged import EngineNode, NodeSettings, PagedLayout, Scope, Transfer
-from sessioncache.errors import InvalidInput, PayloadSizeError
+from sessioncache.errors import (
+    AuthRefused,
+    InvalidInput,
+    LeaseLost,
+    PayloadSizeError,
+    StreamClosed,
+)
 from sessioncache.hashing import Namespace
 from tests.support.servers import Server, start_server
 
@@ -209,3 +215,12 @@ def test_a_silent_node_costs_one_timeout_per_backoff() -> None:
     assert engine.down
     engine.ok()
     assert engine.failed() == 1.0  # a new run of failures starts over
+
+
+def test_a_refused_request_leaves_the_node_up_for_the_others() -> None:
+    """A request the node refuses (bad input, an unknown key, a tenant's bound) misses alone;
+    a failure of the node or the carrier backs off."""
+    engine = EngineNode(NodeSettings("http://127.0.0.1:9"), clock=lambda: 0.0)
+    for refusal in (InvalidInput("too many ids"), AuthRefused("unknown key"), LeaseLost("gone")):
+        assert engine.failure(refusal) is None and not engine.down
+    assert engine.failure(StreamClosed("reset")) == 1.0 and engine.down
