@@ -36,7 +36,7 @@ import torch
 from sessioncache.connector.errors import IdMismatch
 from sessioncache.connector.payloads import Filler
 from sessioncache.connector.samehost import SameHostClient, map_segments, reading
-from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
+from sessioncache.connector.transfer import DATA_PLANE_PATHS, DEFAULT_LEASE_MS, KVTransfer
 from sessioncache.errors import (
     AuthRefused,
     InvalidInput,
@@ -313,7 +313,7 @@ class NodeSettings:
     url: str
     api_key: str | None = None
     data_path: str = "auto"
-    lease_ms: int = 30_000
+    lease_ms: int = DEFAULT_LEASE_MS
     timeout_s: float = 5.0
 
 

@@ -55,6 +55,7 @@ from sessioncache.connector.paged import (
     Scope,
     Transfer,
 )
+from sessioncache.connector.transfer import DEFAULT_LEASE_MS
 from sessioncache.hashing import Namespace
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.sessioncache")
 """Under vLLM's logger, whose handlers print in every engine process."""
 
-DEFAULT_LEASE_MS = 30_000
 SAVE_DRAIN_S = 30.0
 
 
