@@ -81,10 +81,17 @@ class NamespaceIn(Strict):
     kv_layout: str = Field(min_length=1, max_length=FIELD_LIMITS["kv_layout"])
     salt: str | None = Field(None, max_length=FIELD_LIMITS["salt"])
     lora: str | None = Field(None, max_length=FIELD_LIMITS["lora"])
+    group: str | None = Field(None, max_length=FIELD_LIMITS["group"])
 
     def to_namespace(self) -> Namespace:
         return Namespace(
-            self.model, self.block_tokens, self.kv_dtype, self.kv_layout, self.salt, self.lora
+            self.model,
+            self.block_tokens,
+            self.kv_dtype,
+            self.kv_layout,
+            self.salt,
+            self.lora,
+            self.group,
         )
 
 

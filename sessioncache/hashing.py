@@ -42,10 +42,14 @@ FIELD_LIMITS: dict[str, int] = {
     "kv_layout": 256,
     "salt": 256,
     "lora": 512,
+    "group": 256,
 }
 """The longest value of each text field of a namespace a client may send, on every carrier
 (the salt a server derives, ``"<tenant>/<salt>"``, may be longer)."""
 MAX_BLOCK_TOKENS = 1 << 16
+OPTIONAL_FIELDS = ("group",)
+"""Fields added to ``Namespace`` after its first version: left out of its encoding (and so of
+its digest) when unset, so that every id made before them stays as it was."""
 
 
 def check_client_namespace(namespace: Namespace) -> Namespace:
@@ -67,6 +71,12 @@ class Namespace:
     kv_layout: str
     salt: str | None = None
     lora: str | None = None
+    group: str | None = None
+    """The KV-cache group of a hybrid model whose objects this namespace holds (its kind and
+    layers: ``"full/..."``, ``"window-<tokens>/..."``, ``"state/..."``; docs/hybrid.md). A
+    namespace holds one payload size, so each group of a hybrid model has its own, derived
+    from the model's by setting this field; objects of a group hang off the chain blocks of
+    another group of the same model (``related``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int):
@@ -78,20 +88,35 @@ class Namespace:
         for name in ("model", "kv_dtype", "kv_layout"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidInput(f"{name} must be a non-empty string")
-        for name in ("salt", "lora"):
+        for name in ("salt", "lora", "group"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidInput(f"{name} must be a string or None")
 
     def as_json(self) -> dict[str, Any]:
-        """The namespace as the REST API and the stream's RESOLVE carry it."""
-        return asdict(self)
+        """The namespace as the REST API and the stream's RESOLVE carry it: every field of
+        the first version, and each later field only when it is set (``OPTIONAL_FIELDS``)."""
+        fields = asdict(self)
+        for name in OPTIONAL_FIELDS:
+            if fields[name] is None:
+                del fields[name]
+        return fields
 
     def canonical_json(self) -> bytes:
-        """The namespace's canonical encoding, the input of its root digest."""
+        """The namespace's canonical encoding, the input of its root digest: ``as_json``, so
+        that a field added later and left unset changes no id (docs/hashing.md)."""
         return json.dumps(
-            asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+            self.as_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True
         ).encode()
+
+    def related(self, other: Namespace) -> bool:
+        """Both are groups of one hybrid model's KV under one tenant: equal in every field
+        but ``group``, which both set."""
+        return (
+            self.group is not None
+            and other.group is not None
+            and replace(self, group=None) == replace(other, group=None)
+        )
 
     def root(self, seed: int = 0) -> NamespaceRoot:
         """The chain root of this namespace under ``seed``."""

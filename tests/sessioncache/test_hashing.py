@@ -47,8 +47,11 @@ GOLDEN = [
 ]
 
 
-def reference_ids(ns: Namespace, tokens: list[int], seed: int) -> tuple[bytes, list[bytes]]:
-    """The spec written out with nothing but json, struct-free numpy and xxhash."""
+def reference_ids(
+    ns: Namespace, tokens: list[int], seed: int, extra: dict[str, str] | None = None
+) -> tuple[bytes, list[bytes]]:
+    """The spec written out with nothing but json, struct-free numpy and xxhash (``extra``:
+    the later fields that are set)."""
     canonical = json.dumps(
         {
             "block_tokens": ns.block_tokens,
@@ -57,6 +60,7 @@ def reference_ids(ns: Namespace, tokens: list[int], seed: int) -> tuple[bytes, l
             "lora": ns.lora,
             "model": ns.model,
             "salt": ns.salt,
+            **(extra or {}),
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -120,6 +124,7 @@ def test_every_namespace_field_and_the_seed_change_the_chain():
         Namespace(LLAMA.model, 16, "bfloat16", "other"),
         Namespace(LLAMA.model, 16, "bfloat16", "vllm-nhd-v1", salt="t"),
         Namespace(LLAMA.model, 16, "bfloat16", "vllm-nhd-v1", lora="l"),
+        Namespace(LLAMA.model, 16, "bfloat16", "vllm-nhd-v1", group="window-256/l0"),
     ]
     ids = {block_hashes(ns, tokens)[0] for ns in variants}
     ids.add(block_hashes(LLAMA, tokens, seed=1)[0])
@@ -175,3 +180,27 @@ def test_hex_round_trip_and_bad_hex():
     for bad in ["", "zz" * 16, "ab" * 15, "AB" * 17]:
         with pytest.raises(InvalidInput):
             from_hex(bad)
+
+
+def test_an_unset_later_field_is_left_out_of_the_digest():
+    """``group`` came after the first version: unset, the encoding (and every id) is the first
+    version's; set, it enters the encoding like any other field."""
+    assert LLAMA.group is None
+    assert b"group" not in LLAMA.canonical_json()
+    assert "group" not in LLAMA.as_json()
+    grouped = Namespace(LLAMA.model, 16, "bfloat16", "vllm-nhd-v1", group="state/l0.l1")
+    body = json.loads(grouped.canonical_json())
+    assert body["group"] == "state/l0.l1" and body["salt"] is None  # first-version nulls stay
+    ref_root, ref_ids = reference_ids(grouped, list(range(32)), 0, extra={"group": "state/l0.l1"})
+    assert grouped.root() == ref_root
+    assert block_hashes(grouped, list(range(32))) == ref_ids
+    assert Namespace(**grouped.as_json()) == grouped and Namespace(**LLAMA.as_json()) == LLAMA
+
+
+def test_related_namespaces_differ_in_their_group_only():
+    full = Namespace("m", 16, "bfloat16", "l", salt="t", group="full/l5")
+    window = Namespace("m", 16, "bfloat16", "l", salt="t", group="window-256/l0")
+    assert full.related(window) and window.related(full)
+    assert not full.related(Namespace("m", 16, "bfloat16", "l", salt="t"))  # no group
+    assert not full.related(Namespace("m", 16, "bfloat16", "l", salt="u", group="window/l0"))
+    assert not full.related(Namespace("m", 32, "bfloat16", "l", salt="t", group="window/l0"))

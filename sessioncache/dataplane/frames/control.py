@@ -128,8 +128,7 @@ def encode_resolve(request_id: int, namespace: Namespace) -> bytes:
 
 def decode_resolve(data: bytes) -> Namespace:
     body = _json_body(data, "RESOLVE")
-    fields = {"model", "block_tokens", "kv_dtype", "kv_layout", "salt", "lora"}
-    unknown = set(body) - fields
+    unknown = set(body) - set(Namespace.__dataclass_fields__)
     if unknown:
         raise InvalidInput(f"RESOLVE: unknown namespace fields {sorted(unknown)}")
     try:
