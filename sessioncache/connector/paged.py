@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -257,22 +257,36 @@ def _copy_runs(
                 _memmove(address + offset, base + block_id * stride, length)
 
 
+class BlockCopier(Protocol):
+    """What copies sessioncache blocks between an engine's cache and host buffers: a
+    ``PagedLayout`` (a target is an engine block id) or several of them side by side
+    (``hybrid.GroupedLayout``: a target is one block id per group)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def scatter(self, targets: Sequence[Any], sources: Sequence[BlockBytes]) -> None: ...
+
+    def gather(self, targets: Sequence[Any], out: Sequence[BlockBytes]) -> None: ...
+
+
 class PagedBlock(Filler):
     """A payload filled in place: the store copies it straight from the paged cache into the
-    node's staging memory, or into the frame it sends."""
+    node's staging memory, or into the frame it sends (``target``: what the copier's
+    ``gather`` takes for one block)."""
 
-    __slots__ = ("block_id", "layout")
+    __slots__ = ("layout", "target")
 
-    def __init__(self, layout: PagedLayout, block_id: int) -> None:
+    def __init__(self, layout: BlockCopier, target: Any) -> None:
         self.layout = layout
-        self.block_id = block_id
+        self.target = target
 
     @property
     def nbytes(self) -> int:
         return self.layout.nbytes
 
     def write_into(self, dst: BlockBytes) -> None:
-        self.layout.gather([self.block_id], [dst])
+        self.layout.gather([self.target], [dst])
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,14 +422,30 @@ class EngineNode:
         caller recomputes)."""
         kv = self.kv(transfer.scope)
         root = kv.root(namespace)
-        conn = kv.connection
         first, want = transfer.first, len(transfer.block_ids)
         # The lease covers the chain from its first block (a lookup proves the caller's chain
         # from there); only the blocks from ``first`` on are copied.
-        ids = conn.block_hashes(root, transfer.tokens)[: first + want]
+        ids = kv.connection.block_hashes(root, transfer.tokens)[: first + want]
+        return self.load_ids(transfer.scope, root, ids, first, transfer.block_ids, layout)
+
+    def load_ids(
+        self,
+        scope: Scope,
+        root: bytes,
+        ids: Sequence[bytes],
+        first: int,
+        targets: Sequence[Any],
+        layout: BlockCopier,
+        *,
+        keyed: bool = False,
+    ) -> Loaded:
+        """Lease ``ids`` (a chain under ``root``, or keyed ids each held on its own) and copy
+        those from ``first`` on into ``targets`` (what ``layout.scatter`` takes: engine block
+        ids); how many of them, from the first, were loaded (``load``)."""
+        conn = self.kv(scope).connection
         lease_ms = self.settings.lease_ms
         if isinstance(conn, SameHostClient):
-            found = conn.locate(root, ids, lease_ms=lease_ms, counted=False)
+            found = conn.locate(root, ids, lease_ms=lease_ms, counted=False, keyed=keyed)
             n = max(0, found.located - first)
             if not n:
                 if found.lease is not None:
@@ -423,10 +453,10 @@ class EngineNode:
                 return Loaded(0, 0.0)
             with reading(conn, found) as views:
                 start = time.perf_counter()
-                layout.scatter(transfer.block_ids[:n], views[first : first + n])
+                layout.scatter(targets[:n], views[first : first + n])
                 copy_s = time.perf_counter() - start
             return Loaded(n, copy_s)
-        lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False)
+        lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False, keyed=keyed)
         n = max(0, lookup.matched - first)
         if not n:
             if lookup.lease is not None:
@@ -441,7 +471,7 @@ class EngineNode:
             loaded = conn.load_into(lookup, buffers, start=first + done, release=last)
             got = loaded.index(False) if False in loaded else count
             start = time.perf_counter()
-            layout.scatter(transfer.block_ids[done : done + got], buffers[:got])
+            layout.scatter(targets[done : done + got], buffers[:got])
             copy_s += time.perf_counter() - start
             if got < count:  # gone under the lease (the node lost it): the rest recomputes
                 if not last:
@@ -458,7 +488,7 @@ class EngineNode:
         for i in range(count):
             yield self._bounce[i * nbytes : (i + 1) * nbytes]
 
-    def save(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> int:
+    def save(self, namespace: Namespace, transfer: Transfer, layout: BlockCopier) -> int:
         """Store the transfer's blocks, gathered from the paged cache straight into the
         carrier's buffers; how many the node holds."""
         kv = self.kv(transfer.scope)
@@ -470,7 +500,7 @@ class EngineNode:
         ack = conn.store(
             root,
             transfer.tokens[transfer.first * size :],
-            [layout.block(b) for b in transfer.block_ids],
+            [PagedBlock(layout, b) for b in transfer.block_ids],
             parent=parent,
             session_id=transfer.scope.session_id,
         )

@@ -597,11 +597,14 @@ class StreamClient:
         linked: bool = True,
         ttl_s: float | None = None,
         durable: bool = False,
+        session_id: str | None = None,
     ) -> StoreAck:
         """Store keyed blocks under ``root``: one payload per 16-byte block key
         (``hashing.block_key``); their ids are ``key_ids(root, keys)``. ``linked`` records the
         batch as a chain (block ``i`` hangs off block ``i - 1``, block 0 off ``parent`` when
-        given), for tail-first eviction; else each block stands alone. ``durable`` as in
+        given), for tail-first eviction; else each block stands alone. ``parent`` is a block
+        of ``root``, or of a related group's root (``Namespace.related``: a hybrid model's
+        companion objects hang off its spine's chain). ``durable`` and ``session_id`` as in
         ``store``."""
         self._namespace(root)
         if len(keys) != len(payloads):
@@ -615,6 +618,7 @@ class StreamClient:
             ttl_s,
             keyed=True,
             linked=linked,
+            session=session_id,
             durable=durable,
         )
 

@@ -202,10 +202,15 @@ def plan_store(
         )
     if request.parent is not None:
         meta = readable_meta(node, caller.tenant, BlockHash(request.parent))
-        if meta is None or not meta.tiers or meta.namespace_root != request.root:
+        if (
+            meta is None
+            or not meta.tiers
+            or not _may_hang_off(caller, request, meta.namespace_root)
+        ):
             raise StoreRefused(
-                f"parent {request.parent.hex()} is not held under root {request.root.hex()}: "
-                "LOOKUP the chain first, or store from an earlier block"
+                f"parent {request.parent.hex()} is not held under root {request.root.hex()}"
+                + (" or a related group's root" if request.keyed else "")
+                + ": LOOKUP the chain first, or store from an earlier block"
             )
     ttl_s = request.ttl_s
     if request.session_id is not None:
@@ -236,6 +241,19 @@ def plan_store(
     return StorePlan(request, write)
 
 
+def _may_hang_off(caller: Caller, request: StoreRequest, parent_root: bytes) -> bool:
+    """A segment continues a chain of its own root; keyed blocks of a hybrid model's group
+    (a state checkpoint, a window) may also hang off a chain block of another group of the same
+    model and tenant (``Namespace.related``, both roots resolved by the caller), so that they
+    leave the store before that block, tail first (docs/hybrid.md)."""
+    if parent_root == request.root:
+        return True
+    if not request.keyed:
+        return False
+    parent_ns = caller.roots.get(parent_root)
+    return parent_ns is not None and caller.namespace(request.root).related(parent_ns)
+
+
 def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> BlockStatus:
     """Store block ``index`` of the plan (its whole payload received); returns its status.
     After a dropped block the rest of the segment is dropped (``TieredStore.writes.fill``).
@@ -257,7 +275,9 @@ def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> Non
     if session_id is None or not kept:
         return  # nothing held: the session's chain is what it was (as over REST)
     ids = plan.ids[:kept]
-    if request.linked and request.parent is not None:
+    if request.parent is not None and (request.linked or request.keyed):
+        # a chain segment, or a group's objects hanging off another group's chain: the
+        # session pins the chain to its parent and them (the latest checkpoint)
         chain = [*node.store.reads.chain_to(BlockHash(request.parent)), *ids]
     else:
         chain = list(ids)
