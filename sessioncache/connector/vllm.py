@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,8 +46,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
+from sessioncache.connector.hybrid import (
+    DEFAULT_CHECKPOINT_BLOCKS,
+    Checkpoint,
+    HybridLoad,
+    HybridNode,
+)
 from sessioncache.connector.paged import (
     EngineNode,
     NodeSettings,
@@ -56,6 +63,15 @@ from sessioncache.connector.paged import (
     Transfer,
 )
 from sessioncache.connector.transfer import DEFAULT_LEASE_MS
+from sessioncache.connector.vllm_hybrid import (
+    Capture,
+    HybridCopies,
+    HybridGroups,
+    HybridPlanner,
+    HybridSave,
+    Unsupported,
+    hybrid_groups,
+)
 from sessioncache.hashing import Namespace
 
 if TYPE_CHECKING:
@@ -77,8 +93,15 @@ SAVE_DRAIN_S = 30.0
 class SessionCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One scheduler step's loads and saves, for the workers."""
 
-    loads: list[Transfer] = field(default_factory=list)
-    saves: list[Transfer] = field(default_factory=list)
+    loads: list[Transfer | HybridLoad] = field(default_factory=list)
+    saves: list[Transfer | HybridSave] = field(default_factory=list)
+    captures: list[Capture] = field(default_factory=list)
+    """Hybrid models: companion objects to copy at the end of the step."""
+    load_errors: list[int] = field(default_factory=list)
+    """Blocks promised as loaded that no load fills (the engine recomputes them)."""
+    unloaded: list[str] = field(default_factory=list)
+    """Requests whose asynchronous load there is nothing to do for (their blocks are in
+    ``load_errors``): done, for ``get_finished``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +120,11 @@ class ConnectorSettings:
     copy_threads: int | None = None
     """Threads that copy a load's blocks into the paged cache on the host (default:
     ``paged.default_copy_threads``)."""
+    checkpoint_blocks: int = DEFAULT_CHECKPOINT_BLOCKS
+    """Hybrid models: blocks between two checkpoints of a prefix, besides the turn
+    boundaries (0: turn boundaries only; docs/hybrid.md)."""
+    capture_bytes: int = 256 << 20
+    """Hybrid models: most bytes of checkpoints a worker holds for running requests."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -150,7 +178,7 @@ def request_scope(request: Request) -> Scope:
     )
 
 
-class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """vLLM's KV connector on a sessioncache node (module docstring)."""
 
     def __init__(
@@ -183,17 +211,47 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # scheduler side
         self._node = EngineNode(self.settings.node())
         self._matched: dict[str, int] = {}
-        self._loads: list[Transfer] = []
-        self._saves: list[Transfer] = []
+        self._loads: list[Transfer | HybridLoad] = []
+        self._saves: list[Transfer | HybridSave] = []
         # worker side
         self._layout: PagedLayout | None = None
         self._load_errors: set[int] = set()
         self._saver = EngineNode(self.settings.node())
-        self._saving: list[Transfer] = []
+        self._saving: list[Transfer | tuple[HybridSave, list[Checkpoint]]] = []
         self._saved: set[str] = set()
         self._busy = False
         self._save_cond = threading.Condition()
         self._save_thread: threading.Thread | None = None
+        # hybrid models (more than one KV-cache group)
+        self._hybrid: HybridGroups | None = None
+        self._planner: HybridPlanner | None = None
+        self._copies: HybridCopies | None = None
+        self._load_error_blocks: list[int] = []
+        self._unloaded: list[str] = []
+        self._async_loads = False
+        self._recved: set[str] = set()
+        """Requests whose asynchronous load is done (``get_finished``)."""
+        self._read_groups(kv_cache_config)
+
+    def _read_groups(self, kv_cache_config: KVCacheConfig | None) -> None:
+        """A hybrid model's groups (``vllm_hybrid``); a layout that cannot be stored turns
+        loads and saves off, saying why."""
+        if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
+            return
+        try:
+            groups = hybrid_groups(kv_cache_config, self.block_size)
+        except Unsupported as exc:
+            log.warning("SessionCacheConnector: loads and saves off for this model: %s", exc)
+            self.settings = replace(self.settings, load=False, save=False)
+            return
+        self._hybrid = groups
+        self._async_loads = any(c.kind == "state" for c in groups.model.companions)
+        self._planner = HybridPlanner(groups, self.block_size, self.settings.checkpoint_blocks)
+        log.info(
+            "sessioncache: hybrid model, spine %s, companions %s",
+            groups.model.spine.group,
+            [c.group for c in groups.model.companions],
+        )
 
     def _namespace(self, scope: Scope) -> Namespace:
         key = (scope.salt, scope.lora)
@@ -219,9 +277,17 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         scope = request_scope(request)
         try:
-            held = self._node.held_blocks(
-                self._namespace(scope), tokens[: full * self.block_size], scope
-            )
+            if self._hybrid is not None:
+                held = HybridNode(self._node, self._hybrid.model).held(
+                    self._namespace(scope),
+                    tokens[: full * self.block_size],
+                    scope,
+                    num_computed_tokens // self.block_size,
+                )
+            else:
+                held = self._node.held_blocks(
+                    self._namespace(scope), tokens[: full * self.block_size], scope
+                )
         except Exception as exc:  # a miss, never a failed request
             backoff = self._node.failure(exc)
             if backoff is None:  # refused for this request alone
@@ -231,8 +297,11 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         self._node.ok()
         self._matched[request.request_id] = held
-        extra = held * self.block_size - num_computed_tokens
-        return max(0, extra), False
+        extra = max(0, held * self.block_size - num_computed_tokens)
+        # A state loaded before the step would come too late: vLLM copies a Mamba group's
+        # state forward (preprocess_mamba) before the connector's loads of that step run, so
+        # such a load is asynchronous: vLLM schedules the request once it is done.
+        return extra, bool(extra) and self._async_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -243,8 +312,20 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # before the external tokens (``request.num_computed_tokens`` is not updated yet).
         end = self._matched[request.request_id]
         first = end - num_external_tokens // self.block_size
-        block_ids = blocks.get_block_ids()[0]
         tokens = list(request.prompt_token_ids or [])[: end * self.block_size]
+        if self._planner is not None:
+            plan = self._planner.load(
+                request.request_id, tokens, blocks, first, end, request_scope(request)
+            )
+            if plan is not None:
+                self._loads.append(plan)
+            else:  # nothing fills them: recomputed
+                self._unloaded.append(request.request_id)
+                self._load_error_blocks += [
+                    b.block_id for group in blocks.blocks for b in group[first:end] if not b.is_null
+                ]
+            return
+        block_ids = blocks.get_block_ids()[0]
         self._loads.append(
             Transfer(
                 request.request_id,
@@ -256,9 +337,33 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = SessionCacheMetadata(self._loads, self._saves)
-        self._loads, self._saves = [], []
+        captures = self._planner.step(scheduler_output) if self._planner is not None else []
+        meta = SessionCacheMetadata(
+            self._loads, self._saves, captures, self._load_error_blocks, self._unloaded
+        )
+        self._loads, self._saves, self._load_error_blocks, self._unloaded = [], [], [], []
         return meta
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._planner is None:
+            return self.request_finished(request, block_ids[0])
+        held = self._matched.pop(request.request_id, 0)
+        if not self.settings.save:
+            self._planner.finished(request.request_id, [], 0, 0, block_ids, Scope())
+            return False, None
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        save = self._planner.finished(
+            request.request_id,
+            list(request.all_token_ids),
+            held,
+            computed,
+            block_ids,
+            request_scope(request),
+        )
+        self._saves.append(save)  # also frees the worker's captures of the request
+        return save.holds_blocks, None
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -283,6 +388,21 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._kv_cache_config is not None
+        if self._hybrid is not None:
+            self._copies = HybridCopies(
+                self._hybrid,
+                kv_caches,
+                self._kv_cache_config.num_blocks,
+                self.settings.copy_threads,
+                self.settings.capture_bytes,
+            )
+            log.info(
+                "sessioncache: hybrid blocks of %d bytes (spine), %s (companions)",
+                self._copies.spine.nbytes,
+                [c.nbytes for c in self._copies.companions],
+            )
+            self._connect_at_start()
+            return
         layout = self._layout = PagedLayout(
             kv_caches, self._kv_cache_config.num_blocks, copy_threads=self.settings.copy_threads
         )
@@ -293,6 +413,9 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             layout.device,
             layout.copy_threads,
         )
+        self._connect_at_start()
+
+    def _connect_at_start(self) -> None:
         if self.settings.load:
             try:  # connected and the node's memory mapped before the first load
                 log.info("sessioncache: loads over %s", self._node.connect())
@@ -303,11 +426,18 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, SessionCacheMetadata)
+        self._load_errors.update(meta.load_errors)
+        if self._async_loads:
+            self._recved.update(meta.unloaded)
+        if self._copies is not None:
+            self._load_hybrid([t for t in meta.loads if isinstance(t, HybridLoad)])
+            return
         layout = self._layout
         if layout is None:
             return
         down = False  # after a failure of the node, this step's other loads are not tried
         for transfer in meta.loads:
+            assert isinstance(transfer, Transfer)
             start = time.perf_counter()
             n, copy_s = 0, 0.0
             try:
@@ -329,6 +459,39 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 transfer.first,
             )
 
+    def _load_hybrid(self, loads: list[HybridLoad]) -> None:
+        copies = self._copies
+        assert copies is not None and self._hybrid is not None
+        node = HybridNode(self._node, self._hybrid.model)
+        down = False
+        for load in loads:
+            start = time.perf_counter()
+            n, copy_s = 0, 0.0
+            try:
+                if not down:
+                    n, copy_s = node.load(
+                        self._namespace(load.scope), load, copies.spine, copies.companions
+                    )
+            except Exception as exc:
+                if self._node.failure(exc) is not None:
+                    down = True
+                log.warning("sessioncache load of %s failed, recomputing: %s", load.req_id, exc)
+            if n < load.end - load.first:  # all or nothing: every block recomputed
+                self._load_errors.update(b for t in load.spine_targets for b in t)
+                self._load_errors.update(b for part in load.companions for _, t in part for b in t)
+            if self._async_loads:
+                self._recved.add(load.req_id)
+            log.info(
+                "sessioncache load: %d of %d blocks in %.6f s (copies %.6f s), from block %d, "
+                "companion objects %s",
+                n,
+                load.end - load.first,
+                time.perf_counter() - start,
+                copy_s,
+                load.first,
+                [len(part) for part in load.companions],
+            )
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
@@ -346,10 +509,19 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, SessionCacheMetadata)
-        if not meta.saves:
+        saves: list[Transfer | tuple[HybridSave, list[Checkpoint]]] = []
+        if self._copies is not None:
+            # at the end of the step, before vLLM may free or reuse these blocks
+            self._copies.capture(meta.captures)
+            for save in meta.saves:
+                assert isinstance(save, HybridSave)
+                saves.append((save, self._copies.checkpoints(save)))
+        else:
+            saves += [t for t in meta.saves if isinstance(t, Transfer)]
+        if not saves:
             return
         with self._save_cond:
-            self._saving.extend(meta.saves)
+            self._saving.extend(saves)
             self._save_cond.notify()
             if self._save_thread is None:
                 self._save_thread = threading.Thread(
@@ -362,13 +534,17 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             with self._save_cond:
                 while not self._saving:
                     self._save_cond.wait()
-                transfer = self._saving.pop(0)
+                item = self._saving.pop(0)
                 self._busy = True
+            transfer = item if isinstance(item, Transfer) else item[0]
             try:
                 if self._saver.down:
                     log.warning("sessioncache save of %s dropped: backing off", transfer.req_id)
+                elif isinstance(item, Transfer):
+                    self._save(item)
+                    self._saver.ok()
                 else:
-                    self._save(transfer)
+                    self._save_hybrid(*item)
                     self._saver.ok()
             except Exception as exc:
                 backoff = self._saver.failure(exc) or 0.0
@@ -380,7 +556,8 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 )
             with self._save_cond:
                 self._busy = False
-                self._saved.add(transfer.req_id)
+                if isinstance(item, Transfer) or item[0].holds_blocks:
+                    self._saved.add(transfer.req_id)  # vLLM frees its blocks now
                 self._save_cond.notify_all()
 
     def _save(self, transfer: Transfer) -> None:
@@ -396,10 +573,31 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             time.perf_counter() - start,
         )
 
+    def _save_hybrid(self, save: HybridSave, checkpoints: list[Checkpoint]) -> None:
+        copies = self._copies
+        assert copies is not None and self._hybrid is not None
+        start = time.perf_counter()
+        namespace = self._namespace(save.scope)
+        node = HybridNode(self._saver, self._hybrid.model)
+        held = 0
+        if save.spine is not None:
+            spine_ns, _ = self._hybrid.model.namespaces(namespace)
+            held = self._saver.save(spine_ns, save.spine, copies.spine)
+        objects = node.save_checkpoints(namespace, save.tokens, save.scope, checkpoints)
+        log.info(
+            "sessioncache save: %d of %d blocks, checkpoints at %s (%d objects held) in %.6f s",
+            held,
+            len(save.spine.block_ids) if save.spine is not None else 0,
+            sorted({c.end for c in checkpoints}),
+            objects,
+            time.perf_counter() - start,
+        )
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._save_cond:
             done, self._saved = self._saved, set()
-        return (done or None), None
+        recved, self._recved = self._recved, set()
+        return (done or None), (recved or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -415,3 +613,5 @@ class SessionCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._saver.close()
         if self._layout is not None:
             self._layout.close()
+        if self._copies is not None:
+            self._copies.close()

@@ -34,7 +34,7 @@ def main() -> None:
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
-        load_format="dummy",
+        load_format=spec.get("load_format", "dummy"),
         block_size=spec.get("block_size", 32),
         max_model_len=spec.get("max_model_len", 4096),
         enable_prefix_caching=spec.get("prefix_caching", True),
@@ -42,6 +42,7 @@ def main() -> None:
         seed=0,
         enforce_eager=True,
         dtype=spec.get("dtype", "bfloat16"),
+        **spec.get("llm", {}),  # e.g. mamba_cache_mode for a hybrid model
     )
     for prompt in spec["prompts"]:
         if prompt.get("gate"):  # the test does something to the node, then opens the gate
@@ -51,16 +52,26 @@ def main() -> None:
         params = SamplingParams(
             temperature=0.0,
             max_tokens=spec.get("max_tokens", 8),
+            logprobs=1,
             extra_args={"kv_transfer_params": prompt["params"]} if prompt.get("params") else None,
         )
         tokens = TokensPrompt(prompt_token_ids=prompt["tokens"])
         if prompt.get("cache_salt"):
             tokens["cache_salt"] = prompt["cache_salt"]
         (out,) = llm.generate([tokens], params)
+        sample = out.outputs[0]
+        steps = sample.logprobs or []
+        logprobs = [
+            steps[i][token].logprob for i, token in enumerate(sample.token_ids[: len(steps)])
+        ]
         print(
             "RESULT "
             + json.dumps(
-                {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
+                {
+                    "tokens": list(sample.token_ids),
+                    "cached": out.num_cached_tokens,
+                    "logprobs": logprobs,
+                }
             ),
             flush=True,
         )

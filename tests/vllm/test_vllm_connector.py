@@ -15,7 +15,6 @@ import random
 import re
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,12 @@ import pytest
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.hashing import Namespace
 from tests.support.servers import Server, free_port, start_server
+from tests.vllm.conftest import KEYS
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("SESSIONCACHE_VLLM_PYTHON", ROOT_DIR / ".venv-vllm/bin/python"))
 ENGINE = Path(__file__).with_name("engine.py")
 BLOCK = 32
-KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
 MODEL_NAME = "tiny-llama"
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -54,21 +53,6 @@ TINY_LLAMA = {
 pytestmark = pytest.mark.skipif(
     not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (.ci/run builds it)"
 )
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
-        tmp_path_factory.mktemp("vllm") / "data",
-        {
-            "SESSIONCACHE_CPU_BYTES": str(512 << 20),
-            "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
-            # both tenants may map the node's memory: loads take the same-host path
-            "SESSIONCACHE_SHM_TRUSTED_TENANTS": json.dumps(sorted(KEYS.values())),
-        },
-    )
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,27 @@
+"""The node the vLLM tests' engines share (one per test module)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.servers import Server, start_server
+
+KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(
+        tmp_path_factory.mktemp("vllm") / "data",
+        {
+            "SESSIONCACHE_CPU_BYTES": str(512 << 20),
+            "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
+            # both tenants may map the node's memory: loads take the same-host path
+            "SESSIONCACHE_SHM_TRUSTED_TENANTS": json.dumps(sorted(KEYS.values())),
+        },
+    )
+    yield server
+    server.stop()

