@@ -47,7 +47,7 @@ from sessioncache.hashing import FIELD_LIMITS, Namespace
 
 Kind = Literal["full", "window", "state"]
 KINDS: tuple[Kind, ...] = ("full", "window", "state")
-DEFAULT_CHECKPOINT_BLOCKS = 32
+DEFAULT_CHECKPOINT_BLOCKS = 64
 """Blocks between two checkpoints of a prefix (besides the turn boundaries)."""
 
 

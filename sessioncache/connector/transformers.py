@@ -86,7 +86,8 @@ class KVShape:
         layer_types = getattr(config, "layer_types", None)
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
             raise InvalidInput(
-                f"only full-attention models are supported, this one has layers {layer_types}"
+                f"only full-attention models are supported, this one has layers {layer_types} "
+                "(hybrid models: transformers_hybrid.HybridRunner)"
             )
         return cls(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
 

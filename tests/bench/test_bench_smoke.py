@@ -61,6 +61,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ],
         r"(?m)^stream +lookup +\d+ .*\n(?s:.*)errors 0\nnode peak RSS \d+ MiB",
     ),
+    "bench.hybrid": (
+        ["--tokens", "256", "--window", "64", "--repeats", "1", "--json"],
+        r"(?m)^llama \(reference\) +[\d.]+ +\d+ +1\.000 .*\n(?s:.*)"
+        r"^qwen3-next .* [\d.]+\n\{\"llama \(reference\)\": \{\"stored_bytes\"",
+    ),
     "bench.lookup": (
         ["--requests", "2", "--tokens", "64", "--clients", "1", "2"],
         r"(?m)^ +64 +binary +2( +[\d.]+){6}\n +64 +ids +2( +[\d.]+){6}$",
