@@ -257,30 +257,46 @@ class HybridNode:
         scope: Scope,
         checkpoints: Sequence[Checkpoint],
     ) -> int:
-        """Store each checkpoint's companion objects, hung off the spine's block at its end
-        (stored before: ``EngineNode.save``); how many objects the node holds. A checkpoint
-        whose spine block the node lacks is skipped."""
+        """Store each checkpoint's companion objects (stored after the spine:
+        ``EngineNode.save``); how many objects the node holds. A checkpoint's companions form
+        one chain hung off the spine's block at its end: the first companion's objects off
+        that block, each next companion's off the last object before it. So they leave the
+        store before that block, tail first, and the session (``scope``), recorded by the
+        latest checkpoint's last store only, pins the chain to it and all of its objects. A
+        checkpoint past ``tokens``' full blocks, or whose spine block the node lacks, is
+        skipped."""
         spine_ns, companion_ns = self.model.namespaces(base)
         kv = self.node.kv(scope)
         conn = kv.connection
         root = kv.root(spine_ns)
-        ends = [c.end for c in checkpoints]
-        if not ends:
+        ids = conn.block_hashes(root, tokens)
+        by_end: dict[int, list[Checkpoint]] = {}
+        for checkpoint in checkpoints:
+            if 0 < checkpoint.end <= len(ids) and checkpoint.payloads:
+                by_end.setdefault(checkpoint.end, []).append(checkpoint)
+        if not by_end:
             return 0
-        ids = conn.block_hashes(root, tokens)[: max(ends)]
+        ends = sorted(by_end)
         spine_held = conn.exists(root, [ids[e - 1] for e in ends], counted=False)
         held = 0
-        for checkpoint, there in zip(checkpoints, spine_held, strict=True):
-            if not there or checkpoint.end > len(ids):
+        for end, there in zip(ends, spine_held, strict=True):
+            if not there:
                 continue
-            ns = companion_ns[checkpoint.companion]
-            ack = conn.store_keyed(
-                kv.root(ns),
-                [ids[p] for p in checkpoint.positions],
-                checkpoint.payloads,
-                parent=ids[checkpoint.end - 1],
-                linked=True,
-                session_id=scope.session_id,
-            )
-            held += sum(ack.held)
+            parent = ids[end - 1]
+            group = sorted(by_end[end], key=lambda c: c.companion)
+            for i, checkpoint in enumerate(group):
+                last = end == ends[-1] and i == len(group) - 1
+                keys = [ids[p] for p in checkpoint.positions]
+                ack = conn.store_keyed(
+                    kv.root(companion_ns[checkpoint.companion]),
+                    keys,
+                    checkpoint.payloads,
+                    parent=parent,
+                    linked=True,
+                    session_id=scope.session_id if last else None,
+                )
+                held += sum(ack.held)
+                if not all(ack.held):
+                    break  # the rest of this checkpoint would hang off a missing object
+                parent = ack.hashes[-1]
         return held

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -81,6 +82,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.sessioncache")
@@ -97,11 +99,8 @@ class SessionCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[Transfer | HybridSave] = field(default_factory=list)
     captures: list[Capture] = field(default_factory=list)
     """Hybrid models: companion objects to copy at the end of the step."""
-    load_errors: list[int] = field(default_factory=list)
-    """Blocks promised as loaded that no load fills (the engine recomputes them)."""
     unloaded: list[str] = field(default_factory=list)
-    """Requests whose asynchronous load there is nothing to do for (their blocks are in
-    ``load_errors``): done, for ``get_finished``."""
+    """Hybrid models: requests promised a load that nothing fills (failed: recomputed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,11 +225,14 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._hybrid: HybridGroups | None = None
         self._planner: HybridPlanner | None = None
         self._copies: HybridCopies | None = None
-        self._load_error_blocks: list[int] = []
         self._unloaded: list[str] = []
-        self._async_loads = False
         self._recved: set[str] = set()
-        """Requests whose asynchronous load is done (``get_finished``)."""
+        """Hybrid models: requests whose (asynchronous) load is done."""
+        self._failed: set[str] = set()
+        """Hybrid models: requests whose load failed (vLLM recomputes them whole)."""
+        self._no_load: set[str] = set()
+        """Scheduler side: requests whose load failed; their next lookup is a miss (vLLM asks
+        again, and the same load would fail again)."""
         self._read_groups(kv_cache_config)
 
     def _read_groups(self, kv_cache_config: KVCacheConfig | None) -> None:
@@ -245,7 +247,6 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             self.settings = replace(self.settings, load=False, save=False)
             return
         self._hybrid = groups
-        self._async_loads = any(c.kind == "state" for c in groups.model.companions)
         self._planner = HybridPlanner(groups, self.block_size, self.settings.checkpoint_blocks)
         log.info(
             "sessioncache: hybrid model, spine %s, companions %s",
@@ -267,7 +268,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self.settings.load:
+        if not self.settings.load or request.request_id in self._no_load:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         full = (len(tokens) - 1) // self.block_size  # at least one token left to compute
@@ -298,10 +299,11 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._node.ok()
         self._matched[request.request_id] = held
         extra = max(0, held * self.block_size - num_computed_tokens)
-        # A state loaded before the step would come too late: vLLM copies a Mamba group's
-        # state forward (preprocess_mamba) before the connector's loads of that step run, so
-        # such a load is asynchronous: vLLM schedules the request once it is done.
-        return extra, bool(extra) and self._async_loads
+        # A hybrid model's loads are asynchronous: vLLM schedules the request once its load is
+        # done (a Mamba state loaded during the step would come too late: vLLM copies it
+        # forward, preprocess_mamba, before that step's loads run), and a failed load is
+        # reported per request (failed_recving), the only way vLLM takes for several groups.
+        return extra, bool(extra) and self._hybrid is not None
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -319,11 +321,8 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             )
             if plan is not None:
                 self._loads.append(plan)
-            else:  # nothing fills them: recomputed
+            else:  # nothing fills them: a failed load, recomputed
                 self._unloaded.append(request.request_id)
-                self._load_error_blocks += [
-                    b.block_id for group in blocks.blocks for b in group[first:end] if not b.is_null
-                ]
             return
         block_ids = blocks.get_block_ids()[0]
         self._loads.append(
@@ -337,16 +336,23 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        captures = self._planner.step(scheduler_output) if self._planner is not None else []
-        meta = SessionCacheMetadata(
-            self._loads, self._saves, captures, self._load_error_blocks, self._unloaded
-        )
-        self._loads, self._saves, self._load_error_blocks, self._unloaded = [], [], [], []
+        captures = []
+        if self._planner is not None:
+            captures = self._planner.step(scheduler_output)
+            if not self.settings.save:  # the block tables followed, nothing copied
+                captures = []
+        meta = SessionCacheMetadata(self._loads, self._saves, captures, self._unloaded)
+        self._loads, self._saves, self._unloaded = [], [], []
         return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        self._no_load.update(connector_output.failed_recving or ())
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._no_load.discard(request.request_id)
         if self._planner is None:
             return self.request_finished(request, block_ids[0])
         held = self._matched.pop(request.request_id, 0)
@@ -426,9 +432,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, SessionCacheMetadata)
-        self._load_errors.update(meta.load_errors)
-        if self._async_loads:
-            self._recved.update(meta.unloaded)
+        self._failed.update(meta.unloaded)
         if self._copies is not None:
             self._load_hybrid([t for t in meta.loads if isinstance(t, HybridLoad)])
             return
@@ -476,10 +480,9 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                 if self._node.failure(exc) is not None:
                     down = True
                 log.warning("sessioncache load of %s failed, recomputing: %s", load.req_id, exc)
-            if n < load.end - load.first:  # all or nothing: every block recomputed
-                self._load_errors.update(b for t in load.spine_targets for b in t)
-                self._load_errors.update(b for part in load.companions for _, t in part for b in t)
-            if self._async_loads:
+            if n < load.end - load.first:  # all or nothing: the request recomputed whole
+                self._failed.add(load.req_id)
+            else:
                 self._recved.add(load.req_id)
             log.info(
                 "sessioncache load: %d of %d blocks in %.6f s (copies %.6f s), from block %d, "
@@ -598,6 +601,18 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             done, self._saved = self._saved, set()
         recved, self._recved = self._recved, set()
         return (done or None), (recved or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves done, and (hybrid models) loads done or failed: a failed one is reported by
+        request, as vLLM asks of a model with several KV-cache groups, whose block ids are
+        not unique across groups."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed = self._failed, set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

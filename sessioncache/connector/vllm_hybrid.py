@@ -89,6 +89,10 @@ def hybrid_groups(kv_cache_config: KVCacheConfig, block_size: int) -> HybridGrou
             window = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // block_size)
             key = ("window", max(1, window))
         elif isinstance(spec, MambaSpec):
+            if spec.num_speculative_blocks:
+                raise Unsupported(
+                    f"group {index}: Mamba states of speculative decoding move between blocks"
+                )
             if spec.mamba_cache_mode != "align":
                 raise Unsupported(
                     f"group {index}: Mamba states at block boundaries need "
@@ -226,7 +230,9 @@ class HybridPlanner:
             progress.append((req_id, cached.num_computed_tokens[i]))
         captures: list[Capture] = []
         for req_id, before in progress:
-            after = before + out.num_scheduled_tokens.get(req_id, 0)
+            # draft tokens of speculative decoding are not KV to keep: they may be rejected
+            drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            after = before + out.num_scheduled_tokens.get(req_id, 0) - drafts
             if req_id in self._tables:
                 captures += self._due(req_id, before, after)
         return captures

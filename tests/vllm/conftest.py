@@ -9,7 +9,9 @@ import pytest
 
 from tests.support.servers import Server, start_server
 
-KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
+KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b", "sk-c": "tenant-c"}
+PINNED_OUT = "tenant-c"
+"""A tenant whose pins (its sessions') leave no room for a lease: its loads are refused."""
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +23,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
             # both tenants may map the node's memory: loads take the same-host path
             "SESSIONCACHE_SHM_TRUSTED_TENANTS": json.dumps(sorted(KEYS.values())),
+            "SESSIONCACHE_TENANT_LIMITS": json.dumps({PINNED_OUT: {"pin_share": 1e-6}}),
         },
     )
     yield server

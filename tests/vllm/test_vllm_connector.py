@@ -63,11 +63,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_process(
-    model: Path, node: Server | None, prompts: list[dict[str, Any]], **connector: Any
+    model: Path,
+    node: Server | None,
+    prompts: list[dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+    **connector: Any,
 ) -> subprocess.Popen[str]:
     """One engine process, started (``results`` reads what it printed): with the connector
-    on ``node``; with ``connector`` settings of ``tests/vllm/engine.py`` instead (vLLM's own
-    ``ExampleConnector``); with neither, no connector at all."""
+    on ``node`` (``extra``: more of its settings); with ``connector`` settings of
+    ``tests/vllm/engine.py`` instead (vLLM's own ``ExampleConnector``); with neither, no
+    connector at all."""
     spec = {
         "model": str(model),
         "prompts": prompts,
@@ -77,7 +82,13 @@ def engine_process(
     }
     if node is not None:
         spec["connector"] = "sessioncache"
-        spec["extra"] = {"url": node.url, "api_key": "sk-a", "timeout_s": 10, "model": MODEL_NAME}
+        spec["extra"] = {
+            "url": node.url,
+            "api_key": "sk-a",
+            "timeout_s": 10,
+            "model": MODEL_NAME,
+            **(extra or {}),
+        }
     env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "VLLM_CPU_KVCACHE_SPACE": "1"}
     return subprocess.Popen(
         [str(VLLM_PYTHON), str(ENGINE), json.dumps(spec)],

@@ -113,34 +113,57 @@ def random_model(folder: Path, config: dict[str, Any]) -> Path:
     return folder
 
 
-def engine_log(model: Path, node: Server, llm: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """One fresh engine serving the prompt: its result and everything it printed."""
+def engine_log(model: Path, node: Server, llm: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """One fresh engine serving the prompt twice: for tenant A, then for tenant C (its own
+    ``cache_salt``, under a session): each result, and everything it printed. Over the stream:
+    the same-host path stages a store only within the tenant's pin bound, the stream does
+    not, so C's objects are stored, and pinned by its session."""
+    prompts = [
+        {"tokens": PROMPT},
+        {"tokens": PROMPT, "params": {"api_key": "sk-c", "session_id": "c"}, "cache_salt": "c"},
+    ]
     process = engine_process(
-        model, node, [{"tokens": PROMPT}], llm=llm, load_format="auto", max_tokens=16
+        model,
+        node,
+        prompts,
+        extra={"data_path": "stream"},
+        llm=llm,
+        load_format="auto",
+        max_tokens=16,
     )
     out, _ = process.communicate(timeout=400)
     found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and len(found) == 1, out[-6000:]
-    return found[0], out
+    assert process.returncode == 0 and len(found) == 2, out[-6000:]
+    return found, out
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_two_engines_share_a_hybrid_prefix(node: Server, tmp_path: Path, name: str) -> None:
+    """Engine A computes the prompt in full, for tenants A and C; a fresh engine B takes
+    98% of it from the node for A. For C, whose session's pins leave no room for a lease, the
+    load is refused after the lookup found the prefix: B recomputes it (a failed load of a
+    model with several KV-cache groups is reported per request; vLLM fails the engine for one
+    reported per block) with the same tokens."""
     config, llm = MODELS[name]
     model = random_model(tmp_path / name, config)
     # Engine A: nothing on the node; computes the prompt in full and stores it.
-    first, log_a = engine_log(model, node, llm)
-    assert first["cached"] == 0
+    (first, first_c), log_a = engine_log(model, node, llm)
+    assert first["cached"] == 0 and first_c["cached"] == 0
+    assert first_c["tokens"] == first["tokens"]
     assert "sessioncache: hybrid model" in log_a, log_a[-6000:]
     saved = re.search(
         r"sessioncache save: (\d+) of \d+ blocks, checkpoints at \[([\d, ]*)\]", log_a
     )
     assert saved is not None and saved.group(2), log_a[-6000:]  # the spine and checkpoints
     # Engine B, a fresh process: most of the prompt from the node, the rest computed.
-    second, log_b = engine_log(model, node, llm)
+    (second, second_c), log_b = engine_log(model, node, llm)
     assert second["cached"] >= 0.7 * len(PROMPT), (second, log_b[-6000:])
     load = re.search(r"sessioncache load: (\d+) of (\d+) blocks", log_b)
     assert load is not None and load.group(1) == load.group(2) != "0", log_b[-6000:]
     assert second["tokens"] == first["tokens"]
     assert second["logprobs"] == pytest.approx(first["logprobs"], abs=0.05)
+    # Tenant C: found, refused, recomputed.
+    assert re.search(r"sessioncache load of \S+ failed, recomputing: .*pin", log_b), log_b[-6000:]
+    assert second_c["tokens"] == first["tokens"]
+    assert second_c["logprobs"] == pytest.approx(first["logprobs"], abs=0.05)

@@ -209,6 +209,26 @@ def test_a_load_is_all_or_nothing(node: Server):
         b.close()
 
 
+def test_checkpoints_past_the_stored_tokens_are_skipped(node: Server):
+    """A checkpoint captured past the tokens a save covers (a step in flight when the request
+    ended) is skipped, not an error: the node stays up for the other saves."""
+    ns = base_namespace("past-the-end")
+    tokens = tokens_of(5, 8)
+    a = Engine(7)
+    engine = EngineNode(NodeSettings(node.url, api_key="key-a", data_path="stream"))
+    try:
+        hn = HybridNode(engine, MODEL)
+        spine_ns, _ = MODEL.namespaces(ns)
+        engine.save(spine_ns, Transfer("a", tokens, 0, list(range(8)), Scope()), a.spine)
+        late = Checkpoint(10, 1, [9], a.state.capture([(9,)]))
+        on_time = Checkpoint(8, 1, [7], a.state.capture([(7,)]))
+        assert hn.save_checkpoints(ns, tokens, Scope(), [on_time, late]) == 1
+        assert hn.held(ns, tokens, Scope(), 0) == 0  # no window stored: no resume at 8
+    finally:
+        engine.close()
+        a.close()
+
+
 def test_another_tenant_cannot_hang_objects_off_a_chain(node: Server):
     """Tenant B knows A's spine ids (say it guessed them): its objects are refused, and B's
     own lookups of the same tokens see nothing of A's."""
