@@ -15,7 +15,9 @@ recurrent state), or both of the last and the first (Falcon-H1). ``HybridRunner`
 
 A prefill resumes at the longest held checkpoint, and runs the rest in pieces that end at the
 checkpoints to come (the stride, the end of the prompt), whose objects it captures on the way;
-``save`` stores the spine and them. Batch size 1.
+``save`` stores the spine and them. Batch size 1. Written against transformers 5.24 (the test
+extras' version), whose ``DynamicCache`` holds every model's layers in these classes; a layer
+of any other class is refused (``LayerKinds.of``).
 """
 
 from __future__ import annotations
