@@ -38,7 +38,6 @@ from sessioncache.connector.paged import (
     BlockCopier,
     EngineNode,
     Loaded,
-    PagedBlock,
     PagedLayout,
     Scope,
 )
@@ -143,9 +142,6 @@ class GroupedLayout:
         for g, layout in enumerate(self.layouts):
             layout.gather([t[g] for t in targets], self._split(out, g))
 
-    def block(self, target: Sequence[int]) -> PagedBlock:
-        return PagedBlock(self, tuple(target))
-
     def capture(self, targets: Sequence[Any]) -> list[BlockBytes]:
         """Copies of the targets' blocks in host memory (the engine may reuse them next)."""
         out: list[BlockBytes] = [np.empty(self.nbytes, np.uint8) for _ in targets]
@@ -188,8 +184,8 @@ class HybridLoad:
 
 @dataclass(slots=True)
 class Checkpoint:
-    """A companion's objects of one checkpoint at ``end`` blocks: captured copies, or engine
-    block targets still held (gathered when stored)."""
+    """A companion's objects of one checkpoint at ``end`` blocks (at ``positions``): their
+    payloads, copied out of the engine."""
 
     end: int
     companion: int
@@ -208,16 +204,18 @@ class HybridNode:
         """The longest resumable prefix of ``tokens``' full blocks (``resume_point``); the
         spine's lookup counts the prompt's hit and miss tokens."""
         spine_ns, companion_ns = self.model.namespaces(base)
-        spine = self.node.held_blocks(spine_ns, tokens, scope)
-        if spine <= first or not self.model.companions:
-            return spine
         kv = self.node.kv(scope)
         conn = kv.connection
-        ids = conn.block_hashes(kv.root(spine_ns), tokens)[first:spine]
+        root = kv.root(spine_ns)
+        ids = conn.block_hashes(root, tokens)
+        spine = self.node.held_run(scope, root, ids)
+        if spine <= first or not self.model.companions:
+            return spine
         found = []
         for spec, ns in zip(self.model.companions, companion_ns, strict=True):
-            root = kv.root(ns)
-            found.append((spec, conn.exists(root, conn.key_ids(root, ids), counted=False)))
+            croot = kv.root(ns)
+            keys = conn.key_ids(croot, ids[first:spine])
+            found.append((spec, conn.exists(croot, keys, counted=False)))
         return resume_point(first, spine, found)
 
     def load(
@@ -237,7 +235,7 @@ class HybridNode:
             if not wanted:
                 continue
             croot = kv.root(ns)
-            keys = conn.key_ids(croot, [ids[p] for p in (p for p, _ in wanted)])
+            keys = conn.key_ids(croot, [ids[p] for p, _ in wanted])
             got = self.node.load_ids(
                 load.scope, croot, keys, 0, [t for _, t in wanted], layout, keyed=True
             )

@@ -237,12 +237,6 @@ class PagedLayout:
                     piece.copy_(view[block_id], non_blocking=True)
         torch.cuda.synchronize(self.device)
 
-    def block(self, block_id: int) -> PagedBlock:
-        """Block ``block_id`` as a payload that gathers itself into a store's buffer."""
-        if not 0 <= block_id < self.num_blocks:
-            raise InvalidInput(f"block {block_id} is not one of {self.num_blocks}")
-        return PagedBlock(self, block_id)
-
 
 def _copy_runs(
     plan: list[tuple[int, int, int, int]], pairs: list[tuple[int, int]], into_cache: bool
@@ -404,8 +398,14 @@ class EngineNode:
         first time it is seen)."""
         kv = self.kv(scope)
         root = kv.root(namespace)
+        return self.held_run(scope, root, kv.connection.block_hashes(root, tokens))
+
+    def held_run(self, scope: Scope, root: bytes, ids: Sequence[bytes]) -> int:
+        """``held_blocks`` of a chain's ids computed already (``root``: resolved for
+        ``scope``)."""
+        kv = self.kv(scope)
         conn = kv.connection
-        ids = conn.block_hashes(root, tokens)[: conn.limits.max_ids]  # one request's most
+        ids = ids[: conn.limits.max_ids]  # one request's most
         if not ids:
             return 0
         session = scope.session_id

@@ -56,6 +56,7 @@ __all__ = [
     "kv_to_block_payloads",
     "model_forward",
     "namespace_for",
+    "tensor_bytes",
 ]
 
 KV_LAYOUT = "hf-transformers-v1-[layer][kv][head][tok][dim]"
@@ -155,7 +156,7 @@ def _block_tensor(
     return torch.stack([torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in pairs])
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def tensor_bytes(t: torch.Tensor) -> bytes:
     return bytes(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
 
 
@@ -170,7 +171,7 @@ def block_payload(
                 f"layer {i} holds {k.shape[2]} tokens, block {index} needs {stop} (a sliding "
                 "window layer, or a cache shorter than the prompt)"
             )
-    return _tensor_bytes(_block_tensor(pairs, start, stop))
+    return tensor_bytes(_block_tensor(pairs, start, stop))
 
 
 def kv_to_block_payloads(

@@ -42,7 +42,7 @@ from sessioncache.connector.hybrid import (
     is_checkpoint,
 )
 from sessioncache.connector.paged import BlockBytes, EngineNode, Scope, Transfer
-from sessioncache.connector.transformers import kv_dtype_name, model_forward
+from sessioncache.connector.transformers import kv_dtype_name, model_forward, tensor_bytes
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace
 
@@ -51,9 +51,7 @@ KV_LAYOUT = "hf-transformers-hybrid-v1"
 
 
 def _bytes(t: torch.Tensor) -> BlockBytes:
-    return np.frombuffer(
-        t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes(), np.uint8
-    )
+    return np.frombuffer(tensor_bytes(t), np.uint8)
 
 
 class HostBlocks:
@@ -175,6 +173,7 @@ class HybridRunner:
         if kinds.linear:
             companions.append(GroupSpec("state", tuple(map(str, kinds.linear))))
         self.hybrid = HybridModel(GroupSpec("full", tuple(map(str, kinds.full))), tuple(companions))
+        self.ops = HybridNode(node, self.hybrid)
         self.spine_bytes = kinds.kv_bytes(kinds.full, block_tokens, itemsize)
         self.companion_bytes = [
             kinds.kv_bytes(kinds.sliding, block_tokens, itemsize)
@@ -318,8 +317,7 @@ class HybridRunner:
     def _resume_point(self, ids: list[int], usable: int) -> int:
         if usable <= 0:
             return 0
-        hn = HybridNode(self.node, self.hybrid)
-        return hn.held(self.namespace, ids[: usable * self.block_tokens], self.scope, 0)
+        return self.ops.held(self.namespace, ids[: usable * self.block_tokens], self.scope, 0)
 
     def _load(self, ids: list[int], end: int) -> tuple[Any, int]:
         """The cache resumed at ``end`` blocks (a fresh one, and 0, when the load failed)."""
@@ -329,7 +327,7 @@ class HybridRunner:
         companions = [HostBlocks(n) for n in self.companion_bytes]
         wanted = [[(p, p) for p in spec.needed(0, end)] for spec in self.hybrid.companions]
         load = HybridLoad("prefill", ids, 0, end, list(range(end)), wanted, self.scope)
-        got = HybridNode(self.node, self.hybrid).load(self.namespace, load, spine, companions)
+        got = self.ops.load(self.namespace, load, spine, companions)
         if got.blocks < end:
             return DynamicCache(config=self.model.config), 0
         window: list[BlockBytes] = []
@@ -375,5 +373,6 @@ class HybridRunner:
                 "save", ids[: full * self.block_tokens], held, list(range(held, full)), self.scope
             )
             stored = self.node.save(spine_ns, transfer, rows)
-        hn = HybridNode(self.node, self.hybrid)
-        return stored + hn.save_checkpoints(self.namespace, ids, self.scope, prefill.checkpoints)
+        return stored + self.ops.save_checkpoints(
+            self.namespace, ids, self.scope, prefill.checkpoints
+        )

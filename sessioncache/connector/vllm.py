@@ -223,6 +223,10 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._save_thread: threading.Thread | None = None
         # hybrid models (more than one KV-cache group)
         self._hybrid: HybridGroups | None = None
+        self._lookups: HybridNode | None = None
+        """Hybrid models: lookups and loads on ``_node``."""
+        self._stores: HybridNode | None = None
+        """Hybrid models: saves on ``_saver``."""
         self._planner: HybridPlanner | None = None
         self._copies: HybridCopies | None = None
         self._unloaded: list[str] = []
@@ -247,6 +251,8 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             self.settings = replace(self.settings, load=False, save=False)
             return
         self._hybrid = groups
+        self._lookups = HybridNode(self._node, groups.model)
+        self._stores = HybridNode(self._saver, groups.model)
         self._planner = HybridPlanner(groups, self.block_size, self.settings.checkpoint_blocks)
         log.info(
             "sessioncache: hybrid model, spine %s, companions %s",
@@ -278,8 +284,8 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             return 0, False
         scope = request_scope(request)
         try:
-            if self._hybrid is not None:
-                held = HybridNode(self._node, self._hybrid.model).held(
+            if self._lookups is not None:
+                held = self._lookups.held(
                     self._namespace(scope),
                     tokens[: full * self.block_size],
                     scope,
@@ -337,10 +343,8 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         captures = []
-        if self._planner is not None:
+        if self._planner is not None and self.settings.save:
             captures = self._planner.step(scheduler_output)
-            if not self.settings.save:  # the block tables followed, nothing copied
-                captures = []
         meta = SessionCacheMetadata(self._loads, self._saves, captures, self._unloaded)
         self._loads, self._saves, self._unloaded = [], [], []
         return meta
@@ -356,8 +360,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         if self._planner is None:
             return self.request_finished(request, block_ids[0])
         held = self._matched.pop(request.request_id, 0)
-        if not self.settings.save:
-            self._planner.finished(request.request_id, [], 0, 0, block_ids, Scope())
+        if not self.settings.save:  # its block tables were not followed either
             return False, None
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         save = self._planner.finished(
@@ -464,9 +467,8 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             )
 
     def _load_hybrid(self, loads: list[HybridLoad]) -> None:
-        copies = self._copies
-        assert copies is not None and self._hybrid is not None
-        node = HybridNode(self._node, self._hybrid.model)
+        copies, node = self._copies, self._lookups
+        assert copies is not None and node is not None
         down = False
         for load in loads:
             start = time.perf_counter()
@@ -577,14 +579,13 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         )
 
     def _save_hybrid(self, save: HybridSave, checkpoints: list[Checkpoint]) -> None:
-        copies = self._copies
-        assert copies is not None and self._hybrid is not None
+        copies, node = self._copies, self._stores
+        assert copies is not None and node is not None
         start = time.perf_counter()
         namespace = self._namespace(save.scope)
-        node = HybridNode(self._saver, self._hybrid.model)
         held = 0
         if save.spine is not None:
-            spine_ns, _ = self._hybrid.model.namespaces(namespace)
+            spine_ns, _ = node.model.namespaces(namespace)
             held = self._saver.save(spine_ns, save.spine, copies.spine)
         objects = node.save_checkpoints(namespace, save.tokens, save.scope, checkpoints)
         log.info(

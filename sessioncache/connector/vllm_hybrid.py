@@ -133,21 +133,26 @@ class Capture:
 
 @dataclass(slots=True)
 class HybridSave:
-    """A finished request's save: the spine's blocks past those the node held, then the
-    checkpoints captured, one at the end of the output from its blocks (``finish``: targets
-    per checkpoint), and its latest state when it ends there (``latest_end``)."""
+    """A finished request's save of its ``end`` full blocks: the spine's blocks past those
+    the node held, then the checkpoints captured, one at the end of the output from its
+    blocks (``finish``: targets per checkpoint), and its latest state when it ends there."""
 
     req_id: str
     tokens: list[int]
+    end: int
     spine: Transfer | None
     scope: Scope
     finish: list[tuple[Checkpoint, list[tuple[int, ...]]]] = field(default_factory=list)
-    latest_end: int | None = None
 
     @property
     def holds_blocks(self) -> bool:
         """Whether it reads the request's blocks (vLLM keeps them until it is done)."""
         return self.spine is not None or bool(self.finish)
+
+
+def _at(table: Sequence[Sequence[int]], groups: Sequence[int], position: int) -> tuple[int, ...]:
+    """The position's block in each group (``NULL_BLOCK`` past a group's table)."""
+    return tuple(table[g][position] if position < len(table[g]) else NULL_BLOCK for g in groups)
 
 
 def _targets(
@@ -157,7 +162,7 @@ def _targets(
     table)."""
     out = []
     for p in positions:
-        target = tuple(table[g][p] if p < len(table[g]) else NULL_BLOCK for g in groups)
+        target = _at(table, groups, p)
         if NULL_BLOCK in target:
             return None
         out.append(target)
@@ -174,8 +179,6 @@ class HybridPlanner:
         self.stride = stride
         self._tables: dict[str, list[list[int]]] = {}
         self._prompt: dict[str, int] = {}
-        self._latest: dict[str, int] = {}
-        """The end of each request's latest captured state, when it has state groups."""
 
     def load(
         self,
@@ -197,7 +200,7 @@ class HybridPlanner:
             needed = set(spec.needed(first, end))
             parts: list[tuple[int, Any]] = []
             for p in range(first, end):
-                held = [table[g][p] if p < len(table[g]) else NULL_BLOCK for g in groups]
+                held = _at(table, groups, p)
                 if all(b == NULL_BLOCK for b in held):
                     continue  # vLLM keeps nothing here for these layers
                 if p not in needed or NULL_BLOCK in held:
@@ -208,7 +211,7 @@ class HybridPlanner:
                         spec.group,
                     )
                     return None
-                parts.append((p, tuple(held)))
+                parts.append((p, held))
             wanted.append(parts)
         return HybridLoad(req_id, tokens[: end * self.block_size], first, end, spine, wanted, scope)
 
@@ -254,16 +257,16 @@ class HybridPlanner:
             for c, (spec, groups) in enumerate(
                 zip(model.companions, self.groups.companions, strict=True)
             ):
-                latest = spec.kind == "state" and at_boundary
-                if not (keep and (spec.kind != "state" or at_boundary)) and not latest:
+                # every state a step ends on is kept as the latest (the output's end, maybe);
+                # a window, at checkpoints only
+                latest = spec.kind == "state"
+                if not (at_boundary if latest else keep):
                     continue
                 positions = list(spec.stored_at(end))
                 targets = _targets(table, groups, positions)
-                if targets is None:
-                    continue
-                out.append(Capture(req_id, Checkpoint(end, c, positions), targets, keep, latest))
-                if latest:
-                    self._latest[req_id] = end
+                if targets is not None:
+                    checkpoint = Checkpoint(end, c, positions)
+                    out.append(Capture(req_id, checkpoint, targets, keep, latest))
         return out
 
     def finished(
@@ -279,10 +282,9 @@ class HybridPlanner:
         ``held`` blocks of it were the node's (its tables forgotten)."""
         self._tables.pop(req_id, None)
         self._prompt.pop(req_id, None)
-        latest = self._latest.pop(req_id, None)
         bs = self.block_size
         full = min(computed, len(tokens)) // bs
-        save = HybridSave(req_id, tokens[: full * bs], None, scope)
+        save = HybridSave(req_id, tokens[: full * bs], full, None, scope)
         spine = _targets(block_ids, self.groups.spine, range(held, full))
         if spine and full > held:
             save.spine = Transfer(req_id, save.tokens, held, list(spine), scope)  # type: ignore[arg-type]
@@ -290,9 +292,7 @@ class HybridPlanner:
             zip(self.groups.model.companions, self.groups.companions, strict=True)
         ):
             if spec.kind == "state":
-                if latest == full:
-                    save.latest_end = full
-                continue
+                continue  # the worker keeps the latest state
             positions = list(spec.stored_at(full))
             targets = _targets(block_ids, groups, positions)
             if targets is not None and positions:
@@ -325,11 +325,9 @@ class HybridCopies:
                 ]
             )
 
-        self.groups = groups
         self.spine = layout(groups.spine)
         self.companions = [layout(c) for c in groups.companions]
         self.capture_bytes = capture_bytes
-        self._held = 0
         self._kept: dict[str, list[Checkpoint]] = {}
         self._latest: dict[str, Checkpoint] = {}
         self._warned = False
@@ -340,12 +338,13 @@ class HybridCopies:
         for cap in captures:
             layout = self.companions[cap.checkpoint.companion]
             size = layout.nbytes * len(cap.targets)
-            if self._held + size > self.capture_bytes:
+            held = self.held_bytes()
+            if held + size > self.capture_bytes:
                 if not self._warned:
                     log.warning(
                         "sessioncache: checkpoints of running requests hold %d bytes "
                         "(capture_bytes): later ones are not stored",
-                        self._held,
+                        held,
                     )
                     self._warned = True
                 continue
@@ -355,17 +354,17 @@ class HybridCopies:
                 cap.checkpoint.positions,
                 layout.capture(cap.targets),
             )
-            self._held += size
             if cap.latest:
-                old = self._latest.pop(cap.req_id, None)
-                if old is not None and not any(old is k for k in self._kept.get(cap.req_id, [])):
-                    self._held -= self._size(old)
                 self._latest[cap.req_id] = checkpoint
             if cap.keep:
                 self._kept.setdefault(cap.req_id, []).append(checkpoint)
 
-    def _size(self, checkpoint: Checkpoint) -> int:
-        return sum(int(p.nbytes) for p in checkpoint.payloads)
+    def held_bytes(self) -> int:
+        """Bytes of the checkpoints held for running requests (one held as kept and latest
+        counts once)."""
+        held = {id(c): c for kept in self._kept.values() for c in kept}
+        held.update((id(c), c) for c in self._latest.values())
+        return sum(int(p.nbytes) for c in held.values() for p in c.payloads)
 
     def checkpoints(self, save: HybridSave) -> list[Checkpoint]:
         """A finished request's checkpoints to store: those captured, the end of its output
@@ -373,13 +372,11 @@ class HybridCopies:
         released)."""
         kept = self._kept.pop(save.req_id, [])
         latest = self._latest.pop(save.req_id, None)
-        for checkpoint in {id(c): c for c in [*kept, *([latest] if latest else [])]}.values():
-            self._held -= self._size(checkpoint)
         seen = {(c.end, c.companion) for c in kept}
         out = list(kept)
         if (
             latest is not None
-            and save.latest_end == latest.end
+            and latest.end == save.end
             and (latest.end, latest.companion) not in seen
         ):
             out.append(latest)

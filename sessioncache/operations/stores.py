@@ -205,7 +205,7 @@ def plan_store(
         if (
             meta is None
             or not meta.tiers
-            or not _may_hang_off(caller, request, meta.namespace_root)
+            or not _may_hang_off(caller, request, namespace, meta.namespace_root)
         ):
             raise StoreRefused(
                 f"parent {request.parent.hex()} is not held under root {request.root.hex()}"
@@ -241,7 +241,9 @@ def plan_store(
     return StorePlan(request, write)
 
 
-def _may_hang_off(caller: Caller, request: StoreRequest, parent_root: bytes) -> bool:
+def _may_hang_off(
+    caller: Caller, request: StoreRequest, namespace: Namespace, parent_root: bytes
+) -> bool:
     """A segment continues a chain of its own root; keyed blocks of a hybrid model's group
     (a state checkpoint, a window) may also hang off a chain block of another group of the same
     model and tenant (``Namespace.related``, both roots resolved by the caller), so that they
@@ -251,7 +253,7 @@ def _may_hang_off(caller: Caller, request: StoreRequest, parent_root: bytes) -> 
     if not request.keyed:
         return False
     parent_ns = caller.roots.get(parent_root)
-    return parent_ns is not None and caller.namespace(request.root).related(parent_ns)
+    return parent_ns is not None and namespace.related(parent_ns)
 
 
 def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) -> BlockStatus:

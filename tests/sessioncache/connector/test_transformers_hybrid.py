@@ -19,29 +19,27 @@ from sessioncache.connector.transformers_hybrid import HybridRunner
 from tests.support.servers import Server, start_server
 
 BLOCK = 8
+COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "vocab_size": 256,
+}
 CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3": {
         "model_type": "gemma3_text",
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **COMMON,
         "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "vocab_size": 256,
         "sliding_window": 20,  # a window of three 8-token blocks
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
         "query_pre_attn_scalar": 32,
     },
     "qwen3-next": {
         "model_type": "qwen3_next",
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **COMMON,
         "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "vocab_size": 256,
         "layer_types": ["linear_attention"] * 3 + ["full_attention"],
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 2,
@@ -55,13 +53,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "falcon-h1": {
         "model_type": "falcon_h1",
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **COMMON,
         "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "vocab_size": 256,
         "mamba_d_ssm": 64,
         "mamba_n_heads": 2,
         "mamba_d_head": 32,
