@@ -15,9 +15,9 @@ recurrent state), or both of the last and the first (Falcon-H1). ``HybridRunner`
 
 A prefill resumes at the longest held checkpoint, and runs the rest in pieces that end at the
 checkpoints to come (the stride, the end of the prompt), whose objects it captures on the way;
-``save`` stores the spine and them. Batch size 1. Written against transformers 5.24 (the test
-extras' version), whose ``DynamicCache`` holds every model's layers in these classes; a layer
-of any other class is refused (``LayerKinds.of``).
+``save`` stores the spine and them. Batch size 1. Written against transformers 5.24 and 5.25
+(5.25's linear layers count their tokens), whose ``DynamicCache`` holds every model's layers
+in these classes; a layer of any other class is refused (``LayerKinds.of``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def _bytes(t: torch.Tensor) -> BlockBytes:
 class HostBlocks:
     """Blocks in host memory by position: what a load fills and a save reads (a
     ``paged.BlockCopier`` whose targets are positions)."""
+
+    device = torch.device("cpu")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -260,6 +262,10 @@ class HybridRunner:
                 layer.conv_states[0].copy_(tensors[0])
                 layer.recurrent_states[0].copy_(tensors[1])
                 layer.has_previous_state[0] = True
+                if hasattr(layer, "cumulative_length_linear"):
+                    # transformers 5.25+: a linear layer counts its tokens, and the cache's
+                    # length (the positions of the tokens after it) may be read off it
+                    layer.cumulative_length_linear.fill_(tokens)
         return cache
 
     # -- a turn ----------------------------------------------------------------------------
