@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-import torch
-
 from sessioncache.catalog.reconcile import BackgroundReconcile, CatalogRecoveredTier, reconcile
 from sessioncache.catalog.repository import Catalog
 from sessioncache.clock import Clock
@@ -64,18 +62,12 @@ def build_tiers(settings: Settings, *, scan: bool = True) -> list[Tier]:
 
 def shared_cpu_tier(settings: Settings) -> bool:
     """Whether the CPU tier goes into shared memory (the same-host path): asked for
-    (``SESSIONCACHE_SHM``), possible here (Linux), and no CUDA, where the CPU tier stays
-    pinned (registering memfd pages with CUDA is not built)."""
+    (``SESSIONCACHE_SHM``) and possible here (Linux). With CUDA present its segments are
+    registered with CUDA as they are made, as a pinned tier's memory would be."""
     if not settings.shm or not settings.cpu_bytes:
         return False
     if not shared_memory_available():
         log.info("SESSIONCACHE_SHM: no memfd on this platform; the same-host path is off")
-        return False
-    if torch.cuda.is_available():
-        log.warning(
-            "SESSIONCACHE_SHM: CUDA is present, so the CPU tier stays pinned and the "
-            "same-host path is off (pinning shared memory is not built)"
-        )
         return False
     return True
 

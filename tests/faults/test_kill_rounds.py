@@ -25,7 +25,7 @@ import pytest
 from sessioncache.connector import StreamClient, discover
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.hashing import Namespace
-from tests.support.servers import DURABLE_NODE, Server, start_server
+from tests.support.servers import DURABLE_NODE, Server, start_server, wait_adopted
 
 ROUNDS = int(os.environ.get("SESSIONCACHE_FAULT_ROUNDS", "2"))
 LOAD_S = float(os.environ.get("SESSIONCACHE_FAULT_LOAD_S", "1.5"))
@@ -170,11 +170,8 @@ def test_kill_9_under_load_on_every_path(tmp_path: Path) -> None:
         # every acknowledged block of every round so far: present and byte-exact, once the
         # restart's background pass has adopted the files whose catalog rows were still queued
         # when the node died (the node serves the catalog's blocks at once, the rest after it)
+        wait_adopted(server)
         with httpx.Client(base_url=server.url, timeout=30) as client:
-            deadline = time.monotonic() + 60
-            while client.get("/readyz", params={"strict": "true"}).status_code != 200:
-                assert time.monotonic() < deadline, client.get("/readyz").text
-                time.sleep(0.1)
             for path, ids in acked.items():
                 for bid in set(ids):
                     r = client.get(f"/v1/blocks/{bid.hex()}")

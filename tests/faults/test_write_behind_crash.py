@@ -12,7 +12,7 @@ import numpy as np
 
 from sessioncache.connector import StreamClient
 from sessioncache.hashing import Namespace
-from tests.support.servers import Server, start_server
+from tests.support.servers import Server, start_server, wait_adopted
 
 NS = Namespace("crash-behind", 16, "u8", "x")
 BLOCK = 256 * 1024
@@ -50,6 +50,7 @@ def test_kill_9_loses_no_durable_store_and_at_most_the_backlog_of_the_others(
         kill_9(server)
     server = start_server(data, env)
     try:
+        wait_adopted(server)
         with StreamClient.discover(server.url, timeout=30) as client:
             root = client.resolve(NS)
             held = client.exists(root, durable + behind, counted=False)

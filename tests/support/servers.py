@@ -93,6 +93,20 @@ def wait_ready(server: Server, timeout_s: float = 90.0) -> Server:
     raise RuntimeError(f"server did not start: {server.log.read_text()}")
 
 
+def wait_adopted(server: Server, timeout_s: float = 60.0) -> None:
+    """Wait until a restarted node is strictly ready: its background pass has adopted the
+    disk files whose catalog rows were still queued when it died (it serves the catalog's
+    blocks at once, those after the pass)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = httpx.get(f"{server.url}/readyz", params={"strict": "true"}, timeout=10)
+        if reply.status_code == 200:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not ready after {timeout_s} s: {reply.text}")
+        time.sleep(0.1)
+
+
 DURABLE_NODE = {"SESSIONCACHE_DURABLE_UPLOADS": "true"}
 """A node that makes every store durable (answered once on disk), as crash tests want."""
 
