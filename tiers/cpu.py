@@ -1,8 +1,8 @@
 """The CPU tier: host-memory slabs of fixed-size slots, pinned when CUDA is present so that
 device copies run at full PCIe speed; ``get`` hands out zero-copy views.
 
-Pinning needs CUDA (without it torch refuses ``pin_memory=True``), and the tests run without
-a GPU: they exercise unpinned slabs only, never a pinned allocation.
+Pinning needs CUDA (without it torch refuses ``pin_memory=True``); ``tests/gpu`` runs the
+tiers on a GPU where one is present, and unpinned in CI.
 
 ``SharedCpuTier`` is the same tier over shared memory, for engines on the node's host (the
 same-host data path, ``docs/dataplane.md``): each chunk is one anonymous memory file
@@ -13,9 +13,10 @@ pages, read-only: a segment is sealed against every writable mapping but the nod
 blocks they store into staging memory of their own (``dataplane.staging``), which the node
 copies into a reserved slot at COMMIT. Nothing has a name in
 ``/dev/shm``: the kernel frees a segment with its last descriptor and mapping, so a node killed
-with ``kill -9`` leaves nothing behind. A shared tier is never pinned: registering its pages
-with CUDA (``cudaHostRegister``) is not built, so on a CUDA host the factory keeps the pinned
-``CpuTier`` and the same-host path is off.
+with ``kill -9`` leaves nothing behind. Where CUDA is present, each segment is registered with
+CUDA (``cudaHostRegister``, ``sessioncache.devices``) as it is made, so that the node's copies
+between it and a GPU tier run at pinned speed; same-host clients register their own mappings
+of it for theirs. A segment is unregistered before it is retired.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import weakref
 
 import torch
 
+from sessioncache.devices import HostRegistration
 from sessioncache.errors import PayloadSizeError
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import SlotLocation, StagedSlot
@@ -149,6 +151,7 @@ class SharedCpuTier(CpuTier):
         )
         self._segment_ids = itertools.count(1)
         self._fds: dict[int, int] = {}
+        self._registered: dict[int, HostRegistration] = {}  # segment: its CUDA registration
         # A tier dropped without ``close`` still gives its descriptors back (its spares' too).
         weakref.finalize(self, _close_all, self._fds)
         weakref.finalize(self, self._spares.close)
@@ -170,19 +173,27 @@ class SharedCpuTier(CpuTier):
         # Called by a put (lock held) or by the spares' thread (no lock): touches only the
         # id counter (``itertools.count`` is atomic) and new objects.
         segment = next(self._segment_ids)
-        fd, tensor = shared_segment(f"sessioncache-{self.name}-{segment}", nbytes, read_only=True)
-        return _Memory(tensor, fd, segment)
+        name = f"sessioncache-{self.name}-{segment}"
+        fd, tensor = shared_segment(name, nbytes, read_only=True)
+        return _Memory(tensor, fd, segment, HostRegistration.register(tensor, what=name))
 
     @staticmethod
     def _drop_memory(memory: _Memory) -> None:
+        if memory.registration is not None:
+            memory.registration.close()
         os.close(memory.fd)  # the mapping goes with the tensor
 
     def _adopt(self, memory: _Memory) -> None:
         self._fds[memory.segment] = memory.fd  # live from now on: peers may ask for it
+        if memory.registration is not None:
+            self._registered[memory.segment] = memory.registration
 
     def _retire_chunk(self, chunk: _Chunk) -> None:
         # The mapping goes with the tensor's last reference; the pages with the last mapping
         # or descriptor anywhere (a peer that mapped the segment keeps its copy alive).
+        registration = self._registered.pop(chunk.segment, None)
+        if registration is not None:
+            registration.close()
         fd = self._fds.pop(chunk.segment, None)
         if fd is not None:
             os.close(fd)

@@ -1,13 +1,10 @@
 """The GPU tier: slabs of fixed-size slots in device memory.
 
-The device defaults to the current CUDA device when one exists, else ``torch.device("cpu")``.
-
-What the tests exercise: they run without a GPU and build this tier on ``device="cpu"``, so
-they cover the slab bookkeeping (allocation, slot reuse, chunk reclaim, the store's eviction
-and promotion through it), not the device. Never run by the tests: the CUDA branch of
-``default_device``, the host-to-device copy in ``SlabTier.put``, ``get`` handing out views
-of device memory, and the device-to-host copy (``tiers.payload.as_memoryview``) when such a
-view is demoted to a lower tier or read out over HTTP.
+The device is the one given, else the current CUDA device when one exists, else
+``torch.device("cpu")``. A put copies on that device's copy stream and publishes the block
+once the copy is complete; ``get`` hands out a view of device memory, which the caller copies
+where it goes (a block demoted to a host tier is copied there straight from the device).
+``tests/gpu`` runs this tier on ``cpu`` in CI and on ``cuda`` where a GPU is present.
 """
 
 from __future__ import annotations

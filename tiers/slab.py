@@ -17,9 +17,10 @@ deployment (one model, one KV layout) there is a single payload size and a singl
 A tier may make its next chunks ahead of need (``spare_chunks``) or all of them at once
 (``preallocate``): see ``tiers.spares``. A chunk is then a view of a spare's memory.
 
-Only the host path runs in the tests (they have no GPU): slabs on ``torch.device("cpu")``,
-unpinned. The CUDA-only lines are the pinned allocation (``pin_memory``, CPU tier with CUDA)
-and the ``copy_`` into a device slot in ``put`` (GPU tier on CUDA); see ``tiers.gpu``.
+Copies that involve a device (a put into a GPU tier's slot, or of a GPU tier's block into a
+host tier's) run on the device's copy stream and are complete before the block is published
+(``sessioncache.devices``). ``tests/gpu`` runs the same paths on ``cpu`` in CI and on ``cuda``
+where a GPU is present.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Final, NamedTuple
 import numpy as np
 import torch
 
+from sessioncache.devices import DeviceCopies, HostRegistration, cuda_device
 from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import PutItem
@@ -47,6 +49,7 @@ class _Memory(NamedTuple):
     tensor: torch.Tensor
     fd: int = -1
     segment: int = -1
+    registration: HostRegistration | None = None  # its pages' CUDA registration, if any
 
 
 @dataclass(slots=True)
@@ -184,13 +187,16 @@ class SlabTier:
         # The copy runs outside the lock so that puts of large blocks overlap; the slot is
         # reserved and the id invisible to readers until it is published below.
         try:
-            if dst.device.type == "cpu":
+            if dst.device.type == "cpu" and cuda_device(payload) is None:
                 # numpy's single-threaded memcpy: torch's copy_ splits a 2 MiB copy over its
                 # intra-op threads, which contend with the server's own threads (measured
                 # 5x slower in a serving process on two cores).
                 np.copyto(dst.numpy(), np.frombuffer(as_memoryview(payload), dtype=np.uint8))
-            else:  # a device slot (GPU tier on CUDA): never run by the tests
-                dst.copy_(as_byte_tensor(payload))
+            else:
+                # A device slot, or a device payload (a GPU tier's block demoted here): one
+                # copy on the device's copy stream, complete before the block is published.
+                with DeviceCopies() as copies:
+                    copies.copy(dst, as_byte_tensor(payload))
         except BaseException:
             with self._lock:
                 self._pending.discard(block_hash)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from sessioncache.catalog import Catalog
 from sessioncache.config import Settings
-from sessioncache.factory import open_node
+from sessioncache.factory import open_node, shared_cpu_tier
 from sessioncache.hashing import Namespace, tokens_to_le_bytes
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
@@ -39,7 +42,7 @@ def test_the_cpu_tier_is_in_shared_memory_unless_turned_off(tmp_path: Path):
     from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 
     shared = build_tiers(Settings(data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=0))
-    assert [type(t) for t in shared] == [SharedCpuTier]  # Linux, no CUDA: the default
+    assert [type(t) for t in shared] == [SharedCpuTier]  # Linux: the default
     plain = build_tiers(Settings(data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=0, shm=False))
     assert [type(t) for t in plain] == [CpuTier]
     for tier in (*shared, *plain):
@@ -59,3 +62,12 @@ def test_the_cpu_tier_is_preallocated_when_asked(tmp_path: Path):
     (lazy,) = build_tiers(Settings(data_dir=tmp_path, cpu_bytes=128 << 20, disk_bytes=0))
     assert lazy.spare_bytes == 0  # type: ignore[attr-defined]  # made ahead of need only
     lazy.close()
+
+
+def test_the_cpu_tier_stays_in_shared_memory_where_cuda_is_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # CI has no GPU: torch reports one, as a CUDA host's would. Engines on a GPU host get
+    # the same-host path, its segments registered with CUDA (tests/gpu, on a GPU).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert shared_cpu_tier(Settings(data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=0))
