@@ -124,6 +124,10 @@ class GroupedLayout:
         if not layouts:
             raise InvalidInput("a grouped layout needs at least one group")
         self.layouts = list(layouts)
+        devices = {lay.device for lay in self.layouts}
+        if len(devices) != 1:
+            raise InvalidInput(f"groups on several devices: {sorted(map(str, devices))}")
+        self.device = self.layouts[0].device
         self.offsets = list(np.cumsum([0, *(lay.nbytes for lay in self.layouts)]))
         self.nbytes = int(self.offsets[-1])
 

@@ -37,6 +37,7 @@ from sessioncache.connector.errors import IdMismatch
 from sessioncache.connector.payloads import Filler
 from sessioncache.connector.samehost import SameHostClient, map_segments, reading
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, DEFAULT_LEASE_MS, KVTransfer
+from sessioncache.devices import DeviceCopies, pinned_empty
 from sessioncache.errors import (
     AuthRefused,
     InvalidInput,
@@ -227,15 +228,16 @@ class PagedLayout:
             pairs = [(b, buf.ctypes.data) for b, buf in zip(block_ids, buffers, strict=True)]
             self._copy(pairs, into_cache)
             return
-        for block_id, buf in zip(block_ids, buffers, strict=True):
-            host = torch.from_numpy(buf)
-            for run, view in zip(self.runs, self._views, strict=True):
-                piece = host[run.offset : run.offset + run.length]
-                if into_cache:
-                    view[block_id].copy_(piece, non_blocking=True)
-                else:
-                    piece.copy_(view[block_id], non_blocking=True)
-        torch.cuda.synchronize(self.device)
+        # On the layout's device's copy stream, complete before the buffers may go (a leased
+        # slot released, a staged one committed).
+        with DeviceCopies() as copies:
+            for block_id, buf in zip(block_ids, buffers, strict=True):
+                for run, view in zip(self.runs, self._views, strict=True):
+                    piece = buf[run.offset : run.offset + run.length]
+                    if into_cache:
+                        copies.copy(view[block_id], piece)
+                    else:
+                        copies.copy(piece, view[block_id])
 
 
 def _copy_runs(
@@ -258,6 +260,11 @@ class BlockCopier(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's cache lies."""
+        ...
 
     def scatter(self, targets: Sequence[Any], sources: Sequence[BlockBytes]) -> None: ...
 
@@ -383,13 +390,14 @@ class EngineNode:
             )
         return kv
 
-    def connect(self, scope: Scope = Scope()) -> str:
+    def connect(self, scope: Scope = Scope(), device: torch.device | None = None) -> str:
         """Connect for ``scope`` now, and on the same host map the node's memory ahead of the
-        first load; the path taken (``same_host`` or ``stream``)."""
+        first load (for an engine's cache on a CUDA ``device``, registered with CUDA too);
+        the path taken (``same_host`` or ``stream``)."""
         kv = self.kv(scope)
         conn = kv.connection
         if isinstance(conn, SameHostClient):
-            map_segments(conn)
+            map_segments(conn, device)
         return kv.path
 
     def held_blocks(self, namespace: Namespace, tokens: Sequence[int], scope: Scope) -> int:
@@ -451,7 +459,7 @@ class EngineNode:
                 if found.lease is not None:
                     conn.release_checked(found)
                 return Loaded(0, 0.0)
-            with reading(conn, found) as views:
+            with reading(conn, found, layout.device) as views:
                 start = time.perf_counter()
                 layout.scatter(targets[:n], views[first : first + n])
                 copy_s = time.perf_counter() - start
@@ -484,7 +492,7 @@ class EngineNode:
         """``count`` block buffers of one reused allocation."""
         need = nbytes * count
         if self._bounce is None or self._bounce.nbytes < need:
-            self._bounce = np.empty(max(need, STREAM_CHUNK_BYTES), np.uint8)
+            self._bounce = pinned_empty(max(need, STREAM_CHUNK_BYTES)).numpy()
         for i in range(count):
             yield self._bounce[i * nbytes : (i + 1) * nbytes]
 

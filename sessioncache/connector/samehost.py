@@ -12,7 +12,10 @@ CPU tier and writes new ones straight into it; no payload byte crosses a socket
 It is a ``StreamClient`` on the node's Unix socket (RESOLVE, LOOKUP, the stream's LOAD and
 STORE all work) whose ``locate``/``load_into`` and ``store`` move payloads through shared
 memory: the node passes the descriptors of its memfd segments (``SCM_RIGHTS``), the client maps
-them once and copies with numpy (or ``torch.Tensor.copy_`` into a CUDA tensor).
+them once and copies with numpy. Copies to and from CUDA tensors are asynchronous, on the
+tensor's device's copy stream, from mappings the client registers with CUDA the first time a
+device copy touches them (``sessioncache.devices``); they are complete before the lease is
+released (loads) and before the slots are hashed and committed (stores).
 
 Torn blocks: a located slot is the block's only while the lease pins it. ``load_into`` copies,
 then releases the lease asking whether it was still live (``RELEASE`` with ``F_RELEASE_CHECK``);
@@ -39,7 +42,7 @@ import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple, Unpack
+from typing import TYPE_CHECKING, Any, NamedTuple, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +71,13 @@ from sessioncache.dataplane.frames import (
 )
 from sessioncache.dataplane.slots import copy_and_hash
 from sessioncache.dataplane.transport import SocketTransport, Transport
+from sessioncache.devices import (
+    DeviceCopies,
+    HostRegistration,
+    cuda_device,
+    device_bytes,
+    on_device,
+)
 from sessioncache.errors import (
     ChecksumMismatch,
     InvalidInput,
@@ -78,6 +88,9 @@ from sessioncache.errors import (
 )
 from sessioncache.status import BlockStatus
 
+if TYPE_CHECKING:
+    import torch
+
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; not in fcntl
 
 __all__ = [
@@ -87,6 +100,7 @@ __all__ = [
     "SameHostLookup",
     "map_segments",
     "reading",
+    "registered_segments",
 ]
 
 MiB = 1 << 20
@@ -112,22 +126,14 @@ class SameHostLookup(NamedTuple):
         return len(self.hashes)
 
 
-def _is_device_tensor(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and obj.device.type != "cpu"
+_is_device_tensor = on_device
 
 
-def _copy_out(dst: Any, src: npt.NDArray[np.uint8]) -> memoryview | None:
+def _copy_out(dst: Any, src: npt.NDArray[np.uint8], copies: DeviceCopies) -> memoryview | None:
     """Copy ``src`` into the caller's buffer; the host view written (None for a device
-    tensor: ``torch`` copies over the mapping straight to the device)."""
+    tensor: copied over the mapping straight to the device, on ``copies``)."""
     if _is_device_tensor(dst):
-        import torch
-
-        flat = dst.detach().reshape(-1)
-        if flat.element_size() * flat.numel() != src.nbytes or not dst.is_contiguous():
-            raise PayloadSizeError(
-                f"a block of {src.nbytes} bytes into a device tensor of another size"
-            )
-        flat.view(torch.uint8).copy_(torch.from_numpy(src))
+        copies.copy(device_bytes(dst, src.nbytes), src)
         return None
     view = as_buffer(dst, writable=True)
     if view.nbytes != src.nbytes:
@@ -136,20 +142,10 @@ def _copy_out(dst: Any, src: npt.NDArray[np.uint8]) -> memoryview | None:
     return view
 
 
-def _copy_in(dst: npt.NDArray[np.uint8], payload: Any) -> int | None:
-    """Copy a payload into a slot. A device tensor is copied by ``torch`` straight from the
-    device; its XXH3-64 is then taken of the slot (returned). A host payload's checksum is
-    taken of the source, ahead, by the hashing thread (None here)."""
-    if _is_device_tensor(payload):
-        import torch
-
-        flat = payload.detach().reshape(-1)
-        if not payload.is_contiguous():
-            raise InvalidInput("a tensor payload must be contiguous")
-        torch.from_numpy(dst).copy_(flat.view(torch.uint8))
-        return int(xxhash.xxh3_64_intdigest(dst.data))
+def _copy_in(dst: npt.NDArray[np.uint8], payload: Any) -> None:
+    """Copy a host payload into a slot (its checksum is taken of the source, ahead, by the
+    hashing thread)."""
     np.copyto(dst, np.frombuffer(as_buffer(payload, writable=False), np.uint8))
-    return None
 
 
 def _copy_and_hash(dst: npt.NDArray[np.uint8], payload: Any) -> int:
@@ -182,17 +178,44 @@ class SegmentMaps:
         self._conn = conn
         self._sock = sock
         self._segments: dict[int, npt.NDArray[np.uint8]] = {}
+        self._registered: dict[int, HostRegistration | None] = {}  # None: refused, or no CUDA
 
     @property
     def mapped(self) -> list[int]:
         """The segments mapped here."""
         return sorted(self._segments)
 
+    @property
+    def registered(self) -> list[int]:
+        """The mapped segments registered with CUDA here."""
+        return sorted(s for s, r in self._registered.items() if r is not None)
+
     def clear(self) -> None:
-        self._segments.clear()
+        for segment in list(self._segments):
+            self._forget(segment)
+
+    def _forget(self, segment: int) -> None:
+        registration = self._registered.pop(segment, None)
+        if registration is not None:
+            registration.close()  # before the mapping can go
+        self._segments.pop(segment, None)
 
     def view(self, slot: Slot) -> npt.NDArray[np.uint8]:
         return self._segments[slot.segment][slot.offset : slot.offset + slot.nbytes]
+
+    def register(self, segments: Iterable[int], device: torch.device) -> None:
+        """Register the mapped ``segments`` with CUDA for copies to and from ``device`` (once
+        each; where the driver refuses, copies from that segment are staged by the driver)."""
+        for segment in segments:
+            if segment in self._registered or segment not in self._segments:
+                continue
+            view = self._segments[segment]
+            self._registered[segment] = HostRegistration.register(
+                view,
+                read_only=not view.flags.writeable,
+                what=f"segment {segment}",
+                device=device,
+            )
 
     def ensure(self, segments: Iterable[int]) -> None:
         """Map every segment of ``segments`` not mapped yet (SEGMENTS, descriptors passed
@@ -212,7 +235,7 @@ class SegmentMaps:
                     os.close(fd)
             live = set(ok.live)
             for segment in [s for s in self._segments if s not in live]:
-                del self._segments[segment]  # retired: its id never comes back
+                self._forget(segment)  # retired: its id never comes back
             still = [s for s in missing if s not in self._segments]
             if still and not ok.sent:
                 raise ProtocolError(f"segments {still} are not live on the node")
@@ -396,10 +419,16 @@ class SameHostClient(StreamClient):
         release = True if release is None else release
         slots = source.slots[start : start + len(out)]
         self._maps.ensure(s.segment for s in slots)
+        for dst in out[: len(slots)]:
+            device = cuda_device(dst)
+            if device is not None:
+                self._maps.register((s.segment for s in slots), device)
+                break
         copied: list[memoryview | None] = []
         try:
-            for slot, dst in zip(slots, out, strict=False):
-                copied.append(_copy_out(dst, self._maps.view(slot)))
+            with DeviceCopies() as copies:  # complete before the lease is released
+                for slot, dst in zip(slots, out, strict=False):
+                    copied.append(_copy_out(dst, self._maps.view(slot), copies))
         finally:
             live = self.release_checked(source) if release else time.monotonic() < source.deadline
         if not live:
@@ -408,8 +437,12 @@ class SameHostClient(StreamClient):
                 "look up again"
             )
         if verify:
-            for i, (slot, view) in enumerate(zip(slots, copied, strict=True)):
-                data = view if view is not None else self._maps.view(slot).data
+            for i, (slot, view, dst) in enumerate(zip(slots, copied, out, strict=False)):
+                # a device buffer is checked as copied (back to the host): the slot may
+                # hold another block by now
+                data = (
+                    view if view is not None else device_bytes(dst, slot.nbytes).cpu().numpy().data
+                )
                 if xxhash.xxh3_64_intdigest(data) != slot.checksum:
                     raise ChecksumMismatch(f"block {start + i} does not match its checksum")
         return [i < len(slots) for i in range(len(out))]
@@ -467,6 +500,11 @@ class SameHostClient(StreamClient):
         ahead of the copies (xxhash and numpy both release the GIL), so that hashing, copying
         and the node's verification of the previous batch overlap."""
         self._maps.ensure(s.segment for s in staged.slots if s is not None)
+        for payload in payloads:
+            device = cuda_device(payload)
+            if device is not None:
+                self._maps.register((s.segment for s in staged.slots if s is not None), device)
+                break
         n = len(staged.ids)
         size = next((s.nbytes for s in staged.slots if s is not None), 1)
         per_batch = min(self.batch_bytes, max(self.min_batch_bytes, n * size // self.min_batches))
@@ -492,19 +530,28 @@ class SameHostClient(StreamClient):
                     end = min(first + batch, n)
                     lengths: list[int] = []
                     sums: list[int] = []
-                    for i in range(first, end):
-                        slot = staged.slots[i]
-                        if slot is None or staged.status[i] is not BlockStatus.STORED:
-                            lengths.append(0)
-                            sums.append(0)
-                            continue
-                        ahead = hashes[i]
-                        if ahead is None and not _is_device_tensor(payloads[i]):
-                            sums.append(_copy_and_hash(self._maps.view(slot), payloads[i]))
-                        else:
-                            on_device = _copy_in(self._maps.view(slot), payloads[i])
-                            sums.append(ahead.result() if ahead is not None else on_device or 0)
-                        lengths.append(slot.nbytes)
+                    on_device: list[tuple[int, Slot]] = []  # hashed once their copies are done
+                    with DeviceCopies() as copies:
+                        for i in range(first, end):
+                            slot = staged.slots[i]
+                            if slot is None or staged.status[i] is not BlockStatus.STORED:
+                                lengths.append(0)
+                                sums.append(0)
+                                continue
+                            ahead = hashes[i]
+                            dst = self._maps.view(slot)
+                            if _is_device_tensor(payloads[i]):
+                                copies.copy(dst, device_bytes(payloads[i], slot.nbytes))
+                                on_device.append((len(sums), slot))
+                                sums.append(0)
+                            elif ahead is None:
+                                sums.append(_copy_and_hash(dst, payloads[i]))
+                            else:
+                                _copy_in(dst, payloads[i])
+                                sums.append(ahead.result())
+                            lengths.append(slot.nbytes)
+                    for k, slot in on_device:
+                        sums[k] = int(xxhash.xxh3_64(self._maps.view(slot).data).intdigest())
                     commit = Commit(staged.staging, first, lengths, sums)
                     inflight.append(self._c.send(frames.encode_commit(self._c.next_rid(), commit)))
                     if len(inflight) > self.commits_in_flight:
@@ -528,22 +575,34 @@ class SameHostClient(StreamClient):
         return codes
 
 
-def map_segments(client: SameHostClient) -> None:
+def map_segments(client: SameHostClient, device: torch.device | None = None) -> None:
     """Map every segment the node has now, ahead of the loads that will read them (each
-    mapping faults in its page tables: an engine does it once, at start)."""
-    client._maps.ensure_live()
+    mapping faults in its page tables: an engine does it once, at start); for copies to and
+    from a CUDA ``device``, register them with CUDA too."""
+    maps = client._maps
+    maps.ensure_live()
+    if device is not None and device.type == "cuda":
+        maps.register(maps.mapped, device)
+
+
+def registered_segments(client: SameHostClient) -> list[int]:
+    """The mapped segments this client registered with CUDA."""
+    return client._maps.registered
 
 
 @contextlib.contextmanager
 def reading(
-    client: SameHostClient, source: SameHostLookup
+    client: SameHostClient, source: SameHostLookup, device: torch.device | None = None
 ) -> Iterator[list[npt.NDArray[np.uint8]]]:
     """The located blocks in place: read-only views of their slots in the node's shared
-    memory, for a caller that copies them where they go itself (no buffer between). On exit
-    the lease is released, and ``LeaseLost`` raised if it ran out meanwhile (the copies made
-    may be torn: discard them)."""
+    memory, for a caller that copies them where they go itself (no buffer between): to a
+    CUDA ``device``, their segments are registered with CUDA first, and the caller's copies
+    must be complete when the block ends. On exit the lease is released, and ``LeaseLost``
+    raised if it ran out meanwhile (the copies made may be torn: discard them)."""
     maps = client._maps
     maps.ensure(s.segment for s in source.slots)
+    if device is not None and device.type == "cuda":
+        maps.register((s.segment for s in source.slots), device)
     views = [maps.view(slot) for slot in source.slots]
     try:
         yield views

@@ -9,8 +9,10 @@
 
 Payloads go from and to the caller's memory without Python copies: ``load_into`` receives
 each block with ``recv_into`` straight into the buffers it is given (numpy arrays, CPU torch
-tensors, bytearrays or writable memoryviews, each exactly one block long), and ``store`` hands
-the payloads' own buffers to the kernel. Ids are derived here with the node's code
+tensors, bytearrays or writable memoryviews, each exactly one block long; a CUDA tensor's block
+is received into a pinned buffer and copied to its device asynchronously, every copy complete
+before ``load_into`` returns, ``sessioncache.devices``), and ``store`` hands the payloads' own
+buffers to the kernel. Ids are derived here with the node's code
 (``sessioncache.hashing``) and every id or root the node answers is checked against them:
 a mismatch (another hash seed, namespace or tenant salt) raises ``IdMismatch``.
 
@@ -51,6 +53,7 @@ from sessioncache.dataplane.frames import (
     StoreHead,
 )
 from sessioncache.dataplane.transport import Transport, connect, recv_exact
+from sessioncache.devices import DeviceCopies, HostBounce, device_bytes, on_device
 from sessioncache.errors import (
     FrameError,
     InvalidInput,
@@ -475,7 +478,9 @@ class StreamClient:
         is sent; past it, blocks are missing; with ``each``, every held id is sent, as keyed
         blocks want). ``release`` ends the lease after the load. ``session_id``: a load by
         ids on behalf of that session (a lease's lookup named its own)."""
-        views = [as_buffer(o, writable=True) for o in out]
+        views: list[Any] = [
+            device_bytes(o, o.nbytes) if on_device(o) else as_buffer(o, writable=True) for o in out
+        ]
         if not views:
             return []
         return self._load(source, len(views), start, release, views, each=each, session=session_id)
@@ -505,7 +510,7 @@ class StreamClient:
         n: int,
         start: int,
         release: bool,
-        views: list[memoryview] | None,
+        views: list[Any] | None,
         got: list[bytes | None] | None = None,
         *,
         each: bool = False,
@@ -522,7 +527,8 @@ class StreamClient:
             request = LoadIds(list(ids[start : start + n]), each, session)
         if n > self._c.limits.max_ids:
             raise InvalidInput(f"{n} blocks; the node sends {self._c.limits.max_ids} at most")
-        with self._c.lock:
+        with self._c.lock, DeviceCopies() as copies:
+            bounce = HostBounce(copies)  # device buffers' blocks arrive here first
             rid = self._c.send(frames.encode_load(self._c.next_rid(), request))
             found: list[bool] = []
             wrong: str | None = None
@@ -541,7 +547,12 @@ class StreamClient:
                     assert got is not None
                     got.append(bytes(buf))
                 elif header.body_len == views[i].nbytes:
-                    self._c.recv(views[i])
+                    if on_device(views[i]):
+                        host = bounce.buffer(header.body_len)
+                        self._c.recv(host.numpy().data)
+                        bounce.upload(views[i])
+                    else:
+                        self._c.recv(views[i])
                 else:
                     # Keep the stream in step, and say so once every block is read.
                     self._c.drain(header.body_len)

@@ -41,6 +41,7 @@ from sessioncache.connector.errors import TransportError
 from sessioncache.connector.payloads import as_buffer
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.connector.stream import StoreAck, StreamClient
+from sessioncache.devices import DeviceCopies, device_bytes, is_tensor, on_device
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, Tokens, tokens_to_le_bytes
 from sessioncache.status import BlockStatus
@@ -186,7 +187,7 @@ class KVTransfer:
             n = self._load_rest(tokens, out, session_id)
         else:
             n = self._load_dataplane(conn, tokens, out, session_id)
-        nbytes = sum(as_buffer(b, writable=False).nbytes for b in out[:n]) if n else 0
+        nbytes = sum(_nbytes(b) for b in out[:n]) if n else 0
         return Transferred(path, n, nbytes, time.perf_counter() - start)
 
     def store_from(
@@ -242,7 +243,7 @@ class KVTransfer:
                 durable=durable,
             )
             kept = ack.kept
-        nbytes = sum(as_buffer(p, writable=False).nbytes for p in payloads[:kept])
+        nbytes = sum(_nbytes(p) for p in payloads[:kept])
         return Transferred(path, kept, nbytes, time.perf_counter() - start)
 
     # -- by keys -----------------------------------------------------------------------------
@@ -513,18 +514,17 @@ class KVTransfer:
 
 def _nbytes(payload: Any) -> int:
     """A payload's size in bytes (a device tensor's without copying it to the host)."""
-    if type(payload).__module__.startswith("torch"):
+    if is_tensor(payload):
         return int(payload.numel() * payload.element_size())
     return as_buffer(payload, writable=False).nbytes
 
 
 def _copy_into(dst: Any, payload: bytes) -> None:
-    """Copy ``payload`` into the caller's buffer (a CUDA tensor through ``copy_``)."""
-    if hasattr(dst, "device") and getattr(dst.device, "type", "cpu") != "cpu":
-        import torch
-
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        dst.view(-1).view(torch.uint8).copy_(src)
+    """Copy ``payload`` into the caller's buffer (a device tensor: on its copy stream, done
+    before this returns)."""
+    if on_device(dst):
+        with DeviceCopies() as copies:
+            copies.copy(device_bytes(dst, len(payload)), memoryview(payload))
         return
     view = as_buffer(dst, writable=True)
     if view.nbytes != len(payload):

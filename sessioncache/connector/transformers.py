@@ -503,13 +503,15 @@ class CachedPrefixRunner:
         return Prefill(logits, cache, cached, len(ids) - cached, timings)
 
     def _staging_rows(self, n: int) -> torch.Tensor:
-        """``n`` block-sized rows to load into, kept from turn to turn: a fresh buffer would
-        be faulted in page by page during the copy (64 MiB: ~16K faults), every turn.
-        ``blocks_to_kv`` copies out of it, so the next turn may overwrite it."""
+        """``n`` block-sized rows to load into, kept from turn to turn: a fresh host buffer
+        would be faulted in page by page during the copy (64 MiB: ~16K faults), every turn.
+        On a CUDA device the rows are device memory, which the carriers copy into straight
+        from the node's (registered) shared memory or their pinned buffers. ``blocks_to_kv``
+        copies out of them, so the next turn may overwrite them."""
         size = self.shape.block_bytes(self.block_tokens, self.dtype)
         if self._staging is None or self._staging.shape[0] < n:
-            pin = self.device.type == "cuda"
-            self._staging = torch.empty((n, size), dtype=torch.uint8, pin_memory=pin)
+            device = self.device if self.device.type == "cuda" else torch.device("cpu")
+            self._staging = torch.empty((n, size), dtype=torch.uint8, device=device)
         return self._staging[:n]
 
     def save(
@@ -528,10 +530,13 @@ class CachedPrefixRunner:
         if self.transfer is not None:
             full = min(len(ids), min(k.shape[2] for k, _ in pairs)) // self.block_tokens
             held = self.client.lookup_by_id(ids[: full * self.block_tokens]).matched_blocks
+            # Each block's bytes where the cache lies (on a device, the carrier copies them
+            # out on the device's copy stream, complete before they are committed).
             blocks = [
-                torch.frombuffer(
-                    bytearray(block_payload(pairs, i, self.block_tokens)), dtype=torch.uint8
-                )
+                _block_tensor(pairs, i * self.block_tokens, (i + 1) * self.block_tokens)
+                .contiguous()
+                .reshape(-1)
+                .view(torch.uint8)
                 for i in range(held, full)
             ]
             got = self.transfer.store_from(

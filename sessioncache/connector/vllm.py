@@ -425,9 +425,14 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._connect_at_start()
 
     def _connect_at_start(self) -> None:
+        if self._copies is not None:
+            device = self._copies.spine.device
+        else:
+            assert self._layout is not None
+            device = self._layout.device
         if self.settings.load:
-            try:  # connected and the node's memory mapped before the first load
-                log.info("sessioncache: loads over %s", self._node.connect())
+            try:  # connected, the node's memory mapped (and registered) before the first load
+                log.info("sessioncache: loads over %s", self._node.connect(device=device))
             except Exception as exc:
                 log.warning("sessioncache node not reachable at start (loads will retry): %s", exc)
                 self._node.close()  # no backoff: a load comes only after a lookup succeeded
