@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from sessioncache.connector import SessionCacheClient
 from sessioncache.connector.transfer import KVTransfer, Transferred
@@ -24,6 +23,7 @@ from sessioncache.connector.transformers import (
     namespace_for,
 )
 from sessioncache.errors import InvalidInput, PayloadSizeError
+from tests.support.models import tiny_llama
 from tests.support.servers import Server, start_server
 
 B = 16
@@ -32,17 +32,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    return tiny_llama()
 
 
 def full_forward(model: Any, ids: list[int]) -> tuple[torch.Tensor, Any]:
