@@ -91,14 +91,17 @@ def build_model(args: argparse.Namespace) -> Any:
 class Node:
     """A ``sessioncache serve`` with a CPU and a disk tier over one data dir, restartable."""
 
-    def __init__(self, data_dir: Path, cpu_bytes: int, disk_bytes: int) -> None:
+    def __init__(
+        self, data_dir: Path, cpu_bytes: int, disk_bytes: int, *, durable: bool = True
+    ) -> None:
+        """``durable``: every store answered once on disk (what a restarted node reads back);
+        else the README's default, written behind."""
         self.data_dir = data_dir
         self.env = {
             **os.environ,
             "SESSIONCACHE_CPU_BYTES": str(cpu_bytes),
             "SESSIONCACHE_DISK_BYTES": str(disk_bytes),
-            # acknowledged stores are on disk: what a restarted node reads back
-            "SESSIONCACHE_DURABLE_UPLOADS": "true",
+            "SESSIONCACHE_DURABLE_UPLOADS": "true" if durable else "false",
             "SESSIONCACHE_STREAM_PORT": "0",
             "SESSIONCACHE_MAX_BODY_BYTES": str(256 << 20),
         }
