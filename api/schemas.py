@@ -82,6 +82,12 @@ class NamespaceIn(Strict):
     salt: str | None = Field(None, max_length=FIELD_LIMITS["salt"])
     lora: str | None = Field(None, max_length=FIELD_LIMITS["lora"])
     group: str | None = Field(None, max_length=FIELD_LIMITS["group"])
+    kv_codec: str | None = Field(
+        None,
+        max_length=FIELD_LIMITS["kv_codec"],
+        description="lossless, or a lossy int8/<G> or fp8/<G> (G: elements per scale, the "
+        "head dimension): how the disk and Redis tiers may store this namespace's blocks",
+    )
 
     def to_namespace(self) -> Namespace:
         return Namespace(
@@ -92,6 +98,7 @@ class NamespaceIn(Strict):
             self.salt,
             self.lora,
             self.group,
+            self.kv_codec,
         )
 
 

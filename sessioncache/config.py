@@ -93,6 +93,17 @@ class Settings(BaseSettings):
         "whole CPU tier, every tenant's blocks (without API keys the one tenant is trusted)",
     )
     disk_bytes: int = Field(64 * GiB, ge=0, description="disk tier capacity; 0 leaves it out")
+    disk_codec: Literal["raw", "lossless"] = Field(
+        "raw",
+        description="how the disk tier stores blocks: `raw`, or `lossless` (bit shuffle + LZ4, "
+        "byte-exact; docs/codecs.md); a namespace's own `kv_codec` (an engine's choice, lossy "
+        "ones included) comes first",
+    )
+    tenant_codecs: dict[str, Literal["raw", "lossless"]] = Field(
+        default_factory=dict,
+        description='JSON per tenant, its disk codec (`{"<tenant>": "lossless"}`), before '
+        "`disk_codec`",
+    )
     default_ttl_s: float = Field(
         3 * DAY_S, gt=0, description="TTL of blocks stored outside a session"
     )

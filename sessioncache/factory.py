@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from sessioncache.catalog.reconcile import BackgroundReconcile, CatalogRecoveredTier, reconcile
 from sessioncache.catalog.repository import Catalog
 from sessioncache.clock import Clock
+from sessioncache.codecs import CodecTable
 from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
 from sessioncache.events import StoreObserver
@@ -29,11 +30,16 @@ from sessioncache.tiers.redis import RedisTier
 log = logging.getLogger("sessioncache.factory")
 
 
-def build_tiers(settings: Settings, *, scan: bool = True) -> list[Tier]:
+def build_tiers(
+    settings: Settings, *, scan: bool = True, codecs: CodecTable | None = None
+) -> list[Tier]:
     """The configured tiers, fastest first; a capacity of 0 leaves a tier out. With a Redis
     URL and the write-back policy the shared tier comes last, below the local ones (it gets
     their victims); with write-through it is last too and also written on every put.
-    ``scan=False`` opens the disk tier without reading its files (a fast restart)."""
+    ``scan=False`` opens the disk tier without reading its files (a fast restart);
+    ``codecs``: how the disk tier stores each namespace's blocks (default: the settings')."""
+    if codecs is None:
+        codecs = codec_table(settings)
     tiers: list[Tier] = []
     if settings.gpu_bytes:
         tiers.append(GpuTier(settings.gpu_bytes, device=settings.gpu_device))
@@ -45,7 +51,11 @@ def build_tiers(settings: Settings, *, scan: bool = True) -> list[Tier]:
             else CpuTier(settings.cpu_bytes, spare_chunks=spare, preallocate=prealloc)
         )
     if settings.disk_bytes:
-        tiers.append(DiskTier.open(settings.data_dir / "blocks", settings.disk_bytes, scan=scan))
+        tiers.append(
+            DiskTier.open(
+                settings.data_dir / "blocks", settings.disk_bytes, scan=scan, codecs=codecs
+            )
+        )
     if settings.redis_url:
         tiers.append(
             RedisTier(
@@ -58,6 +68,11 @@ def build_tiers(settings: Settings, *, scan: bool = True) -> list[Tier]:
     if not tiers:
         raise InvalidInput("every tier is disabled: give at least one a capacity")
     return tiers
+
+
+def codec_table(settings: Settings) -> CodecTable:
+    """Which codec each namespace's blocks get below the memory tiers (``codecs``)."""
+    return CodecTable(settings.disk_codec, settings.tenant_codecs)
 
 
 def shared_cpu_tier(settings: Settings) -> bool:
@@ -106,9 +121,10 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         clock=clock,
     )
     closers: list[Callable[[], None]] = []
+    codecs = codec_table(settings)
     try:
         tiers: list[Tier] = []
-        for tier in build_tiers(settings, scan=not fast):
+        for tier in build_tiers(settings, scan=not fast, codecs=codecs):
             # the catalog restores the LRU order (last access) the files do not record
             tiers.append(
                 CatalogRecoveredTier(
@@ -209,6 +225,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         owners=owners,
         usage=catalog,
         checks=[background] if background is not None else [],
+        codecs=codecs,
     )
     # the dashboard's charts: the node stops it when it closes
     node.history = StatsHistory(

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from sessioncache.codecs import parse_codec
 from sessioncache.errors import InvalidInput
 
 BlockHash = NewType("BlockHash", bytes)
@@ -43,11 +44,12 @@ FIELD_LIMITS: dict[str, int] = {
     "salt": 256,
     "lora": 512,
     "group": 256,
+    "kv_codec": 32,
 }
 """The longest value of each text field of a namespace a client may send, on every carrier
 (the salt a server derives, ``"<tenant>/<salt>"``, may be longer)."""
 MAX_BLOCK_TOKENS = 1 << 16
-OPTIONAL_FIELDS = ("group",)
+OPTIONAL_FIELDS = ("group", "kv_codec")
 """Fields added to ``Namespace`` after its first version: left out of its encoding (and so of
 its digest) when unset, so that every id made before them stays as it was."""
 
@@ -77,6 +79,11 @@ class Namespace:
     namespace holds one payload size, so each group of a hybrid model has its own, derived
     from the model's by setting this field; objects of a group hang off the chain blocks of
     another group of the same model (``related``)."""
+    kv_codec: str | None = None
+    """How the lower tiers may store this namespace's blocks, when the engine asks for it:
+    ``lossless``, or a lossy ``int8/<G>`` or ``fp8/<G>`` (``G`` elements per scale, the head
+    dimension; ``sessioncache.codecs``). Part of the digest: a lossy namespace's ids are its
+    own, so an engine that expects exact KV never reads lossy KV."""
 
     def __post_init__(self) -> None:
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int):
@@ -88,10 +95,12 @@ class Namespace:
         for name in ("model", "kv_dtype", "kv_layout"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidInput(f"{name} must be a non-empty string")
-        for name in ("salt", "lora", "group"):
+        for name in ("salt", "lora", "group", "kv_codec"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidInput(f"{name} must be a string or None")
+        if self.kv_codec is not None:
+            parse_codec(self.kv_codec, self.kv_dtype)  # InvalidInput: says what it takes
 
     def as_json(self) -> dict[str, Any]:
         """The namespace as the REST API and the stream's RESOLVE carry it: every field of

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from sessioncache.accounting import TokenAccounting, TokenCounts
 from sessioncache.attribution import Attribution, DropLog, StoreView
+from sessioncache.codecs import CodecTable
 from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput, QuotaExceeded
 from sessioncache.events import UsageRecorder
@@ -75,8 +76,11 @@ class CacheNode:
         usage: UsageRecorder | None = None,
         history: StatsHistory | None = None,
         checks: Sequence[HealthCheck] = (),
+        codecs: CodecTable | None = None,
     ) -> None:
         self.settings = settings
+        self.codecs = codecs if codecs is not None else CodecTable()
+        """How the lower tiers store each namespace's blocks (``sessioncache.codecs``)."""
         self.store = store
         self.sessions = sessions
         self.quotas = Quotas(tenant_defaults(settings), settings.tenant_limits)
@@ -223,6 +227,7 @@ class CacheNode:
                 return root
         root = self.effective_namespace(tenant, namespace).root(self.settings.hash_seed)
         self.owners.claim(root, tenant, namespace)
+        self.codecs.remember(root, namespace, tenant)
         with self._lock:
             if len(self._roots) > 100_000:
                 self._roots.clear()

@@ -110,6 +110,8 @@ class RecoveredBlock:
     """The block's own TTL, where something recorded it (the catalog); None: the default."""
     expires_at: float | None = None
     """When it expires, where recorded; None: its last access plus its TTL."""
+    stored_nbytes: int = -1
+    """Bytes the tier holds for it, where a codec made them fewer (-1: ``nbytes``)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -13,6 +13,12 @@ followed by the payload. The file size is exactly ``88 + payload length``. The p
 the folder self-describing: after a restart the store rebuilds whole chains (tail-first
 eviction, session re-pinning) from the files alone.
 
+Codecs: a namespace's blocks may be stored encoded (``sessioncache.codecs``: lossless, or a
+lossy codec the engine asked for), as ``codecs.for_root`` says; the header records the codec
+and the raw length, the checksum covers the stored bytes, ``get`` decodes into the raw block.
+The capacity counts stored bytes (``tiers.blockfile``), except for blocks adopted on the
+catalog's word, which count their raw length until they are written again.
+
 Durability of ``put``: the header and payload go to a temp file in the block's shard folder
 (no copy of the payload is made), the file is ``fdatasync``-ed, renamed over its final name and
 the shard folder is ``fsync``-ed (and, the first time this process uses a folder, its parents).
@@ -48,7 +54,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 from typing import Final
@@ -57,9 +62,20 @@ import numpy as np
 import torch
 import xxhash
 
+from sessioncache.codecs import CodecTable
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull, TierUnavailable
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.tiers.base import PutItem, RecoveredBatch, RecoveredBlock
+from sessioncache.tiers.blockfile import (
+    HEADERS,
+    MAGIC,
+    Encoded,
+    Entry,
+    TrustedEntry,
+    encode_payload,
+    read_coded,
+    read_header_of,
+)
 from sessioncache.tiers.fileio import (
     PendingFile,
     fsync_dir,
@@ -74,20 +90,17 @@ from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
     VERSION,
-    HeaderCodec,
     InvalidBlock,
     check_id,
 )
-from sessioncache.tiers.payload import as_memoryview, checked_nbytes
+from sessioncache.tiers.payload import checked_nbytes
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
 
 logger = logging.getLogger("sessioncache.tiers.disk")
 
-MAGIC = b"SCBLK\x00\x01\x00"
-_CODEC = HeaderCodec(MAGIC)
-encode_header = _CODEC.encode
-decode_header = _CODEC.decode
+encode_header = HEADERS.encode
+decode_header = HEADERS.decode
 _BLOCK_SUFFIX = ".blk"
 _TMP_SUFFIX = ".tmp"
 _HEX_LEN = 2 * HASH_BYTES
@@ -104,22 +117,6 @@ def _os_error(name: str, exc: OSError) -> Exception:
         return TierFull(f"{name} tier: filesystem full: {exc}")
     # out of descriptors, an I/O error: not written, not a crash
     return TierUnavailable(f"{name} tier: cannot write a block: {exc}")
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Entry:
-    """One held block: what ``get`` checks its file against. Compared by identity to detect
-    concurrent replacement, so each put makes its own."""
-
-    nbytes: int
-    namespace_root: bytes
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _TrustedEntry(_Entry):
-    """A block indexed on its owner's word (``adopt``), its file not seen yet. One object is
-    shared by every adopted block of a size and namespace (a restart adopts them by the
-    hundred thousand): the identity check still tells a put's entry (always new) from it."""
 
 
 class DiskTier:
@@ -140,7 +137,9 @@ class DiskTier:
         *,
         name: str = "disk",
         fsync: bool = True,
+        codecs: CodecTable | None = None,
     ) -> None:
+        """``codecs``: how each namespace's blocks are stored (default: all raw)."""
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise InvalidInput("capacity_bytes must be an int")
         if capacity_bytes < 0:
@@ -153,8 +152,9 @@ class DiskTier:
         self.capacity_bytes: Final = capacity_bytes
         self.name: Final = name
         self._fsync = fsync
+        self._codecs = codecs if codecs is not None else CodecTable()
         self._lock = threading.Lock()
-        self._index: dict[BlockHash, _Entry] = {}
+        self._index: dict[BlockHash, Entry] = {}
         self._inflight: dict[BlockHash, threading.Event] = {}
         self._used = 0
         self._reserved = 0
@@ -162,7 +162,7 @@ class DiskTier:
         self._recovered: list[RecoveredBlock] = []
         self._opened_at = time.time()
         self._missing: list[BlockHash] = []
-        self._trusted: dict[tuple[int, bytes], _TrustedEntry] = {}
+        self._trusted: dict[tuple[int, bytes], TrustedEntry] = {}
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -175,10 +175,11 @@ class DiskTier:
         name: str = "disk",
         fsync: bool = True,
         scan: bool = True,
+        codecs: CodecTable | None = None,
     ) -> DiskTier:
         """Create the folders under ``root`` if needed and rebuild the index from its files
         (``scan``; else start empty: see ``adopt`` and ``scan_unindexed``)."""
-        tier = cls(root, capacity_bytes, name=name, fsync=fsync)
+        tier = cls(root, capacity_bytes, name=name, fsync=fsync, codecs=codecs)
         if scan:
             tier._prepare()
         else:
@@ -204,7 +205,7 @@ class DiskTier:
                 if index.keys().isdisjoint(ids) and inflight.keys().isdisjoint(ids):
                     entry = self._trusted.get((nbytes, root))
                     if entry is None:
-                        entry = self._trusted[nbytes, root] = _TrustedEntry(nbytes, root)
+                        entry = self._trusted[nbytes, root] = TrustedEntry(nbytes, root)
                     size = len(index)
                     index.update(zip(ids, repeat(entry)))
                     self._used += nbytes * (len(index) - size)
@@ -221,7 +222,7 @@ class DiskTier:
                     continue
                 entry = trusted.get((nbytes, root))
                 if entry is None:
-                    entry = trusted[nbytes, root] = _TrustedEntry(nbytes, root)
+                    entry = trusted[nbytes, root] = TrustedEntry(nbytes, root)
                 index[block_hash] = entry
                 used += nbytes
             self._used += used
@@ -247,13 +248,14 @@ class DiskTier:
             for block in found:
                 if block.block_hash in self._index or block.block_hash in self._inflight:
                     continue  # put, or being put or deleted, since the walk saw it
-                self._index[block.block_hash] = _Entry(block.nbytes, block.namespace_root)
-                self._used += block.nbytes
+                entry = Entry(block.nbytes, block.namespace_root, block.stored_nbytes)
+                self._index[block.block_hash] = entry
+                self._used += entry.counted
                 adopted.append(block)
             self._missing = [
                 block_hash
                 for block_hash, entry in self._index.items()
-                if type(entry) is _TrustedEntry and block_hash not in seen
+                if type(entry) is TrustedEntry and block_hash not in seen
             ]
         return adopted
 
@@ -264,9 +266,9 @@ class DiskTier:
         with self._lock:
             for block_hash in self._missing:
                 entry = self._index.get(block_hash)
-                if type(entry) is _TrustedEntry and block_hash not in self._inflight:
+                if type(entry) is TrustedEntry and block_hash not in self._inflight:
                     del self._index[block_hash]
-                    self._used -= entry.nbytes
+                    self._used -= entry.counted
                     gone.append(block_hash)
             self._missing = []
         return gone
@@ -293,8 +295,9 @@ class DiskTier:
                 self._ready_dirs.add(d1.path)
         with self._lock:
             for block in found:
-                self._index[block.block_hash] = _Entry(block.nbytes, block.namespace_root)
-                self._used += block.nbytes
+                entry = Entry(block.nbytes, block.namespace_root, block.stored_nbytes)
+                self._index[block.block_hash] = entry
+                self._used += entry.counted
             self._recovered = found
         logger.info(
             "disk tier %r at %s: recovered %d blocks (%d bytes of %d), quarantined %d, %.3fs",
@@ -319,7 +322,7 @@ class DiskTier:
         self,
         shard: str,
         found: list[RecoveredBlock],
-        known: dict[BlockHash, _Entry] | None = None,
+        known: dict[BlockHash, Entry] | None = None,
         seen: set[BlockHash] | None = None,
     ) -> int:
         """Index the valid blocks of one shard folder; returns how many were quarantined.
@@ -349,7 +352,7 @@ class DiskTier:
                         seen.add(block_hash)
                     continue
                 try:
-                    found.append(self._read_header_of(entry.path, block_hash))
+                    found.append(read_header_of(entry.path, block_hash))
                 except InvalidBlock as exc:
                     self._quarantine_file(entry.path, block_hash, str(exc))
                     quarantined += 1
@@ -367,21 +370,6 @@ class DiskTier:
             fsync_dir(shard)
         self._ready_dirs.add(shard)
         return quarantined
-
-    @staticmethod
-    def _read_header_of(path: str, block_hash: BlockHash) -> RecoveredBlock:
-        fd = os.open(path, _READ_FLAGS)
-        try:
-            raw = os.pread(fd, HEADER_SIZE, 0)
-            size = os.fstat(fd)
-        finally:
-            os.close(fd)
-        bid, ns, parent, nbytes, _checksum = decode_header(raw)
-        if bid != block_hash:
-            raise InvalidBlock("block id in header does not match the file name")
-        if nbytes == 0 or size.st_size != HEADER_SIZE + nbytes:
-            raise InvalidBlock(f"file is {size.st_size} bytes, header says {HEADER_SIZE + nbytes}")
-        return RecoveredBlock(block_hash, ns, nbytes, size.st_mtime, parent)
 
     # ------------------------------------------------------------------------------ properties
 
@@ -430,19 +418,24 @@ class DiskTier:
         others stored."""
         results: list[Exception | None] = [None] * len(items)
         claimed: list[tuple[int, BlockHash, threading.Event, int]] = []
+        encoded: dict[int, Encoded] = {}
         try:
             for i, item in enumerate(items):
                 try:
-                    claim = self._claim(item)
+                    if item.block_hash in self._index:
+                        continue  # held: nothing to encode
+                    coded = self._encode(item)
+                    claim = self._claim(item, coded.stored.nbytes)
                 except (TierFull, InvalidInput, PayloadSizeError) as exc:
                     results[i] = exc
                     continue
                 if claim is not None:
+                    encoded[i] = coded
                     claimed.append((i, item.block_hash, *claim))
             pending: list[tuple[int, PendingFile]] = []
-            for i, _, _, nbytes in claimed:
+            for i, _, _, _ in claimed:
                 try:
-                    pending.append((i, self._begin_file(items[i], nbytes)))
+                    pending.append((i, self._begin_file(items[i], encoded[i])))
                 except OSError as exc:
                     results[i] = _os_error(self.name, exc)
                 except PayloadSizeError as exc:
@@ -462,21 +455,33 @@ class DiskTier:
                 for i, block_hash, _, nbytes in claimed:
                     self._reserved -= nbytes
                     if results[i] is None:
-                        self._index[block_hash] = _Entry(nbytes, items[i].namespace_root)
-                        self._used += nbytes
+                        coded = encoded[i]
+                        stored = nbytes if coded.codec.id else -1
+                        entry = Entry(coded.raw_nbytes, items[i].namespace_root, stored)
+                        self._index[block_hash] = entry
+                        self._used += entry.counted
                     del self._inflight[block_hash]
             for _, _, done, _ in claimed:
                 done.set()
         return results
 
-    def _claim(self, item: PutItem) -> tuple[threading.Event, int] | None:
-        """Reserve the item's bytes and mark its id in flight; None when it is held."""
-        block_hash, payload, namespace_root, parent = item[:4]
-        check_id(block_hash, "block id")
-        check_id(namespace_root, "namespace root")
-        if parent is not None:
-            check_id(parent, "parent id")
-        nbytes = checked_nbytes(payload, self.name, self.capacity_bytes)
+    def _encode(self, item: PutItem) -> Encoded:
+        """The item's payload as this tier stores it (its namespace's codec), checked."""
+        check_id(item.block_hash, "block id")
+        check_id(item.namespace_root, "namespace root")
+        if item.parent is not None:
+            check_id(item.parent, "parent id")
+        checked_nbytes(item.payload, self.name, self.capacity_bytes)
+        return encode_payload(item, self._codecs.for_root(item.namespace_root))
+
+    def _claim(self, item: PutItem, nbytes: int) -> tuple[threading.Event, int] | None:
+        """Reserve ``nbytes`` for the item and mark its id in flight; None when it is held."""
+        block_hash = item.block_hash
+        if nbytes > self.capacity_bytes:
+            raise PayloadSizeError(
+                f"{self.name}: payload of {nbytes} bytes exceeds the tier's capacity of "
+                f"{self.capacity_bytes}"
+            )
         while True:
             with self._lock:
                 if block_hash in self._index:
@@ -494,11 +499,9 @@ class DiskTier:
                     return done, nbytes
             waiting.wait()  # another thread writes, deletes or quarantines this id
 
-    def _begin_file(self, item: PutItem, n: int) -> PendingFile:
+    def _begin_file(self, item: PutItem, coded: Encoded) -> PendingFile:
         """Write the block's temp file, its device write started; left open for its sync."""
-        block_hash, view = item.block_hash, as_memoryview(item.payload)
-        if view.nbytes != n:
-            raise PayloadSizeError(f"payload changed size ({view.nbytes} != {n})")
+        block_hash, view = item.block_hash, coded.stored
         hexid = block_hash.hex()
         top = os.path.join(self._blocks_dir, hexid[0:2])
         shard = os.path.join(top, hexid[2:4])
@@ -512,8 +515,15 @@ class DiskTier:
                 new_dirs.append(top)
         final = os.path.join(shard, hexid + _BLOCK_SUFFIX)
         tmp = os.path.join(shard, f".{hexid}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
-        checksum = _xxh3(view) if item.checksum is None else item.checksum
-        header = encode_header(block_hash, item.namespace_root, item.parent, n, checksum)
+        header = encode_header(
+            block_hash,
+            item.namespace_root,
+            item.parent,
+            view.nbytes,
+            coded.checksum,
+            coded.codec.id,
+            coded.raw_nbytes if coded.codec.id else 0,
+        )
         fd = os.open(tmp, _WRITE_FLAGS, 0o644)
         try:
             if self._fsync and sync_file_range is not None:
@@ -543,6 +553,8 @@ class DiskTier:
         if entry is None:
             return None
         path = self._path(block_hash)
+        if entry.stored >= 0:  # a codec wrote it: read as stored, then decode
+            return self._decoded(block_hash, entry, path, entry.stored)
         header = bytearray(HEADER_SIZE)
         # numpy, not torch.empty: numpy asks for huge pages on big buffers, which made
         # faulting in a fresh 32 MiB buffer ~3x cheaper here.
@@ -565,19 +577,44 @@ class DiskTier:
             self._drop(block_hash, entry, path, f"read error: {exc}")
             return None
         try:
-            bid, ns, _parent, nbytes, checksum = decode_header(header)
-            if bid != block_hash:
+            head = decode_header(header)
+            if head.block_hash != block_hash:
                 raise InvalidBlock("block id in header does not match the file name")
-            if ns != entry.namespace_root:
+            if head.namespace_root != entry.namespace_root:
                 raise InvalidBlock("namespace root in header does not match the index")
-            if nbytes != entry.nbytes or got != HEADER_SIZE + nbytes:
+            if head.raw_nbytes != entry.nbytes:
+                raise InvalidBlock(f"a block of {head.raw_nbytes} bytes, {entry.nbytes} expected")
+            if head.codec:  # adopted on trust, and a codec wrote it
+                return self._decoded(block_hash, entry, path, head.nbytes)
+            if got != HEADER_SIZE + head.nbytes:
                 raise InvalidBlock(f"file holds {got} bytes, expected {HEADER_SIZE + entry.nbytes}")
-            if _xxh3(body) != checksum:
+            if _xxh3(body) != head.checksum:
                 raise InvalidBlock("payload checksum mismatch")
         except InvalidBlock as exc:
             self._drop(block_hash, entry, path, str(exc))
             return None
         return torch.from_numpy(buf)
+
+    def _decoded(
+        self, block_hash: BlockHash, entry: Entry, path: str, stored_nbytes: int
+    ) -> torch.Tensor | None:
+        """The block of a file whose payload a codec wrote (``blockfile.read_coded``); a
+        miss, its file quarantined, when it does not hold."""
+        try:
+            raw = read_coded(path, block_hash, entry.namespace_root, entry.nbytes, stored_nbytes)
+        except FileNotFoundError:
+            logger.warning("disk tier %r: block %s vanished", self.name, block_hash.hex())
+            self._drop(block_hash, entry, None, "")
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            self._drop(block_hash, entry, path, f"read error: {exc}")
+            return None
+        except InvalidBlock as exc:
+            self._drop(block_hash, entry, path, str(exc))
+            return None
+        return torch.from_numpy(raw)
 
     # --------------------------------------------------------------------------------- delete
 
@@ -586,7 +623,7 @@ class DiskTier:
             entry = self._index.pop(block_hash, None)
             if entry is None:
                 return 0
-            self._used -= entry.nbytes
+            self._used -= entry.counted
             done = threading.Event()
             self._inflight[block_hash] = done
         try:
@@ -603,7 +640,7 @@ class DiskTier:
         hexid = block_hash.hex()
         return os.path.join(self._blocks_dir, hexid[0:2], hexid[2:4], hexid + _BLOCK_SUFFIX)
 
-    def _drop(self, block_hash: BlockHash, entry: _Entry, path: str | None, why: str) -> None:
+    def _drop(self, block_hash: BlockHash, entry: Entry, path: str | None, why: str) -> None:
         """Forget a block whose file is bad (quarantining ``path``) or gone (``path`` None).
 
         Only acts if the index still holds this very entry: a concurrent delete or re-put
@@ -613,7 +650,7 @@ class DiskTier:
             if self._index.get(block_hash) is not entry:
                 return
             del self._index[block_hash]
-            self._used -= entry.nbytes
+            self._used -= entry.counted
             if path is None:
                 return
             done = threading.Event()

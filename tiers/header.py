@@ -6,14 +6,19 @@ little-endian (``struct`` format ``<8sHHI16s16s16sQQQ``):
     offset  size  field
          0     8  magic            the format's (``tiers.disk.MAGIC``, ``tiers.redis.MAGIC``)
          8     2  version          u16, currently 1
-        10     2  flags            u16, bit 0: the block has a parent (else it roots a chain)
-        12     4  reserved         u32, 0
+        10     2  flags            u16, bit 0: the block has a parent (else it roots a chain);
+                                   bits 8-15: the payload's codec (``sessioncache.codecs``,
+                                   0: raw, the bytes as the engine sent them)
+        12     4  raw length       u32, the block's length once decoded (0 when raw: the
+                                   payload length)
         16    16  block id         the 16-byte ``BlockHash``
         32    16  namespace root   16 bytes
         48    16  parent id        the parent's ``BlockHash``, zeros when flag bit 0 is clear
-        64     8  payload length   u64, bytes following the header
-        72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)``
+        64     8  payload length   u64, bytes following the header (as stored)
+        72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)`` of the stored bytes
         80     8  header xxh3      u64, ``xxh3_64_intdigest(header[0:80])``
+
+Headers written before codecs existed have both fields 0: raw.
 """
 
 from __future__ import annotations
@@ -59,7 +64,11 @@ class Header(NamedTuple):
     nbytes: int
     """Payload length."""
     checksum: int
-    """``xxh3_64_intdigest`` of the payload."""
+    """``xxh3_64_intdigest`` of the payload (as stored)."""
+    codec: int = 0
+    """The payload's codec id (0: raw)."""
+    raw_nbytes: int = 0
+    """The block's length once decoded (``nbytes`` when raw)."""
 
 
 class HeaderCodec:
@@ -79,13 +88,18 @@ class HeaderCodec:
         parent: bytes | None,
         nbytes: int,
         checksum: int,
+        codec: int = 0,
+        raw_nbytes: int = 0,
     ) -> bytes:
-        """The 88-byte header of a block."""
+        """The 88-byte header of a block: ``nbytes`` stored bytes with ``checksum``, of
+        ``codec`` (a block of ``raw_nbytes`` once decoded) when it is not raw."""
+        if not 0 <= codec <= 0xFF or not 0 <= raw_nbytes <= 0xFFFFFFFF:
+            raise InvalidInput(f"a codec id of {codec} and a raw length of {raw_nbytes}")
         body = HEADER.pack(
             self.magic,
             VERSION,
-            0 if parent is None else _HAS_PARENT,
-            0,
+            (0 if parent is None else _HAS_PARENT) | (codec << 8),
+            raw_nbytes if codec else 0,
             block_hash,
             namespace_root,
             parent or _NO_PARENT,
@@ -100,8 +114,8 @@ class HeaderCodec:
         ``InvalidBlock``."""
         if len(raw) < HEADER_SIZE:
             raise InvalidBlock(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
-        magic, version, flags, _res, bid, ns, parent, nbytes, checksum, hsum = HEADER.unpack_from(
-            raw
+        magic, version, flags, raw_len, bid, ns, parent, nbytes, checksum, hsum = (
+            HEADER.unpack_from(raw)
         )
         if magic != self.magic:
             raise InvalidBlock("bad magic")
@@ -109,7 +123,18 @@ class HeaderCodec:
             raise InvalidBlock("header checksum mismatch")
         if version != VERSION:
             raise InvalidBlock(f"unsupported format version {version}")
-        return Header(bid, ns, BlockHash(parent) if flags & _HAS_PARENT else None, nbytes, checksum)
+        codec = flags >> 8
+        if (codec == 0) != (raw_len == 0) or flags & 0xFE:
+            raise InvalidBlock(f"bad flags {flags:#x} or raw length {raw_len}")
+        return Header(
+            bid,
+            ns,
+            BlockHash(parent) if flags & _HAS_PARENT else None,
+            nbytes,
+            checksum,
+            codec,
+            raw_len if codec else nbytes,
+        )
 
 
 def check_id(value: object, what: str) -> BlockHash:

@@ -1,0 +1,193 @@
+"""Block codecs: lossless round trips are byte-exact, lossy ones bounded and opt-in through
+the namespace (their ids are their own), the disk tier stores and reads each one, and the
+node picks a namespace's codec from the namespace, its tenant or itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from sessioncache.codecs import (
+    FP8_ID,
+    INT8_ID,
+    LOSSLESS_ID,
+    RAW,
+    CodecTable,
+    decode_block,
+    parse_codec,
+)
+from sessioncache.errors import InvalidInput
+from sessioncache.hashing import BlockHash, Namespace
+from sessioncache.tiers.base import PutItem, RecoveredBlock
+from sessioncache.tiers.disk import HEADER_SIZE, DiskTier, decode_header
+
+ROOT = b"R" * 16
+OTHER = b"O" * 16
+HEAD_DIM = 64
+
+
+def kv_block(seed: int, nbytes: int = 64 * 1024) -> bytes:
+    """bf16 values of a KV block's scale (smooth magnitudes, a few outliers)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(nbytes // 2, generator=gen) * 0.5
+    x[::97] *= 8
+    return bytes(x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes())
+
+
+def bid(i: int) -> BlockHash:
+    return BlockHash(xxhash.xxh3_128_digest(f"codec-{i}".encode()))
+
+
+def as_bf16(raw: bytes | np.ndarray) -> torch.Tensor:
+    data = raw if isinstance(raw, bytes) else raw.tobytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.bfloat16).float()
+
+
+# -- the codecs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", ["kv", "random", "zeros"])
+def test_lossless_round_trips_are_byte_exact(data: str) -> None:
+    raw = {
+        "kv": kv_block(1),
+        "random": np.random.default_rng(2).integers(0, 256, 50_001, dtype=np.uint8).tobytes(),
+        "zeros": bytes(4096),
+    }[data]
+    codec = parse_codec("lossless", "bf16")
+    stored = codec.encode(raw)
+    assert codec.decode(stored, len(raw)).tobytes() == raw
+    if data == "kv":
+        assert len(raw) / stored.nbytes > 1.1  # bf16 exponents compress
+
+
+@pytest.mark.parametrize(("name", "qmax"), [("int8", 127), ("fp8", 448)])
+def test_lossy_codecs_halve_a_block_within_their_error(name: str, qmax: int) -> None:
+    raw = kv_block(3)
+    codec = parse_codec(f"{name}/{HEAD_DIM}", "bf16")
+    assert codec.lossy and codec.name == f"{name}/{HEAD_DIM}"
+    stored = codec.encode(raw)
+    assert len(raw) / stored.nbytes > 1.9
+    back = as_bf16(codec.decode(stored, len(raw)))
+    x = as_bf16(raw)
+    absmax = x.view(-1, HEAD_DIM).abs().amax(1, keepdim=True)
+    err = (back - x).view(-1, HEAD_DIM).abs()
+    bound = absmax / qmax if name == "int8" else absmax / 8  # e4m3: 3 mantissa bits
+    assert bool((err <= bound * 0.51 + absmax * 2**-8).all())  # half a step, plus bf16's
+
+
+def test_bytes_a_codec_did_not_make_are_refused() -> None:
+    raw = kv_block(4, 8192)
+    for name in ("lossless", f"int8/{HEAD_DIM}", f"fp8/{HEAD_DIM}"):
+        codec = parse_codec(name, "bf16")
+        stored = bytearray(codec.encode(raw))
+        with pytest.raises(InvalidInput):
+            codec.decode(bytes(stored[: len(stored) // 2]), len(raw))
+        with pytest.raises(InvalidInput):
+            codec.decode(bytes(stored), len(raw) + 2 * HEAD_DIM)
+    with pytest.raises(InvalidInput):
+        decode_block(99, b"x", 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "dtype"),
+    [
+        ("gzip", "bf16"),
+        ("int8", "bf16"),
+        ("int8/0", "bf16"),
+        ("int8/x", "bf16"),
+        ("fp8/64", "u8"),
+        ("int4/64", "bf16"),
+    ],
+)
+def test_a_codec_name_is_checked(text: str, dtype: str) -> None:
+    with pytest.raises(InvalidInput):
+        parse_codec(text, dtype)
+    with pytest.raises(InvalidInput):
+        Namespace("m", 16, dtype, "x", kv_codec=text)
+
+
+def test_a_lossy_namespace_has_ids_of_its_own_and_others_keep_theirs() -> None:
+    exact = Namespace("m", 16, "bf16", "x")
+    lossy = Namespace("m", 16, "bf16", "x", kv_codec=f"int8/{HEAD_DIM}")
+    assert lossy.root() != exact.root()
+    assert "kv_codec" not in exact.as_json()  # unset: left out of the digest, ids unchanged
+    assert lossy.as_json()["kv_codec"] == f"int8/{HEAD_DIM}"
+
+
+def test_the_table_takes_the_namespace_then_the_tenant_then_the_node() -> None:
+    table = CodecTable("raw", {"acme": "lossless"})
+    exact = Namespace("m", 16, "bf16", "x")
+    lossy = Namespace("m", 16, "bf16", "x", kv_codec=f"fp8/{HEAD_DIM}")
+    assert table.remember(b"a" * 16, exact, "acme").id == LOSSLESS_ID
+    assert table.remember(b"b" * 16, exact, "globex") is RAW
+    assert table.remember(b"c" * 16, lossy, "globex").id == FP8_ID
+    assert table.for_root(b"a" * 16).id == LOSSLESS_ID
+    assert table.for_root(b"b" * 16) is RAW and table.for_root(b"z" * 16) is RAW
+    with pytest.raises(InvalidInput):
+        CodecTable("int8/64")  # a lossy codec is never a node's or tenant's choice
+    with pytest.raises(InvalidInput):
+        CodecTable("raw", {"acme": "fp8/64"})
+
+
+# -- the disk tier -------------------------------------------------------------------------
+
+
+def disk(path: Path) -> tuple[DiskTier, CodecTable]:
+    table = CodecTable()
+    table.remember(ROOT, Namespace("m", 16, "bf16", "x", kv_codec="lossless"), None)
+    table.remember(OTHER, Namespace("m", 16, "bf16", "x", kv_codec=f"int8/{HEAD_DIM}"), None)
+    return DiskTier.open(path, 16 << 20, codecs=table), table
+
+
+def test_the_disk_tier_stores_each_namespace_with_its_codec(tmp_path: Path) -> None:
+    tier, _ = disk(tmp_path)
+    raw = kv_block(5)
+    tier.put(PutItem(bid(1), raw, ROOT))  # lossless
+    tier.put(PutItem(bid(2), raw, OTHER))  # int8
+    tier.put(PutItem(bid(3), raw, b"P" * 16))  # a root never recorded: raw
+    files = {i: (tmp_path / "blocks").rglob(f"{bid(i).hex()}.blk") for i in (1, 2, 3)}
+    sizes = {i: next(f).stat().st_size - HEADER_SIZE for i, f in files.items()}
+    assert sizes[3] == len(raw) and sizes[1] < len(raw) and sizes[2] < len(raw) * 0.52
+    assert tier.used_bytes == sum(sizes.values())  # capacity counts stored bytes
+    for i in (1, 2, 3):
+        path = next((tmp_path / "blocks").rglob(f"{bid(i).hex()}.blk"))
+        head = decode_header(path.read_bytes()[:HEADER_SIZE])
+        assert head.codec == {1: LOSSLESS_ID, 2: INT8_ID, 3: 0}[i]
+        assert head.raw_nbytes == len(raw) and head.nbytes == sizes[i]
+    got = {i: tier.get(bid(i)) for i in (1, 2, 3)}
+    assert bytes(got[1].numpy()) == raw and bytes(got[3].numpy()) == raw  # type: ignore[union-attr]
+    lossy = as_bf16(got[2].numpy())  # type: ignore[union-attr]
+    assert bytes(got[2].numpy()) != raw  # type: ignore[union-attr]
+    assert (lossy - as_bf16(raw)).abs().max() < 0.1
+    # a restart reads the headers: raw lengths for the store, stored ones for the capacity
+    again = DiskTier.open(tmp_path, 16 << 20, codecs=CodecTable())
+    found = {b.block_hash: b for b in again.recovered()}
+    assert {b.nbytes for b in found.values()} == {len(raw)}
+    assert again.used_bytes == tier.used_bytes
+    assert bytes(again.get(bid(1)).numpy()) == raw  # type: ignore[union-attr]
+    assert again.delete(bid(2)) == len(raw) and again.used_bytes == sizes[1] + sizes[3]
+
+
+def test_a_damaged_stored_block_is_a_miss_and_quarantined(tmp_path: Path) -> None:
+    tier, _ = disk(tmp_path)
+    raw = kv_block(6)
+    tier.put(PutItem(bid(7), raw, ROOT))
+    path = next((tmp_path / "blocks").rglob(f"{bid(7).hex()}.blk"))
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZE + 40] ^= 0x5A
+    path.write_bytes(bytes(data))
+    assert tier.get(bid(7)) is None
+    assert not tier.contains(bid(7)) and list((tmp_path / "quarantine").iterdir())
+
+
+def test_a_block_adopted_on_trust_is_read_whatever_its_codec(tmp_path: Path) -> None:
+    tier, _ = disk(tmp_path)
+    raw = kv_block(8)
+    tier.put(PutItem(bid(9), raw, ROOT))
+    restarted = DiskTier.open(tmp_path, 16 << 20, scan=False)  # the catalog's word only
+    restarted.adopt([RecoveredBlock(bid(9), ROOT, len(raw), 0.0)])  # raw length, as the store
+    assert bytes(restarted.get(bid(9)).numpy()) == raw  # type: ignore[union-attr]

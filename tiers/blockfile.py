@@ -1,0 +1,127 @@
+"""One block file of the disk tier, read and written (``tiers.disk`` keeps the index, the
+capacity and the files' lifecycle): the payload as its namespace's codec stores it, the
+header of a file read at start-up, and a file a codec wrote, read back and decoded."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from sessioncache.codecs import RAW, Codec, decode_block
+from sessioncache.errors import InvalidInput, PayloadSizeError
+from sessioncache.hashing import BlockHash
+from sessioncache.tiers.base import PutItem, RecoveredBlock
+from sessioncache.tiers.fileio import read_full
+from sessioncache.tiers.header import HEADER_SIZE, HeaderCodec, InvalidBlock
+from sessioncache.tiers.payload import as_memoryview
+
+MAGIC = b"SCBLK\x00\x01\x00"
+HEADERS = HeaderCodec(MAGIC)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Entry:
+    """One held block: what ``get`` checks its file against. Compared by identity to detect
+    concurrent replacement, so each put makes its own. ``nbytes`` is the block's (raw)
+    length; ``stored`` the file's payload length where a codec made it another (-1: the
+    same, or not known: an adopted block counts its raw length until it is written again)."""
+
+    nbytes: int
+    namespace_root: bytes
+    stored: int = -1
+
+    @property
+    def counted(self) -> int:
+        """What the block counts against the capacity."""
+        return self.nbytes if self.stored < 0 else self.stored
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrustedEntry(Entry):
+    """A block indexed on its owner's word (``adopt``), its file not seen yet. One object is
+    shared by every adopted block of a size and namespace (a restart adopts them by the
+    hundred thousand): the identity check still tells a put's entry (always new) from it."""
+
+
+class Encoded(NamedTuple):
+    """A payload as the tier stores it."""
+
+    codec: Codec
+    stored: memoryview
+    raw_nbytes: int
+    checksum: int
+    """Of the stored bytes."""
+
+
+def encode_payload(item: PutItem, codec: Codec) -> Encoded:
+    """``item``'s payload as ``codec`` stores it, with the checksum of the stored bytes (the
+    item's own when raw and known)."""
+    view = as_memoryview(item.payload)
+    if codec.id == RAW.id:
+        checksum = _xxh3(view) if item.checksum is None else item.checksum
+        return Encoded(RAW, view, view.nbytes, checksum)
+    try:
+        stored = codec.encode(view)
+    except InvalidInput as exc:
+        raise PayloadSizeError(f"{codec.name}: {exc}") from None
+    return Encoded(codec, stored, view.nbytes, _xxh3(stored))
+
+
+def read_header_of(path: str, block_hash: BlockHash) -> RecoveredBlock:
+    """What a block file's header says of it (its size checked); ``InvalidBlock``."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        raw = os.pread(fd, HEADER_SIZE, 0)
+        size = os.fstat(fd)
+    finally:
+        os.close(fd)
+    header = HEADERS.decode(raw)
+    if header.block_hash != block_hash:
+        raise InvalidBlock("block id in header does not match the file name")
+    nbytes = header.nbytes
+    if nbytes == 0 or size.st_size != HEADER_SIZE + nbytes:
+        raise InvalidBlock(f"file is {size.st_size} bytes, header says {HEADER_SIZE + nbytes}")
+    return RecoveredBlock(
+        block_hash,
+        header.namespace_root,
+        header.raw_nbytes,
+        size.st_mtime,
+        header.parent,
+        stored_nbytes=nbytes if header.codec else -1,
+    )
+
+
+def read_coded(
+    path: str, block_hash: BlockHash, namespace_root: bytes, raw_nbytes: int, stored_nbytes: int
+) -> npt.NDArray[np.uint8]:
+    """The block of a file a codec wrote (``stored_nbytes`` of payload): read, checked
+    against its header and checksum, decoded into its ``raw_nbytes``. Raises
+    ``InvalidBlock`` for a file that does not hold, ``OSError`` where it cannot be read."""
+    header = bytearray(HEADER_SIZE)
+    stored = np.empty(stored_nbytes, dtype=np.uint8)
+    extra = bytearray(1)  # catches a file longer than it should be
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        got = read_full(fd, [memoryview(header), stored.data, memoryview(extra)])
+    finally:
+        os.close(fd)
+    head = HEADERS.decode(header)
+    if head.block_hash != block_hash or head.namespace_root != namespace_root:
+        raise InvalidBlock("block id or namespace root in header does not match")
+    if head.raw_nbytes != raw_nbytes or not head.codec:
+        raise InvalidBlock(f"a block of {head.raw_nbytes} bytes, {raw_nbytes} expected")
+    if head.nbytes != stored_nbytes or got != HEADER_SIZE + stored_nbytes:
+        raise InvalidBlock(f"file holds {got} bytes, expected {HEADER_SIZE + head.nbytes}")
+    if _xxh3(stored.data) != head.checksum:
+        raise InvalidBlock("payload checksum mismatch")
+    try:
+        return decode_block(head.codec, stored.data, head.raw_nbytes)
+    except InvalidInput as exc:
+        raise InvalidBlock(f"cannot decode: {exc}") from None
