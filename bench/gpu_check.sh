@@ -8,8 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$python" -c "import fastapi, pydantic_settings, sqlalchemy, alembic, zmq, msgspec, redis" \
-    2>/dev/null; then
+if ! "$python" -c "import sessioncache.api.app, sessioncache.commands.serve" 2>/dev/null; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/sessioncache-site .gpu-wheels/*.whl
   export PYTHONPATH="/tmp/sessioncache-site:$PYTHONPATH"

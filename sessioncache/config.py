@@ -78,8 +78,8 @@ class Settings(BaseSettings):
     shm: bool = Field(
         default_factory=lambda: sys.platform == "linux",
         description="the CPU tier in shared memory (memfd segments), which engines on this "
-        "host map through the same-host socket (`docs/dataplane.md`); with CUDA present, "
-        "its segments are registered with CUDA (pinned)",
+        "host map through the same-host socket (`docs/dataplane.md`); engines on a CUDA host "
+        "register their mappings of it with CUDA, and a node with a GPU tier its own",
         json_schema_extra={"doc_default": "`true` on Linux"},
     )
     shm_socket: Path | None = Field(

@@ -1,4 +1,4 @@
-"""Copies between host memory and CUDA devices, and host memory registered with CUDA.
+"""Copies between host memory and CUDA devices.
 
 Every carrier that moves a block to or from a device tensor (the GPU and CPU tiers, the
 same-host and stream clients, the transformers and paged-engine adapters) goes through these
@@ -7,36 +7,36 @@ primitives:
 - ``cuda_device(obj)``: the CUDA device a tensor lies on; None for host memory (CPU tensors,
   numpy arrays, buffers). The device a copy uses is always its tensor's own, never the
   process's current one.
-- ``DeviceCopies``: a batch of asynchronous copies, each on a copy stream of its device, and
-  ``wait()``, the synchronisation point. Host memory a copy reads or writes (a leased slot, a
-  staged one, a bounce buffer) is released, committed, hashed or reused only after ``wait``;
-  used as a context manager, it waits on exit, also when the block raised. A copy stream
-  first waits for the work already queued on the device's current stream, so a copy out of a
-  tensor sees what the engine wrote into it.
+- ``DeviceCopies``: a batch of asynchronous copies, each on a copy stream of its device and
+  direction (host to device, device to host), and ``wait()``, the synchronisation point.
+  Host memory a copy reads or writes (a leased slot, a staged one, a bounce buffer) is
+  released, committed, hashed or reused only after ``wait``; used as a context manager, it
+  waits on exit, also when the block raised. A copy stream first waits for the work already
+  queued on the device's current stream, so a copy out of a tensor sees what was written
+  into it on that stream (a thread other than the engine's must first wait for the engine's
+  work itself: ``connector.paged`` saves do).
+- Host memory the device cannot reach by DMA (not pinned, not registered: a read-only
+  mapping where the device does not pin those, ``sessioncache.hostpin``) goes to the device
+  through pinned buffers that a few threads fill chunk by chunk, each chunk copied on as soon
+  as it is full, instead of the driver's own one-thread staging.
 - ``HostBounce``: host-to-device copies of data that arrives in host memory (a socket's
   bytes) through a ring of pinned buffers, each refilled only once its copy is done.
-- ``HostRegistration``: a host mapping's pages registered with CUDA (``cudaHostRegister``,
-  through torch's cudart), so that copies from and to it run as DMA at full PCIe speed and
-  are truly asynchronous. Unregistered by ``close`` or when collected, before the mapping can
-  go (the registration holds a reference to its owner). Without CUDA, or where the driver
-  refuses (a read-only mapping on a device without ``cudaHostRegisterReadOnly``), there is no
-  registration and copies from that memory are staged by the driver: correct, slower.
 
-Without CUDA every copy is a plain synchronous ``copy_`` and ``wait`` returns at once, so the
+Without CUDA every copy is a plain synchronous copy and ``wait`` returns at once, so the
 same code runs in the tests on ``torch.device("cpu")``.
 
 The client package (``sessioncache.connector``) uses this module and loads without torch:
-torch is imported here only when a tensor was handed in (so it is loaded already), or where a
-node registers its memory.
+torch is imported here only when a tensor was handed in (so it is loaded already).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
 import threading
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
@@ -55,7 +55,6 @@ warnings.filterwarnings(
 __all__ = [
     "DeviceCopies",
     "HostBounce",
-    "HostRegistration",
     "cuda_device",
     "cuda_present",
     "host_tensor",
@@ -129,34 +128,96 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda_present())
 
 
-_streams: dict[int, torch.cuda.Stream] = {}
+_streams: dict[tuple[int, bool], torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The copy stream of ``device`` (one per device, made on first use)."""
+def _copy_stream(device: torch.device, to_device: bool = True) -> torch.cuda.Stream:
+    """The copy stream of ``device`` for one direction (made on first use): loads to the
+    device never queue behind the copies of saves off it."""
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (int(index), to_device)
     with _streams_lock:
-        stream = _streams.get(index)
+        stream = _streams.get(key)
         if stream is None:
-            stream = _streams[index] = torch.cuda.Stream(device=torch.device("cuda", index))  # type: ignore[no-untyped-call]
+            stream = torch.cuda.Stream(device=torch.device("cuda", index))  # type: ignore[no-untyped-call]
+            _streams[key] = stream
         return stream
+
+
+STAGE_MIN_BYTES = 256 << 10
+"""Below this, a copy from unpinned host memory is left to the driver's own staging."""
+STAGE_CHUNK_BYTES = 8 << 20
+
+
+class _Stager:
+    """Copies from unpinned host memory to a device through pinned chunks (module
+    docstring): ``threads`` fill them, each chunk copied on once full, a chunk's buffer
+    refilled once its copy is done."""
+
+    def __init__(self, threads: int) -> None:
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sessioncache-stage")
+        self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.cuda.Event | None]] = (
+            queue.SimpleQueue()
+        )
+        for _ in range(2 * threads):
+            self._free.put((pinned_empty(STAGE_CHUNK_BYTES), None))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Queue ``src`` (host, flat bytes) to ``dst`` (device, flat bytes) on ``stream``;
+        returns once every chunk is queued (``stream`` completes them)."""
+        import torch
+
+        n = src.numel()
+        starts = range(0, n, STAGE_CHUNK_BYTES)
+
+        def one(start: int) -> None:
+            stop = min(start + STAGE_CHUNK_BYTES, n)
+            buf, done = self._free.get()
+            try:
+                if done is not None:
+                    done.synchronize()
+                piece = buf[: stop - start]
+                np.copyto(piece.numpy(), src[start:stop].numpy())  # numpy releases the GIL
+                with torch.cuda.stream(stream):
+                    dst[start:stop].copy_(piece, non_blocking=True)
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(stream)
+            finally:
+                self._free.put((buf, done))
+
+        for future in [self._pool.submit(one, s) for s in starts]:
+            future.result()
+
+
+@functools.cache
+def _stager() -> _Stager:
+    return _Stager(max(1, min(4, (os.cpu_count() or 2) // 2)))
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    return bool(t.is_pinned())
 
 
 class DeviceCopies:
     """A batch of copies between host memory and devices (see the module docstring)."""
 
-    __slots__ = ("_streams",)
+    __slots__ = ("_lock", "_streams")
 
     def __init__(self) -> None:
-        self._streams: dict[int, torch.cuda.Stream] = {}  # device index: its copy stream, used
+        self._streams: dict[tuple[int, bool], torch.cuda.Stream] = {}  # the streams used
+        self._lock = threading.Lock()
 
     def copy(self, dst: Any, src: Any) -> None:
         """``dst.copy_(src)``, asynchronous where either lies on a CUDA device (on that
-        device's copy stream); both are flat tensors of one size in bytes, or host memory
-        (numpy arrays, buffers) on either side of a device tensor."""
+        device's copy stream for the direction); both are flat tensors of one size in bytes,
+        or host memory (numpy arrays, buffers) on either side of a device tensor."""
         import torch
 
         if not isinstance(dst, torch.Tensor):
@@ -168,6 +229,7 @@ class DeviceCopies:
                 f"a copy of {src.numel() * src.element_size()} bytes into "
                 f"{dst.numel() * dst.element_size()}"
             )
+        to_device = cuda_device(dst) is not None
         device = cuda_device(dst) or cuda_device(src)
         if device is None:
             if dst.device.type == src.device.type == "cpu":
@@ -176,12 +238,21 @@ class DeviceCopies:
             else:
                 dst.copy_(src)
             return
-        stream = _copy_stream(device)
-        index = stream.device.index
-        if index not in self._streams:
-            # Work the engine queued on the tensor (its current stream) comes first.
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-            self._streams[index] = stream
+        stream = _copy_stream(device, to_device)
+        key = (stream.device.index, to_device)
+        with self._lock:
+            if key not in self._streams:
+                # Work queued on the device's current stream comes first.
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                self._streams[key] = stream
+        if (
+            to_device
+            and src.device.type == "cpu"
+            and src.numel() * src.element_size() >= STAGE_MIN_BYTES
+            and not _pinned(src)
+        ):
+            _stager().copy(host_tensor(dst), host_tensor(src), stream)
+            return
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
@@ -192,7 +263,8 @@ class DeviceCopies:
 
     def wait(self) -> None:
         """Return once every copy issued so far is complete."""
-        streams, self._streams = self._streams, {}
+        with self._lock:
+            streams, self._streams = self._streams, {}
         if not streams:
             return
         import torch
@@ -250,100 +322,5 @@ class HostBounce:
             import torch
 
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(_copy_stream(device))
+            event.record(_copy_stream(device, True))
             self._ring[self._index] = (src, event)
-
-
-def _unregister(address: int, what: str) -> None:
-    import torch
-
-    error = int(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
-    if error:
-        log.warning("cudaHostUnregister(%s) failed: cudaError %d", what, error)
-
-
-class HostRegistration:
-    """Host memory registered with CUDA (see the module docstring); ``register`` answers
-    None where it cannot be."""
-
-    registered_bytes = 0
-    """Bytes registered now, in this process (for reports)."""
-    refused = 0
-    """Registrations the driver refused, in this process."""
-    _lock = threading.Lock()
-    _warned = False
-    _announced = False
-
-    def __init__(self, owner: object, address: int, nbytes: int, what: str) -> None:
-        self.owner: object | None = owner
-        self.address = address
-        self.nbytes = nbytes
-        self.what = what
-        self._finalizer = weakref.finalize(self, HostRegistration._finish, address, nbytes, what)
-        self._finalizer.atexit = False  # the process's exit unpins everything anyway
-
-    @staticmethod
-    def _finish(address: int, nbytes: int, what: str) -> None:
-        _unregister(address, what)
-        with HostRegistration._lock:
-            HostRegistration.registered_bytes -= nbytes
-
-    @classmethod
-    def register(
-        cls,
-        memory: Any,
-        *,
-        read_only: bool = False,
-        what: str = "host memory",
-        device: torch.device | None = None,
-    ) -> HostRegistration | None:
-        """Register the pages of ``memory`` (a CPU tensor or numpy array over a mapping: it is
-        kept alive while registered) with CUDA, through ``device``'s context (default: the
-        current device's; the registration is portable to every context). None without CUDA
-        or where the driver refuses (logged once)."""
-        if not cuda_present():
-            return None
-        import torch
-
-        tensor = host_tensor(memory)
-        nbytes = tensor.numel()
-        if nbytes == 0:
-            return None
-        address = tensor.data_ptr()
-        flags = _HOST_REGISTER_PORTABLE | (_HOST_REGISTER_READ_ONLY if read_only else 0)
-        with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-            error = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))  # type: ignore[no-untyped-call]
-        if error:
-            with cls._lock:
-                cls.refused += 1
-                warned, cls._warned = cls._warned, True
-            if not warned:
-                log.warning(
-                    "cudaHostRegister(%s, %d bytes%s) failed: cudaError %d; copies from it "
-                    "are staged by the driver (slower)",
-                    what,
-                    nbytes,
-                    ", read-only" if read_only else "",
-                    error,
-                )
-            return None
-        with cls._lock:
-            first = cls.registered_bytes == 0 and not cls._announced
-            cls._announced = True
-            cls.registered_bytes += nbytes
-        if first:
-            log.info(
-                "cudaHostRegister: host memory pinned for CUDA (portable%s), first %s",
-                ", read-only" if read_only else "",
-                what,
-            )
-        return cls(memory, address, nbytes, what)
-
-    @property
-    def live(self) -> bool:
-        return self._finalizer.alive
-
-    def close(self) -> None:
-        """Unregister now (the memory stays mapped while others hold it)."""
-        self._finalizer()
-        self.owner = None

@@ -46,7 +46,12 @@ def build_tiers(
     if settings.cpu_bytes:
         spare, prealloc = settings.cpu_spare_chunks, settings.cpu_preallocate
         tiers.append(
-            SharedCpuTier(settings.cpu_bytes, spare_chunks=spare, preallocate=prealloc)
+            SharedCpuTier(
+                settings.cpu_bytes,
+                spare_chunks=spare,
+                preallocate=prealloc,
+                register_cuda=bool(settings.gpu_bytes),
+            )
             if shared_cpu_tier(settings)
             else CpuTier(settings.cpu_bytes, spare_chunks=spare, preallocate=prealloc)
         )
@@ -77,7 +82,7 @@ def codec_table(settings: Settings) -> CodecTable:
 
 def shared_cpu_tier(settings: Settings) -> bool:
     """Whether the CPU tier goes into shared memory (the same-host path): asked for
-    (``SESSIONCACHE_SHM``) and possible here (Linux). With CUDA present its segments are
+    (``SESSIONCACHE_SHM``) and possible here (Linux). With a GPU tier its segments are
     registered with CUDA as they are made, as a pinned tier's memory would be."""
     if not settings.shm or not settings.cpu_bytes:
         return False

@@ -13,10 +13,10 @@ pages, read-only: a segment is sealed against every writable mapping but the nod
 blocks they store into staging memory of their own (``dataplane.staging``), which the node
 copies into a reserved slot at COMMIT. Nothing has a name in
 ``/dev/shm``: the kernel frees a segment with its last descriptor and mapping, so a node killed
-with ``kill -9`` leaves nothing behind. Where CUDA is present, each segment is registered with
-CUDA (``cudaHostRegister``, ``sessioncache.devices``) as it is made, so that the node's copies
-between it and a GPU tier run at pinned speed; same-host clients register their own mappings
-of it for theirs. A segment is unregistered before it is retired.
+with ``kill -9`` leaves nothing behind. With ``register_cuda`` (a node with a GPU tier), each
+segment is registered with CUDA (``sessioncache.hostpin``) as it is made, so that the node's
+copies between it and the GPU tier run at pinned speed; same-host clients register their own
+mappings of it for theirs. A segment is unregistered before it is retired.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import weakref
 
 import torch
 
-from sessioncache.devices import HostRegistration
 from sessioncache.errors import PayloadSizeError
 from sessioncache.hashing import BlockHash
+from sessioncache.hostpin import HostRegistration
 from sessioncache.tiers.base import SlotLocation, StagedSlot
 from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Memory, _Slab, _Slot
 
@@ -137,7 +137,10 @@ class SharedCpuTier(CpuTier):
         spare_chunks: int = 0,
         preallocate: bool = False,
         grow_chunks: bool = True,
+        register_cuda: bool = False,
     ) -> None:
+        """``register_cuda``: register each segment with CUDA as it is made (for a node with
+        a GPU tier: its copies to and from it; registering starts CUDA in the process)."""
         if not shared_memory_available():
             raise RuntimeError("a shared-memory CPU tier needs Linux (memfd_create)")
         super().__init__(
@@ -152,6 +155,7 @@ class SharedCpuTier(CpuTier):
         self._segment_ids = itertools.count(1)
         self._fds: dict[int, int] = {}
         self._registered: dict[int, HostRegistration] = {}  # segment: its CUDA registration
+        self._register_cuda = register_cuda
         # A tier dropped without ``close`` still gives its descriptors back (its spares' too).
         weakref.finalize(self, _close_all, self._fds)
         weakref.finalize(self, self._spares.close)
@@ -175,7 +179,8 @@ class SharedCpuTier(CpuTier):
         segment = next(self._segment_ids)
         name = f"sessioncache-{self.name}-{segment}"
         fd, tensor = shared_segment(name, nbytes, read_only=True)
-        return _Memory(tensor, fd, segment, HostRegistration.register(tensor, what=name))
+        pinned = HostRegistration.register(tensor, what=name) if self._register_cuda else None
+        return _Memory(tensor, fd, segment, pinned)
 
     @staticmethod
     def _drop_memory(memory: _Memory) -> None:

@@ -32,9 +32,10 @@ from typing import Final, NamedTuple
 import numpy as np
 import torch
 
-from sessioncache.devices import DeviceCopies, HostRegistration, cuda_device
+from sessioncache.devices import DeviceCopies, cuda_device
 from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
+from sessioncache.hostpin import HostRegistration
 from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.payload import as_byte_tensor, as_memoryview, checked_nbytes
 from sessioncache.tiers.spares import SparePool

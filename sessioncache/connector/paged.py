@@ -229,7 +229,10 @@ class PagedLayout:
             self._copy(pairs, into_cache)
             return
         # On the layout's device's copy stream, complete before the buffers may go (a leased
-        # slot released, a staged one committed).
+        # slot released, a staged one committed). A save runs on a thread of its own, whose
+        # current stream is not the engine's: the engine's work on the device ends first.
+        if not into_cache:
+            torch.cuda.synchronize(self.device)
         with DeviceCopies() as copies:
             for block_id, buf in zip(block_ids, buffers, strict=True):
                 for run, view in zip(self.runs, self._views, strict=True):

@@ -73,7 +73,6 @@ from sessioncache.dataplane.slots import copy_and_hash
 from sessioncache.dataplane.transport import SocketTransport, Transport
 from sessioncache.devices import (
     DeviceCopies,
-    HostRegistration,
     cuda_device,
     device_bytes,
     on_device,
@@ -86,6 +85,7 @@ from sessioncache.errors import (
     SessionCacheError,
     StreamClosed,
 )
+from sessioncache.hostpin import HostRegistration
 from sessioncache.status import BlockStatus
 
 if TYPE_CHECKING:
@@ -179,6 +179,9 @@ class SegmentMaps:
         self._sock = sock
         self._segments: dict[int, npt.NDArray[np.uint8]] = {}
         self._registered: dict[int, HostRegistration | None] = {}  # None: refused, or no CUDA
+        self._device: torch.device | None = None
+        """The CUDA device copies go to once known: segments mapped from then on are
+        registered as they are mapped, off the copies' path."""
 
     @property
     def mapped(self) -> list[int]:
@@ -205,7 +208,9 @@ class SegmentMaps:
 
     def register(self, segments: Iterable[int], device: torch.device) -> None:
         """Register the mapped ``segments`` with CUDA for copies to and from ``device`` (once
-        each; where the driver refuses, copies from that segment are staged by the driver)."""
+        each; where the driver refuses, copies from that segment are staged through pinned
+        buffers), and every segment mapped from now on as it is mapped."""
+        self._device = device
         for segment in segments:
             if segment in self._registered or segment not in self._segments:
                 continue
@@ -230,6 +235,8 @@ class SegmentMaps:
                     )
                 for segment, fd in zip(ok.sent, fds, strict=True):
                     self._segments[segment] = self._map(fd)
+                if self._device is not None:
+                    self.register(ok.sent, self._device)
             finally:
                 for fd in fds:
                     os.close(fd)

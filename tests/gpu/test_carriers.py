@@ -19,12 +19,19 @@ from sessioncache.errors import InvalidInput, PayloadSizeError
 from sessioncache.factory import open_node
 from sessioncache.hashing import BlockHash, Namespace
 from sessioncache.node import CacheNode
+from sessioncache.status import BlockStatus
 from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.cpu import SharedCpuTier
 from tests.gpu.conftest import host_bytes, pattern
 from tests.support.servers import Server
 
-NS = Namespace("gpu-carriers", block_tokens=16, kv_dtype="bf16", kv_layout="x")
+
+def ns(device: torch.device) -> Namespace:
+    """A namespace per device: the node is the module's, and each device's run stores its
+    own blocks (none of them present already)."""
+    return Namespace(f"gpu-carriers-{device.type}", block_tokens=16, kv_dtype="bf16", kv_layout="x")
+
+
 BLOCK = 1 << 20
 
 
@@ -41,10 +48,10 @@ def test_same_host_stores_from_and_loads_into_device_tensors(
 ) -> None:
     payloads = [pattern(100 + i, BLOCK, device) for i in range(6)]
     with same_host(node, "key-acme") as acme, same_host(node, "key-globex") as globex:
-        root = acme.resolve(NS)
+        root = acme.resolve(ns(device))
         ids = acme.block_hashes(root, tokens(1, 6))
         ack = acme.store(root, tokens(1, 6), payloads)  # copied off the device, then hashed
-        assert ack.kept == 6, ack
+        assert ack.kept == 6 and ack.status == [BlockStatus.STORED] * 6, ack  # none present
         found = acme.locate(root, ids, lease_ms=10_000)
         assert found.located == 6
         out = [torch.zeros(BLOCK, dtype=torch.uint8, device=device) for _ in range(6)]
@@ -57,7 +64,7 @@ def test_same_host_stores_from_and_loads_into_device_tensors(
         if device.type == "cuda":
             assert registered_segments(acme), "the client registers the segments it copies from"
         # The other tenant's namespace has other ids: it reaches none of acme's blocks.
-        groot = globex.resolve(NS)
+        groot = globex.resolve(ns(device))
         assert groot != root
         assert globex.locate(groot, globex.block_hashes(groot, tokens(1, 6))).located == 0
         # A wrong-sized or gappy device buffer is refused before a byte moves.
@@ -72,7 +79,7 @@ def test_same_host_stores_from_and_loads_into_device_tensors(
 def test_stream_loads_into_device_tensors(node: Server, device: torch.device) -> None:
     client = StreamClient.connect(discover(node.url, api_key="key-acme"), api_key="key-acme")
     with client:
-        root = client.resolve(NS)
+        root = client.resolve(ns(device))
         payloads = [pattern(200 + i, BLOCK, device) for i in range(5)]
         client.store(root, tokens(3, 5), payloads)
         ids = client.block_hashes(root, tokens(3, 5))
@@ -120,7 +127,7 @@ def test_a_lease_is_released_only_once_the_device_copy_is_complete(
     assert isinstance(tier, SharedCpuTier)
     try:
         with SameHostClient.connect(server.address) as client:
-            root = client.resolve(NS)
+            root = client.resolve(ns(device))
             first = pattern(1, BIG, torch.device("cpu"))
             ids = client.block_hashes(root, tokens(9, 2))
             assert client.store(root, tokens(9, 1), [first]).kept == 1

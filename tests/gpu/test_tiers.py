@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from sessioncache.clock import ManualClock
-from sessioncache.devices import HostRegistration
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.hostpin import HostRegistration
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
@@ -84,7 +84,7 @@ def test_blocks_move_down_and_back_up_between_gpu_cpu_and_disk(
 def test_the_shared_cpu_tier_registers_its_segments_where_cuda_is(device: torch.device) -> None:
     gc.collect()  # registrations of earlier tests' dropped memory end now, not during this one
     before = HostRegistration.registered_bytes
-    tier = SharedCpuTier(8 * SIZE, chunk_bytes=4 * SIZE)
+    tier = SharedCpuTier(8 * SIZE, chunk_bytes=4 * SIZE, register_cuda=True)
     (h,) = chain(30, 1)
     tier.put(PutItem(h, pattern(3, SIZE, device), ROOT))  # a device payload into shared memory
     view = tier.get(h)
