@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sessioncache.codecs import stored_bytes
 from sessioncache.node import CacheNode
 from sessioncache.quotas import Quotas
 from sessioncache.routing.scoring import Router
@@ -76,6 +77,22 @@ class StoreCollector(Collector):
             pinned.add_metric([tier.name], tier.pinned_bytes)
             blocks.add_metric([tier.name], tier.blocks)
         yield from (used, cap, pinned, blocks)
+        labels = ["tier", "namespace", "tenant", "model", "codec"]
+        raw = GaugeMetricFamily(
+            "sessioncache_tier_raw_bytes", "Bytes of the blocks held, as sent", labels=labels
+        )
+        stored = GaugeMetricFamily(
+            "sessioncache_tier_stored_bytes", "Bytes stored for them (a codec's)", labels=labels
+        )
+        ratio = GaugeMetricFamily(
+            "sessioncache_tier_compression_ratio", "Raw over stored bytes", labels=labels
+        )
+        for row in stored_bytes(store.tiers, node.codecs, node.owners.describe):
+            values = [row.tier, row.root.hex()[:16], row.tenant, row.model, row.codec]
+            raw.add_metric(values, row.raw)
+            stored.add_metric(values, row.stored)
+            ratio.add_metric(values, row.ratio)
+        yield from (raw, stored, ratio)
         sessions = GaugeMetricFamily("sessioncache_sessions", "Open sessions")
         sessions.add_metric([], node.sessions.count())
         yield sessions

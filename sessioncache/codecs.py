@@ -257,6 +257,53 @@ def decode_block(codec_id: int, stored: Any, raw_nbytes: int) -> npt.NDArray[np.
     raise InvalidInput(f"unknown block codec {codec_id}")
 
 
+# -- what the codecs save ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBytes:
+    """One namespace's blocks on one tier: raw bytes, and the bytes stored for them."""
+
+    tier: str
+    root: bytes
+    tenant: str
+    model: str
+    codec: str
+    raw: int
+    stored: int
+
+    @property
+    def ratio(self) -> float:
+        return self.raw / self.stored if self.stored else 1.0
+
+
+def stored_bytes(tiers: Any, codecs: CodecTable, describe: Any) -> list[StoredBytes]:
+    """Per tier that may store blocks encoded (``tiers.base.CodedTier``, a wrapper's
+    ``inner`` too) and per namespace root on it, what its blocks take there; ``describe``:
+    root -> (tenant, namespace fields) or None (``tenancy.NamespaceOwners.describe``)."""
+    out: list[StoredBytes] = []
+    for tier in tiers:
+        inner = getattr(tier, "inner", tier)
+        by_root = getattr(inner, "stored_by_root", None)
+        if by_root is None:
+            continue
+        for root, (raw, stored) in sorted(by_root().items()):
+            known = describe(root)
+            tenant, fields = known if known is not None else ("", {})
+            out.append(
+                StoredBytes(
+                    tier.name,
+                    root,
+                    tenant,
+                    str(fields.get("model", "")),
+                    codecs.for_root(root).name,
+                    raw,
+                    stored,
+                )
+            )
+    return out
+
+
 # -- which codec a root's blocks get --------------------------------------------------------
 
 

@@ -29,6 +29,8 @@ Optional abilities, each its own small protocol:
     ``CheckedTier``      ``problem()`` says why the tier cannot serve now (None when it can)
     ``SharedTier``       ``locate_many(ids)`` tells which blocks the fleet's shared tier holds
                          (without moving payloads), ``set_expiry_many`` raises their expiry
+    ``CodedTier``        ``stored_by_root()``: per namespace root, the raw bytes held and the
+                         bytes stored for them (a block codec's saving)
     ``SharedMemoryTier`` a host tier whose memory other processes on the host may map: where
                          a block lies (``locate``), the segments' descriptors, and slots a
                          writer fills in place before they are published as blocks
@@ -222,6 +224,13 @@ class GroupCommitTier(Protocol):
     raise; one item's error leaves the others stored."""
 
     def put_group(self, items: Sequence[PutItem]) -> list[Exception | None]: ...
+
+
+@runtime_checkable
+class CodedTier(Protocol):
+    """A tier that may store blocks encoded (``sessioncache.codecs``)."""
+
+    def stored_by_root(self) -> dict[bytes, tuple[int, int]]: ...
 
 
 @runtime_checkable

@@ -4,7 +4,10 @@ header of a file read at start-up, and a file a codec wrote, read back and decod
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -12,16 +15,19 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from sessioncache.codecs import RAW, Codec, decode_block
-from sessioncache.errors import InvalidInput, PayloadSizeError
+from sessioncache.codecs import RAW, Codec, CodecTable, decode_block
+from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull, TierUnavailable
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import PutItem, RecoveredBlock
 from sessioncache.tiers.fileio import read_full
-from sessioncache.tiers.header import HEADER_SIZE, HeaderCodec, InvalidBlock
-from sessioncache.tiers.payload import as_memoryview
+from sessioncache.tiers.header import HEADER_SIZE, HeaderCodec, InvalidBlock, check_id
+from sessioncache.tiers.payload import as_memoryview, checked_nbytes
+
+logger = logging.getLogger("sessioncache.tiers.disk")
 
 MAGIC = b"SCBLK\x00\x01\x00"
 HEADERS = HeaderCodec(MAGIC)
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -50,6 +56,58 @@ class TrustedEntry(Entry):
     hundred thousand): the identity check still tells a put's entry (always new) from it."""
 
 
+class RootBytes:
+    """What a tier's blocks count against its capacity (``used``), and per namespace root
+    the raw bytes of the blocks held and the bytes stored for them. Not locked: its tier's
+    lock guards it."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self._totals: dict[bytes, list[int]] = {}
+
+    def add(self, entry: Entry) -> None:
+        self.count(entry.namespace_root, entry.nbytes, entry.counted)
+
+    def remove(self, entry: Entry) -> None:
+        self.count(entry.namespace_root, -entry.nbytes, -entry.counted)
+
+    def count(self, root: bytes, raw: int, stored: int) -> None:
+        self.used += stored
+        totals = self._totals.get(root)
+        if totals is None:
+            totals = self._totals[root] = [0, 0]
+        totals[0] += raw
+        totals[1] += stored
+        if totals[0] <= 0:
+            del self._totals[root]
+
+    def snapshot(self) -> dict[bytes, tuple[int, int]]:
+        return {root: (raw, stored) for root, (raw, stored) in self._totals.items()}
+
+
+def os_error(name: str, exc: OSError) -> Exception:
+    """What a put answers for a file it could not write."""
+    if exc.errno in _NO_SPACE:
+        return TierFull(f"{name} tier: filesystem full: {exc}")
+    # out of descriptors, an I/O error: not written, not a crash
+    return TierUnavailable(f"{name} tier: cannot write a block: {exc}")
+
+
+def quarantine(
+    path: str, dest: str, who: str, block_hash: bytes, why: str, unlink: Callable[[str], None]
+) -> None:
+    """Move a bad block file aside to ``dest`` (deleted where it cannot be moved)."""
+    try:
+        os.rename(path, dest)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        logger.error("%s: cannot quarantine %s (%s): %s; deleting it", who, path, why, exc)
+        unlink(path)
+        return
+    logger.warning("%s: block %s is corrupt (%s); moved to %s", who, block_hash.hex(), why, dest)
+
+
 class Encoded(NamedTuple):
     """A payload as the tier stores it."""
 
@@ -60,9 +118,15 @@ class Encoded(NamedTuple):
     """Of the stored bytes."""
 
 
-def encode_payload(item: PutItem, codec: Codec) -> Encoded:
-    """``item``'s payload as ``codec`` stores it, with the checksum of the stored bytes (the
-    item's own when raw and known)."""
+def encode_item(item: PutItem, codecs: CodecTable, tier: str, capacity: int) -> Encoded:
+    """``item``'s payload as its namespace's codec stores it, with the checksum of the stored
+    bytes (the item's own when raw and known); its ids and size checked."""
+    check_id(item.block_hash, "block id")
+    check_id(item.namespace_root, "namespace root")
+    if item.parent is not None:
+        check_id(item.parent, "parent id")
+    checked_nbytes(item.payload, tier, capacity)
+    codec = codecs.for_root(item.namespace_root)
     view = as_memoryview(item.payload)
     if codec.id == RAW.id:
         checksum = _xxh3(view) if item.checksum is None else item.checksum

@@ -13,11 +13,9 @@ followed by the payload. The file size is exactly ``88 + payload length``. The p
 the folder self-describing: after a restart the store rebuilds whole chains (tail-first
 eviction, session re-pinning) from the files alone.
 
-Codecs: a namespace's blocks may be stored encoded (``sessioncache.codecs``: lossless, or a
-lossy codec the engine asked for), as ``codecs.for_root`` says; the header records the codec
-and the raw length, the checksum covers the stored bytes, ``get`` decodes into the raw block.
-The capacity counts stored bytes (``tiers.blockfile``), except for blocks adopted on the
-catalog's word, which count their raw length until they are written again.
+Codecs (``sessioncache.codecs``, as ``codecs.for_root`` says): the header records the codec
+and raw length, the checksum covers the stored bytes, ``get`` decodes (``tiers.blockfile``).
+The capacity counts stored bytes; a block adopted on the catalog's word, its raw length.
 
 Durability of ``put``: the header and payload go to a temp file in the block's shard folder
 (no copy of the payload is made), the file is ``fdatasync``-ed, renamed over its final name and
@@ -63,7 +61,7 @@ import torch
 import xxhash
 
 from sessioncache.codecs import CodecTable
-from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull, TierUnavailable
+from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.tiers.base import PutItem, RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.blockfile import (
@@ -71,8 +69,11 @@ from sessioncache.tiers.blockfile import (
     MAGIC,
     Encoded,
     Entry,
+    RootBytes,
     TrustedEntry,
-    encode_payload,
+    encode_item,
+    os_error,
+    quarantine,
     read_coded,
     read_header_of,
 )
@@ -91,9 +92,7 @@ from sessioncache.tiers.header import (
     HEADER_SIZE,
     VERSION,
     InvalidBlock,
-    check_id,
 )
-from sessioncache.tiers.payload import checked_nbytes
 
 __all__ = ["HEADER", "HEADER_SIZE", "MAGIC", "VERSION", "DiskTier"]
 
@@ -107,16 +106,7 @@ _HEX_LEN = 2 * HASH_BYTES
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _xxh3 = xxhash.xxh3_64_intdigest
-
-
-def _os_error(name: str, exc: OSError) -> Exception:
-    """What a put answers for a file it could not write."""
-    if exc.errno in _NO_SPACE:
-        return TierFull(f"{name} tier: filesystem full: {exc}")
-    # out of descriptors, an I/O error: not written, not a crash
-    return TierUnavailable(f"{name} tier: cannot write a block: {exc}")
 
 
 class DiskTier:
@@ -156,7 +146,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: dict[BlockHash, Entry] = {}
         self._inflight: dict[BlockHash, threading.Event] = {}
-        self._used = 0
+        self._bytes = RootBytes()  # what the blocks count, in all and per namespace root
         self._reserved = 0
         self._ready_dirs: set[str] = set()  # shard folders known to exist durably
         self._recovered: list[RecoveredBlock] = []
@@ -208,7 +198,8 @@ class DiskTier:
                         entry = self._trusted[nbytes, root] = TrustedEntry(nbytes, root)
                     size = len(index)
                     index.update(zip(ids, repeat(entry)))
-                    self._used += nbytes * (len(index) - size)
+                    added = nbytes * (len(index) - size)
+                    self._bytes.count(root, added, added)
                     return
         self._adopt_trusted(zip(ids, sizes.tolist(), roots, strict=True))
 
@@ -216,7 +207,6 @@ class DiskTier:
         trusted = self._trusted
         with self._lock:
             index, inflight = self._index, self._inflight
-            used = 0
             for block_hash, nbytes, root in blocks:
                 if block_hash in index or block_hash in inflight:
                     continue
@@ -224,8 +214,7 @@ class DiskTier:
                 if entry is None:
                     entry = trusted[nbytes, root] = TrustedEntry(nbytes, root)
                 index[block_hash] = entry
-                used += nbytes
-            self._used += used
+                self._bytes.count(root, nbytes, nbytes)
 
     def scan_unindexed(self) -> list[RecoveredBlock]:
         """Walk the folders, index the valid files the index does not know (reading their
@@ -250,7 +239,7 @@ class DiskTier:
                     continue  # put, or being put or deleted, since the walk saw it
                 entry = Entry(block.nbytes, block.namespace_root, block.stored_nbytes)
                 self._index[block.block_hash] = entry
-                self._used += entry.counted
+                self._bytes.add(entry)
                 adopted.append(block)
             self._missing = [
                 block_hash
@@ -268,7 +257,7 @@ class DiskTier:
                 entry = self._index.get(block_hash)
                 if type(entry) is TrustedEntry and block_hash not in self._inflight:
                     del self._index[block_hash]
-                    self._used -= entry.counted
+                    self._bytes.remove(entry)
                     gone.append(block_hash)
             self._missing = []
         return gone
@@ -297,24 +286,24 @@ class DiskTier:
             for block in found:
                 entry = Entry(block.nbytes, block.namespace_root, block.stored_nbytes)
                 self._index[block.block_hash] = entry
-                self._used += entry.counted
+                self._bytes.add(entry)
             self._recovered = found
         logger.info(
             "disk tier %r at %s: recovered %d blocks (%d bytes of %d), quarantined %d, %.3fs",
             self.name,
             self._root,
             len(found),
-            self._used,
+            self._bytes.used,
             self.capacity_bytes,
             quarantined,
             time.perf_counter() - start,
         )
-        if self._used > self.capacity_bytes:
+        if self._bytes.used > self.capacity_bytes:
             logger.warning(
                 "disk tier %r holds %d bytes, over its capacity of %d; nothing new fits "
                 "until blocks are evicted",
                 self.name,
-                self._used,
+                self._bytes.used,
                 self.capacity_bytes,
             )
 
@@ -371,12 +360,18 @@ class DiskTier:
         self._ready_dirs.add(shard)
         return quarantined
 
+    def stored_by_root(self) -> dict[bytes, tuple[int, int]]:
+        """Per namespace root, the raw bytes of its blocks here and the bytes stored for
+        them (``CodedTier``)."""
+        with self._lock:
+            return self._bytes.snapshot()
+
     # ------------------------------------------------------------------------------ properties
 
     @property
     def used_bytes(self) -> int:
         """Payload bytes of the blocks held (headers and puts in progress not counted)."""
-        return self._used
+        return self._bytes.used
 
     @property
     def root(self) -> Path:
@@ -384,7 +379,7 @@ class DiskTier:
 
     def fits(self, nbytes: int) -> bool:
         with self._lock:
-            return nbytes > 0 and self._used + self._reserved + nbytes <= self.capacity_bytes
+            return nbytes > 0 and self._bytes.used + self._reserved + nbytes <= self.capacity_bytes
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index
@@ -424,7 +419,7 @@ class DiskTier:
                 try:
                     if item.block_hash in self._index:
                         continue  # held: nothing to encode
-                    coded = self._encode(item)
+                    coded = encode_item(item, self._codecs, self.name, self.capacity_bytes)
                     claim = self._claim(item, coded.stored.nbytes)
                 except (TierFull, InvalidInput, PayloadSizeError) as exc:
                     results[i] = exc
@@ -437,7 +432,7 @@ class DiskTier:
                 try:
                     pending.append((i, self._begin_file(items[i], encoded[i])))
                 except OSError as exc:
-                    results[i] = _os_error(self.name, exc)
+                    results[i] = os_error(self.name, exc)
                 except PayloadSizeError as exc:
                     results[i] = exc
             files = [p for _, p in pending]
@@ -446,7 +441,7 @@ class DiskTier:
             except OSError as exc:  # a folder's fsync: none of them is known durable
                 failed = dict.fromkeys(range(len(files)), exc)
             for i, error in failed.items():
-                results[pending[i][0]] = _os_error(self.name, error)
+                results[pending[i][0]] = os_error(self.name, error)
             for i, f in enumerate(files):
                 if i not in failed:
                     self._ready_dirs.update(f.new_dirs)
@@ -459,20 +454,11 @@ class DiskTier:
                         stored = nbytes if coded.codec.id else -1
                         entry = Entry(coded.raw_nbytes, items[i].namespace_root, stored)
                         self._index[block_hash] = entry
-                        self._used += entry.counted
+                        self._bytes.add(entry)
                     del self._inflight[block_hash]
             for _, _, done, _ in claimed:
                 done.set()
         return results
-
-    def _encode(self, item: PutItem) -> Encoded:
-        """The item's payload as this tier stores it (its namespace's codec), checked."""
-        check_id(item.block_hash, "block id")
-        check_id(item.namespace_root, "namespace root")
-        if item.parent is not None:
-            check_id(item.parent, "parent id")
-        checked_nbytes(item.payload, self.name, self.capacity_bytes)
-        return encode_payload(item, self._codecs.for_root(item.namespace_root))
 
     def _claim(self, item: PutItem, nbytes: int) -> tuple[threading.Event, int] | None:
         """Reserve ``nbytes`` for the item and mark its id in flight; None when it is held."""
@@ -488,10 +474,10 @@ class DiskTier:
                     return None
                 waiting = self._inflight.get(block_hash)
                 if waiting is None:
-                    if self._used + self._reserved + nbytes > self.capacity_bytes:
+                    if self._bytes.used + self._reserved + nbytes > self.capacity_bytes:
                         raise TierFull(
                             f"{self.name} tier: {nbytes} bytes do not fit "
-                            f"({self._used + self._reserved} of {self.capacity_bytes} in use)"
+                            f"({self._bytes.used + self._reserved} of {self.capacity_bytes} in use)"
                         )
                     self._reserved += nbytes
                     done = threading.Event()
@@ -623,7 +609,7 @@ class DiskTier:
             entry = self._index.pop(block_hash, None)
             if entry is None:
                 return 0
-            self._used -= entry.counted
+            self._bytes.remove(entry)
             done = threading.Event()
             self._inflight[block_hash] = done
         try:
@@ -650,7 +636,7 @@ class DiskTier:
             if self._index.get(block_hash) is not entry:
                 return
             del self._index[block_hash]
-            self._used -= entry.counted
+            self._bytes.remove(entry)
             if path is None:
                 return
             done = threading.Event()
@@ -666,27 +652,7 @@ class DiskTier:
         dest = os.path.join(
             self._quarantine_dir, f"{block_hash.hex()}.{time.time_ns()}{_BLOCK_SUFFIX}"
         )
-        try:
-            os.rename(path, dest)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            logger.error(
-                "disk tier %r: cannot quarantine %s (%s): %s; deleting it",
-                self.name,
-                path,
-                why,
-                exc,
-            )
-            self._unlink_quiet(path)
-            return
-        logger.warning(
-            "disk tier %r: block %s is corrupt (%s); moved to %s",
-            self.name,
-            block_hash.hex(),
-            why,
-            dest,
-        )
+        quarantine(path, dest, f"disk tier {self.name!r}", block_hash, why, self._unlink_quiet)
 
     def _unlink_quiet(self, path: str) -> None:
         try:

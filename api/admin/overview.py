@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from sessioncache.api.metrics import Collectable, latency_quantiles
+from sessioncache.codecs import stored_bytes
 from sessioncache.node import CacheNode
 from sessioncache.sessions import Session
 from sessioncache.store import TieredStore
@@ -47,6 +48,20 @@ def overview(node: CacheNode, store: TieredStore, request_latency: Collectable) 
         "rates": asdict(recent) if recent is not None else None,
         "lookup_latency_s": {"count": count, "p50": p50, "p95": p95, "p99": p99},
         "tiers": [{**asdict(t), "up": t.name not in down} for t in stats.tiers],
+        # per tier and namespace, what a block codec saves there (docs/codecs.md)
+        "stored": [
+            {
+                "tier": r.tier,
+                "namespace": r.root.hex()[:16],
+                "tenant": r.tenant,
+                "model": r.model,
+                "codec": r.codec,
+                "raw_bytes": r.raw,
+                "stored_bytes": r.stored,
+                "ratio": round(r.ratio, 3),
+            }
+            for r in stored_bytes(store.tiers, node.codecs, node.owners.describe)
+        ],
         "fleet": fleet(node),
         "problems": node.health_problems(),
     }

@@ -59,6 +59,19 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | Non
         bar.close()
 
 
+def _codec_table(raw: dict[str, float], coded: dict[str, float], ratio: float, rep: Any) -> str:
+    tiers = ", ".join(f"{n} {b}" for n, b in rep.tiers)
+    lines = [
+        f"at the same disk bytes, blocks stored {ratio:g}x smaller (blocks per tier: {tiers}):",
+        f"  {'policy':16} {'raw':>8} {'coded':>8} {'gain':>8}",
+    ]
+    for name, rate in raw.items():
+        lines.append(
+            f"  {name:16} {rate:8.2%} {coded[name]:8.2%} {100 * (coded[name] - rate):+7.2f}pt"
+        )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from sessioncache.errors import InvalidInput
     from sessioncache.replay.report import format_report, write_plot
@@ -123,6 +136,20 @@ def run(args: argparse.Namespace) -> int:
             if args.plot
             else []
         )
+    coded = None
+    if args.codec_ratio is not None:
+        try:
+            coded = run_replay(
+                trace,
+                capacity_frac=args.capacity_frac,
+                tiers=tiers,
+                policies=policies,
+                oracle=report.results.get("oracle"),
+                codec_ratio=args.codec_ratio,
+            )
+        except InvalidInput as exc:
+            print(f"sessioncache replay: {exc}", file=sys.stderr)
+            return 2
     if args.plot is not None:
         title = f"{trace.name}: token hit rate vs capacity"
         write_plot([report, *sweep], Path(args.plot), title=title)
@@ -132,6 +159,12 @@ def run(args: argparse.Namespace) -> int:
         out["detail"]["span_days"] = args.span_days if trace.kind == "agent-sessions" else None
         out["detail"]["seed"] = args.seed
         out["detail"]["wall_s"] = round(wall, 2)
+        if coded is not None:
+            out["codec"] = {
+                "ratio": args.codec_ratio,
+                "tiers": coded.tiers,
+                "hit_rates": coded.hit_rates(),
+            }
         if sweep:
             out["detail"]["capacity_sweep"] = {
                 str(r.capacity_frac): r.hit_rates()
@@ -140,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_report(report, span_days=args.span_days, seed=args.seed))
+        if coded is not None:
+            print(_codec_table(report.hit_rates(), coded.hit_rates(), args.codec_ratio, coded))
         if args.plot is not None:
             print(f"plot: {args.plot}")
         print(f"wall time: {wall:.1f}s")
@@ -194,6 +229,13 @@ def register(sub: Any) -> None:
         type=_fracs,
         default=_fracs(DEFAULT_PLOT_FRACS),
         help=f"capacity fractions of the plot (default {DEFAULT_PLOT_FRACS})",
+    )
+    parser.add_argument(
+        "--codec-ratio",
+        type=_positive,
+        default=None,
+        help="also replay with the disk and Redis tiers holding this many times more blocks "
+        "in the same bytes: a block codec's measured ratio (bench/kv_codec.py)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)

@@ -258,6 +258,20 @@ def capacity_tiers(
     return split_capacity(total, tiers)
 
 
+CODEC_TIERS = ("disk", "redis")
+"""The tiers a block codec applies to (``sessioncache.codecs``)."""
+
+
+def with_codec(split: Sequence[tuple[str, int]], ratio: float) -> list[tuple[str, int]]:
+    """Each tier's capacity in blocks when the codec tiers store ``ratio`` times more blocks
+    in the same bytes (a measured compression ratio)."""
+    if not ratio > 0:
+        raise InvalidInput(f"a codec ratio must be positive, got {ratio}")
+    if not any(name in CODEC_TIERS for name, _ in split):
+        raise InvalidInput(f"a codec ratio applies to the {' and '.join(CODEC_TIERS)} tiers")
+    return [(n, int(b * ratio) if n in CODEC_TIERS else b) for n, b in split]
+
+
 def run_replay(
     trace: Trace,
     *,
@@ -266,9 +280,13 @@ def run_replay(
     policies: Sequence[str] = POLICIES,
     progress: Progress | None = None,
     oracle: PolicyResult | None = None,
+    codec_ratio: float | None = None,
 ) -> ReplayReport:
-    """Replay ``trace`` once per policy at the same capacity (``oracle``: reuse a result)."""
+    """Replay ``trace`` once per policy at the same capacity (``oracle``: reuse a result);
+    ``codec_ratio``: the disk and Redis tiers' bytes hold that many times more blocks."""
     split = capacity_tiers(trace, capacity_frac, tiers)
+    if codec_ratio is not None:
+        split = with_codec(split, codec_ratio)
     results: dict[str, PolicyResult] = {}
     for name in policies:
         if name == "oracle" and oracle is not None:

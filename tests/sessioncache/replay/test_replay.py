@@ -309,3 +309,21 @@ def test_misses_by_reason_add_up_and_name_divergence_and_eviction():
     oracle = got.results["oracle"].miss_by_reason
     assert oracle == {"diverged": 3 * 64, "evicted": 0, "expired": 0, "new": 256 + 44 + 64}
     assert got.results["ttl_5min"].miss_by_reason["expired"] == 64
+
+
+def test_a_codec_ratio_replays_the_same_disk_bytes_holding_more_blocks(
+    capsys: pytest.CaptureFixture[str],
+):
+    argv = (str(AGENT), "--span-days", "0.5", "--capacity-frac", "0.3", "--tiers", "cpu:1,disk:2")
+    out = _run_json(capsys, *argv, "--codec-ratio", "2")
+    raw = {n: b for n, b in out["detail"]["capacity"]["tiers"].items()}
+    coded = dict(out["codec"]["tiers"])
+    assert coded["cpu"] == raw["cpu"] and coded["disk"] == 2 * raw["disk"]
+    for name in POLICIES:  # more blocks held in the same bytes: never fewer hits
+        assert out["codec"]["hit_rates"][name] >= out[name] - 1e-12
+    args = _args(*argv, "--codec-ratio", "1.5", "--no-progress")
+    assert args.func(args) == 0
+    assert "at the same disk bytes" in capsys.readouterr().out
+    args = _args(str(AGENT), "--tiers", "cpu:1", "--codec-ratio", "2", "--no-progress")
+    assert args.func(args) == 2  # no tier a codec applies to: said, not a traceback
+    assert "codec ratio applies" in capsys.readouterr().err
