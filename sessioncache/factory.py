@@ -68,6 +68,7 @@ def build_tiers(
                 settings.redis_bytes,
                 prefix=settings.redis_prefix,
                 default_ttl_s=settings.default_ttl_s,
+                codecs=codecs,
             )
         )
     if not tiers:

@@ -54,6 +54,7 @@ import torch
 import xxhash
 from redis.cluster import RedisCluster
 
+from sessioncache.codecs import CodecTable, decode_block
 from sessioncache.errors import InvalidInput, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
@@ -146,7 +147,10 @@ class RedisTier:
         skip_existing: bool = False,
         max_batch_bytes: int = 64 << 20,
         buffer_pool_bytes: int = 128 << 20,
+        codecs: CodecTable | None = None,
     ) -> None:
+        """``codecs``: how each namespace's blocks are stored (default: all raw); a value
+        says its own codec, so any node reads what any other wrote."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if default_ttl_s <= 0:
@@ -163,6 +167,7 @@ class RedisTier:
         self._block_prefix = f"{prefix}b:"
         self._default_ttl = default_ttl_s
         self._owns_keys = owns_keys
+        self._codecs = codecs if codecs is not None else CodecTable()
         self._writer = BlockWriter(
             self.link,
             _CODEC,
@@ -269,6 +274,12 @@ class RedisTier:
             )
         if _xxh3(memoryview(raw)[HEADER_SIZE:]) != header.checksum:
             raise InvalidBlock("payload checksum mismatch")
+        if header.codec:
+            try:
+                block = decode_block(header.codec, memoryview(raw)[HEADER_SIZE:], header.raw_nbytes)
+            except InvalidInput as exc:
+                raise InvalidBlock(f"cannot decode: {exc}") from None
+            return torch.from_numpy(block)
         return torch.frombuffer(raw, dtype=torch.uint8, count=header.nbytes, offset=HEADER_SIZE)
 
     def locate_many(self, hashes: Sequence[BlockHash]) -> list[LocatedBlock | None]:
@@ -318,7 +329,7 @@ class RedisTier:
                     block_hash,
                     header.namespace_root,
                     BlockHash(header.parent) if header.parent is not None else None,
-                    header.nbytes,
+                    header.raw_nbytes,
                     expires,
                 )
             )
@@ -401,6 +412,22 @@ class RedisTier:
             seen.add(block_hash)
             expires = self._expiry(item.expires_at, now)
             view = as_memoryview(item.payload)
+            codec = self._codecs.for_root(namespace_root)
+            if codec.id:
+                coded = codec.encode(view)
+                prepared.append(
+                    Outgoing(
+                        block_hash,
+                        coded,
+                        namespace_root,
+                        parent,
+                        coded.nbytes,
+                        expires,
+                        codec.id,
+                        nbytes,
+                    )
+                )
+                continue
             prepared.append(Outgoing(block_hash, view, namespace_root, parent, nbytes, expires))
         result = dict.fromkeys((p.block_hash for p in prepared), False)
         if not prepared:

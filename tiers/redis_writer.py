@@ -51,8 +51,13 @@ class Outgoing(NamedTuple):
     namespace_root: bytes
     parent: BlockHash | None
     nbytes: int
+    """The payload's bytes as stored (``view``'s)."""
     expires_at: float
     """Wall-clock expiry the key is given (or raised to)."""
+    codec: int = 0
+    """The payload's codec (``sessioncache.codecs``; 0: raw)."""
+    raw_nbytes: int = 0
+    """The block's length once decoded (when ``codec`` is not raw)."""
 
 
 class BlockWriter:
@@ -165,12 +170,14 @@ class BlockWriter:
         client = self._link.client
         zero_copy = client is not None and sends_parts(client)
         for i in group:
-            block_hash, view, namespace_root, parent, nbytes, expires_at = batch[i]
+            block_hash, view, namespace_root, parent, nbytes, expires_at, codec, raw = batch[i]
             ms = int(expires_at * 1000)
             if present[i]:
                 commands.append((keys[i], ms, None))
                 continue
-            header = self._codec.encode(block_hash, namespace_root, parent, nbytes, _xxh3(view))
+            header = self._codec.encode(
+                block_hash, namespace_root, parent, nbytes, _xxh3(view), codec, raw
+            )
             if zero_copy:
                 commands.append((keys[i], ms, Parts(memoryview(header), view)))
                 continue

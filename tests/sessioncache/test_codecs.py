@@ -191,3 +191,38 @@ def test_a_block_adopted_on_trust_is_read_whatever_its_codec(tmp_path: Path) -> 
     restarted = DiskTier.open(tmp_path, 16 << 20, scan=False)  # the catalog's word only
     restarted.adopt([RecoveredBlock(bid(9), ROOT, len(raw), 0.0)])  # raw length, as the store
     assert bytes(restarted.get(bid(9)).numpy()) == raw  # type: ignore[union-attr]
+
+
+# -- the shared tier -----------------------------------------------------------------------
+
+
+def test_the_redis_tier_stores_a_namespace_with_its_codec_and_any_node_reads_it() -> None:
+    import os
+    import secrets
+
+    import redis
+
+    from sessioncache.tiers.redis import RedisTier
+
+    url = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    prefix = f"sc-test-codec-{secrets.token_hex(4)}:"
+    table = CodecTable()
+    table.remember(ROOT, Namespace("m", 16, "bf16", "x", kv_codec="lossless"), None)
+    table.remember(OTHER, Namespace("m", 16, "bf16", "x", kv_codec=f"int8/{HEAD_DIM}"), None)
+    writer = RedisTier(lambda: redis.Redis.from_url(url), 16 << 20, prefix=prefix, codecs=table)
+    reader = RedisTier(lambda: redis.Redis.from_url(url), 16 << 20, prefix=prefix)  # no table
+    try:
+        raw = kv_block(11)
+        writer.put(PutItem(bid(21), raw, ROOT))
+        writer.put(PutItem(bid(22), raw, OTHER))
+        assert writer.used_bytes < 2 * len(raw)  # stored bytes are counted
+        located = reader.locate_many([bid(21), bid(22)])
+        assert [b.nbytes for b in located if b is not None] == [len(raw), len(raw)]  # raw
+        got = reader.get_many([bid(21), bid(22)])
+        assert bytes(got[0].numpy()) == raw  # type: ignore[union-attr]
+        lossy = as_bf16(got[1].numpy())  # type: ignore[union-attr]
+        assert (lossy - as_bf16(raw)).abs().max() < 0.1 and bytes(got[1].numpy()) != raw  # type: ignore[union-attr]
+    finally:
+        writer.clear_prefix()
+        writer.close()
+        reader.close()
