@@ -6,6 +6,7 @@ a bad ``kv_codec`` is a 4xx that says what it takes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -67,6 +68,16 @@ def test_codecs_from_the_tenant_and_the_namespace_survive_a_restart(tmp_path: Pa
         with client(server, "key-globex") as globex:
             root = globex.resolve(LOSSY)
             assert globex.store(root, tokens(2, 4), lossy_blocks, durable=True).kept == 4
+        # what each namespace's blocks take on disk, by codec
+        scrape = httpx.get(f"{server.url}/metrics", timeout=10).text
+        ratios = {}
+        for labels, value in re.findall(
+            r"^sessioncache_tier_compression_ratio\{([^}]*)\} ([\d.e+]+)$", scrape, re.M
+        ):
+            fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if fields["tier"] == "disk":
+                ratios[fields["codec"]] = float(value)
+        assert ratios["int8/64"] > 1.9 and ratios["lossless"] > 1.0, ratios
     finally:
         server.stop()
     assert codecs_on_disk(data) == {1: 4, 2: 4}  # lossless for acme, int8 asked

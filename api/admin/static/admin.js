@@ -169,6 +169,7 @@ async function refreshOverview() {
     node.dataset.value = v == null ? "" : String(v);
   }
   renderTiers(o.tiers);
+  renderStored(o.stored || []);
   renderFleet(o.fleet, o.problems);
   renderMissReasons(o.miss_reasons);
   if (mergeSamples(h.samples)) drawCharts();
@@ -180,6 +181,23 @@ function mergeSamples(samples) {
   if (fresh.length) state.samples = state.samples.concat(fresh).slice(-1000);
   return fresh.length > 0;
 }
+function renderStored(rows) {
+  const body = $("#stored tbody");
+  body.replaceChildren();
+  for (const r of rows) {
+    const tr = el("tr", null, { "data-tier": r.tier, "data-namespace": r.namespace });
+    cell(tr, r.tier);
+    cell(tr, r.namespace);
+    cell(tr, r.tenant);
+    cell(tr, r.model);
+    cell(tr, r.codec);
+    cell(tr, fmtBytes(r.raw_bytes), r.raw_bytes);
+    cell(tr, fmtBytes(r.stored_bytes), r.stored_bytes);
+    cell(tr, r.ratio.toFixed(2) + "x", r.ratio).classList.add("ratio");
+    body.appendChild(tr);
+  }
+}
+
 function renderTiers(tiers) {
   const body = $("#tiers tbody");
   body.replaceChildren();
