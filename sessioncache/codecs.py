@@ -27,6 +27,7 @@ each namespace when it resolves it.
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import warnings
@@ -38,6 +39,8 @@ import numpy as np
 import numpy.typing as npt
 
 from sessioncache.errors import InvalidInput
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CODEC_IDS",
@@ -117,6 +120,21 @@ class Codec:
 
 RAW: Final = Codec(RAW_ID)
 LOSSLESS: Final = Codec(LOSSLESS_ID, typesize=2)
+
+
+def encode_or_raw(codec: Codec, payload: Any) -> tuple[Codec, memoryview]:
+    """``payload`` as ``codec`` stores it, or raw where it cannot (a block that is not whole
+    groups of a lossy codec's elements: kept exact, logged once per codec)."""
+    try:
+        return codec, codec.encode(payload)
+    except InvalidInput as exc:
+        if codec.name not in _WARNED:
+            _WARNED.add(codec.name)
+            log.warning("%s: %s; such blocks are stored raw", codec.name, exc)
+        return RAW, memoryview(payload).cast("B")
+
+
+_WARNED: set[str] = set()
 
 
 def parse_codec(text: str | None, kv_dtype: str) -> Codec:

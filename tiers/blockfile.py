@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from sessioncache.codecs import RAW, Codec, CodecTable, decode_block
-from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull, TierUnavailable
+from sessioncache.codecs import RAW, Codec, CodecTable, decode_block, encode_or_raw
+from sessioncache.errors import InvalidInput, TierFull, TierUnavailable
 from sessioncache.hashing import BlockHash
 from sessioncache.tiers.base import PutItem, RecoveredBlock
 from sessioncache.tiers.fileio import read_full
@@ -131,11 +131,11 @@ def encode_item(item: PutItem, codecs: CodecTable, tier: str, capacity: int) -> 
     if codec.id == RAW.id:
         checksum = _xxh3(view) if item.checksum is None else item.checksum
         return Encoded(RAW, view, view.nbytes, checksum)
-    try:
-        stored = codec.encode(view)
-    except InvalidInput as exc:
-        raise PayloadSizeError(f"{codec.name}: {exc}") from None
-    return Encoded(codec, stored, view.nbytes, _xxh3(stored))
+    used, stored = encode_or_raw(codec, view)
+    if used.id == RAW.id:
+        checksum = _xxh3(view) if item.checksum is None else item.checksum
+        return Encoded(RAW, view, view.nbytes, checksum)
+    return Encoded(used, stored, view.nbytes, _xxh3(stored))
 
 
 def read_header_of(path: str, block_hash: BlockHash) -> RecoveredBlock:

@@ -54,7 +54,7 @@ import torch
 import xxhash
 from redis.cluster import RedisCluster
 
-from sessioncache.codecs import CodecTable, decode_block
+from sessioncache.codecs import CodecTable, decode_block, encode_or_raw
 from sessioncache.errors import InvalidInput, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
@@ -412,9 +412,8 @@ class RedisTier:
             seen.add(block_hash)
             expires = self._expiry(item.expires_at, now)
             view = as_memoryview(item.payload)
-            codec = self._codecs.for_root(namespace_root)
+            codec, coded = encode_or_raw(self._codecs.for_root(namespace_root), view)
             if codec.id:
-                coded = codec.encode(view)
                 prepared.append(
                     Outgoing(
                         block_hash,

@@ -226,3 +226,12 @@ def test_the_redis_tier_stores_a_namespace_with_its_codec_and_any_node_reads_it(
         writer.clear_prefix()
         writer.close()
         reader.close()
+
+
+def test_a_block_that_is_not_whole_groups_is_stored_raw(tmp_path: Path) -> None:
+    tier, _ = disk(tmp_path)
+    raw = kv_block(12, 64 * 1024 + 2)  # one bf16 element past whole groups of 64
+    tier.put(PutItem(bid(30), raw, OTHER))  # an int8 namespace
+    path = next((tmp_path / "blocks").rglob(f"{bid(30).hex()}.blk"))
+    assert decode_header(path.read_bytes()[:HEADER_SIZE]).codec == 0
+    assert bytes(tier.get(bid(30)).numpy()) == raw  # type: ignore[union-attr]
