@@ -37,13 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from sessioncache.codecs import Codec, parse_codec
+from sessioncache.codecs import RAW, Codec, parse_codec
 from sessioncache.connector.transformers import (
     KVShape,
     block_payloads_to_kv,
     kv_to_block_payloads,
     model_forward,
 )
+from sessioncache.hashing import Namespace
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BREAK_EVEN_GBPS = 1.6
@@ -108,6 +109,36 @@ def greedy(model: Any, cache: Any, first: int, steps: int) -> list[int]:
     return out
 
 
+def disk_loads(blocks: list[bytes], codecs: list[Codec]) -> dict[str, float]:
+    """GB/s (raw bytes) of ``DiskTier.get`` of ``blocks`` stored with each codec, decoded on
+    one core; the files were just written, so the page cache holds them: this is the codec's
+    cost on a load, beside the raw tier's own read."""
+    import tempfile
+
+    from sessioncache.codecs import CodecTable
+    from sessioncache.hashing import BlockHash
+    from sessioncache.tiers.base import PutItem
+    from sessioncache.tiers.disk import DiskTier
+
+    torch.set_num_threads(1)
+    out: dict[str, float] = {}
+    total = sum(len(b) for b in blocks)
+    for codec in codecs:
+        with tempfile.TemporaryDirectory(prefix="kv-codec-") as tmp:
+            table = CodecTable()
+            root = b"K" * 16
+            if codec.id:
+                ns = Namespace("bench", 32, "bf16", "x", kv_codec=codec.name)
+                table.remember(root, ns, None)
+            tier = DiskTier.open(tmp, 2 * total + (1 << 20), fsync=False, codecs=table)
+            ids = [BlockHash(i.to_bytes(16, "little")) for i in range(len(blocks))]
+            for h, b in zip(ids, blocks, strict=True):
+                tier.put(PutItem(h, b, root))
+            seconds = timed(lambda t=tier, hs=ids: [t.get(h) for h in hs])
+            out[codec.name] = round(total / seconds / 1e9, 2)
+    return out
+
+
 def timed(fn: Any, repeat: int = 3) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -168,7 +199,8 @@ def main() -> None:
 
     shape = KVShape.of(model)
     codecs: list[Codec] = [
-        parse_codec(c.format(d=shape.head_dim), "bf16") for c in ["raw", *CODECS]
+        RAW,
+        *(parse_codec(c.format(d=shape.head_dim), "bf16") for c in CODECS),
     ]
     bt, nb = args.block_tokens, args.prefix_blocks
     need = bt * nb + args.positions + 1
@@ -186,6 +218,7 @@ def main() -> None:
         for c in codecs
     }
     stats[RECOMPUTED] = {"kl": [], "same": 0}
+    sample: list[bytes] = []  # the first prompts' raw blocks, for the disk tier's loads
     kinds: dict[str, int] = {}
     started = time.perf_counter()
 
@@ -207,6 +240,8 @@ def main() -> None:
         after = torch.tensor([ids[bt * nb : bt * nb + args.positions]])
         _, cache = model_forward(model, prefix)
         blocks = as_bf16_blocks(kv_to_block_payloads(cache, bt))
+        if n < 8:
+            sample += blocks
         reference: torch.Tensor | None = None
         reference_tokens: list[int] = []
         for codec in codecs:
@@ -268,6 +303,9 @@ def main() -> None:
             "greedy_identical": round(st["same"] / len(texts), 3),
             "decode_vs_break_even": round(timed_raw / st["dec_s"] / 1e9 / BREAK_EVEN_GBPS, 2),
         }
+    loads = disk_loads(sample, codecs)
+    for name, gbps in loads.items():
+        rows[name]["disk_get_gbps"] = gbps
     result = {
         "model": f"SmolLM2-135M-Instruct (GGUF Q4_1 weights, {args.compute} compute, bf16 KV)",
         "kv": {
@@ -301,6 +339,10 @@ def main() -> None:
     print(
         f"{result['prompts']} prompts {kinds}, {rows['raw']['positions']} positions; "
         f"break-even {BREAK_EVEN_GBPS} GB/s"
+    )
+    print(
+        "disk tier get, page cache hot, one core, GB/s of KV: "
+        + ", ".join(f"{name} {gbps}" for name, gbps in loads.items())
     )
     if args.json:
         print(json.dumps(result))

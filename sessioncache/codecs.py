@@ -118,6 +118,8 @@ class Codec:
         return decode_block(self.id, stored, raw_nbytes)
 
 
+MAX_RAW_NBYTES: Final = 0xFFFFFFFF
+"""The longest block a header records a raw length of (longer ones are stored raw)."""
 RAW: Final = Codec(RAW_ID)
 LOSSLESS: Final = Codec(LOSSLESS_ID, typesize=2)
 
@@ -125,13 +127,19 @@ LOSSLESS: Final = Codec(LOSSLESS_ID, typesize=2)
 def encode_or_raw(codec: Codec, payload: Any) -> tuple[Codec, memoryview]:
     """``payload`` as ``codec`` stores it, or raw where it cannot (a block that is not whole
     groups of a lossy codec's elements: kept exact, logged once per codec)."""
+    view = memoryview(payload).cast("B")
+    if codec.id == RAW_ID or view.nbytes > MAX_RAW_NBYTES:
+        return RAW, view
     try:
-        return codec, codec.encode(payload)
-    except InvalidInput as exc:
+        stored = codec.encode(view)
+    except Exception as exc:  # a codec's own failure never fails the write: kept exact
         if codec.name not in _WARNED:
             _WARNED.add(codec.name)
             log.warning("%s: %s; such blocks are stored raw", codec.name, exc)
-        return RAW, memoryview(payload).cast("B")
+        return RAW, view
+    if stored.nbytes >= view.nbytes:  # incompressible: raw is smaller, and exact
+        return RAW, view
+    return codec, stored
 
 
 _WARNED: set[str] = set()
@@ -141,7 +149,7 @@ def parse_codec(text: str | None, kv_dtype: str) -> Codec:
     """The codec a namespace's ``kv_codec`` names (None: raw): ``lossless``, ``int8/<G>`` or
     ``fp8/<G>`` (``G``: elements per scale, the head dimension); ``InvalidInput`` otherwise
     or where ``kv_dtype`` is not one a lossy codec understands."""
-    if text is None or text == "raw":
+    if text is None:
         return RAW
     dtype = _DTYPES.get(kv_dtype.lower())
     if text == "lossless":
@@ -152,7 +160,7 @@ def parse_codec(text: str | None, kv_dtype: str) -> Codec:
             f"kv_codec {text!r}: one of lossless, int8/<group>, fp8/<group> (group: the "
             "elements per scale, the head dimension)"
         )
-    if not group.isdigit() or not 1 <= int(group) <= 65535:
+    if not group.isdigit() or group.startswith("0") or not 1 <= int(group) <= 65535:
         raise InvalidInput(f"kv_codec {text!r}: the group is a number of elements, 1 to 65535")
     if dtype is None:
         raise InvalidInput(
@@ -331,7 +339,7 @@ class CodecTable:
 
     def __init__(self, node: str = "raw", tenants: Mapping[str, str] | None = None) -> None:
         for what, text in (("node", node), *(tenants or {}).items()):
-            if text not in ("raw", "lossless"):
+            if text not in ("raw", "lossless"):  # settings name raw; a namespace leaves it unset
                 raise InvalidInput(
                     f"codec setting of {what}: raw or lossless (a lossy codec is the "
                     f"engine's choice, its namespace's kv_codec), got {text!r}"
@@ -356,7 +364,7 @@ class CodecTable:
         own = codec_of(namespace)
         if own is None:
             setting = self._tenants.get(tenant or "", self._node)
-            own = parse_codec(setting, namespace.kv_dtype)
+            own = RAW if setting == "raw" else parse_codec(setting, namespace.kv_dtype)
         if own.id != RAW_ID:
             with self._lock:
                 self._roots[bytes(root)] = own

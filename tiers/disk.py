@@ -600,6 +600,13 @@ class DiskTier:
         except InvalidBlock as exc:
             self._drop(block_hash, entry, path, str(exc))
             return None
+        if entry.stored != stored_nbytes:  # adopted on trust: it counts what it stores now
+            with self._lock:
+                if self._index.get(block_hash) is entry:
+                    known = Entry(entry.nbytes, entry.namespace_root, stored_nbytes)
+                    self._bytes.remove(entry)
+                    self._index[block_hash] = known
+                    self._bytes.add(known)
         return torch.from_numpy(raw)
 
     # --------------------------------------------------------------------------------- delete

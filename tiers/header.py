@@ -5,7 +5,8 @@ little-endian (``struct`` format ``<8sHHI16s16s16sQQQ``):
 
     offset  size  field
          0     8  magic            the format's (``tiers.disk.MAGIC``, ``tiers.redis.MAGIC``)
-         8     2  version          u16, currently 1
+         8     2  version          u16: 1 (raw), 2 (a codec's payload: a reader before
+                                   codecs refuses it instead of serving its bytes)
         10     2  flags            u16, bit 0: the block has a parent (else it roots a chain);
                                    bits 8-15: the payload's codec (``sessioncache.codecs``,
                                    0: raw, the bytes as the engine sent them)
@@ -18,7 +19,7 @@ little-endian (``struct`` format ``<8sHHI16s16s16sQQQ``):
         72     8  payload xxh3     u64, ``xxh3_64_intdigest(payload)`` of the stored bytes
         80     8  header xxh3      u64, ``xxh3_64_intdigest(header[0:80])``
 
-Headers written before codecs existed have both fields 0: raw.
+Headers written before codecs existed (version 1) have both fields 0: raw.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 VERSION = 1
+CODED_VERSION = 2
+"""The version of a header whose payload a codec wrote."""
 HEADER = struct.Struct("<8sHHI16s16s16sQQQ")
 HEADER_SIZE = HEADER.size  # 88
 _HEADER_BODY = HEADER_SIZE - 8  # the bytes the header checksum covers
@@ -97,7 +100,7 @@ class HeaderCodec:
             raise InvalidInput(f"a codec id of {codec} and a raw length of {raw_nbytes}")
         body = HEADER.pack(
             self.magic,
-            VERSION,
+            CODED_VERSION if codec else VERSION,
             (0 if parent is None else _HAS_PARENT) | (codec << 8),
             raw_nbytes if codec else 0,
             block_hash,
@@ -121,10 +124,14 @@ class HeaderCodec:
             raise InvalidBlock("bad magic")
         if _xxh3(memoryview(raw)[:_HEADER_BODY]) != hsum:
             raise InvalidBlock("header checksum mismatch")
-        if version != VERSION:
+        if version not in (VERSION, CODED_VERSION):
             raise InvalidBlock(f"unsupported format version {version}")
         codec = flags >> 8
-        if (codec == 0) != (raw_len == 0) or flags & 0xFE:
+        if (
+            (codec == 0) != (raw_len == 0)
+            or (codec != 0) != (version == CODED_VERSION)
+            or (flags & 0xFE)
+        ):
             raise InvalidBlock(f"bad flags {flags:#x} or raw length {raw_len}")
         return Header(
             bid,

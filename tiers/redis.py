@@ -54,7 +54,7 @@ import torch
 import xxhash
 from redis.cluster import RedisCluster
 
-from sessioncache.codecs import CodecTable, decode_block, encode_or_raw
+from sessioncache.codecs import CODEC_IDS, CodecTable, decode_block, encode_or_raw
 from sessioncache.errors import InvalidInput, TierFull
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.redis_link import (
@@ -124,6 +124,10 @@ class _Own:
 
 
 _MIN_TTL_S = 1.0
+
+
+class UnknownCodec(InvalidBlock):
+    """A value written with a codec this node does not know: not corrupt, not readable here."""
 
 
 def _warn_corrupt(tier: str, block_hash: BlockHash, exc: InvalidBlock) -> None:
@@ -249,6 +253,8 @@ class RedisTier:
                 if isinstance(raw, Exception):  # WRONGTYPE: something else took the key
                     raise InvalidBlock(describe_error(raw))
                 out.append(self._decode(block_hash, cast(bytes, raw)))
+            except UnknownCodec:
+                out.append(None)  # a miss here; the value stays, for the nodes that read it
             except InvalidBlock as exc:
                 _warn_corrupt(self.name, block_hash, exc)
                 corrupt.append(block_hash)
@@ -275,6 +281,8 @@ class RedisTier:
         if _xxh3(memoryview(raw)[HEADER_SIZE:]) != header.checksum:
             raise InvalidBlock("payload checksum mismatch")
         if header.codec:
+            if header.codec not in CODEC_IDS.values():
+                raise UnknownCodec(f"codec {header.codec}, from a newer node")
             try:
                 block = decode_block(header.codec, memoryview(raw)[HEADER_SIZE:], header.raw_nbytes)
             except InvalidInput as exc:

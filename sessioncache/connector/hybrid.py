@@ -168,8 +168,16 @@ class HybridModel:
         """The spine's and each companion's namespace, derived from the model's."""
         return (
             replace(base, group=self.spine.group),
-            [replace(base, group=c.group) for c in self.companions],
+            [replace(base, group=c.group, kv_codec=_codec_of(base, c)) for c in self.companions],
         )
+
+
+def _codec_of(base: Namespace, group: GroupSpec) -> str | None:
+    """A companion's codec: the model's, except that a state (convolution and recurrent
+    states, not KV vectors) is never quantized."""
+    if group.kind == "state" and base.kv_codec is not None and base.kv_codec != "lossless":
+        return None
+    return base.kv_codec
 
 
 @dataclass(slots=True)

@@ -101,6 +101,8 @@ def test_bytes_a_codec_did_not_make_are_refused() -> None:
         ("int8/x", "bf16"),
         ("fp8/64", "u8"),
         ("int4/64", "bf16"),
+        ("raw", "bf16"),  # unset says raw: one name, one id
+        ("int8/064", "bf16"),
     ],
 )
 def test_a_codec_name_is_checked(text: str, dtype: str) -> None:
@@ -190,7 +192,10 @@ def test_a_block_adopted_on_trust_is_read_whatever_its_codec(tmp_path: Path) -> 
     tier.put(PutItem(bid(9), raw, ROOT))
     restarted = DiskTier.open(tmp_path, 16 << 20, scan=False)  # the catalog's word only
     restarted.adopt([RecoveredBlock(bid(9), ROOT, len(raw), 0.0)])  # raw length, as the store
+    assert restarted.used_bytes == len(raw)  # the catalog's word: its raw length
     assert bytes(restarted.get(bid(9)).numpy()) == raw  # type: ignore[union-attr]
+    assert restarted.used_bytes == tier.used_bytes < len(raw)  # read once: what it stores
+    assert restarted.stored_by_root() == tier.stored_by_root()
 
 
 # -- the shared tier -----------------------------------------------------------------------
@@ -202,6 +207,7 @@ def test_the_redis_tier_stores_a_namespace_with_its_codec_and_any_node_reads_it(
 
     import redis
 
+    from sessioncache.tiers.redis import _CODEC as redis_headers
     from sessioncache.tiers.redis import RedisTier
 
     url = os.environ.get("SESSIONCACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -222,6 +228,16 @@ def test_the_redis_tier_stores_a_namespace_with_its_codec_and_any_node_reads_it(
         assert bytes(got[0].numpy()) == raw  # type: ignore[union-attr]
         lossy = as_bf16(got[1].numpy())  # type: ignore[union-attr]
         assert (lossy - as_bf16(raw)).abs().max() < 0.1 and bytes(got[1].numpy()) != raw  # type: ignore[union-attr]
+        # a newer node's codec (99): a miss here, the value left for the nodes that read it
+        key, conn = reader.key(bid(21)), redis.Redis.from_url(url)
+        value = bytearray(conn.get(key) or b"")
+        head = redis_headers.decode(bytes(value[:HEADER_SIZE]))
+        value[:HEADER_SIZE] = redis_headers.encode(
+            bid(21), ROOT, None, head.nbytes, head.checksum, 99, head.raw_nbytes
+        )
+        conn.set(key, bytes(value))
+        assert reader.get(bid(21)) is None
+        assert conn.exists(key)
     finally:
         writer.clear_prefix()
         writer.close()
@@ -235,3 +251,27 @@ def test_a_block_that_is_not_whole_groups_is_stored_raw(tmp_path: Path) -> None:
     path = next((tmp_path / "blocks").rglob(f"{bid(30).hex()}.blk"))
     assert decode_header(path.read_bytes()[:HEADER_SIZE]).codec == 0
     assert bytes(tier.get(bid(30)).numpy()) == raw  # type: ignore[union-attr]
+
+
+def test_a_coded_header_is_version_2_so_readers_before_codecs_refuse_it(tmp_path: Path) -> None:
+    tier, _ = disk(tmp_path)
+    raw, noise = kv_block(13), np.random.default_rng(5).integers(0, 256, 4096, np.uint8)
+    tier.put(PutItem(bid(40), raw, ROOT))
+    tier.put(PutItem(bid(41), noise.tobytes(), ROOT))  # incompressible: stored raw, exact
+    for i, version, codec in ((40, 2, LOSSLESS_ID), (41, 1, 0)):
+        data = next((tmp_path / "blocks").rglob(f"{bid(i).hex()}.blk")).read_bytes()
+        assert int.from_bytes(data[8:10], "little") == version
+        assert decode_header(data[:HEADER_SIZE]).codec == codec
+    assert bytes(tier.get(bid(41)).numpy()) == noise.tobytes()  # type: ignore[union-attr]
+
+
+def test_a_hybrid_state_group_is_never_quantized() -> None:
+    from sessioncache.connector.hybrid import GroupSpec, HybridModel
+
+    model = HybridModel(
+        GroupSpec("full", ("l0", "l3")),
+        (GroupSpec("state", ("l1", "l2")), GroupSpec("window", ("l4",), 2)),
+    )
+    base = Namespace("m", 16, "bf16", "x", kv_codec=f"int8/{HEAD_DIM}")
+    spine, (state, window) = model.namespaces(base)
+    assert spine.kv_codec == window.kv_codec == f"int8/{HEAD_DIM}" and state.kv_codec is None
