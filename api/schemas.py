@@ -19,6 +19,7 @@ from pydantic import (
 from pydantic import Strict as PydanticStrict
 from pydantic.config import JsonDict
 
+from sessioncache.codecs import KV_CODEC_PATTERN
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import (
     FIELD_LIMITS,
@@ -85,6 +86,7 @@ class NamespaceIn(Strict):
     kv_codec: str | None = Field(
         None,
         max_length=FIELD_LIMITS["kv_codec"],
+        pattern=KV_CODEC_PATTERN,
         description="lossless, or a lossy int8/<G> or fp8/<G> (G: elements per scale, the "
         "head dimension): how the disk and Redis tiers may store this namespace's blocks",
     )

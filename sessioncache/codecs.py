@@ -15,7 +15,8 @@ engine's own dtype. Four codecs, each with an id that the block header records
 
 A lossy codec is chosen by the engine only, as the namespace's ``kv_codec`` (part of its
 digest: a lossy namespace's ids are its own, so an engine that expects exact KV never reads
-lossy KV). It needs the elements' dtype, the namespace's ``kv_dtype`` (bf16, f16 or f32).
+lossy KV). It needs the elements' dtype, the namespace's ``kv_dtype`` (bf16, f16 or f32;
+blocks of another dtype are stored raw).
 
 A lossy block's stored bytes: a 4-byte prefix (u16 ``G``, u8 dtype code, u8 0), the ``n``
 bf16 scales, then the ``n * G`` codes. Decoding runs in torch on the calling thread.
@@ -118,6 +119,10 @@ class Codec:
         return decode_block(self.id, stored, raw_nbytes)
 
 
+MAX_GROUP: Final = 9999
+"""The most elements per scale a lossy codec takes (a head dimension)."""
+KV_CODEC_PATTERN: Final = r"^(lossless|(int8|fp8)/[1-9][0-9]{0,3})$"
+"""What a namespace's ``kv_codec`` may be (the REST schema's pattern)."""
 MAX_RAW_NBYTES: Final = 0xFFFFFFFF
 """The longest block a header records a raw length of (longer ones are stored raw)."""
 RAW: Final = Codec(RAW_ID)
@@ -160,13 +165,12 @@ def parse_codec(text: str | None, kv_dtype: str) -> Codec:
             f"kv_codec {text!r}: one of lossless, int8/<group>, fp8/<group> (group: the "
             "elements per scale, the head dimension)"
         )
-    if not group.isdigit() or group.startswith("0") or not 1 <= int(group) <= 65535:
-        raise InvalidInput(f"kv_codec {text!r}: the group is a number of elements, 1 to 65535")
-    if dtype is None:
+    if not group.isdigit() or group.startswith("0") or not 1 <= int(group) <= MAX_GROUP:
         raise InvalidInput(
-            f"kv_codec {text!r} quantizes floating-point KV; kv_dtype {kv_dtype!r} is not "
-            f"one of {sorted(_DTYPES)}"
+            f"kv_codec {text!r}: the group is a number of elements, 1 to {MAX_GROUP}"
         )
+    if dtype is None:  # not floating-point KV this codec knows: its blocks are stored raw
+        return Codec(CODEC_IDS[base], int(group))
     return Codec(CODEC_IDS[base], int(group), dtype[0], dtype[1])
 
 
@@ -219,6 +223,8 @@ def _blosc_decompress(stored: Any, raw_nbytes: int) -> npt.NDArray[np.uint8]:
 def _quantize(codec: Codec, view: memoryview) -> bytes:
     import torch
 
+    if not codec.dtype:
+        raise InvalidInput(f"{codec.name} quantizes floating-point KV: one of {sorted(_DTYPES)}")
     dtype = getattr(torch, codec.dtype)
     if view.nbytes % (codec.group * codec.typesize):
         raise InvalidInput(

@@ -99,7 +99,7 @@ def test_bytes_a_codec_did_not_make_are_refused() -> None:
         ("int8", "bf16"),
         ("int8/0", "bf16"),
         ("int8/x", "bf16"),
-        ("fp8/64", "u8"),
+        ("int8/10000", "bf16"),
         ("int4/64", "bf16"),
         ("raw", "bf16"),  # unset says raw: one name, one id
         ("int8/064", "bf16"),
@@ -110,6 +110,14 @@ def test_a_codec_name_is_checked(text: str, dtype: str) -> None:
         parse_codec(text, dtype)
     with pytest.raises(InvalidInput):
         Namespace("m", 16, dtype, "x", kv_codec=text)
+
+
+def test_a_lossy_codec_on_kv_it_cannot_quantize_stores_it_raw() -> None:
+    from sessioncache.codecs import encode_or_raw
+
+    codec = parse_codec(f"fp8/{HEAD_DIM}", "u8")  # accepted: the engine's choice, exact here
+    used, stored = encode_or_raw(codec, kv_block(14, 4096))
+    assert used is RAW and bytes(stored) == kv_block(14, 4096)
 
 
 def test_a_lossy_namespace_has_ids_of_its_own_and_others_keep_theirs() -> None:
