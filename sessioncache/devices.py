@@ -61,12 +61,6 @@ __all__ = [
     "pinned_empty",
 ]
 
-_HOST_REGISTER_PORTABLE = 0x01
-"""``cudaHostRegisterPortable``: pinned for every CUDA context of the process."""
-_HOST_REGISTER_READ_ONLY = 0x08
-"""``cudaHostRegisterReadOnly``: the device only reads it (a sealed, read-only mapping)."""
-
-
 def cuda_present() -> bool:
     """Whether this process can use CUDA."""
     import torch
