@@ -61,6 +61,7 @@ __all__ = [
     "pinned_empty",
 ]
 
+
 def cuda_present() -> bool:
     """Whether this process can use CUDA."""
     import torch
