@@ -355,15 +355,6 @@ class CodecTable:
         self._lock = threading.Lock()
         self._roots: dict[bytes, Codec] = {}
 
-    @property
-    def active(self) -> bool:
-        """Whether any block may be stored other than raw."""
-        return (
-            self._node != "raw"
-            or any(v != "raw" for v in self._tenants.values())
-            or bool(self._roots)
-        )
-
     def remember(self, root: bytes, namespace: Any, tenant: str | None) -> Codec:
         """Record the codec of ``namespace``'s blocks (its root ``root``, resolved for
         ``tenant``): its own ``kv_codec``, else the tenant's or the node's setting."""

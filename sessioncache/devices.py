@@ -196,10 +196,6 @@ def _stager() -> _Stager:
     return _Stager(max(1, min(4, (os.cpu_count() or 2) // 2)))
 
 
-def _pinned(t: torch.Tensor) -> bool:
-    return bool(t.is_pinned())
-
-
 class DeviceCopies:
     """A batch of copies between host memory and devices (see the module docstring)."""
 
@@ -244,17 +240,12 @@ class DeviceCopies:
             to_device
             and src.device.type == "cpu"
             and src.numel() * src.element_size() >= STAGE_MIN_BYTES
-            and not _pinned(src)
+            and not src.is_pinned()
         ):
             _stager().copy(host_tensor(dst), host_tensor(src), stream)
             return
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-
-    @property
-    def pending(self) -> bool:
-        """Whether copies were issued that ``wait`` has not seen complete."""
-        return bool(self._streams)
 
     def wait(self) -> None:
         """Return once every copy issued so far is complete."""

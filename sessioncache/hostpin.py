@@ -183,10 +183,6 @@ class HostRegistration:
             )
         return cls(memory, address, nbytes, index, what)
 
-    @property
-    def live(self) -> bool:
-        return self._finalizer.alive
-
     def close(self) -> None:
         """Unregister now (the memory stays mapped while others hold it)."""
         self._finalizer()

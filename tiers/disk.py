@@ -56,9 +56,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Final
 
-import numpy as np
 import torch
-import xxhash
 
 from sessioncache.codecs import CodecTable
 from sessioncache.errors import InvalidInput, PayloadSizeError, TierFull
@@ -74,14 +72,13 @@ from sessioncache.tiers.blockfile import (
     encode_item,
     os_error,
     quarantine,
-    read_coded,
+    read_block,
     read_header_of,
 )
 from sessioncache.tiers.fileio import (
     PendingFile,
     fsync_dir,
     mtime,
-    read_full,
     sync_and_rename,
     sync_file_range,
     write_all,
@@ -104,9 +101,7 @@ _BLOCK_SUFFIX = ".blk"
 _TMP_SUFFIX = ".tmp"
 _HEX_LEN = 2 * HASH_BYTES
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class DiskTier:
@@ -539,55 +534,10 @@ class DiskTier:
         if entry is None:
             return None
         path = self._path(block_hash)
-        if entry.stored >= 0:  # a codec wrote it: read as stored, then decode
-            return self._decoded(block_hash, entry, path, entry.stored)
-        header = bytearray(HEADER_SIZE)
-        # numpy, not torch.empty: numpy asks for huge pages on big buffers, which made
-        # faulting in a fresh 32 MiB buffer ~3x cheaper here.
-        buf = np.empty(entry.nbytes, dtype=np.uint8)
-        body = buf.data
-        extra = bytearray(1)  # catches a file longer than it should be
         try:
-            fd = os.open(path, _READ_FLAGS)
-            try:
-                got = read_full(fd, [memoryview(header), body, memoryview(extra)])
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            logger.warning("disk tier %r: block %s vanished", self.name, block_hash.hex())
-            self._drop(block_hash, entry, None, "")
-            return None
-        except OSError as exc:
-            if exc.errno != errno.EIO:
-                raise
-            self._drop(block_hash, entry, path, f"read error: {exc}")
-            return None
-        try:
-            head = decode_header(header)
-            if head.block_hash != block_hash:
-                raise InvalidBlock("block id in header does not match the file name")
-            if head.namespace_root != entry.namespace_root:
-                raise InvalidBlock("namespace root in header does not match the index")
-            if head.raw_nbytes != entry.nbytes:
-                raise InvalidBlock(f"a block of {head.raw_nbytes} bytes, {entry.nbytes} expected")
-            if head.codec:  # adopted on trust, and a codec wrote it
-                return self._decoded(block_hash, entry, path, head.nbytes)
-            if got != HEADER_SIZE + head.nbytes:
-                raise InvalidBlock(f"file holds {got} bytes, expected {HEADER_SIZE + entry.nbytes}")
-            if _xxh3(body) != head.checksum:
-                raise InvalidBlock("payload checksum mismatch")
-        except InvalidBlock as exc:
-            self._drop(block_hash, entry, path, str(exc))
-            return None
-        return torch.from_numpy(buf)
-
-    def _decoded(
-        self, block_hash: BlockHash, entry: Entry, path: str, stored_nbytes: int
-    ) -> torch.Tensor | None:
-        """The block of a file whose payload a codec wrote (``blockfile.read_coded``); a
-        miss, its file quarantined, when it does not hold."""
-        try:
-            raw = read_coded(path, block_hash, entry.namespace_root, entry.nbytes, stored_nbytes)
+            raw, stored = read_block(
+                path, block_hash, entry.namespace_root, entry.nbytes, entry.stored
+            )
         except FileNotFoundError:
             logger.warning("disk tier %r: block %s vanished", self.name, block_hash.hex())
             self._drop(block_hash, entry, None, "")
@@ -600,10 +550,10 @@ class DiskTier:
         except InvalidBlock as exc:
             self._drop(block_hash, entry, path, str(exc))
             return None
-        if entry.stored != stored_nbytes:  # adopted on trust: it counts what it stores now
+        if stored != entry.stored:  # adopted on trust: it counts what it stores now
             with self._lock:
                 if self._index.get(block_hash) is entry:
-                    known = Entry(entry.nbytes, entry.namespace_root, stored_nbytes)
+                    known = Entry(entry.nbytes, entry.namespace_root, stored)
                     self._bytes.remove(entry)
                     self._index[block_hash] = known
                     self._bytes.add(known)

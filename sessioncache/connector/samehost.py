@@ -126,13 +126,10 @@ class SameHostLookup(NamedTuple):
         return len(self.hashes)
 
 
-_is_device_tensor = on_device
-
-
 def _copy_out(dst: Any, src: npt.NDArray[np.uint8], copies: DeviceCopies) -> memoryview | None:
     """Copy ``src`` into the caller's buffer; the host view written (None for a device
     tensor: copied over the mapping straight to the device, on ``copies``)."""
-    if _is_device_tensor(dst):
+    if on_device(dst):
         copies.copy(device_bytes(dst, src.nbytes), src)
         return None
     view = as_buffer(dst, writable=True)
@@ -477,7 +474,7 @@ class SameHostClient(StreamClient):
         copied into their slots: only their one size is checked here."""
         size = one_size(
             (p.numel() * p.element_size())
-            if _is_device_tensor(p)
+            if on_device(p)
             else p.nbytes
             if isinstance(p, Filler)
             else as_buffer(p, writable=False).nbytes
@@ -523,7 +520,7 @@ class SameHostClient(StreamClient):
             if self._hasher is not None
             and staged.slots[i] is not None
             and staged.status[i] is BlockStatus.STORED
-            and not _is_device_tensor(payloads[i])
+            and not on_device(payloads[i])
             and not isinstance(payloads[i], Filler)
             else None
             for i in range(n)
@@ -537,7 +534,7 @@ class SameHostClient(StreamClient):
                     end = min(first + batch, n)
                     lengths: list[int] = []
                     sums: list[int] = []
-                    on_device: list[tuple[int, Slot]] = []  # hashed once their copies are done
+                    from_device: list[tuple[int, Slot]] = []  # hashed once their copies are done
                     with DeviceCopies() as copies:
                         for i in range(first, end):
                             slot = staged.slots[i]
@@ -547,9 +544,9 @@ class SameHostClient(StreamClient):
                                 continue
                             ahead = hashes[i]
                             dst = self._maps.view(slot)
-                            if _is_device_tensor(payloads[i]):
+                            if on_device(payloads[i]):
                                 copies.copy(dst, device_bytes(payloads[i], slot.nbytes))
-                                on_device.append((len(sums), slot))
+                                from_device.append((len(sums), slot))
                                 sums.append(0)
                             elif ahead is None:
                                 sums.append(_copy_and_hash(dst, payloads[i]))
@@ -557,7 +554,7 @@ class SameHostClient(StreamClient):
                                 _copy_in(dst, payloads[i])
                                 sums.append(ahead.result())
                             lengths.append(slot.nbytes)
-                    for k, slot in on_device:
+                    for k, slot in from_device:
                         sums[k] = int(xxhash.xxh3_64(self._maps.view(slot).data).intdigest())
                     commit = Commit(staged.staging, first, lengths, sums)
                     inflight.append(self._c.send(frames.encode_commit(self._c.next_rid(), commit)))
