@@ -121,6 +121,15 @@ class BlockMeta:
         self._table.last[self.slot] = value
 
     @property
+    def next_use(self) -> float:
+        """When the block is predicted to be read again (``sessioncache.forecast``)."""
+        return self._table.nxt[self.slot]
+
+    @next_use.setter
+    def next_use(self, value: float) -> None:
+        self._table.nxt[self.slot] = value
+
+    @property
     def expires_at(self) -> float:
         return self._table.expires[self.slot]
 
@@ -236,6 +245,7 @@ class BlockMeta:
             touch_order=self.touch_order,
             mask=self.mask,
             checksum=self.checksum,
+            next_use=self.next_use,
         )
         return BlockMeta.detached(fields, self.children_in)
 
@@ -266,11 +276,11 @@ class BlockMeta:
 
     def candidacy(
         self, tier: int, *, last: bool = False
-    ) -> tuple[bool, bool, float, float, int, int]:
+    ) -> tuple[bool, bool, float, float, int, int, float]:
         """What the eviction policy files the block by in ``tier``, read at once: whether its
         copy there is spare (``policy.spare_copy``), whether it is an evictable tail there
-        (``evictable_from``), its last access, its expiry, and its LRU tie-breakers (the
-        operation that touched it, minus its touch order)."""
+        (``evictable_from``), its last access, its expiry, its LRU tie-breakers (the
+        operation that touched it, minus its touch order) and its predicted next use."""
         t, slot = self._table, self.slot
         mask, ref = t.mask[slot], t.ref[slot]
         held_here = mask >> tier & 1
@@ -278,4 +288,4 @@ class BlockMeta:
         tail = not (ref or not held_here or t.children_in[slot * t.num_tiers + tier]) and (
             not last or not t.held[slot] or mask & (mask - 1) != 0
         )
-        return spare, tail, t.last[slot], t.expires[slot], t.op[slot], -t.order[slot]
+        return spare, tail, t.last[slot], t.expires[slot], t.op[slot], -t.order[slot], t.nxt[slot]

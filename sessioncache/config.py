@@ -129,6 +129,12 @@ class Settings(BaseSettings):
         0.5, ge=0, le=1, description="largest share of a tier's capacity that pins may hold"
     )
     sweep_interval_s: float = Field(60.0, gt=0, description="period of the background sweep")
+    eviction_policy: Literal["forecast", "lru"] = Field(
+        "forecast",
+        description="`forecast`: the tail predicted to be read again last leaves first "
+        "(sessions' finish reasons and rhythm, docs/sessions.md); `lru`: least recently used "
+        "tail first (the policy before forecasts, for comparison and fallback)",
+    )
     attribution_ring_blocks: int = Field(
         65_536,
         gt=0,

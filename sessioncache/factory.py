@@ -15,6 +15,7 @@ from sessioncache.events import StoreObserver
 from sessioncache.fleet import FleetIndex, FleetObserver
 from sessioncache.history import StatsHistory
 from sessioncache.node import CacheNode
+from sessioncache.policy import EvictionPolicy
 from sessioncache.redis_link import client_factory
 from sessioncache.sessions import SessionManager
 from sessioncache.shared_expiry import SharedExpiryRefresher
@@ -163,6 +164,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         )
         store = TieredStore(
             tiers,
+            EvictionPolicy.named(settings.eviction_policy, len(tiers)),
             clock=clock,
             default_ttl_s=settings.default_ttl_s,
             promote_on_get=settings.promote_on_get,

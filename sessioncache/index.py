@@ -29,6 +29,7 @@ import numpy.typing as npt
 from sessioncache.blocks import BlockMeta, tier_set
 from sessioncache.events import Touched
 from sessioncache.expiry import ExpiryIndex
+from sessioncache.forecast import NO_FORECAST, ORPHAN_BASE
 from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.index_adoption import IndexAdoption
 from sessioncache.policy import EvictionPolicy
@@ -122,10 +123,11 @@ class BlockIndex:
         expires_at: float | None = None,
         ref_cnt: int = 0,
         touched_by_op: int = 0,
+        next_use: float | None = None,
     ) -> BlockMeta:
         """Make and index the record of a block not in the index (held in no tier yet). Unless
-        told otherwise it was last accessed when ``created`` and expires ``ttl_s`` after that
-        last access."""
+        told otherwise it was last accessed when ``created``, expires ``ttl_s`` after that
+        last access, and starts with its parent's forecast."""
         if last_access is None:
             last_access = created
         if expires_at is None:
@@ -136,6 +138,13 @@ class BlockIndex:
         # held) must count them, or ``children_held`` goes negative.
         held = 0 if first == NO_SLOT else sum(1 for k in table.kids_from(first) if table.mask[k])
         order = self._next_order(1)
+        # A block continues its parent's chain: it is read no sooner than its parent, so it
+        # starts with the parent's forecast (the session's, while its chain is written).
+        if next_use is None:
+            owner = table.slot_of.get(parent) if parent is not None else None
+            next_use = NO_FORECAST if owner is None else table.nxt[owner]
+            if next_use >= ORPHAN_BASE / 2:
+                next_use = NO_FORECAST  # a dead branch taken up again: its writer files it
         slot = table.new(
             BlockFields(
                 block_hash,
@@ -150,6 +159,7 @@ class BlockIndex:
                 children_held=held,
                 touched_by_op=touched_by_op,
                 touch_order=order,
+                next_use=next_use,
             )
         )
         table.first_kid[slot] = first
@@ -366,6 +376,7 @@ class BlockIndex:
         if ttl is not None:
             ttls[at] = np.maximum(ttls[at], ttl)
         col("last")[at] = now
+        col("nxt")[at] = NO_FORECAST
         col("op")[at] = op
         expires = col("expires")
         expires[at] = np.maximum(expires[at], now + ttls[at])
@@ -379,6 +390,7 @@ class BlockIndex:
         if ttl is not None and ttl > table.ttl[slot]:
             table.ttl[slot] = ttl
         table.last[slot] = now
+        table.nxt[slot] = NO_FORECAST
         table.op[slot] = op
         table.expires[slot] = max(table.expires[slot], now + table.ttl[slot])
         table.order[slot] = self._next_order(1)
@@ -511,6 +523,27 @@ class BlockIndex:
             if slot is not None and table.pins[slot]:
                 table.pins[slot] -= 1
         self.unref_all(hashes)
+
+
+def file_forecast(index: BlockIndex, run: Run, next_use: float | None) -> None:
+    """Predict the blocks of ``run`` (a chain, root first) read again at ``next_use``, or (None)
+    never: they leave first, the oldest first (``forecast.orphaned``). A forecast may move a
+    block's eviction key either way, so the chain's tail in each tier is filed again (the
+    other blocks are filed when they become tails). No touch: the lock is the caller's."""
+    if not len(run):
+        return
+    table, at = index._table, run.at
+    col = table.column
+    if next_use is None:
+        col("nxt")[at] = ORPHAN_BASE - col("last")[at]
+    else:
+        col("nxt")[at] = next_use
+    masks = col("mask")[at]
+    for tier in range(index._num_tiers):
+        held = np.flatnonzero(masks & (1 << tier))
+        if len(held):
+            slot = int(run.slots[held[-1]])
+            index._policy.track(BlockMeta.at(table, slot, table.key(slot)), tier)
 
 
 class Leases:

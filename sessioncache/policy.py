@@ -11,22 +11,30 @@ Victim order, per tier:
 4. Then spare copies: below the first tier, a block also held in a faster tier, tail or
    not, least recently used first; dropping it loses nothing, so the tiers hold distinct
    blocks whenever room is short. Session pins keep a block, not its spare copies.
-5. Then least recently used first. Blocks touched at the same instant are ordered by the
-   operation that touched them (earlier first) and, within one operation (a lookup walking a
-   chain), deepest first, so a chain is eaten from its tail.
+5. Then, with a ``Forecast`` (the default), the tail whose predicted next use lies furthest
+   ahead (``sessioncache.forecast``: Belady's rule with predictions, a value per block that
+   is the larger of its forecast and how overdue it is); without one (``lru``, the setting
+   ``SESSIONCACHE_EVICTION_POLICY=lru``), least recently used first. Blocks touched at the
+   same instant are ordered by the operation that touched them (earlier first) and, within
+   one operation (a lookup walking a chain), deepest first, so a chain is eaten from its
+   tail.
 
 Admission (``admits``): a block entering a tier takes the place of that tier's next victim
 unless the victim is unexpired and either
 * hotter than the incoming block, which is new or promoted (held in no faster tier), while
   the victim's copy there is not spare: the incoming block belongs lower down, so a chain
   longer than the fast tier keeps its head fast and its tail lower instead of shredding
-  what is there. A demoted block is not judged again: it was the coldest above, and refusing
-  it would drop it (orphaning any tail of it held below); or
+  what is there. Hotter is LRU's order, under a forecast too (no bypass by forecast: in the
+  last tier it would refuse stores; docs/sessions.md). A demoted block is not judged again:
+  it was the coldest above, and refusing it would drop it (orphaning any tail of it held
+  below); or
 * the only copy, in the last tier, of the incoming block's own parent: admitting the child
   would orphan it.
 
 The victim orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
-whole chain) costs no heap operation: a touch only moves a block's keys later. A popped entry
+whole chain) costs no heap operation: a touch only moves a block's keys later. A forecast that
+moves a block's next use further ahead (a finish reason, a close) re-files the chain's tails
+(``track``), since that moves its key the other way. A popped entry
 whose block was touched since is pushed back with its current key; one whose block is no longer
 an evictable tail there (pinned, moved, gained a child) is dropped. Whenever a block may have
 become an evictable tail (stored, unpinned, lost its last child in the tier) the store calls
@@ -45,22 +53,37 @@ import math
 from collections.abc import Callable, Iterable
 
 from sessioncache.blocks import BlockMeta
+from sessioncache.forecast import Forecast, eviction_value
 from sessioncache.hashing import BlockHash
 
 _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
+POLICIES = ("forecast", "lru")
+"""The eviction orders a node may run (``SESSIONCACHE_EVICTION_POLICY``), the default first."""
 _MIN_COMPACT = 4096  # entries a tier's heaps may hold before they are first compacted
 
 
 class EvictionPolicy:
-    """TTL first, then LRU over unpinned chain tails (see module docstring)."""
+    """TTL first, then the furthest forecast (or LRU) over unpinned chain tails (see module
+    docstring). ``forecast=None`` is plain LRU."""
 
-    def __init__(self, num_tiers: int) -> None:
+    def __init__(self, num_tiers: int, forecast: Forecast | None = None) -> None:
         self._last = num_tiers - 1
+        self.forecast = forecast
+        self._overdue = forecast.overdue if forecast is not None else 1.0
         self._expiry: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._lru: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._spare: list[list[_Entry]] = [[] for _ in range(num_tiers)]
+        # With a forecast: the tails by next use, furthest first (keys negated).
+        self._ahead: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._lookup: Callable[[BlockHash], BlockMeta | None] | None = None
         self._limit = [_MIN_COMPACT] * num_tiers
+
+    @classmethod
+    def named(cls, name: str, num_tiers: int, forecast: Forecast | None = None) -> EvictionPolicy:
+        """The policy a setting names (``POLICIES``)."""
+        if name not in POLICIES:
+            raise ValueError(f"unknown eviction policy {name!r}; policies are {list(POLICIES)}")
+        return cls(num_tiers, (forecast or Forecast()) if name == "forecast" else None)
 
     def bind(self, lookup: Callable[[BlockHash], BlockMeta | None]) -> None:
         """Let the policy find records by id, so that it can compact its heaps itself."""
@@ -69,7 +92,7 @@ class EvictionPolicy:
     def track(self, meta: BlockMeta, tier: int) -> None:
         """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail or a spare
         copy there."""
-        spare, tail, last_access, expires_at, op, neg_seq = meta.candidacy(
+        spare, tail, last_access, expires_at, op, neg_seq, next_use = meta.candidacy(
             tier, last=tier == self._last
         )
         if spare:
@@ -80,14 +103,17 @@ class EvictionPolicy:
             return
         heapq.heappush(self._expiry[tier], (expires_at, op, neg_seq, meta.block_hash))
         heapq.heappush(self._lru[tier], (last_access, op, neg_seq, meta.block_hash))
+        if self.forecast is not None:
+            heapq.heappush(self._ahead[tier], (-next_use, op, neg_seq, meta.block_hash))
         if self._lookup is not None and self.queued(tier) > self._limit[tier]:
             self.compact(tier, self._lookup)
 
     def compact(self, tier: int, lookup: Callable[[BlockHash], BlockMeta | None]) -> None:
         """Drop ``tier``'s stale and duplicate heap entries (keeping, per block, one whose key
-        is no later than its current one: a popped entry is re-keyed anyway)."""
+        is no later than its current one: a popped entry is re-keyed anyway; by next use, the
+        current key)."""
         last = tier == self._last
-        heaps = (self._expiry, self._lru, self._spare)
+        heaps = (self._expiry, self._lru, self._spare, self._ahead)
         for kind, heaps_of in enumerate(heaps):
             kept: list[_Entry] = []
             seen: set[BlockHash] = set()
@@ -104,7 +130,8 @@ class EvictionPolicy:
                 elif not meta.evictable_from(tier, last=last):
                     continue
                 seen.add(block_hash)
-                kept.append(entry)
+                # A forecast may have moved either way: file it by its current one.
+                kept.append(_by_next_use(meta) if kind == 3 else entry)
             heapq.heapify(kept)
             heaps_of[tier] = kept
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
@@ -114,17 +141,18 @@ class EvictionPolicy:
     ) -> BlockMeta | None:
         """Pop the next victim of ``tier``; None when every block there is pinned or a parent.
 
-        The orders in turn (module docstring): expired tails, spare copies, tails by LRU."""
+        The orders in turn (module docstring): expired tails, spare copies, then tails by
+        their forecast (or LRU)."""
         last = tier == self._last
         expiry, spare = self._expiry[tier], self._spare[tier]
-        for heap in (expiry, spare, self._lru[tier]):
-            by_expiry, by_spare = heap is expiry, heap is spare
+        for heap in (expiry, spare):
+            by_expiry = heap is expiry
             until = now if by_expiry else math.inf  # only the expired leave by expiry
             while heap and heap[0][0] <= until:
                 entry = heapq.heappop(heap)
                 meta = lookup(entry[3])
                 if meta is None or not (
-                    spare_copy(meta, tier) if by_spare else meta.evictable_from(tier, last=last)
+                    meta.evictable_from(tier, last=last) if by_expiry else spare_copy(meta, tier)
                 ):
                     continue  # no longer a candidate there: a stale entry
                 time = meta.expires_at if by_expiry else meta.last_access
@@ -132,6 +160,42 @@ class EvictionPolicy:
                 if current == entry:
                     return meta
                 heapq.heappush(heap, current)  # touched since: back in line, later
+        lru = self._lru[tier]
+        oldest = self._top(lru, tier, lookup, _by_last)
+        if oldest is None or self.forecast is None:
+            if oldest is not None:
+                heapq.heappop(lru)
+            return oldest
+        ahead = self._ahead[tier]
+        furthest = self._top(ahead, tier, lookup, _by_next_use)
+        if furthest is not None and eviction_value(
+            furthest.next_use, furthest.last_access, now, self._overdue
+        ) > eviction_value(oldest.next_use, oldest.last_access, now, self._overdue):
+            heapq.heappop(ahead)
+            return furthest
+        heapq.heappop(lru)
+        return oldest
+
+    def _top(
+        self,
+        heap: list[_Entry],
+        tier: int,
+        lookup: Callable[[BlockHash], BlockMeta | None],
+        key: Callable[[BlockMeta], _Entry],
+    ) -> BlockMeta | None:
+        """The candidate at the top of ``heap``, left there, once the stale entries above it
+        are dropped and the re-keyed ones put back in line."""
+        last = tier == self._last
+        while heap:
+            entry = heap[0]
+            meta = lookup(entry[3])
+            if meta is None or not meta.evictable_from(tier, last=last):
+                heapq.heappop(heap)  # no longer a candidate there: a stale entry
+                continue
+            current = key(meta)
+            if current == entry:
+                return meta
+            heapq.heapreplace(heap, current)  # touched or re-forecast since: back in line
         return None
 
     def admits(self, victim: BlockMeta, incoming: BlockMeta, tier: int, now: float) -> bool:
@@ -144,15 +208,25 @@ class EvictionPolicy:
         entering = not incoming.mask & ((1 << tier) - 1)  # new or promoted
         return not (entering and not spare_copy(victim, tier) and _colder(incoming, victim))
 
+    def value(self, meta: BlockMeta, now: float) -> float:
+        """``meta``'s eviction value at ``now`` (``forecast.eviction_value``)."""
+        return eviction_value(meta.next_use, meta.last_access, now, self._overdue)
+
     def queued(self, tier: int) -> int:
         """Heap entries held for ``tier``, stale ones included."""
-        return len(self._expiry[tier]) + len(self._lru[tier]) + len(self._spare[tier])
+        return (
+            len(self._expiry[tier])
+            + len(self._lru[tier])
+            + len(self._spare[tier])
+            + len(self._ahead[tier])
+        )
 
     def rebuild(self, tier: int, metas: Iterable[BlockMeta]) -> None:
         """Drop stale entries by rebuilding ``tier``'s heaps from the blocks held there."""
         self._expiry[tier] = []
         self._lru[tier] = []
         self._spare[tier] = []
+        self._ahead[tier] = []
         for meta in metas:
             self.track(meta, tier)
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
@@ -164,6 +238,14 @@ def spare_copy(meta: BlockMeta, tier: int) -> bool:
     mask = meta.mask
     # Held in ``tier`` and in a tier before it.
     return meta.ref_cnt == meta.pins and bool(mask >> tier & 1) and bool(mask & ((1 << tier) - 1))
+
+
+def _by_last(meta: BlockMeta) -> _Entry:
+    return (meta.last_access, meta.touched_by_op, -meta.touch_order, meta.block_hash)
+
+
+def _by_next_use(meta: BlockMeta) -> _Entry:
+    return (-meta.next_use, meta.touched_by_op, -meta.touch_order, meta.block_hash)
 
 
 def _colder(a: BlockMeta, b: BlockMeta) -> bool:

@@ -10,6 +10,14 @@ prefix plus a little more. Each lookup or store that names a session
 * moves the session's head to the last block of its chain and pins that chain while the
   session is live, so capacity pressure cannot evict it.
 
+Each also feeds the session's forecast (``sessioncache.forecast``): when it is expected back,
+from its requests' arrivals, their finish reasons where the engine or agent passes them
+(``finish_reason`` on a store, or ``finish``), its own rhythm, its close and its parent
+session (a subagent's). The chain it touched is filed under that forecast, which is what the
+default eviction order reads; blocks of a previous prompt the new one no longer reaches, and a
+closed session's chain, get none and leave first. This is soft state: a restart forgets it
+and the session starts again from the defaults.
+
 Pins are released by ``close``, by an idle timeout (the session stays open; its blocks then
 age out by TTL, and its next request pins again) and by the pin budget: pinned bytes per tier
 are bounded by a share of the tier's capacity, past which the least recently active sessions'
@@ -40,8 +48,10 @@ from typing import Protocol
 
 from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.expiry import ExpiryIndex
+from sessioncache.forecast import finish_class
 from sessioncache.hashing import BlockHash
 from sessioncache.quotas import Counts, refuse
+from sessioncache.session_forecasts import SessionForecasts
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, TieredStore, WriteResult
 from sessioncache.store.results import MAX_TTL_S, check_ttl
@@ -144,6 +154,8 @@ class SessionManager:
         self._expiring: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._idling: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._unpin_listeners: list[Callable[[SessionKey, str], None]] = []
+        self.forecasts = SessionForecasts(store.reads, store.forecast, self._clock)
+        """Each open session's forecast (soft state: not in the repository)."""
 
     def on_unpin(self, listener: Callable[[SessionKey, str], None]) -> None:
         """Call ``listener((tenant, session_id), cause)`` when a session's pins go: ``pin_budget``,
@@ -160,8 +172,11 @@ class SessionManager:
         tenant: str = DEFAULT_TENANT,
         kind: str = "agent",
         ttl_s: float | None = None,
+        parent: str | None = None,
     ) -> Session:
-        """Open a session, or return the tenant's open one with that id."""
+        """Open a session, or return the tenant's open one with that id. ``parent``: the
+        session it was forked from (a subagent's), of the same tenant: its close spares the
+        prefix they share."""
         if kind not in self._kind_ttls:
             raise InvalidInput(
                 f"unknown session kind {kind!r}; kinds are {sorted(self._kind_ttls)}"
@@ -170,6 +185,8 @@ class SessionManager:
             check_ttl(ttl_s)
         if session_id is not None:
             _check_id(session_id)
+        if parent is not None:
+            _check_id(parent)
         with self._lock:
             now = self._clock.now()
             if session_id is not None and self._find((tenant, session_id)) is not None:
@@ -193,6 +210,7 @@ class SessionManager:
                 expires_at=now + ttl,
             )
             self._held(session)
+            self.forecasts.opened(session.key, (tenant, parent) if parent is not None else None)
             if self._repo is not None:
                 self._repo.create_session(replace(session))
             return replace(session)
@@ -273,9 +291,12 @@ class SessionManager:
         prefix: Sequence[BlockHash] = (),
         tenant: str = DEFAULT_TENANT,
         durable: bool = False,
+        finish_reason: str | None = None,
     ) -> WriteResult:
         """``writes.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
-        the session's chain becomes ``prefix + hashes``."""
+        the session's chain becomes ``prefix + hashes``. ``finish_reason``: the request whose
+        KV this is has finished, so (see ``finish``)."""
+        finish = finish_class(finish_reason) if finish_reason is not None else None
         session, ttl = self._begin(session_id, tenant)
         result = self._store.writes.put(
             hashes,
@@ -284,20 +305,30 @@ class SessionManager:
             parent=prefix[-1] if prefix else None,
             ttl_s=ttl,
             durable=durable,
+            next_use=self.forecasts.next_use(session.key, finish),
         )
-        self._end(session, [*prefix, *hashes])
+        self._end(session, [*prefix, *hashes], finish)
         return result
 
     def record(
-        self, session_id: str, chain: Sequence[BlockHash], *, tenant: str = DEFAULT_TENANT
+        self,
+        session_id: str,
+        chain: Sequence[BlockHash] = (),
+        *,
+        tenant: str = DEFAULT_TENANT,
+        finish_reason: str | None = None,
     ) -> Session:
         """Note that the session's chain is now ``chain`` (blocks stored some other way, for
-        instance PUT one by one over HTTP): slide its TTL, raise its blocks' TTLs, pin them."""
+        instance PUT one by one over HTTP): slide its TTL, raise its blocks' TTLs, pin them.
+        ``finish_reason`` (``tool_use``, ``stop``, ...: ``forecast.FINISH_CLASSES``): the
+        session's latest request finished so, and its chain (``chain``, or with none the
+        session's) is filed under the forecast that follows."""
+        finish = finish_class(finish_reason) if finish_reason is not None else None
         session, ttl = self._begin(session_id, tenant)
         if chain:
             self._store.reads.touch(chain, ttl_s=ttl)  # activity, not a lookup
         with self._lock:
-            self._end(session, chain)
+            self._end(session, chain, finish)
             return replace(session)
 
     def adopt(self, key: SessionKey, hashes: Sequence[BlockHash]) -> None:
@@ -308,6 +339,7 @@ class SessionManager:
             if held is None:
                 return
             held.extend(self._store.reads.pin(hashes))
+            self.forecasts.refile(key, held)
             self._enforce_pin_budget()
 
     # -- maintenance --------------------------------------------------------------------
@@ -359,9 +391,10 @@ class SessionManager:
             session = self._owned(session_id, tenant)
             return session, session.ttl_s
 
-    def _end(self, session: Session, chain: Sequence[BlockHash]) -> None:
+    def _end(self, session: Session, chain: Sequence[BlockHash], finish: str | None = None) -> None:
         """After the store call: ``chain`` is the session's activity (empty: none held), if
-        the session is still the open one of its id."""
+        the session is still the open one of its id; ``finish``: the class of its request's
+        finish, if this is it (else a request has arrived)."""
         with self._lock:
             if self._sessions.get(session.key) is not session:
                 return  # closed, swept or replaced meanwhile: this came just before that
@@ -369,6 +402,10 @@ class SessionManager:
                 self._activity(session, chain)
             else:
                 self._slide(session)
+            if not chain:  # a finish files the session's chain; an arrival what it pins
+                pinned = self._pins.get(session.key) or ()
+                chain = pinned if finish is None else _chain(self._pins, self._store, session)
+            self.forecasts.seen(session.key, finish, chain)
 
     # -- internals (lock held) ----------------------------------------------------------
 
@@ -389,7 +426,16 @@ class SessionManager:
         self.tenants.add(session.tenant)
 
     def _drop(self, key: SessionKey, cause: str) -> None:
-        """The session ends (``closed``, ``expired``): pins, row and count go."""
+        """The session ends (``closed``, ``expired``): pins, row and count go; a closed
+        session's chain has no forecast any more, but for what its parent shares."""
+        if cause == "closed" and self.forecasts.forecast is not None:
+            parent = self.forecasts.parent(key)
+            self.forecasts.closed(
+                key,
+                _chain(self._pins, self._store, self._sessions.get(key)),
+                _chain(self._pins, self._store, self._sessions.get(parent) if parent else None),
+            )
+        self.forecasts.forget(key)
         self._unpin(key, cause)
         self.tenants.add(self._sessions.pop(key).tenant, -1)
         if self._repo is not None:
@@ -434,6 +480,10 @@ class SessionManager:
         self._save(session)
 
     def _activity(self, session: Session, chain: Sequence[BlockHash]) -> None:
+        head = session.head
+        if self.forecasts.forecast is not None and head is not None and head not in chain:
+            # the prompt left the previous one's chain
+            self.forecasts.left(_chain(self._pins, self._store, session), chain)
         session.head = chain[-1]
         self._pin(session, chain)
         self._slide(session)
@@ -480,6 +530,18 @@ class SessionManager:
     def _save(self, session: Session) -> None:
         if self._repo is not None:
             self._repo.save_session(replace(session))
+
+
+def _chain(
+    pins: Mapping[SessionKey, list[BlockHash]], store: TieredStore, session: Session | None
+) -> Sequence[BlockHash]:
+    """A session's chain: what it pins, else what is held up to its head."""
+    if session is None:
+        return ()
+    pinned = pins.get(session.key)
+    if pinned:
+        return pinned
+    return store.reads.chain_to(session.head) if session.head is not None else ()
 
 
 def _check_id(session_id: str) -> None:

@@ -51,6 +51,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("ttl", "d"),
     ("created", "d"),
     ("last", "d"),
+    ("nxt", "d"),
     ("expires", "d"),
     ("mask", "B"),
     ("root", "I"),
@@ -88,6 +89,9 @@ class BlockFields(NamedTuple):
     mask: int = 0
     """The tiers holding the payload, a bit per tier."""
     checksum: int | None = None
+    next_use: float = float("-inf")
+    """When the block is predicted to be read again (``sessioncache.forecast``; -inf: no
+    forecast)."""
 
 
 class BlockTable:
@@ -162,6 +166,8 @@ class BlockTable:
     created: memoryview[float]
     last: memoryview[float]
     """When last accessed."""
+    nxt: memoryview[float]
+    """When predicted to be read again (``sessioncache.forecast``)."""
     expires: memoryview[float]
     mask: memoryview[int]
     """The tiers holding the payload, a bit each."""
@@ -210,6 +216,7 @@ class BlockTable:
         self.ttl[slot] = f.ttl_s
         self.created[slot] = f.created
         self.last[slot] = f.last_access
+        self.nxt[slot] = f.next_use
         self.expires[slot] = f.expires_at
         self.mask[slot] = f.mask
         self.flags[slot] = (
@@ -242,6 +249,7 @@ class BlockTable:
         expires_at: npt.NDArray[np.float64],
         mask: int,
         touch_order: int,
+        next_use: npt.NDArray[np.float64] | float = float("-inf"),
     ) -> int:
         """``new`` of many ids not in the table (no duplicates), unpinned, in consecutive new
         slots, a column at a time; touch orders from ``touch_order`` on. No kids are linked
@@ -268,6 +276,7 @@ class BlockTable:
         a["ttl"][start:end] = ttl_s
         a["created"][start:end] = created
         a["last"][start:end] = last_access
+        a["nxt"][start:end] = next_use
         a["expires"][start:end] = expires_at
         a["mask"][start:end] = mask
         a["flags"][start:end] = F_LIVE | np.where(has_parent, F_PARENT, 0)

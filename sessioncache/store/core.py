@@ -211,6 +211,7 @@ class StoreCore:
         ttl: float,
         op: int,
         now: float,
+        next_use: float | None = None,
     ) -> BlockMeta | None:
         """Create the record of a block about to be stored (at ``now``, the operation's
         instant), pinned while in flight; None when it is already held (its TTL is extended)
@@ -232,6 +233,7 @@ class StoreCore:
                 created=now,
                 ref_cnt=1,
                 touched_by_op=op,
+                next_use=next_use,
             )
 
     def live(self, block_hash: BlockHash) -> bool:

@@ -13,7 +13,7 @@ from sessioncache.errors import (
     LeaseNotFound,
 )
 from sessioncache.hashing import BlockHash
-from sessioncache.index import Run
+from sessioncache.index import Run, file_forecast
 from sessioncache.store.core import StoreCore
 from sessioncache.store.results import (
     LocatedSlot,
@@ -137,6 +137,18 @@ class StoreReads:
         with self._core.lock:
             lease = self._core.index.leases.find(lease_id)
             return lease.hashes if lease is not None else None
+
+    def forecast(self, hashes: Sequence[BlockHash], next_use: float | None) -> int:
+        """Predict the held prefix of ``hashes`` (a session's chain) read again at
+        ``next_use``, or (None) never (``index.file_forecast``); no touch. Returns how
+        many blocks it covered."""
+        if not hashes:
+            return 0
+        with self._core.lock:
+            index = self._core.index
+            run = index.held_run(hashes, self._core.clock.now())
+            file_forecast(index, run, next_use)
+            return len(run)
 
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Pin the longest held prefix of ``hashes`` (a live session's chain: blocks past a

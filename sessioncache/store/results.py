@@ -127,6 +127,9 @@ class Write:
     at: float
     """The operation's instant: its records share it (creation, access and expiry times)."""
     status: list[BlockStatus | None] = field(default_factory=list)
+    next_use: float | None = None
+    """The forecast of the records it makes (``sessioncache.forecast``); None: each starts
+    with its parent's."""
     slots: list[StagedSlot | None] = field(default_factory=list)
     metas: list[BlockMeta | None] = field(default_factory=list)
     open: bool = True

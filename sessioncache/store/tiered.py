@@ -11,6 +11,7 @@ import numpy as np
 
 from sessioncache.clock import Clock
 from sessioncache.events import DropObserver, StoreObserver
+from sessioncache.forecast import Forecast
 from sessioncache.policy import EvictionPolicy
 from sessioncache.store.behind import WriteBehind
 from sessioncache.store.core import StoreCore, StoreOptions
@@ -63,6 +64,11 @@ class TieredStore:
     @property
     def clock(self) -> Clock:
         return self._core.clock
+
+    @property
+    def forecast(self) -> Forecast | None:
+        """The eviction policy's forecast settings; None under plain LRU."""
+        return self._core.policy.forecast
 
     def tier_names(self) -> list[str]:
         return list(self._core.tier_index)

@@ -44,6 +44,7 @@ class StoreWrites:
         ttl_s: float | None = None,
         tier: str | None = None,
         durable: bool = False,
+        next_use: float | None = None,
     ) -> WriteResult:
         """Store a chain segment: ``hashes[0]``'s parent is ``parent`` (None at a chain root).
         ``prepare`` and ``fill`` of each block in order (after a block that is not held, the
@@ -69,6 +70,7 @@ class StoreWrites:
             ttl_s=ttl_s,
             tier=tier,
             durable=durable,
+            next_use=next_use,
         )
         for i, payload in enumerate(payloads):
             self.fill(write, i, payload, settle=False)
@@ -85,12 +87,15 @@ class StoreWrites:
         ttl_s: float | None = None,
         tier: str | None = None,
         durable: bool = False,
+        next_use: float | None = None,
     ) -> Write:
         """A write of ``hashes`` (``parents[i]`` is block ``i``'s parent: the previous block
         of a chain segment, or None for keyed blocks that stand alone) of ``nbytes`` each
         (None: not known yet, checked per fill), into tier ``tier`` (default: the first, or
-        the parent's if lower). Checks what it can for all blocks (ids, the namespace's
-        payload size, the TTL, a durable tier to write through to) before any is written."""
+        the parent's if lower). ``next_use``: the new records' forecast (a session's: see
+        ``sessioncache.forecast``; None: each its parent's). Checks what it can for all
+        blocks (ids, the namespace's payload size, the TTL, a durable tier to write through
+        to) before any is written."""
         if len(parents) != len(hashes):
             raise InvalidInput(f"{len(hashes)} ids but {len(parents)} parents")
         start = self._core.tier_by_name(tier) if tier is not None else 0
@@ -120,6 +125,7 @@ class StoreWrites:
             op,
             at,
             status=[None] * n,
+            next_use=next_use,
         )
 
     def fill(
@@ -166,6 +172,7 @@ class StoreWrites:
             write.ttl,
             write.op,
             write.at,
+            write.next_use,
         )
         if meta is None:
             if write.durable_tier is not None:
@@ -327,6 +334,7 @@ class StoreWrites:
                     write.ttl,
                     write.op,
                     write.at,
+                    write.next_use,
                 )
                 if meta is None:
                     self._staged(write, BlockStatus.PRESENT, None, None)

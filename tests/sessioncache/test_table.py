@@ -108,12 +108,13 @@ def test_candidacy_agrees_with_the_policy_predicates(
         children_held=held,
         touched_by_op=4,
         touch_order=9,
+        next_use=11.0,
     )
     meta = BlockMeta.detached(fields, [here, here, here])
-    spare, tail, last_access, expires, op, neg = meta.candidacy(tier, last=last)
+    spare, tail, last_access, expires, op, neg, next_use = meta.candidacy(tier, last=last)
     assert spare == spare_copy(meta, tier)
     assert tail == meta.evictable_from(tier, last=last)
-    assert (last_access, expires, op, neg) == (3.0, 8.0, 4, -9)
+    assert (last_access, expires, op, neg, next_use) == (3.0, 8.0, 4, -9, 11.0)
 
 
 def test_a_chain_put_in_several_segments_is_matched_whole() -> None:

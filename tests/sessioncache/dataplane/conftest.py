@@ -9,6 +9,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,9 +17,14 @@ import numpy as np
 import pytest
 
 from sessioncache.connector import StreamClient, discover
+from sessioncache.connector.samehost import SameHostClient
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import HEADER_SIZE, Header
+from sessioncache.dataplane.samehost_server import open_samehost_server
+from sessioncache.dataplane.server import StreamServer
+from sessioncache.dataplane.transport import UnixListener
 from sessioncache.hashing import Namespace
+from sessioncache.node import CacheNode
 from tests.support.servers import Server, start_server
 
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
@@ -28,7 +34,11 @@ BLOCK = 64 << 10
 
 @pytest.fixture(scope="module")
 def open_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("stream-open") / "data")
+    # LRU: the slot-reuse tests need churn, and under the default forecast blocks read a
+    # moment ago are kept while new ones bypass the full tier (docs/sessions.md).
+    server = start_server(
+        tmp_path_factory.mktemp("stream-open") / "data", {"SESSIONCACHE_EVICTION_POLICY": "lru"}
+    )
     yield server
     server.stop()
 
@@ -116,3 +126,27 @@ def assert_closed(sock: socket.socket) -> None:
     sock.settimeout(10)
     with contextlib.suppress(ConnectionResetError):
         assert sock.recv(1) == b""
+
+
+@pytest.fixture
+def stream(node: CacheNode, tmp_path: Path) -> Iterator[StreamClient]:
+    """A stream client of an in-process server over the test module's ``node``."""
+    path = str(tmp_path / "stream.sock")
+    server = StreamServer(node, UnixListener(path)).start()
+    client = StreamClient.connect(f"unix:{path}")
+    yield client
+    client.close()
+    server.stop()
+
+
+@pytest.fixture
+def samehost(node: CacheNode) -> Iterator[SameHostClient]:
+    """A same-host client of an in-process server over the test module's ``node``."""
+    server = open_samehost_server(node, node.settings)
+    if server is None:
+        pytest.skip("no shared-memory CPU tier on this platform")
+    server.start()
+    client = SameHostClient.connect(server.address)
+    yield client
+    client.close()
+    server.stop()

@@ -1,0 +1,115 @@
+"""Each open session's forecast, and the forecasts it files on the store's blocks.
+
+``SessionManager`` tells this room what a session did (a request arrived or finished, its
+prompt left the previous one's chain, it closed), with the chains concerned; this room keeps
+the session's ``Rhythm`` and files the chain under the forecast that follows
+(``StoreReads.forecast``: ``sessioncache.forecast`` has the model). Under plain LRU (no
+``Forecast``) it keeps nothing and files nothing.
+
+Called with the manager's lock held (it calls the store: the lock order is sessions, then
+store), except ``next_use``, a read of one session's rhythm that may be a moment stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from sessioncache.clock import Clock
+from sessioncache.forecast import Forecast, Rhythm
+from sessioncache.hashing import BlockHash
+
+SessionKey = tuple[str, str]
+
+
+class ForecastReads(Protocol):
+    """What of the store's reads this room uses."""
+
+    def forecast(self, hashes: Sequence[BlockHash], next_use: float | None) -> int: ...
+
+
+class SessionForecasts:
+    """Rhythms of the open sessions, and their filing (module docstring)."""
+
+    def __init__(self, reads: ForecastReads, forecast: Forecast | None, clock: Clock) -> None:
+        self._reads = reads
+        self.forecast = forecast
+        self._clock = clock
+        self._rhythms: dict[SessionKey, Rhythm] = {}
+
+    def opened(self, key: SessionKey, parent: SessionKey | None) -> None:
+        """The session opened, forked from ``parent`` (a subagent's) when given."""
+        if self.forecast is not None and parent is not None and parent != key:
+            self._rhythm(key).parent = parent
+
+    def parent(self, key: SessionKey) -> SessionKey | None:
+        rhythm = self._rhythms.get(key)
+        return rhythm.parent if rhythm is not None else None
+
+    def next_use(self, key: SessionKey, finish: str | None = None) -> float | None:
+        """When the session is expected back, were its request arriving now (``finish`` None)
+        or finishing now for that class: the forecast of the blocks a store on its behalf
+        makes. None under plain LRU."""
+        if self.forecast is None:
+            return None
+        now = self._clock.now()
+        rhythm = self._rhythms.get(key) or Rhythm()
+        return rhythm.after(finish, now).next_use(self.forecast, now)
+
+    def seen(self, key: SessionKey, finish: str | None, chain: Sequence[BlockHash]) -> None:
+        """A request of the session arrived (``finish`` None) or finished for that class;
+        ``chain`` (its held prefix counts) is filed under the forecast that follows."""
+        if self.forecast is None:
+            return
+        now = self._clock.now()
+        rhythm = self._rhythm(key)
+        if finish is None:
+            rhythm.arrive(now)
+        else:
+            rhythm.finished_with(finish, now)
+        self._reads.forecast(chain, rhythm.next_use(self.forecast, now))
+
+    def refile(self, key: SessionKey, chain: Sequence[BlockHash]) -> None:
+        """Blocks of the session's chain that arrived since (uploaded one by one): its
+        current forecast."""
+        rhythm = self._rhythms.get(key)
+        if self.forecast is not None and rhythm is not None:
+            self._reads.forecast(chain, rhythm.next_use(self.forecast, self._clock.now()))
+
+    def left(self, old: Sequence[BlockHash], chain: Sequence[BlockHash]) -> None:
+        """The session's prompt is now ``chain``, which left ``old``: the blocks of ``old``
+        past the fork are reached by no live chain of the session."""
+        if self.forecast is None:
+            return
+        dead = self.forecast.dead_branch_s
+        self._reads.forecast(
+            old[common_prefix(old, chain) :],
+            None if dead is None else self._clock.now() + dead,
+        )
+
+    def closed(
+        self, key: SessionKey, chain: Sequence[BlockHash], parent_chain: Sequence[BlockHash]
+    ) -> None:
+        """The session closed: ``chain`` has no forecast any more, but for the prefix it
+        shares with its parent's ``parent_chain``."""
+        if self.forecast is not None:
+            self._reads.forecast(chain[common_prefix(chain, parent_chain) :], None)
+
+    def forget(self, key: SessionKey) -> None:
+        self._rhythms.pop(key, None)
+
+    def _rhythm(self, key: SessionKey) -> Rhythm:
+        rhythm = self._rhythms.get(key)
+        if rhythm is None:
+            rhythm = self._rhythms[key] = Rhythm()
+        return rhythm
+
+
+def common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

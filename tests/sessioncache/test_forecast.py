@@ -1,0 +1,229 @@
+"""Session-aware eviction: the forecast's pure parts, the policy's order under it, and the
+signals sessions feed it (two tenants sharing one tier)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sessioncache.clock import ManualClock
+from sessioncache.errors import InvalidInput, SessionNotFound
+from sessioncache.forecast import (
+    ORPHAN_BASE,
+    Forecast,
+    Rhythm,
+    eviction_value,
+    finish_class,
+    orphaned,
+)
+from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.policy import EvictionPolicy
+from sessioncache.sessions import SessionManager
+from sessioncache.store import TieredStore
+from sessioncache.tiers.cpu import CpuTier
+
+SIZE = 64
+NS = Namespace("m", 4, "bf16", "x")
+ROOT = NS.root()
+FORECAST = Forecast()
+
+
+def chain(seed: int, blocks: int) -> list[BlockHash]:
+    tokens = [int(t) for t in np.random.default_rng(seed).integers(0, 50_000, blocks * 4)]
+    return block_hashes(NS, tokens)
+
+
+def data(h: bytes) -> bytes:
+    return (h * 4)[:SIZE]
+
+
+def make(
+    blocks: int, clock: ManualClock, policy: str = "forecast"
+) -> tuple[TieredStore, SessionManager]:
+    store = TieredStore(
+        [CpuTier(blocks * SIZE)], EvictionPolicy.named(policy, 1), clock=clock, default_ttl_s=1e5
+    )
+    # Pins off: the order under test is the eviction policy's, not the pins'.
+    return store, SessionManager(store, pin_share=0.0)
+
+
+def turn(
+    sm: SessionManager,
+    sid: str,
+    hashes: list[BlockHash],
+    *,
+    tenant: str = "default",
+    finish: str | None = None,
+) -> None:
+    match = sm.lookup(sid, hashes, tenant=tenant)
+    new = hashes[match.num_blocks :]
+    sm.put(
+        sid,
+        new,
+        [data(h) for h in new],
+        namespace_root=ROOT,
+        prefix=match.hashes,
+        tenant=tenant,
+        finish_reason=finish,
+    )
+
+
+def held(store: TieredStore, hashes: list[BlockHash]) -> int:
+    return sum(store.reads.contains_many(hashes))
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
+
+
+# -- the pure parts ------------------------------------------------------------------------
+
+
+def test_the_value_is_the_forecast_until_it_is_overdue():
+    assert eviction_value(130.0, 100.0, 110.0, 2.0) == 130.0  # expected back at 130
+    assert eviction_value(130.0, 100.0, 140.0, 2.0) == 220.0  # 40 s silent: receding
+    # Without forecasts (equal offsets) the order is LRU's.
+    older, newer = eviction_value(25.0, 0.0, 50.0, 2.0), eviction_value(35.0, 10.0, 50.0, 2.0)
+    assert older > newer
+    assert orphaned(5.0) > orphaned(6.0) > 1e14  # no forecast: first, the oldest first
+    assert ORPHAN_BASE - 2e9 > 1e14
+
+
+def test_finish_reasons_of_each_vocabulary_and_a_bad_one():
+    assert {finish_class(r) for r in ("tool_use", "tool_calls", "function_call")} == {"tool"}
+    assert {finish_class(r) for r in ("stop", "end_turn", "stop_sequence")} == {"stop"}
+    assert finish_class("max_tokens") == finish_class("length") == "length"
+    with pytest.raises(InvalidInput, match="finish reasons are"):
+        finish_class("whatever")
+    with pytest.raises(InvalidInput):
+        finish_class(3)  # type: ignore[arg-type]
+
+
+def test_a_rhythm_forecasts_from_arrivals_finishes_and_its_own_gaps():
+    f = Forecast(rhythm_weight=1.0, rhythm_after=3)
+    r = Rhythm()
+    r.arrive(100.0)
+    assert r.next_use(f, 100.0) == 100.0 + f.in_flight_s  # running: finish unknown
+    r.finished_with("tool", 110.0)
+    assert r.next_use(f, 110.0) == 110.0 + f.gaps["tool"]
+    r.finished_with("stop", 110.0)
+    assert r.next_use(f, 110.0) == 110.0 + f.gaps["stop"]
+    for t in (200.0, 300.0, 400.0):  # three 4-second tool round trips
+        r.finished_with("tool", t)
+        r.arrive(t + 4.0)
+    r.finished_with("tool", 500.0)
+    assert r.next_use(f, 500.0) == 504.0  # its own rhythm, once it has shown it
+    with pytest.raises(InvalidInput):
+        Forecast(in_flight_s=0.0)
+    with pytest.raises(InvalidInput):
+        Forecast(gaps={"tool": 1.0})
+
+
+# -- the policy under a forecast -----------------------------------------------------------
+
+
+def test_the_tail_expected_back_last_leaves_first_not_the_least_recent(clock: ManualClock):
+    store, sm = make(12, clock)
+    sm.open("loop")
+    sm.open("done")
+    loop, done = chain(1, 5), chain(2, 5)
+    turn(sm, "loop", loop, finish="tool_use")  # back in seconds
+    clock.advance(1)
+    turn(sm, "done", done, finish="end_turn")  # more recent, but back in minutes
+    clock.advance(1)
+    turn(sm, "loop", loop + chain(3, 2), finish="tool_use")
+    clock.advance(1)
+    store.writes.put(chain(4, 2), [data(h) for h in chain(4, 2)], namespace_root=ROOT)
+    assert held(store, loop) == 5  # the tool loop kept its whole chain
+    assert held(store, done) < 5  # the finished turn gave up its tail
+
+
+def test_lru_setting_keeps_todays_order(clock: ManualClock):
+    store, sm = make(12, clock, policy="lru")
+    assert store.forecast is None
+    sm.open("loop")
+    sm.open("done")
+    loop, done = chain(1, 5), chain(2, 5)
+    turn(sm, "loop", loop, finish="tool_use")
+    clock.advance(1)
+    turn(sm, "done", done, finish="end_turn")
+    clock.advance(60)
+    more = chain(4, 4)
+    store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
+    assert held(store, loop) < 5  # least recently used goes, whatever the finish said
+    assert held(store, done) == 5
+
+
+def test_a_finish_moves_a_forecast_further_and_the_tail_is_refiled(clock: ManualClock):
+    store, sm = make(10, clock)
+    sm.open("a")
+    sm.open("b")
+    a, b = chain(1, 5), chain(2, 5)
+    turn(sm, "b", b)  # running: expected back in a request's length
+    clock.advance(1)
+    turn(sm, "a", a)
+    before = store.reads.meta(b[-1])
+    assert before is not None and before.next_use == 1000.0 + FORECAST.in_flight_s
+    sm.record("b", finish_reason="end_turn")  # b's turn ended: minutes away
+    after = store.reads.meta(b[-1])
+    assert after is not None and after.next_use == 1001.0 + FORECAST.gaps["stop"]
+    clock.advance(1)
+    more = chain(3, 2)
+    store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
+    assert held(store, b) == 3 and held(store, a) == 5
+
+
+def test_a_prompt_that_left_its_previous_chain_gives_up_the_old_branch_first(
+    clock: ManualClock,
+):
+    store, sm = make(12, clock)
+    sm.open("s")
+    sm.open("t")
+    base, branch = chain(1, 3), chain(2, 3)
+    turn(sm, "s", base + branch, finish="tool_use")
+    clock.advance(1)
+    turn(sm, "t", chain(5, 4), finish="end_turn")  # expected back late, but live
+    clock.advance(1)
+    turn(sm, "s", base + chain(3, 2), finish="tool_use")  # edited history: branch is dead
+    assert held(store, branch) == 3
+    meta = store.reads.meta(branch[-1])
+    assert meta is not None and meta.next_use > 1e14
+    clock.advance(1)
+    more = chain(4, 3)
+    store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
+    assert held(store, branch) == 0  # the dead branch went, not the live sessions
+    assert held(store, chain(5, 4)) == 4
+
+
+def test_a_closed_subagent_gives_up_its_own_blocks_not_its_parents(clock: ManualClock):
+    store, sm = make(20, clock)
+    sm.open("main")
+    sm.open("main:sub", parent="main")
+    prefix = chain(1, 4)
+    turn(sm, "main", prefix, finish="tool_use")
+    sub = prefix + chain(2, 3)
+    turn(sm, "main:sub", sub, finish="end_turn")
+    sm.close("main:sub")
+    own = store.reads.meta(sub[-1])
+    shared = store.reads.meta(prefix[-1])
+    assert own is not None and own.next_use > 1e14
+    assert shared is not None and shared.next_use < 1e14
+
+
+def test_one_tenant_cannot_move_another_tenants_forecast(clock: ManualClock):
+    store, sm = make(20, clock)
+    sm.open("s", tenant="alice")
+    mine = chain(1, 4)
+    turn(sm, "s", mine, tenant="alice", finish="tool_use")
+    before = store.reads.meta(mine[-1])
+    assert before is not None
+    value = before.next_use
+    with pytest.raises(SessionNotFound):
+        sm.record("s", tenant="mallory", finish_reason="end_turn")
+    with pytest.raises(SessionNotFound):
+        sm.close("s", tenant="mallory")
+    with pytest.raises(InvalidInput):
+        sm.record("s", tenant="alice", finish_reason="not-a-reason")
+    after = store.reads.meta(mine[-1])
+    assert after is not None and after.next_use == value
