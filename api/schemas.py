@@ -21,6 +21,7 @@ from pydantic.config import JsonDict
 
 from sessioncache.codecs import KV_CODEC_PATTERN
 from sessioncache.errors import InvalidInput
+from sessioncache.forecast import FINISH_REASON_PATTERN
 from sessioncache.hashing import (
     FIELD_LIMITS,
     HASH_BYTES,
@@ -37,6 +38,18 @@ Hex = Annotated[
 ]
 SessionId = Annotated[
     str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN, pattern=SESSION_ID_PATTERN)
+]
+
+FinishReason = Annotated[
+    str,
+    Field(
+        pattern=FINISH_REASON_PATTERN,
+        description="Why the session's request finished: a tool call (`tool_use`, "
+        "`tool_calls`, ...: the agent comes back in seconds, with the tool's result), the end "
+        "of a turn (`stop`, `end_turn`, ...: minutes or days), `length`, or `abort`. The "
+        "session's blocks are kept or evicted by when it is predicted back (docs/sessions.md).",
+        examples=["tool_use"],
+    ),
 ]
 
 
@@ -360,8 +373,28 @@ class ResolveResponse(BaseModel):
     hash_seed: int = Field(ge=0, lt=1 << 64, description="The seed of every digest.")
 
 
+def _needs(field: str, needed: str) -> JsonDict:
+    """The JSON schema of "``field`` given and not null needs ``needed`` given and not null"."""
+    return {
+        "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+        "then": {"required": [needed], "properties": {needed: {"not": {"type": "null"}}}},
+    }
+
+
 class StoreRequest(TokensIn):
+    model_config = ConfigDict(
+        json_schema_extra={
+            **_exactly_one_of(TokensIn.FORMS),
+            **_needs("finish_reason", "session_id"),
+        }
+    )
+
     ttl_s: TtlSeconds | None = Field(None, description="Block TTL; at least the session's.")
+    finish_reason: FinishReason | None = Field(
+        None,
+        description="With `session_id`: the request whose KV this is has finished, for this "
+        "reason (a 422 without `session_id`).",
+    )
 
 
 class StoreResponse(BaseModel):
@@ -387,10 +420,19 @@ class SessionCreate(Strict):
     session_id: SessionId | None = None
     kind: str = Field("agent", min_length=1, max_length=64)
     ttl_s: TtlSeconds | None = Field(None)
+    parent: SessionId | None = Field(
+        None,
+        description="The session this one was forked from (a subagent's), of the caller's: "
+        "closing this one spares the prefix they share.",
+    )
 
 
 class SessionExtend(Strict):
     ttl_s: TtlSeconds | None = Field(None)
+
+
+class SessionFinish(Strict):
+    finish_reason: FinishReason
 
 
 class DivergenceOut(BaseModel):

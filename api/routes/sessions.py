@@ -1,4 +1,4 @@
-"""Sessions: create, get, extend, close, list (``/v1/sessions``)."""
+"""Sessions: create, get, extend, finish, close, list (``/v1/sessions``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from sessioncache.api.schemas import (
     SessionAttributionOut,
     SessionCreate,
     SessionExtend,
+    SessionFinish,
     SessionList,
     SessionOut,
 )
@@ -58,7 +59,9 @@ def attribution_out(totals: SessionTotals) -> SessionAttributionOut:
 @router.post("", response_model=SessionOut, status_code=201, responses=ERRORS)
 def create_session(body: SessionCreate, sessions: SessionsDep, tenant: TenantDep) -> SessionOut:
     """Open a session (or return the caller's open session with that id)."""
-    session = sessions.open(body.session_id, tenant=tenant, kind=body.kind, ttl_s=body.ttl_s)
+    session = sessions.open(
+        body.session_id, tenant=tenant, kind=body.kind, ttl_s=body.ttl_s, parent=body.parent
+    )
     return session_out(session)
 
 
@@ -83,6 +86,16 @@ def extend_session(
 ) -> SessionOut:
     """Slide the session's expiry (optionally with a new TTL)."""
     return session_out(sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s))
+
+
+@router.post("/{session_id}/finish", response_model=SessionOut, responses=ERRORS)
+def finish_session(
+    session_id: SessionIdPath, body: SessionFinish, sessions: SessionsDep, tenant: TenantDep
+) -> SessionOut:
+    """The session's latest request finished, for ``finish_reason``: its blocks are kept or
+    evicted by when the session is predicted back (a store's ``finish_reason`` says the same
+    with the store)."""
+    return session_out(sessions.record(session_id, tenant=tenant, finish_reason=body.finish_reason))
 
 
 @router.delete("/{session_id}", status_code=204, responses=ERRORS)

@@ -23,6 +23,7 @@ def plan_store(body: StoreRequest, node: NodeDep, tenant: TenantDep) -> StoreRes
         body.token_bytes(),
         session_id=body.session_id,
         ttl_s=body.ttl_s,
+        finish_reason=body.finish_reason,
     )
     return StoreResponse(
         block_tokens=plan.block_tokens,

@@ -239,13 +239,18 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         session_id: str | None = None,
         ttl_s: float | None = None,
         durable: bool = False,
+        finish_reason: str | None = None,
     ) -> StoreResult:
         """Store the KV of ``tokens``' full blocks: plan with ``POST /v1/store``, then upload
         each block the server lacks. ``payloads`` is a function of the block index or a
         sequence with one payload per full block; only the missing blocks' are read.
-        ``durable``: each upload is answered once its block is on disk."""
+        ``durable``: each upload is answered once its block is on disk. ``finish_reason``
+        (with ``session_id``): the request whose KV this is has finished, for this reason
+        (``tool_use``, ``stop``, ...; see ``finish_session``)."""
         p = self._prompt(self._effective_namespace(), tokens)
-        request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
+        request = protocol.store_request(
+            self.namespace, p, session_id=session_id, ttl_s=ttl_s, finish_reason=finish_reason
+        )
         plan = protocol.parse_store(self._send(request), p)
         loop = protocol.upload_loop(plan)
         while (chunk := loop.next()) is not None:
@@ -285,11 +290,17 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
     # -- sessions --------------------------------------------------------------------------
 
     def open_session(
-        self, session_id: str | None = None, *, kind: str = "agent", ttl_s: float | None = None
+        self,
+        session_id: str | None = None,
+        *,
+        kind: str = "agent",
+        ttl_s: float | None = None,
+        parent: str | None = None,
     ) -> Session:
-        """Open a session (or get the caller's open session with that id)."""
+        """Open a session (or get the caller's open session with that id). ``parent``: the
+        caller's session it was forked from (a subagent's): its close spares their prefix."""
         return protocol.parse_session(
-            self._send(protocol.open_session_request(session_id, kind, ttl_s))
+            self._send(protocol.open_session_request(session_id, kind, ttl_s, parent))
         )
 
     def get_session(self, session_id: str) -> Session:
@@ -299,6 +310,14 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         """Slide the session's expiry (optionally with a new TTL)."""
         return protocol.parse_session(
             self._send(protocol.extend_session_request(session_id, ttl_s))
+        )
+
+    def finish_session(self, session_id: str, finish_reason: str) -> Session:
+        """The session's latest request finished, for ``finish_reason`` (``tool_use``: the
+        agent comes back in seconds; ``stop``, ``end_turn``: minutes or days; ``length``,
+        ``abort``): its blocks are kept or evicted by when it is predicted back."""
+        return protocol.parse_session(
+            self._send(protocol.finish_session_request(session_id, finish_reason))
         )
 
     def close_session(self, session_id: str) -> None:
@@ -419,13 +438,18 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         session_id: str | None = None,
         ttl_s: float | None = None,
         durable: bool = False,
+        finish_reason: str | None = None,
     ) -> StoreResult:
         """Store the KV of ``tokens``' full blocks: plan with ``POST /v1/store``, then upload
         each block the server lacks. ``payloads`` is a function of the block index or a
         sequence with one payload per full block; only the missing blocks' are read.
-        ``durable``: each upload is answered once its block is on disk."""
+        ``durable``: each upload is answered once its block is on disk. ``finish_reason``
+        (with ``session_id``): the request whose KV this is has finished, for this reason
+        (``tool_use``, ``stop``, ...; see ``finish_session``)."""
         p = self._prompt(await self._effective_namespace(), tokens)
-        request = protocol.store_request(self.namespace, p, session_id=session_id, ttl_s=ttl_s)
+        request = protocol.store_request(
+            self.namespace, p, session_id=session_id, ttl_s=ttl_s, finish_reason=finish_reason
+        )
         plan = protocol.parse_store(await self._send(request), p)
         loop = protocol.upload_loop(plan)
         while (chunk := loop.next()) is not None:
@@ -474,11 +498,17 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
     # -- sessions --------------------------------------------------------------------------
 
     async def open_session(
-        self, session_id: str | None = None, *, kind: str = "agent", ttl_s: float | None = None
+        self,
+        session_id: str | None = None,
+        *,
+        kind: str = "agent",
+        ttl_s: float | None = None,
+        parent: str | None = None,
     ) -> Session:
-        """Open a session (or get the caller's open session with that id)."""
+        """Open a session (or get the caller's open session with that id). ``parent``: the
+        caller's session it was forked from (a subagent's): its close spares their prefix."""
         return protocol.parse_session(
-            await self._send(protocol.open_session_request(session_id, kind, ttl_s))
+            await self._send(protocol.open_session_request(session_id, kind, ttl_s, parent))
         )
 
     async def get_session(self, session_id: str) -> Session:
@@ -488,6 +518,14 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         """Slide the session's expiry (optionally with a new TTL)."""
         return protocol.parse_session(
             await self._send(protocol.extend_session_request(session_id, ttl_s))
+        )
+
+    async def finish_session(self, session_id: str, finish_reason: str) -> Session:
+        """The session's latest request finished, for ``finish_reason`` (``tool_use``: the
+        agent comes back in seconds; ``stop``, ``end_turn``: minutes or days; ``length``,
+        ``abort``): its blocks are kept or evicted by when it is predicted back."""
+        return protocol.parse_session(
+            await self._send(protocol.finish_session_request(session_id, finish_reason))
         )
 
     async def close_session(self, session_id: str) -> None:

@@ -314,6 +314,9 @@ class Transfer:
     first: int
     block_ids: list[int]
     scope: Scope = Scope()
+    finish_reason: str | None = None
+    """A save of a finished request of a session: why it finished (``tool_use``, ``stop``,
+    ...), sent with its STOREs; with no blocks to save, alone (``finish_session``)."""
 
 
 class Loaded(NamedTuple):
@@ -501,8 +504,14 @@ class EngineNode:
 
     def save(self, namespace: Namespace, transfer: Transfer, layout: BlockCopier) -> int:
         """Store the transfer's blocks, gathered from the paged cache straight into the
-        carrier's buffers; how many the node holds."""
+        carrier's buffers; how many the node holds. A finished request's reason goes with the
+        blocks, or alone when there are none (``Transfer.finish_reason``)."""
         kv = self.kv(transfer.scope)
+        session = transfer.scope.session_id
+        if not transfer.block_ids:
+            if transfer.finish_reason is not None and session is not None:
+                kv.client.finish_session(session, transfer.finish_reason)
+            return 0
         root = kv.root(namespace)
         conn = kv.connection
         size = namespace.block_tokens
@@ -513,7 +522,8 @@ class EngineNode:
             transfer.tokens[transfer.first * size :],
             [PagedBlock(layout, b) for b in transfer.block_ids],
             parent=parent,
-            session_id=transfer.scope.session_id,
+            session_id=session,
+            finish_reason=transfer.finish_reason if session is not None else None,
         )
         return sum(ack.held)
 

@@ -403,9 +403,16 @@ def release_request(lease_id: str) -> Request:
 
 
 def store_request(
-    namespace: Namespace, p: Prompt, *, session_id: str | None, ttl_s: float | None
+    namespace: Namespace,
+    p: Prompt,
+    *,
+    session_id: str | None,
+    ttl_s: float | None,
+    finish_reason: str | None = None,
 ) -> Request:
-    body = _prompt_body(namespace, p, session_id=session_id, ttl_s=ttl_s)
+    body = _prompt_body(
+        namespace, p, session_id=session_id, ttl_s=ttl_s, finish_reason=finish_reason
+    )
     return Request("POST", "/v1/store", json=body)
 
 
@@ -567,12 +574,16 @@ def _path_part(value: str) -> str:
     return value
 
 
-def open_session_request(session_id: str | None, kind: str, ttl_s: float | None) -> Request:
+def open_session_request(
+    session_id: str | None, kind: str, ttl_s: float | None, parent: str | None = None
+) -> Request:
     body: dict[str, Any] = {"kind": kind}
     if session_id is not None:
         body["session_id"] = session_id
     if ttl_s is not None:
         body["ttl_s"] = ttl_s
+    if parent is not None:
+        body["parent"] = parent
     return Request("POST", "/v1/sessions", json=body)
 
 
@@ -583,6 +594,11 @@ def get_session_request(session_id: str) -> Request:
 def extend_session_request(session_id: str, ttl_s: float | None) -> Request:
     body: dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
     return Request("POST", f"/v1/sessions/{_path_part(session_id)}/extend", json=body)
+
+
+def finish_session_request(session_id: str, finish_reason: str) -> Request:
+    body = {"finish_reason": finish_reason}
+    return Request("POST", f"/v1/sessions/{_path_part(session_id)}/finish", json=body)
 
 
 def close_session_request(session_id: str) -> Request:

@@ -152,10 +152,6 @@ def discover_same_host(rest_url: str, *, api_key: str | None = None, timeout: fl
     return path
 
 
-def _store_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
-    return frames.encode_store_head(rid, head, tokens)
-
-
 class StreamConnection:
     """One data-plane connection, whoever speaks over it: request ids, the lock that keeps a
     request and its answer together, sending frames and reading answers (an ERROR raises the
@@ -577,6 +573,7 @@ class StreamClient:
         ttl_s: float | None = None,
         session_id: str | None = None,
         durable: bool = False,
+        finish_reason: str | None = None,
     ) -> StoreAck:
         """Store a chain segment under ``root``: one payload per full block of ``tokens``
         (exactly), continuing from ``parent`` (a held block of this root; default: the root
@@ -584,7 +581,8 @@ class StreamClient:
         payload arrived. More blocks than one request carries go in several.
         ``session_id``: on behalf of that open session (its TTL at least; its chain, pins and
         head end at the last block kept). ``durable``: answered once the blocks are on disk
-        (else once the node's first tier holds them; ``StoreAck.durable`` says which)."""
+        (else once the node's first tier holds them; ``StoreAck.durable`` says which).
+        ``finish_reason`` (with ``session_id``): why the request of this KV finished."""
         namespace = self._namespace(root)
         token_bytes = store_tokens(namespace, tokens, len(payloads))
         return self._store(
@@ -596,6 +594,7 @@ class StreamClient:
             ttl_s,
             session=session_id,
             durable=durable,
+            finish=finish_reason,
         )
 
     def store_keyed(
@@ -609,14 +608,15 @@ class StreamClient:
         ttl_s: float | None = None,
         durable: bool = False,
         session_id: str | None = None,
+        finish_reason: str | None = None,
     ) -> StoreAck:
         """Store keyed blocks under ``root``: one payload per 16-byte block key
         (``hashing.block_key``); their ids are ``key_ids(root, keys)``. ``linked`` records the
         batch as a chain (block ``i`` hangs off block ``i - 1``, block 0 off ``parent`` when
         given), for tail-first eviction; else each block stands alone. ``parent`` is a block
         of ``root``, or of a related group's root (``Namespace.related``: a hybrid model's
-        companion objects hang off its spine's chain). ``durable`` and ``session_id`` as in
-        ``store``."""
+        companion objects hang off its spine's chain). ``durable``, ``session_id`` and
+        ``finish_reason`` as in ``store``."""
         self._namespace(root)
         if len(keys) != len(payloads):
             raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
@@ -631,6 +631,7 @@ class StreamClient:
             linked=linked,
             session=session_id,
             durable=durable,
+            finish=finish_reason,
         )
 
     def _store(
@@ -646,9 +647,10 @@ class StreamClient:
         linked: bool = True,
         session: str | None = None,
         durable: bool = False,
+        finish: str | None = None,
     ) -> StoreAck:
         """The store loop of both data-plane clients (``StoreLoop``): one segment of at most
-        ``max_ids`` blocks at a time, sent by ``_store_segment``."""
+        ``max_ids`` blocks at a time, sent by ``_store_segment`` (each with ``finish``)."""
         if not payloads:
             return StoreAck([], [], False)
         items, size = self._store_payloads(payloads)
@@ -670,6 +672,7 @@ class StreamClient:
                 linked,
                 session,
                 durable,
+                finish,
             )
             segment = token_bytes[chunk.start * step : chunk.stop * step]
             ours = segment_ids(head, segment, self.seed)
@@ -689,9 +692,8 @@ class StreamClient:
     ) -> tuple[list[bytes], list[BlockStatus], bool]:
         """One STORE: its blocks' ids as the node derived them (``ours`` or ``IdMismatch``),
         their statuses, and whether they are on a durable tier."""
-        body = self._c.call(
-            Op.STORE, functools.partial(_store_frame, head=head, tokens=segment), payloads=part
-        )
+        encode = functools.partial(frames.encode_store_head, head=head, token_bytes=segment)
+        body = self._c.call(Op.STORE, encode, payloads=part)
         ok = frames.decode_store_ok(body)
         if ok.ids != ours:
             raise IdMismatch("STORE: the node derived other ids than the client")

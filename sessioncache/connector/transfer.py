@@ -199,13 +199,19 @@ class KVTransfer:
         ttl_s: float | None = None,
         first_block: int = 0,
         durable: bool = False,
+        finish_reason: str | None = None,
     ) -> Transferred:
         """Store one payload per full block of ``tokens`` from block ``first_block`` on
         (blocks before it are held already: their ids chain the new ones; the node derives
         every id and skips those it holds); ``blocks`` counts the blocks the node kept (stored
         or already held; a full tier drops the rest of a chain). ``durable``: answered once
-        the blocks are on disk; else once the node's first tier holds them (write-behind)."""
+        the blocks are on disk; else once the node's first tier holds them (write-behind).
+        ``finish_reason`` (with ``session_id``): the request whose KV this is has finished,
+        for this reason (``tool_use``, ``stop``, ...); with no payloads it is sent alone
+        (``finish_session``)."""
         self._check_tokens()
+        if finish_reason is not None and session_id is None:
+            raise InvalidInput("a finish_reason is a session's: give the session_id too")
         path, conn = self.path, self._conn
         bt = self.client.namespace.block_tokens
         token_bytes = tokens_to_le_bytes(tokens)
@@ -227,9 +233,17 @@ class KVTransfer:
                 return views[i - first_block]
 
             result = self.client.store(
-                head, payload, session_id=session_id, ttl_s=ttl_s, durable=durable
+                head,
+                payload,
+                session_id=session_id,
+                ttl_s=ttl_s,
+                durable=durable,
+                finish_reason=finish_reason,
             )
             kept = max(0, result.kept - first_block)
+        elif not payloads:  # no STORE to carry the finish: said alone
+            if finish_reason is not None and session_id is not None:
+                self.client.finish_session(session_id, finish_reason)
         else:
             root = self.root(self.client.namespace)
             parent = conn.block_hashes(root, head[: first_block * bt])[-1] if first_block else None
@@ -241,6 +255,7 @@ class KVTransfer:
                 ttl_s=ttl_s,
                 session_id=session_id,
                 durable=durable,
+                finish_reason=finish_reason,
             )
             kept = ack.kept
         nbytes = sum(_nbytes(p) for p in payloads[:kept])

@@ -18,7 +18,10 @@ miss tokens, under the request's session when ``kv_transfer_params`` names one);
 prompt token is always left to compute. ``update_state_after_alloc`` plans the load into the
 blocks vLLM allocated; ``request_finished`` plans the save of the request's computed full
 blocks past those the node held and keeps vLLM from freeing them until the save is done
-(``get_finished``).
+(``get_finished``). A request of a session tells the node why it finished (``finish_reason``:
+the client's ``kv_transfer_params["finish_reason"]``, else vLLM's), with the save's STOREs, or
+alone (``POST /v1/sessions/{id}/finish``) when there is nothing to save: the node keeps the
+session's blocks by when it is predicted back.
 
 Worker side (``connector.paged``, which knows nothing of vLLM): loads run in
 ``start_load_kv``, before the forward pass: one leased LOCATE (same host) or LOOKUP (stream)
@@ -73,6 +76,7 @@ from sessioncache.connector.vllm_hybrid import (
     Unsupported,
     hybrid_groups,
 )
+from sessioncache.dataplane.frames import FINISH_REASONS
 from sessioncache.hashing import Namespace
 
 if TYPE_CHECKING:
@@ -175,6 +179,39 @@ def request_scope(request: Request) -> Scope:
     return Scope(
         request.cache_salt, lora, str(session) if session else None, str(key) if key else None
     )
+
+
+VLLM_FINISH_REASONS = {
+    "STOP": "stop",
+    "LENGTH": "length",
+    "ABORT": "abort",
+    "ERROR": "error",
+    "REPETITION": "stop",
+}
+"""vLLM's ``FinishReason`` names and the finish reasons sessioncache takes for them (a
+repetition stops the output: the turn ends for the user, as at a stop)."""
+
+
+def finish_reason(request: Request) -> str | None:
+    """Why a finished request of a session finished, as the connector tells the node: the
+    client's ``kv_transfer_params["finish_reason"]`` when it gives a known one (an agent
+    knows its turn ended in a tool call: ``tool_use``), else vLLM's (``VLLM_FINISH_REASONS``);
+    None for a request naming no session."""
+    params = request.kv_transfer_params or {}
+    if not params.get("session_id"):
+        return None
+    given = params.get("finish_reason")
+    if given is not None:
+        if given in FINISH_REASONS:
+            return str(given)
+        log.warning(
+            "sessioncache: request %s: unknown finish_reason %r (known: %s); vLLM's is passed",
+            request.request_id,
+            given,
+            ", ".join(sorted(FINISH_REASONS)),
+        )
+    reason = request.get_finished_reason()
+    return VLLM_FINISH_REASONS.get(reason.name) if reason is not None else None
 
 
 class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -371,6 +408,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             block_ids,
             request_scope(request),
         )
+        save.finish_reason = finish_reason(request)
         self._saves.append(save)  # also frees the worker's captures of the request
         return save.holds_blocks, None
 
@@ -383,13 +421,14 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         computed = min(computed, len(request.all_token_ids))  # KV computed, not in flight
         full = min(computed // self.block_size, len(block_ids))
+        scope, reason = request_scope(request), finish_reason(request)
         if full <= held:
+            if reason is not None:  # nothing to save: the finish goes alone, from the worker
+                self._saves.append(Transfer(request.request_id, [], held, [], scope, reason))
             return False, None
         tokens = list(request.all_token_ids[: full * self.block_size])
         self._saves.append(
-            Transfer(
-                request.request_id, tokens, held, list(block_ids[held:full]), request_scope(request)
-            )
+            Transfer(request.request_id, tokens, held, list(block_ids[held:full]), scope, reason)
         )
         return True, None  # vLLM frees the blocks once a worker reports the save done
 
@@ -566,7 +605,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                 )
             with self._save_cond:
                 self._busy = False
-                if isinstance(item, Transfer) or item[0].holds_blocks:
+                if item.block_ids if isinstance(item, Transfer) else item[0].holds_blocks:
                     self._saved.add(transfer.req_id)  # vLLM frees its blocks now
                 self._save_cond.notify_all()
 
@@ -576,11 +615,12 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         start = time.perf_counter()
         held = self._saver.save(self._namespace(transfer.scope), transfer, layout)
         log.info(
-            "sessioncache save: %d of %d blocks, %d bytes in %.6f s",
+            "sessioncache save: %d of %d blocks, %d bytes in %.6f s%s",
             held,
             len(transfer.block_ids),
             len(transfer.block_ids) * layout.nbytes,
             time.perf_counter() - start,
+            f", finish {transfer.finish_reason}" if transfer.finish_reason else "",
         )
 
     def _save_hybrid(self, save: HybridSave, checkpoints: list[Checkpoint]) -> None:
@@ -593,6 +633,9 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             spine_ns, _ = node.model.namespaces(namespace)
             held = self._saver.save(spine_ns, save.spine, copies.spine)
         objects = node.save_checkpoints(namespace, save.tokens, save.scope, checkpoints)
+        session = save.scope.session_id
+        if save.finish_reason is not None and session is not None:  # after the stores
+            self._saver.kv(save.scope).client.finish_session(session, save.finish_reason)
         log.info(
             "sessioncache save: %d of %d blocks, checkpoints at %s (%d objects held) in %.6f s",
             held,

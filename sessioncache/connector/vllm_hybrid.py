@@ -143,6 +143,9 @@ class HybridSave:
     spine: Transfer | None
     scope: Scope
     finish: list[tuple[Checkpoint, list[tuple[int, ...]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    """Why the request finished, sent to its session once the save is done
+    (``finish_session``; the connector's ``finish_reason``)."""
 
     @property
     def holds_blocks(self) -> bool:

@@ -83,6 +83,7 @@ def store_request(head: StoreHead, units: bytes) -> StoreRequest:
         head.linked,
         head.session_id,
         head.durable,
+        head.finish_reason,
     )
 
 

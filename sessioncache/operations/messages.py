@@ -61,3 +61,6 @@ class StoreRequest(NamedTuple):
     session_id: str | None = None
     durable: bool = False
     """Answer once every block is on the durable tier (else: write-behind)."""
+    finish_reason: str | None = None
+    """With ``session_id``: the request whose KV this is has finished, for this reason
+    (``forecast.FINISH_CLASSES``); the session's chain is filed under what follows."""

@@ -18,6 +18,7 @@ an id they could not have derived from their own chain.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from sessioncache.errors import (
     StoreRefused,
     UploadRefused,
 )
+from sessioncache.forecast import finish_class
 from sessioncache.hashing import (
     HASH_BYTES,
     BlockHash,
@@ -72,10 +74,13 @@ def plan_upload(
     *,
     session_id: str | None = None,
     ttl_s: float | None = None,
+    finish_reason: str | None = None,
 ) -> UploadPlan:
-    """Phase one of a REST store: every id of the prompt, and upload slots for the missing."""
+    """Phase one of a REST store: every id of the prompt, and upload slots for the missing.
+    ``finish_reason`` (with ``session_id``): the request whose KV this is has finished."""
     if ttl_s is not None and not ttl_s > 0:
         raise InvalidInput(f"ttl_s must be positive, got {ttl_s}")
+    check_finish(session_id, finish_reason)
     tenant = caller.tenant
     root = resolve(node, caller, namespace)
     hashes = node.hashes(tenant, namespace, token_bytes)
@@ -99,12 +104,27 @@ def plan_upload(
             parents=[hashes[i - 1] if i else None for i in wanted],
             ttl_s=ttl_s,
             durable=node.durable_uploads,
+            next_use=_forecast(node, tenant, session_id, finish_reason),
         )
         node.uploads.open_many(tenant, missing, write, session_id=session_id)
     if session_id is not None and hashes:
-        node.sessions.record(session_id, hashes, tenant=tenant)
+        node.sessions.record(session_id, hashes, tenant=tenant, finish_reason=finish_reason)
         node.attribution.stored((tenant, session_id), hashes, bytes(token_bytes))
+    elif session_id is not None and finish_reason is not None:
+        node.sessions.record(session_id, tenant=tenant, finish_reason=finish_reason)
     return UploadPlan(namespace.block_tokens, hashes, missing)
+
+
+def check_finish(session_id: str | None, finish_reason: str | None) -> None:
+    """A store's ``finish_reason``: a known one (``forecast.FINISH_CLASSES``), of a session's
+    request (``InvalidInput`` otherwise), checked before the store does anything."""
+    if finish_reason is None:
+        return
+    finish_class(finish_reason)
+    if session_id is None:
+        raise InvalidInput(
+            "finish_reason says a session's request has finished: give the session_id too"
+        )
 
 
 def upload_slot(node: CacheNode, caller: Caller, block_hash: BlockHash) -> UploadSlot:
@@ -195,6 +215,7 @@ def plan_store(
     """Check a segment's root, parent and session, derive its ids and prepare its write into
     ``tier`` (default: the store's choice), all before any payload is read."""
     namespace = caller.namespace(request.root)
+    check_finish(request.session_id, request.finish_reason)
     if not request.keyed and request.block_tokens != namespace.block_tokens:
         raise InvalidInput(
             f"a store of {request.block_tokens}-token blocks in a namespace of "
@@ -237,8 +258,19 @@ def plan_store(
         ttl_s=ttl_s,
         tier=tier,
         durable=request.durable or node.durable_uploads,
+        next_use=_forecast(node, caller.tenant, request.session_id, request.finish_reason),
     )
     return StorePlan(request, write)
+
+
+def _forecast(
+    node: CacheNode, tenant: str, session_id: str | None, finish_reason: str | None
+) -> float | None:
+    """The forecast of the blocks a session's store makes (``SessionForecasts.next_use``)."""
+    if session_id is None:
+        return None
+    finish = finish_class(finish_reason) if finish_reason is not None else None
+    return node.sessions.forecasts.next_use((tenant, session_id), finish)
 
 
 def _may_hang_off(
@@ -271,11 +303,20 @@ def settle(node: CacheNode, plan: StorePlan) -> None:
 
 def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> None:
     """A segment's first ``kept`` blocks are held: for a named session its chain now ends
-    there (TTL slid, chain pinned, head set) and it is the session's previous prompt."""
+    there (TTL slid, chain pinned, head set) and it is the session's previous prompt. A
+    ``finish_reason`` files the chain under the forecast that follows (``sessions.record``),
+    even when none of the blocks was held."""
     request = plan.request
     session_id = request.session_id
-    if session_id is None or not kept:
-        return  # nothing held: the session's chain is what it was (as over REST)
+    if session_id is None:
+        return
+    if not kept:  # nothing held: the session's chain is what it was (as over REST)
+        if request.finish_reason is not None:
+            with contextlib.suppress(SessionNotFound):  # closed or expired since the plan
+                node.sessions.record(
+                    session_id, tenant=caller.tenant, finish_reason=request.finish_reason
+                )
+        return
     ids = plan.ids[:kept]
     if request.parent is not None and (request.linked or request.keyed):
         # a chain segment, or a group's objects hanging off another group's chain: the
@@ -284,7 +325,9 @@ def complete(node: CacheNode, caller: Caller, plan: StorePlan, kept: int) -> Non
     else:
         chain = list(ids)
     try:
-        node.sessions.record(session_id, chain, tenant=caller.tenant)
+        node.sessions.record(
+            session_id, chain, tenant=caller.tenant, finish_reason=request.finish_reason
+        )
     except SessionNotFound:
         return  # closed or expired since the plan: the blocks are stored all the same
     whole = not request.keyed and request.parent is None

@@ -99,9 +99,14 @@ def engine_process(
     )
 
 
-def results(process: subprocess.Popen[str], stdout: str, count: int) -> list[dict[str, Any]]:
+def results(
+    process: subprocess.Popen[str], stdout: str, count: int, log: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """What the engine printed for each prompt (``log``: gets all it printed)."""
     out, _ = process.communicate(timeout=400)
     text = stdout + out
+    if log is not None:
+        log.append(text)
     found = [json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")]
     assert process.returncode == 0 and len(found) == count, text[-5000:]
     return found
@@ -187,16 +192,26 @@ def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, 
     # below, computed in full for tenant B (a per-request key) under another cache_salt (no
     # local prefix hit), as misses on the node.
     for_b = {"api_key": "sk-b"}
-    first, reference, reference_other = engine(
-        model,
-        node,
-        [
-            {"tokens": prefix, "params": {"session_id": session}},
-            {"tokens": turn, "params": for_b, "cache_salt": "b"},
-            {"tokens": other, "params": for_b, "cache_salt": "b"},
-        ],
+    a_log: list[str] = []
+    first, reference, reference_other = results(
+        engine_process(
+            model,
+            node,
+            [
+                {"tokens": prefix, "params": {"session_id": session}},
+                {"tokens": turn, "params": for_b, "cache_salt": "b"},
+                {"tokens": other, "params": for_b, "cache_salt": "b"},
+            ],
+        ),
+        "",
+        3,
+        a_log,
     )
     assert first["cached"] == LOCAL * BLOCK  # B's blocks, loaded by a fresh engine
+    # The session's request finished (8 tokens: max_tokens, or a stop): its save told the node
+    # why (F_STORE_FINISH on its STOREs; the node answered them: a refusal logs "dropped").
+    saved = re.search(r"sessioncache save: (\d+) of \d+ blocks, .*, finish (length|stop)", a_log[0])
+    assert saved is not None and int(saved.group(1)) > 0, a_log[0][-5000:]
     assert reference["cached"] == 0 and reference_other["cached"] == 0
     # Tenant A's prefix, asked for by its ids in the connector's namespace: held for A, a miss
     # for B.
@@ -287,7 +302,8 @@ def test_vllm_serve_takes_the_connector_and_sessions_from_the_openai_api(
                 "prompt": prompt,
                 "max_tokens": 4,
                 "temperature": 0,
-                "kv_transfer_params": {"session_id": session},
+                # the agent knows its turn ended in a tool call: the connector passes that
+                "kv_transfer_params": {"session_id": session, "finish_reason": "tool_use"},
             }
             return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
 
@@ -311,3 +327,5 @@ def test_vllm_serve_takes_the_connector_and_sessions_from_the_openai_api(
             serve.wait()
         log.close()
         node.stop()
+    text = (tmp_path / "vllm-serve.log").read_text()
+    assert re.search(r"sessioncache save: [1-9]\d* of .*, finish tool_use", text), text[-5000:]

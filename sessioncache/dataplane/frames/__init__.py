@@ -191,6 +191,9 @@ from sessioncache.dataplane.frames.header import (
     F_STORE_DURABLE as F_STORE_DURABLE,
 )
 from sessioncache.dataplane.frames.header import (
+    F_STORE_FINISH as F_STORE_FINISH,
+)
+from sessioncache.dataplane.frames.header import (
     F_STORE_KEYED as F_STORE_KEYED,
 )
 from sessioncache.dataplane.frames.header import (
@@ -201,6 +204,9 @@ from sessioncache.dataplane.frames.header import (
 )
 from sessioncache.dataplane.frames.header import (
     F_UNCOUNTED as F_UNCOUNTED,
+)
+from sessioncache.dataplane.frames.header import (
+    FINISH_REASONS as FINISH_REASONS,
 )
 from sessioncache.dataplane.frames.header import (
     HEADER as HEADER,
@@ -264,6 +270,12 @@ from sessioncache.dataplane.frames.header import (
 )
 from sessioncache.dataplane.frames.header import (
     encode_header as encode_header,
+)
+from sessioncache.dataplane.frames.header import (
+    finish_code as finish_code,
+)
+from sessioncache.dataplane.frames.header import (
+    finish_reason as finish_reason,
 )
 from sessioncache.dataplane.frames.header import (
     join_ids as join_ids,

@@ -14,6 +14,7 @@ from sessioncache.dataplane.frames.header import (
     F_LOOKUP_EXPLAIN,
     F_LOOKUP_KEYED,
     F_STORE_DURABLE,
+    F_STORE_FINISH,
     F_STORE_KEYED,
     F_STORE_LINKED,
     F_STORE_PARENT,
@@ -25,6 +26,8 @@ from sessioncache.dataplane.frames.header import (
     _check_count,
     _with_session,
     encode_header,
+    finish_code,
+    finish_reason,
     join_ids,
     split_ids,
 )
@@ -283,15 +286,17 @@ def block_header(request_id: int, nbytes: int, *, missing: bool = False) -> byte
 
 # -- STORE ---------------------------------------------------------------------------------
 
-_STORE = struct.Struct("<16s16sIIQII")  # root, parent, block_tokens, count, nbytes, ttl_ms, 0
+_STORE = struct.Struct("<16s16sIIQIB3x")
+# root, parent, block_tokens, count, nbytes, ttl_ms, finish (a code; 0: none), pad
 
 
 class StoreHead(NamedTuple):
     """STORE (``root[16] parent[16] block_tokens:u32 blocks:u32 block_nbytes:u64 ttl_ms:u32
-    reserved:u32``, then ``blocks x block_tokens`` tokens as ``u32``, then ``blocks`` payloads
-    of ``block_nbytes`` each): a chain segment continuing from ``parent`` (with
+    finish:u8 pad[3]``, then ``blocks x block_tokens`` tokens as ``u32``, then ``blocks``
+    payloads of ``block_nbytes`` each): a chain segment continuing from ``parent`` (with
     ``F_STORE_PARENT``; else from ``root``, and ``parent`` is zeros). The node derives each
-    block's id from its parent and tokens; ``ttl_ms`` 0 is the node's default TTL."""
+    block's id from its parent and tokens; ``ttl_ms`` 0 is the node's default TTL; ``finish``
+    is read only with ``F_STORE_FINISH`` (``finish_reason``)."""
 
     root: bytes
     parent: bytes | None
@@ -307,6 +312,9 @@ class StoreHead(NamedTuple):
     """``F_SESSION``: on behalf of this session (its TTL, chain pins and head)."""
     durable: bool = False
     """``F_STORE_DURABLE``: answered once every block is on the durable tier."""
+    finish_reason: str | None = None
+    """``F_STORE_FINISH`` (with a session): the request whose KV this is has finished, for
+    this reason (one of ``FINISH_REASONS``, sent as its code in the ``finish`` byte)."""
 
     @property
     def flags(self) -> int:
@@ -315,6 +323,8 @@ class StoreHead(NamedTuple):
             flags |= F_STORE_KEYED | (F_STORE_LINKED if self.linked else 0)
         if self.durable:
             flags |= F_STORE_DURABLE
+        if self.finish_reason is not None:
+            flags |= F_STORE_FINISH
         return flags
 
     @property
@@ -338,12 +348,17 @@ def _head(
     nbytes: int,
     ttl_ms: int,
     session_id: str | None = None,
+    finish: int = 0,
 ) -> StoreHead:
     keyed = bool(flags & F_STORE_KEYED)
     if keyed and block_tokens != KEY_WORDS:
         raise InvalidInput(
             f"a keyed STORE carries {HASH_BYTES}-byte keys: block_tokens must be {KEY_WORDS}"
         )
+    reason = None
+    if flags & F_STORE_FINISH:
+        reason = finish_reason(finish)
+        _check_finish_session(reason, session_id)
     return StoreHead(
         root,
         parent if flags & F_STORE_PARENT else None,
@@ -355,7 +370,16 @@ def _head(
         bool(flags & F_STORE_LINKED) or not keyed,
         session_id,
         bool(flags & F_STORE_DURABLE),
+        reason,
     )
+
+
+def _check_finish_session(reason: str | None, session_id: str | None) -> None:
+    if reason is not None and session_id is None:
+        raise InvalidInput(
+            "a finish reason is a session's request's: a STORE or STAGE with F_STORE_FINISH "
+            "must name a session (F_SESSION)"
+        )
 
 
 def store_fixed(head: StoreHead, token_bytes: bytes) -> bytes:
@@ -364,6 +388,7 @@ def store_fixed(head: StoreHead, token_bytes: bytes) -> bytes:
         raise InvalidInput(
             f"{len(token_bytes) // 4} tokens for {head.blocks} blocks of {head.block_tokens}"
         )
+    _check_finish_session(head.finish_reason, head.session_id)
     fixed = _STORE.pack(
         head.root,
         head.parent or _NO_LEASE,
@@ -371,7 +396,7 @@ def store_fixed(head: StoreHead, token_bytes: bytes) -> bytes:
         head.blocks,
         head.block_nbytes,
         head.ttl_ms,
-        0,
+        finish_code(head.finish_reason) if head.finish_reason is not None else 0,
     )
     return fixed + token_bytes
 
@@ -388,8 +413,10 @@ def decode_store_head(
 ) -> StoreHead:
     """The fixed part of a STORE, checked against ``limits`` and the header's ``body_len``
     (what follows the session section)."""
-    root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
-    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms, session_id)
+    root, parent, block_tokens, count, nbytes, ttl_ms, finish = _STORE.unpack(fixed)
+    head = _head(
+        header.flags, root, parent, block_tokens, count, nbytes, ttl_ms, session_id, finish
+    )
     if head.body_len != header.body_len:
         raise FrameError(
             f"STORE: body_len {header.body_len} but its head describes {head.body_len} bytes"

@@ -94,6 +94,29 @@ F_STORE_DURABLE = 0x8
 """STORE, STAGE: answer once every block is on the durable tier (fsync-ed), and say
 ``durable``; without it a block is acknowledged once its first tier holds it, and its durable
 copy follows (write-behind), unless the node makes every store durable."""
+F_STORE_FINISH = 0x10
+"""STORE, STAGE (with ``F_SESSION``): the request whose KV this is has finished, for the
+reason whose code (``FINISH_REASONS``) is the fixed part's ``finish`` byte; the node files the
+session's chain under the forecast that follows (``SessionManager.record``). Without the flag
+the byte is ignored (a client of before the flag sent 0)."""
+FINISH_REASONS: tuple[str, ...] = (
+    "abort",
+    "cancelled",
+    "end_turn",
+    "eos",
+    "error",
+    "function_call",
+    "length",
+    "max_tokens",
+    "stop",
+    "stop_sequence",
+    "tool_call",
+    "tool_calls",
+    "tool_use",
+)
+"""The finish reasons by wire code: reason ``FINISH_REASONS[code - 1]`` (code 0 is none). The
+codes are the frame format: a new reason goes at the end (``forecast.FINISH_CLASSES`` names
+the same ones)."""
 F_LOOKUP_KEYED = 0x1
 """LOOKUP, LOCATE: the ids are keyed ids, each held under the root on its own (not a chain):
 the match is the run of them, from the first, that the node holds under the root."""
@@ -248,6 +271,25 @@ def split_ids(data: bytes, offset: int, count: int) -> list[bytes]:
     if len(data) != end:
         raise FrameError(f"expected {count} ids ({end} bytes of body), got {len(data)} bytes")
     return [data[i : i + HASH_BYTES] for i in range(offset, end, HASH_BYTES)]
+
+
+def finish_code(reason: str) -> int:
+    """The wire code of a finish reason (``FINISH_REASONS``); ``InvalidInput`` for another."""
+    try:
+        return FINISH_REASONS.index(reason) + 1
+    except ValueError:
+        raise InvalidInput(
+            f"unknown finish_reason {reason!r}; finish reasons are {sorted(FINISH_REASONS)}"
+        ) from None
+
+
+def finish_reason(code: int) -> str:
+    """The finish reason of a wire code; ``InvalidInput`` for an unknown code."""
+    if not 1 <= code <= len(FINISH_REASONS):
+        raise InvalidInput(
+            f"finish reason code {code}; the codes are 1 to {len(FINISH_REASONS)} (FINISH_REASONS)"
+        )
+    return FINISH_REASONS[code - 1]
 
 
 def _check_count(count: int, limits: Limits, what: str) -> None:

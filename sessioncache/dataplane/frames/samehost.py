@@ -176,8 +176,10 @@ def decode_stage_head(
     fixed: bytes, header: Header, limits: Limits, session_id: str | None = None
 ) -> StoreHead:
     """The fixed part of a STAGE, checked as a STORE's (its body has no payloads)."""
-    root, parent, block_tokens, count, nbytes, ttl_ms, _ = _STORE.unpack(fixed)
-    head = _head(header.flags, root, parent, block_tokens, count, nbytes, ttl_ms, session_id)
+    root, parent, block_tokens, count, nbytes, ttl_ms, finish = _STORE.unpack(fixed)
+    head = _head(
+        header.flags, root, parent, block_tokens, count, nbytes, ttl_ms, session_id, finish
+    )
     if _STORE.size + head.token_bytes != header.body_len:
         raise FrameError(
             f"STAGE: body_len {header.body_len} but its head describes "

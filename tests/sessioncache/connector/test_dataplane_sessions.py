@@ -17,7 +17,7 @@ import pytest
 
 from sessioncache.connector import SessionCacheClient
 from sessioncache.connector.transfer import KVTransfer
-from sessioncache.errors import SessionNotFound
+from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.hashing import Namespace
 from tests.support.servers import Server, start_server
 
@@ -115,6 +115,42 @@ def test_a_session_travels_with_the_bytes(node: Server, path: str):
         ).json()
         assert detail["blocks"] == 9 and all(b["pinned"] for b in detail["chain"]), detail
         assert detail["hit_tokens"] == 6 * BT
+
+
+@pytest.mark.parametrize("path", [*PATHS, "rest"])
+def test_a_finish_reason_travels_with_the_store_or_alone(node: Server, path: str):
+    """``store_from(..., finish_reason=...)`` on every path: with the blocks (no REST call on
+    the data plane), or alone (``finish_session``) when there are none; the node's forecast it
+    sets is read back in tests/sessioncache/dataplane/test_finish.py and tests/api."""
+    tokens = prompt(11, 4)
+    with client_for(node, f"m-finish-{path}") as client, KVTransfer(client, path=path) as kv:  # type: ignore[arg-type]
+        assert kv.path == path  # connected before the data-plane work
+        session = client.open_session(kind="agent")
+        child = client.open_session(kind="agent", parent=session.id)
+        assert child.id != session.id
+        if path == "rest":
+            assert (
+                kv.store_from(
+                    tokens, payloads(12, 4), session_id=session.id, finish_reason="tool_use"
+                ).blocks
+                == 4
+            )
+        else:
+            with no_rest(client):
+                done = kv.store_from(
+                    tokens, payloads(12, 4), session_id=session.id, finish_reason="tool_use"
+                )
+                assert done.blocks == 4
+        assert client.get_session(session.id).head == client.block_hashes(tokens)[-1]
+        alone = kv.store_from(
+            tokens, [], session_id=session.id, first_block=4, finish_reason="stop"
+        )
+        assert alone.blocks == 0
+        assert client.finish_session(session.id, "end_turn").head == client.block_hashes(tokens)[-1]
+        with pytest.raises(InvalidInput, match="session"):
+            kv.store_from(tokens, payloads(12, 4), finish_reason="stop")
+        with pytest.raises(InvalidInput, match="finish_reason"):
+            client.finish_session(session.id, "done")
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -204,3 +204,71 @@ def test_bodies_that_disagree_with_their_counts():
         frames.decode_store_head(
             frame[HEADER_SIZE : HEADER_SIZE + frames.STORE_FIXED], header, LIMITS
         )
+
+
+def session_stripped(frame: bytes) -> tuple[Header, str, bytes]:
+    """A STORE's header (``body_len``: what follows the session section, as the node passes
+    it on), its session and the rest of its frame."""
+    header = frames.decode_header(frame[:HEADER_SIZE], requests=True)
+    frames.check_body(header, LIMITS)
+    body = frame[HEADER_SIZE:]  # the payloads are not in the frame: the caller sends them
+    n = frames.session_len(body[: frames.SESSION_LEN])
+    session = frames.decode_session(body[frames.SESSION_LEN : frames.SESSION_LEN + n])
+    skip = frames.SESSION_LEN + n
+    return header._replace(body_len=header.body_len - skip), session, body[skip:]
+
+
+def test_a_store_carries_a_finish_reason_in_its_finish_byte():
+    tokens = struct.pack("<8I", *range(8))
+    for code, reason in enumerate(frames.FINISH_REASONS, 1):
+        head = StoreHead(ROOT, IDS[0], 4, 2, 100, 1500, session_id="s-1", finish_reason=reason)
+        header, session, body = session_stripped(frames.encode_store_head(5, head, tokens))
+        assert header.flags & frames.F_STORE_FINISH and session == "s-1"
+        fixed = body[: frames.STORE_FIXED]
+        assert fixed[52] == code and fixed[53:56] == bytes(3)  # finish:u8 pad[3]
+        assert frames.decode_store_head(fixed, header, LIMITS, session) == head
+
+
+def test_finish_codes_are_the_forecasts_reasons_and_stay_put():
+    from sessioncache.forecast import FINISH_CLASSES
+
+    assert set(frames.FINISH_REASONS) == set(FINISH_CLASSES)
+    assert len(set(frames.FINISH_REASONS)) == len(frames.FINISH_REASONS)
+    # the wire codes (docs/dataplane.md): new reasons go at the end
+    assert frames.FINISH_REASONS[:13] == (
+        "abort",
+        "cancelled",
+        "end_turn",
+        "eos",
+        "error",
+        "function_call",
+        "length",
+        "max_tokens",
+        "stop",
+        "stop_sequence",
+        "tool_call",
+        "tool_calls",
+        "tool_use",
+    )
+
+
+def test_a_finish_byte_without_its_flag_is_ignored_and_a_bad_one_is_refused():
+    tokens = struct.pack("<8I", *range(8))
+    head = StoreHead(ROOT, None, 4, 2, 100, session_id="s-1")
+    header, session, body = session_stripped(frames.encode_store_head(5, head, tokens))
+    fixed = bytearray(body[: frames.STORE_FIXED])
+    fixed[52] = 7  # a byte that was reserved: without F_STORE_FINISH, read as before
+    assert frames.decode_store_head(bytes(fixed), header, LIMITS, session) == head
+    flagged = header._replace(flags=header.flags | frames.F_STORE_FINISH)
+    for code in (0, len(frames.FINISH_REASONS) + 1, 255):
+        fixed[52] = code
+        with pytest.raises(InvalidInput, match="finish reason code"):
+            frames.decode_store_head(bytes(fixed), flagged, LIMITS, session)
+    fixed[52] = 1
+    with pytest.raises(InvalidInput, match="must name a session"):
+        frames.decode_store_head(bytes(fixed), flagged, LIMITS, None)
+    # the encoder refuses the same before anything is sent
+    with pytest.raises(InvalidInput, match="must name a session"):
+        frames.encode_store_head(5, head._replace(session_id=None, finish_reason="stop"), tokens)
+    with pytest.raises(InvalidInput, match="unknown finish_reason"):
+        frames.encode_store_head(5, head._replace(finish_reason="done"), tokens)

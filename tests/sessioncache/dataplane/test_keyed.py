@@ -17,9 +17,6 @@ from sessioncache.connector import StreamClient
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import KEY_WORDS, Exists, Op, StoreHead
-from sessioncache.dataplane.samehost_server import open_samehost_server
-from sessioncache.dataplane.server import StreamServer
-from sessioncache.dataplane.transport import UnixListener
 from sessioncache.errors import InvalidInput
 from sessioncache.factory import open_node
 from sessioncache.hashing import (
@@ -103,28 +100,6 @@ def node(tmp_path: Path) -> Iterator[CacheNode]:
     node = open_node(settings, start=False)
     yield node
     node.close()
-
-
-@pytest.fixture
-def stream(node: CacheNode, tmp_path: Path) -> Iterator[StreamClient]:
-    path = str(tmp_path / "stream.sock")
-    server = StreamServer(node, UnixListener(path)).start()
-    client = StreamClient.connect(f"unix:{path}")
-    yield client
-    client.close()
-    server.stop()
-
-
-@pytest.fixture
-def samehost(node: CacheNode) -> Iterator[SameHostClient]:
-    server = open_samehost_server(node, node.settings)
-    if server is None:
-        pytest.skip("no shared-memory CPU tier on this platform")
-    server.start()
-    client = SameHostClient.connect(server.address)
-    yield client
-    client.close()
-    server.stop()
 
 
 def test_stream_keyed_store_exists_and_load(node: CacheNode, stream: StreamClient):

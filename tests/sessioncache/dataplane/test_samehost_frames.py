@@ -130,3 +130,17 @@ def test_oversized_same_host_bodies_are_refused_from_the_header():
         header = Header(op, 0, 1, frames.max_body(Header(op, 0, 1, 0), LIMITS) + 1)
         with pytest.raises(FrameError, match="exceeds"):
             frames.check_body(header, LIMITS)
+
+
+def test_a_stage_carries_a_finish_reason_as_a_store_does():
+    head = StoreHead(ROOT, IDS[0], 4, 3, 4096, 1000, session_id="s", finish_reason="end_turn")
+    tokens = bytes(4 * 4 * 3)
+    header, body = split(frames.encode_stage(3, head, tokens), requests=True)
+    assert header.flags == frames.F_STORE_PARENT | frames.F_STORE_FINISH | frames.F_SESSION
+    n = frames.session_len(body[: frames.SESSION_LEN])
+    rest = body[frames.SESSION_LEN + n :]
+    fixed = rest[: frames.STORE_FIXED]
+    header = header._replace(body_len=len(rest))
+    assert frames.decode_stage_head(fixed, header, LIMITS, "s") == head
+    with pytest.raises(InvalidInput, match="must name a session"):
+        frames.decode_stage_head(fixed, header, LIMITS, None)
