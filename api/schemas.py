@@ -462,6 +462,17 @@ class SessionOut(BaseModel):
     expires_at: float
     head: Hex | None
     pinned: bool
+    expected_back: float | None = Field(
+        None,
+        description="When the session is predicted back (unix seconds): the forecast its "
+        "blocks are evicted by (docs/sessions.md); null under SESSIONCACHE_EVICTION_POLICY=lru "
+        "or before its first request on this node.",
+    )
+    last_finish: str | None = Field(
+        None,
+        description="The class of its latest request's finish (tool, stop, length, abort), "
+        "once told; null while it runs.",
+    )
     attribution: SessionAttributionOut | None = Field(
         None, description="Its lookups' tokens, hit and missed by reason (GET of one session)."
     )

@@ -12,11 +12,12 @@ store), except ``next_use``, a read of one session's rhythm that may be a moment
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from sessioncache.clock import Clock
-from sessioncache.forecast import Forecast, Rhythm
+from sessioncache.forecast import Forecast, Rhythm, eviction_value
 from sessioncache.hashing import BlockHash
 
 SessionKey = tuple[str, str]
@@ -56,6 +57,14 @@ class SessionForecasts:
         rhythm = self._rhythms.get(key) or Rhythm()
         return rhythm.after(finish, now).next_use(self.forecast, now)
 
+    def current(self, key: SessionKey) -> tuple[float, str | None] | None:
+        """When the session is expected back now and its latest finish class; None under
+        plain LRU or before its first request here."""
+        rhythm = self._rhythms.get(key)
+        if self.forecast is None or rhythm is None:
+            return None
+        return rhythm.next_use(self.forecast, self._clock.now()), rhythm.finish
+
     def seen(self, key: SessionKey, finish: str | None, chain: Sequence[BlockHash]) -> None:
         """A request of the session arrived (``finish`` None) or finished for that class;
         ``chain`` (its held prefix counts) is filed under the forecast that follows."""
@@ -94,6 +103,30 @@ class SessionForecasts:
         shares with its parent's ``parent_chain``."""
         if self.forecast is not None:
             self._reads.forecast(chain[common_prefix(chain, parent_chain) :], None)
+
+    def furthest(self, keys: Iterable[SessionKey]) -> SessionKey:
+        """Of ``keys`` (least recently active first), the session expected back last, by the
+        eviction value of its forecast (``forecast.eviction_value``); the first under LRU."""
+        order = iter(keys)
+        first = next(order)
+        if self.forecast is None:
+            return first
+        now, overdue = self._clock.now(), self.forecast.overdue
+        best, top = first, self._value(first, now, overdue)
+        for key in order:
+            value = self._value(key, now, overdue)
+            if value > top:
+                best, top = key, value
+        return best
+
+    def _value(self, key: SessionKey, now: float, overdue: float) -> float:
+        rhythm = self._rhythms.get(key)
+        if rhythm is None or self.forecast is None:
+            return -math.inf
+        last = rhythm.finished if rhythm.finished is not None else rhythm.arrived
+        return eviction_value(
+            rhythm.next_use(self.forecast, now), now if last is None else last, now, overdue
+        )
 
     def forget(self, key: SessionKey) -> None:
         self._rhythms.pop(key, None)

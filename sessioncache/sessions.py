@@ -20,8 +20,9 @@ and the session starts again from the defaults.
 
 Pins are released by ``close``, by an idle timeout (the session stays open; its blocks then
 age out by TTL, and its next request pins again) and by the pin budget: pinned bytes per tier
-are bounded by a share of the tier's capacity, past which the least recently active sessions'
-pins fall back to ordinary eviction priority, so pins can never make the cache refuse work.
+are bounded by a share of the tier's capacity, past which the pins of the sessions expected
+back last (under LRU, the least recently active) fall back to ordinary eviction priority, so
+pins can never make the cache refuse work.
 ``sweep`` (run by a background thread in the service, or ``sessioncache gc`` by hand) expires
 sessions and blocks.
 
@@ -525,7 +526,8 @@ class SessionManager:
             ]
             if not over:
                 return
-            self._unpin(next(iter(self._pins)), "pin_budget")
+            # the session expected back last (under LRU: the least recently active)
+            self._unpin(self.forecasts.furthest(self._pins), "pin_budget")
 
     def _save(self, session: Session) -> None:
         if self._repo is not None:

@@ -18,12 +18,19 @@ from sessioncache.api.schemas import (
     SessionOut,
 )
 from sessioncache.attribution import SessionTotals
+from sessioncache.session_forecasts import SessionForecasts
 from sessioncache.sessions import Session
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
-def session_out(session: Session, totals: SessionTotals | None = None) -> SessionOut:
+def session_out(
+    session: Session,
+    totals: SessionTotals | None = None,
+    forecasts: SessionForecasts | None = None,
+) -> SessionOut:
+    """``forecasts``: the node's, for the session's forecast (``expected_back``)."""
+    rhythm = forecasts.current(session.key) if forecasts is not None else None
     return SessionOut(
         id=session.id,
         tenant=session.tenant,
@@ -34,6 +41,8 @@ def session_out(session: Session, totals: SessionTotals | None = None) -> Sessio
         expires_at=session.expires_at,
         head=session.head.hex() if session.head is not None else None,
         pinned=session.pinned,
+        expected_back=rhythm[0] if rhythm is not None else None,
+        last_finish=rhythm[1] if rhythm is not None else None,
         attribution=attribution_out(totals) if totals is not None else None,
     )
 
@@ -62,12 +71,17 @@ def create_session(body: SessionCreate, sessions: SessionsDep, tenant: TenantDep
     session = sessions.open(
         body.session_id, tenant=tenant, kind=body.kind, ttl_s=body.ttl_s, parent=body.parent
     )
-    return session_out(session)
+    return session_out(session, forecasts=sessions.forecasts)
 
 
 @router.get("", response_model=SessionList, responses=ERRORS)
 def list_sessions(sessions: SessionsDep, tenant: TenantDep) -> SessionList:
-    return SessionList(sessions=[session_out(s) for s in sessions.list_sessions(tenant=tenant)])
+    return SessionList(
+        sessions=[
+            session_out(s, forecasts=sessions.forecasts)
+            for s in sessions.list_sessions(tenant=tenant)
+        ]
+    )
 
 
 @router.get("/{session_id}", response_model=SessionOut, responses=ERRORS)
@@ -77,7 +91,7 @@ def get_session(
     """The session, with its lookups' tokens hit and missed by reason and the last point
     where its prompt diverged from the one before (``attribution``)."""
     session = sessions.get(session_id, tenant=tenant)  # another tenant's: 404
-    return session_out(session, attribution.session_totals(session.key))
+    return session_out(session, attribution.session_totals(session.key), sessions.forecasts)
 
 
 @router.post("/{session_id}/extend", response_model=SessionOut, responses=ERRORS)
@@ -85,7 +99,8 @@ def extend_session(
     session_id: SessionIdPath, body: SessionExtend, sessions: SessionsDep, tenant: TenantDep
 ) -> SessionOut:
     """Slide the session's expiry (optionally with a new TTL)."""
-    return session_out(sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s))
+    session = sessions.extend(session_id, tenant=tenant, ttl_s=body.ttl_s)
+    return session_out(session, forecasts=sessions.forecasts)
 
 
 @router.post("/{session_id}/finish", response_model=SessionOut, responses=ERRORS)
@@ -95,7 +110,8 @@ def finish_session(
     """The session's latest request finished, for ``finish_reason``: its blocks are kept or
     evicted by when the session is predicted back (a store's ``finish_reason`` says the same
     with the store)."""
-    return session_out(sessions.record(session_id, tenant=tenant, finish_reason=body.finish_reason))
+    session = sessions.record(session_id, tenant=tenant, finish_reason=body.finish_reason)
+    return session_out(session, forecasts=sessions.forecasts)
 
 
 @router.delete("/{session_id}", status_code=204, responses=ERRORS)

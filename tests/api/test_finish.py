@@ -157,3 +157,16 @@ def test_a_subagents_close_spares_the_prefix_it_shares_with_its_parent(
     again = held(client, shared + tokens(8, 32), session_id="orphan")
     assert client.delete("/v1/sessions/orphan").status_code == 204
     assert all(ahead(node, h) > ORPHAN_BASE / 2 for h in again)
+
+
+def test_blocks_uploaded_after_a_sessions_store_are_filed_under_its_forecast(
+    client: TestClient, node: CacheNode, forecast: Forecast
+):
+    open_session(client, "up")
+    # the plan records the chain before the blocks arrive: each upload is filed as it lands
+    hashes = store(client, tokens(9, 64), session_id="up", finish_reason="end_turn")
+    assert all(ahead(node, h) == pytest.approx(forecast.gaps["stop"]) for h in hashes)
+    got = client.get("/v1/sessions/up").json()
+    assert got["last_finish"] == "stop"
+    assert got["expected_back"] == pytest.approx(node.store.clock.now() + forecast.gaps["stop"])
+    assert client.get("/v1/sessions/up", headers=GLOBEX).status_code == 404

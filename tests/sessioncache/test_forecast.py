@@ -227,3 +227,18 @@ def test_one_tenant_cannot_move_another_tenants_forecast(clock: ManualClock):
         sm.record("s", tenant="alice", finish_reason="not-a-reason")
     after = store.reads.meta(mine[-1])
     assert after is not None and after.next_use == value
+
+
+def test_the_pin_budget_unpins_the_session_expected_back_last(clock: ManualClock):
+    store = TieredStore(
+        [CpuTier(10 * SIZE)], EvictionPolicy.named("forecast", 1), clock=clock, default_ttl_s=1e5
+    )
+    sm = SessionManager(store, pin_share=0.5)  # 5 blocks of pins
+    for sid in ("loop", "done", "new"):
+        sm.open(sid)
+    turn(sm, "loop", chain(1, 2), finish="tool_use")  # least recently active, back soonest
+    clock.advance(1)
+    turn(sm, "done", chain(2, 2), finish="end_turn")
+    clock.advance(1)
+    turn(sm, "new", chain(3, 2))  # 6 blocks pinned: one session's pins must go
+    assert set(sm.pinned_sessions()) == {("default", "loop"), ("default", "new")}
