@@ -104,7 +104,11 @@ def run(args: argparse.Namespace) -> int:
             if name not in (*POLICIES, *EXTRA_POLICIES):
                 raise InvalidInput(f"unknown policy {name!r}")
         trace = load_trace(
-            args.path, span_days=args.span_days, seed=args.seed, block_tokens=args.block_tokens
+            args.path,
+            span_days=args.span_days,
+            seed=args.seed,
+            block_tokens=args.block_tokens,
+            half=args.half,
         )
     except InvalidInput as exc:
         print(f"sessioncache replay: {exc}", file=sys.stderr)
@@ -217,8 +221,16 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--extra",
         type=lambda s: [x for x in s.split(",") if x],
-        default=["lru_tail_first"],
-        help="further baselines: lru_tail_first, belady (clairvoyant); default lru_tail_first",
+        default=["lru_tail_first", "belady"],
+        help="further baselines: lru_tail_first, belady (clairvoyant), sessioncache_lru (the "
+        "node under SESSIONCACHE_EVICTION_POLICY=lru); default lru_tail_first,belady",
+    )
+    parser.add_argument(
+        "--half",
+        choices=("even", "odd"),
+        default=None,
+        help="session folders: replay only the even- or odd-numbered files (by name), to tune "
+        "on one half of a sample and report on the other",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(

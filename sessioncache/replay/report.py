@@ -53,11 +53,42 @@ def format_report(report: ReplayReport, *, span_days: float | None = None, seed:
                 f"{name:<16}"
                 + "".join(f"{r.miss_by_reason.get(x, 0) / total:>10.2%}" for x in reasons)
             )
-    verdict = target_verdict(report)
-    if verdict:
+    verdicts = [v for v in (target_verdict(report), forecast_verdict(report)) if v]
+    if verdicts:
         lines.append("")
-        lines.append(verdict)
+        lines.extend(verdicts)
     return "\n".join(lines)
+
+
+FORECAST_GAP_TARGET = 0.5
+"""The forecast's target at tight capacity: sessioncache's misses at most halfway between
+tail-first LRU's and Belady's (docs/sessions.md)."""
+
+
+def gap_closed(report: ReplayReport, name: str = "sessioncache") -> float | None:
+    """The share of the miss tokens between tail-first LRU and Belady that ``name`` saves: 0
+    is LRU's, 1 Belady's, below 0 worse than LRU; None without both baselines (or no gap)."""
+    results = report.results
+    if not all(k in results for k in ("lru_tail_first", "belady", name)):
+        return None
+    lru, belady = results["lru_tail_first"].miss_tokens, results["belady"].miss_tokens
+    if lru <= belady:
+        return None
+    return (lru - results[name].miss_tokens) / (lru - belady)
+
+
+def forecast_verdict(report: ReplayReport) -> str | None:
+    closed = gap_closed(report)
+    if closed is None:
+        return None
+    lru = report.results["lru_tail_first"].miss_tokens
+    ours = report.results["sessioncache"].miss_tokens
+    return (
+        f"forecast: sessioncache saves {closed:.0%} of the misses between lru_tail_first and "
+        f"belady (>= {FORECAST_GAP_TARGET:.0%} at 1% and 5% capacity: "
+        f"{'met' if closed >= FORECAST_GAP_TARGET else 'NOT met'}); "
+        f"no more misses than lru_tail_first: {'yes' if ours <= lru else 'NO'}"
+    )
 
 
 def target_verdict(report: ReplayReport) -> str | None:

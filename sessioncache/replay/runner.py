@@ -13,19 +13,23 @@ to the fastest tier that held it at lookup.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sessioncache.errors import InvalidInput
+from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.simulators import BeladySim, LruSim, OracleSim, Simulator, StoreSim
 from sessioncache.replay.trace import Request, Trace
 
 POLICIES = ("oracle", "lru", "ttl_5min", "sessioncache")
-"""The four policies every replay reports, in report order."""
-EXTRA_POLICIES = ("lru_tail_first", "belady")
-"""Further baselines that ``policies=`` may ask for."""
+"""The four policies every replay reports, in report order. ``sessioncache`` is the node's
+default (``forecast``)."""
+EXTRA_POLICIES = ("lru_tail_first", "belady", "sessioncache_lru")
+"""Further baselines that ``policies=`` may ask for: ``sessioncache_lru`` is the node with
+``SESSIONCACHE_EVICTION_POLICY=lru``."""
 DEFAULT_TIERS: tuple[tuple[str, float], ...] = (("cpu", 1.0),)
 TTL_5MIN_S = 300.0
 
@@ -159,9 +163,12 @@ def make_simulator(name: str, trace: Trace, tiers: Sequence[tuple[str, int]]) ->
         return LruSim(name, tiers, ttl_s=TTL_5MIN_S)
     if name == "belady":
         return BeladySim(trace, sum(blocks for _, blocks in tiers))
-    if name == "sessioncache":
+    if name in ("sessioncache", "sessioncache_lru"):
         bt = trace.block_tokens
-        return StoreSim(name, [(t, blocks * bt) for t, blocks in tiers], block_bytes=bt)
+        policy = EvictionPolicy.named("forecast" if name == "sessioncache" else "lru", len(tiers))
+        return StoreSim(
+            name, [(t, blocks * bt) for t, blocks in tiers], block_bytes=bt, policy=policy
+        )
     raise InvalidInput(f"unknown policy {name!r}; policies are {[*POLICIES, *EXTRA_POLICIES]}")
 
 
@@ -214,9 +221,17 @@ def replay_one(trace: Trace, sim: Simulator, progress: Progress | None = None) -
     hit_tokens = total = hit_blocks = 0
     pending = 0
     attribution = MissAttribution(sim, bt)
+    finish: Callable[[Request], None] | None = getattr(sim, "finish", None)
+    finishing: list[tuple[float, int, Request]] = []  # requests running, by end
     started = time.perf_counter()
-    for request in trace.requests:
+    for seq, request in enumerate(trace.requests):
+        while finishing and finishing[0][0] <= request.time:
+            ended = heapq.heappop(finishing)[2]
+            if finish is not None:
+                finish(ended)  # revealed when the request ends, never before
         tiers = sim.serve(request)
+        if request.stop is not None:
+            heapq.heappush(finishing, (request.finished, seq, request))
         matched = len(tiers)
         total += request.tokens
         attribution.add(request, matched)

@@ -21,7 +21,9 @@
   blocks in the session, parent = the last matched block. ``sweep`` runs every ``sweep_s``
   simulated seconds, as the service's background thread does (a sweep between two requests is
   run at the last sweep instant before the second one: nothing happens in between, so the
-  state is the same).
+  state is the same). A request's finish reason reaches it through ``finish`` when the request
+  ends (``Finishes``), as a connector passes it, and a subagent's session is opened with its
+  parent's.
 
 Every ``serve`` returns, for each matched block of the request's prefix, the index of the
 fastest tier that held it.
@@ -74,6 +76,12 @@ class Simulator(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Finishes(Protocol):
+    """A simulator that hears when a request finishes, and how (its ``stop``)."""
+
+    def finish(self, request: Request) -> None: ...
 
 
 class Explains(Protocol):
@@ -312,17 +320,29 @@ class StoreSim:
     def tier_names(self) -> list[str]:
         return list(self._tier_names)
 
-    def serve(self, request: Request) -> list[int]:
-        if request.time >= self._next_sweep:
-            last = math.floor(request.time / self._sweep_s) * self._sweep_s
+    def _advance(self, time: float) -> None:
+        """The clock to ``time`` (replay seconds), sweeping on the way as the service would."""
+        if time >= self._next_sweep:
+            last = math.floor(time / self._sweep_s) * self._sweep_s
             self.clock.set(CLOCK_START + last)
             self._sweep()
             self._next_sweep = last + self._sweep_s
-        self.clock.set(CLOCK_START + request.time)
+        self.clock.set(CLOCK_START + time)
+
+    def finish(self, request: Request) -> None:
+        """``request`` has just finished: the connector passes its finish reason."""
+        if self.sessions is None or request.session is None or request.stop is None:
+            return
+        self._advance(request.finished)
+        with contextlib.suppress(SessionCacheError):  # swept meanwhile, or a reason unknown
+            self.sessions.record(request.session, finish_reason=request.stop)
+
+    def serve(self, request: Request) -> list[int]:
+        self._advance(request.time)
         hashes = self._hashes(request.ids)
         sessions, store, session = self.sessions, self.store, request.session
         if sessions is not None and session is not None:
-            self._ensure_open(sessions, session)
+            self._ensure_open(sessions, session, request.parent)
             match = sessions.lookup(session, hashes, lease_s=LOAD_LEASE_S)
         else:
             match = store.reads.lookup(hashes, lease_s=LOAD_LEASE_S)
@@ -369,7 +389,7 @@ class StoreSim:
         drop = self.drops.find(block_hash)
         return "expired" if drop is not None and drop.expired else "evicted"
 
-    def _ensure_open(self, sessions: SessionManager, session: str) -> None:
+    def _ensure_open(self, sessions: SessionManager, session: str, parent: str | None) -> None:
         try:
             sessions.get(session)
         except SessionNotFound:
@@ -377,7 +397,7 @@ class StoreSim:
                 self._session_reopens += 1  # it expired: the client opens it again
                 self._sweep()
             self._opened.add(session)
-            sessions.open(session, kind=self._kind)
+            sessions.open(session, kind=self._kind, parent=parent)
 
     def _sweep(self) -> None:
         self._sweeps += 1

@@ -17,7 +17,9 @@ integers (equal ids mean a reusable prefix) and its input token count.
   id space. Each file is one session (named after the file); each subagent is a session of its
   own (``file:agent_id``), since it runs concurrently with its parent and has its own chain.
   Request types ``n`` and ``s`` are both requests; the model name is ignored (the ids already
-  separate what differs).
+  separate what differs). A request's ``stop`` (its finish reason) and ``api_time`` (its
+  duration) are kept: a replay reveals the finish reason when the request ends, as an engine
+  would pass it, never earlier.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ class Request:
     """Input tokens. A hit on ``m`` blocks saves ``min(m * block_tokens, tokens)`` of them: a
     partial last block counts only its tokens, and tokens past the last id (agent traces
     give ids to full blocks only) are always computed."""
+    stop: str | None = None
+    """How the request finished (``tool_use``, ``end_turn``), where the trace says; a replay
+    reveals it at ``time + duration`` (when the node would hear of it), never before."""
+    duration: float = 0.0
+    """Seconds from arrival to finish."""
+    parent: str | None = None
+    """The session this one was forked from (a subagent's parent)."""
+
+    @property
+    def finished(self) -> float:
+        return self.time + self.duration
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,15 +92,19 @@ def load_trace(
     span_days: float = 3.0,
     seed: int = 0,
     block_tokens: int | None = None,
+    half: str | None = None,
 ) -> Trace:
     """Load a Mooncake JSONL file or a folder of agentic session files (module docstring).
 
     ``span_days`` and ``seed`` place the sessions of a folder; a JSONL file keeps its own
-    times. ``block_tokens`` overrides the block size (JSONL: 512 unless given).
+    times. ``block_tokens`` overrides the block size (JSONL: 512 unless given). ``half``
+    (``even`` or ``odd``): a folder's even- or odd-numbered files only, by name.
     """
     path = Path(path)
     if path.is_dir():
-        return load_session_folder(path, span_days=span_days, seed=seed)
+        return load_session_folder(path, span_days=span_days, seed=seed, half=half)
+    if half is not None:
+        raise InvalidInput("--half picks files of a session folder; a JSONL trace has none")
     if not path.is_file():
         raise InvalidInput(f"no trace at {path}: give a JSONL file or a folder of sessions")
     return load_jsonl(path, block_tokens=block_tokens or MOONCAKE_BLOCK_TOKENS)
@@ -111,11 +128,21 @@ def load_jsonl(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trac
     return _finish(path.name, "mooncake", block_tokens, requests, sessions=0)
 
 
-def load_session_folder(path: Path, *, span_days: float = 3.0, seed: int = 0) -> Trace:
-    """A folder of agentic session files spread over ``span_days`` (module docstring)."""
+HALVES = ("even", "odd")
+
+
+def load_session_folder(
+    path: Path, *, span_days: float = 3.0, seed: int = 0, half: str | None = None
+) -> Trace:
+    """A folder of agentic session files spread over ``span_days`` (module docstring); with
+    ``half``, its even- or odd-numbered files only (by name, from 0)."""
     if span_days < 0:
         raise InvalidInput(f"span_days must be >= 0, got {span_days}")
     files = sorted(p for p in path.glob("*.json") if p.is_file())
+    if half is not None:
+        if half not in HALVES:
+            raise InvalidInput(f"half is one of {HALVES}, got {half!r}")
+        files = files[HALVES.index(half) :: 2]
     if not files:
         raise InvalidInput(f"no *.json session files in {path}")
     rng = random.Random(seed)
@@ -136,26 +163,31 @@ def load_session_folder(path: Path, *, span_days: float = 3.0, seed: int = 0) ->
             raise InvalidInput(f"{file}: block_size {size}, but earlier files use {block_tokens}")
         start = rng.uniform(0.0, span_s)
         base = (index + 1) << _FILE_SHIFT
-        for session, time, row in _walk(top, file.stem, start):
+        for session, parent, time, row in _walk(top, file.stem, None, start):
             try:
                 ids = tuple(base | int(h) for h in row["hash_ids"])
                 tokens = int(row["in"])
+                stop = str(row.get("stop") or "") or None
+                duration = max(0.0, float(row.get("api_time") or 0.0))
             except (ValueError, KeyError, TypeError) as exc:
                 raise InvalidInput(f"{file}: bad request ({exc})") from exc
             sessions.add(session)
-            requests.append(Request(time, session, ids, tokens))
+            requests.append(Request(time, session, ids, tokens, stop, duration, parent))
     assert block_tokens is not None
     return _finish(path.name, "agent-sessions", block_tokens, requests, sessions=len(sessions))
 
 
-def _walk(rows: Sequence[Any], session: str, origin: float) -> Iterator[tuple[str, float, Any]]:
-    """Every request of a session file, subagents included, with absolute times."""
+def _walk(
+    rows: Sequence[Any], session: str, parent: str | None, origin: float
+) -> Iterator[tuple[str, str | None, float, Any]]:
+    """Every request of a session file, subagents included, with its session, that session's
+    parent and its absolute time."""
     for row in rows:
         if row.get("type") == "subagent":
             name = f"{session}:{row.get('agent_id', 'agent')}"
-            yield from _walk(row.get("requests", []), name, origin + float(row["t"]))
+            yield from _walk(row.get("requests", []), name, session, origin + float(row["t"]))
         elif "hash_ids" in row:
-            yield session, origin + float(row["t"]), row
+            yield session, parent, origin + float(row["t"]), row
 
 
 def _finish(

@@ -32,6 +32,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?m)session_load\.py --loads 2 --paths stream: best of 1, this tree vs base .*\n"
         r"(?s:.*)^stream\.session_min_ms +[\d.]+ +[\d.]+ +[\d.]+$",
     ),
+    "bench.forecast": (
+        [
+            *("--trace", str(ROOT / "tests" / "fixtures" / "traces" / "agent-sessions")),
+            *("--fracs", "0.01,0.5", "--seeds", "0", "--halves", "all", "--jobs", "1"),
+        ],
+        r"(?m)^default, every file\n(?s:.*)^  targets: >= 0.5 at 1%, 5%: \d+ of \d+ cells; "
+        r"no worse than lru_tail_first: \d+ of \d+ cells$",
+    ),
     "bench.dataplane": (
         [
             *("--blocks", "4", "--block-mib", "0.0625", "--repeats", "1"),

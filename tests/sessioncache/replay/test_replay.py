@@ -10,9 +10,13 @@ from typing import Any
 import pytest
 
 from sessioncache.commands import replay as replay_command
+from sessioncache.errors import InvalidInput
+from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.runner import (
     POLICIES,
+    make_simulator,
     parse_tiers,
+    replay_one,
     run_replay,
     split_capacity,
 )
@@ -327,3 +331,105 @@ def test_a_codec_ratio_replays_the_same_disk_bytes_holding_more_blocks(
     args = _args(str(AGENT), "--tiers", "cpu:1", "--codec-ratio", "2", "--no-progress")
     assert args.func(args) == 2  # no tier a codec applies to: said, not a traceback
     assert "codec ratio applies" in capsys.readouterr().err
+
+
+def test_a_session_file_gives_each_request_its_finish_and_a_subagent_its_parent(tmp_path: Path):
+    doc = {
+        "block_size": 64,
+        "requests": [
+            {"t": 0.0, "in": 128, "hash_ids": [1, 2], "stop": "tool_use", "api_time": 3.5},
+            {"t": 9.0, "type": "subagent", "agent_id": "x", "requests": [
+                {"t": 1.0, "in": 192, "hash_ids": [1, 2, 3], "stop": "end_turn"},
+            ]},
+            {"t": 20.0, "in": 192, "hash_ids": [1, 2, 4], "stop": ""},
+        ],
+    }  # fmt: skip
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    trace = load_trace(tmp_path, span_days=0)
+    assert [(r.session, r.stop, r.duration, r.parent) for r in trace.requests] == [
+        ("s", "tool_use", 3.5, None),
+        ("s:x", "end_turn", 0.0, "s"),
+        ("s", None, 0.0, None),
+    ]
+    assert trace.requests[0].finished == 3.5
+
+
+def test_half_replays_the_even_or_odd_files(tmp_path: Path):
+    even = load_trace(AGENT, half="even")  # a.json, c.json
+    odd = load_trace(AGENT, half="odd")  # b.json
+    assert {r.session for r in even.requests} == {"a", "a:agent_001", "c"}
+    assert {r.session for r in odd.requests} == {"b"}
+    with pytest.raises(InvalidInput):
+        load_trace(JSONL, half="even")
+
+
+class _Spy:
+    """A simulator that logs what it is told, and when (by the replay's clock)."""
+
+    name = "spy"
+
+    def __init__(self) -> None:
+        self.tier_names = ["all"]
+        self.log: list[tuple[str, float, float]] = []  # (event, request time, its finish)
+
+    def serve(self, request: Request) -> list[int]:
+        self.log.append(("serve", request.time, request.finished))
+        return []
+
+    def finish(self, request: Request) -> None:
+        self.log.append(("finish", request.time, request.finished))
+
+    def detail(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_finish_is_revealed_when_the_request_ends_never_before():
+    requests = [
+        Request(0.0, "a", (1,), 64, "tool_use", 5.0),
+        Request(2.0, "b", (2,), 64, "end_turn", 1.0),
+        Request(4.0, "b", (2, 3), 128),  # b's finish (3.0) known; a's (5.0) not yet
+        Request(6.0, "a", (1, 4), 128, "tool_use", 100.0),
+        Request(7.0, "c", (9,), 64),
+    ]
+    trace = Trace("t", "agent-sessions", 64, requests, 5, 3)
+    spy = _Spy()
+    replay_one(trace, spy)
+    served_at: list[float] = []
+    for event, time, finished in spy.log:
+        if event == "serve":
+            served_at.append(time)
+        else:  # every request served so far arrived no later than the finish
+            assert all(t <= finished for t in served_at)
+    finishes = [(t, f) for e, t, f in spy.log if e == "finish"]
+    assert finishes == [(2.0, 3.0), (0.0, 5.0)]  # in order of their ends; 106 s never comes
+    assert [e for e, _, _ in spy.log][:4] == ["serve", "serve", "finish", "serve"]
+
+
+def test_the_forecast_keeps_the_tool_loop_that_lru_gives_up():
+    # One tier of 5 blocks, pins off (they would keep whoever came last). Session a is in a
+    # tool loop (back in seconds); b's turn ended for the user (back in minutes) after a's
+    # last request. When c's 2 blocks need room, LRU takes a's tail (least recent); the
+    # forecast takes b's, and a's next turn hits whole, as Belady's does.
+    requests = [
+        Request(0.0, "a", (1, 2, 3), 192, "tool_use", 1.0),
+        Request(2.0, "b", (10, 11), 128, "end_turn", 1.0),
+        Request(5.0, "c", (20, 21), 128),
+        Request(8.0, "a", (1, 2, 3, 4), 256, "tool_use", 1.0),
+    ]
+    trace = Trace("t", "agent-sessions", 64, requests, 8, 3)
+    hits = {}
+    for name in ("forecast", "lru"):
+        sim = StoreSim(
+            name,
+            [("cpu", 5 * 64)],
+            block_bytes=64,
+            policy=EvictionPolicy.named(name, 1),
+            session_options={"pin_share": 0.0},
+        )
+        hits[name] = replay_one(trace, sim).hit_tokens
+    belady = replay_one(trace, make_simulator("belady", trace, [("all", 5)])).hit_tokens
+    assert hits["forecast"] == 192 == belady  # a's 3 blocks
+    assert hits["lru"] == 64
