@@ -20,7 +20,9 @@ Sections (``--only`` picks some):
 * ``catalog``: the catalog's write-behind of block rows, rows per second, on each database.
 
 Each section prints, per size, the figure and its ratio to the smallest size's, measured in the
-same run: a flat cost has ratio ~1.
+same run: a flat cost has ratio ~1. The stores run the node's default eviction policy
+(``forecast``), or the one ``SESSIONCACHE_EVICTION_POLICY`` names (``lru``); ``bench.compare``
+against an older tree compares the two.
 
 Run: ``python -m bench.scale`` (full sizes: minutes on two cores), or
 ``python -m bench.scale --blocks 10000 100000 --sessions 10000 --disk-blocks 2000 --only index``.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import statistics
@@ -44,6 +47,7 @@ import torch
 
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash
+from sessioncache.policy import EvictionPolicy
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import PutItem
@@ -127,15 +131,25 @@ def evict_caches(nbytes: int = 256 << 20) -> None:
     view += 1
 
 
+def _policy() -> EvictionPolicy:
+    """The node's default eviction policy, or the one ``SESSIONCACHE_EVICTION_POLICY`` names
+    (a tree from before the choice, run by ``bench.compare``, has LRU only)."""
+    named = getattr(EvictionPolicy, "named", None)
+    if named is None:
+        return EvictionPolicy(1)
+    policy: EvictionPolicy = named(os.environ.get("SESSIONCACHE_EVICTION_POLICY", "forecast"), 1)
+    return policy
+
+
 def bench_index(sizes: Sequence[int], chain: int, repeat: int) -> list[dict[str, float]]:
     rows: list[dict[str, float]] = []
     # A warm-up, so that the first size's put figure does not carry the first calls' costs;
     # kept alive, so that the first size's RAM is not counted in the memory it frees.
-    warm = TieredStore([NullTier()])
+    warm = TieredStore([NullTier()], _policy())
     list(fill(warm, 0, 4 * chain, chain))
     for size in sizes:
         gc.collect()
-        store = TieredStore([NullTier()])
+        store = TieredStore([NullTier()], _policy())
         before = rss_bytes()
         t0 = time.perf_counter()
         chains = list(fill(store, 0, size, chain))
@@ -203,7 +217,7 @@ def bench_sweep(sizes: Sequence[int]) -> list[dict[str, float]]:
     for n in sizes:
         gc.collect()
         clock = ManualClock(1_000.0)
-        store = TieredStore([NullTier()], clock=clock)
+        store = TieredStore([NullTier()], _policy(), clock=clock)
         sessions = SessionManager(store)
         due = max(1, n // 100)
         for i in range(n):
@@ -474,7 +488,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--postgres", help="a PostgreSQL URL: restart and catalog on it too")
     parser.add_argument("--plot", type=Path, help="write the index curves to this PNG")
     parser.add_argument("--only", nargs="+", default=["index", "sweep", "restart", "catalog"])
+    parser.add_argument(
+        "--json", action="store_true", help="end with the index figures as one JSON line"
+    )
     args = parser.parse_args(argv)
+    figures: dict[str, float] = {}
     databases: list[tuple[str, str, str | None]] = [("sqlite", "", None)]
     if args.postgres:
         databases.append(("postgresql", args.postgres, f"bench_scale_{os.getpid()}"))
@@ -487,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows,
             ["ram_b", "put_us", "lookup_us", "dict_us", "cold_lookup_us", "cold_dict_us"],
         )
+        for row in rows:
+            for key in ("put_us", "lookup_us", "dict_us", "cold_lookup_us"):
+                figures[f"{key[:-3]}@{int(row['blocks'])}_us"] = row[key]
         if args.plot:
             plot(rows, args.plot)
     if "sweep" in args.only:
@@ -536,6 +557,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{'db':<12}{'queued':>10}{'written':>10}{'rows/s':>14}")
         for line in bench_catalog(args.catalog_rows, databases):
             print(line)
+    if args.json:
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":
