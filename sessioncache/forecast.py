@@ -94,7 +94,7 @@ def orphaned(last: float) -> float:
 
 
 DEFAULT_GAPS: Mapping[str, float] = {
-    "tool": 30.0,
+    "tool": 15.0,
     "stop": 600.0,
     "length": 60.0,
     "abort": 600.0,
@@ -108,10 +108,10 @@ class Forecast:
 
     gaps: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_GAPS))
     """Seconds from a request's finish to the session's next request, per finish class."""
-    in_flight_s: float = 25.0
+    in_flight_s: float = 40.0
     """Seconds from a request's arrival to the session's next one, the finish not known yet
     (a request's duration plus a gap)."""
-    overdue: float = 2.0
+    overdue: float = 4.0
     """How fast an expected return that did not come recedes (module docstring)."""
     dead_branch_s: float | None = None
     """The forecast of a previous prompt's blocks that the session's new prompt left: that
