@@ -28,13 +28,16 @@ What a forecast is made of (``Forecast``), per session, from what the node sees 
 * its own rhythm: the gaps this session has shown after each finish class, blended in once it
   has shown a few (``Rhythm``);
 * close, and a prompt that diverged from the session's previous one: the blocks no live chain
-  of the session reaches any more have no forecast (``orphaned``) and leave first, oldest
-  first; a subagent's close spares the prefix it shares with its parent session.
+  of the session reaches any more are dead (``next_use = ORPHAN_BASE - last``) and leave
+  first, oldest first, up to the last fork (blocks before it are another branch's too); a
+  subagent's close spares the prefix it shares with its parent session.
 
-A touch clears a block's forecast (``NO_FORECAST``: its value is the overdue term alone) until
-the session that touched it files its chain under its own: so blocks no session names (a
-session-less lookup or store) are ordered among themselves exactly as LRU orders them, and a
-block being stored is never the furthest forecast of the tier while its chain is written.
+Two kinds of block have no forecast of their own. A touch without a session leaves an
+*unknown* one (``NO_FORECAST``: the value is the overdue term alone), so blocks no session
+names are ordered among themselves exactly as LRU orders them. A block being stored starts
+with its writer session's forecast, else its parent's: in the last tier, a store whose own
+chain is expected back after every other tail there is cut short (the parent rule of
+``EvictionPolicy.admits``: Belady's bypass), where LRU would have evicted another's.
 """
 
 from __future__ import annotations
@@ -86,11 +89,6 @@ def finish_class(reason: str) -> str:
 def eviction_value(next_use: float, last: float, now: float, overdue: float) -> float:
     """A block's eviction value at ``now`` (module docstring): the larger, the sooner it goes."""
     return max(next_use, now + overdue * (now - last))
-
-
-def orphaned(last: float) -> float:
-    """The ``next_use`` of a block no live chain reaches, last accessed at ``last``."""
-    return ORPHAN_BASE - last
 
 
 DEFAULT_GAPS: Mapping[str, float] = {

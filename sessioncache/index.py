@@ -527,22 +527,32 @@ class BlockIndex:
 
 def file_forecast(index: BlockIndex, run: Run, next_use: float | None) -> None:
     """Predict the blocks of ``run`` (a chain, root first) read again at ``next_use``, or (None)
-    never: they leave first, the oldest first (``forecast.orphaned``). A forecast may move a
-    block's eviction key either way, so the chain's tail in each tier is filed again (the
-    other blocks are filed when they become tails). No touch: the lock is the caller's."""
+    never: they leave first, the oldest first (``ORPHAN_BASE - last``), but for the blocks up
+    to the deepest one with another child held (a fork: what lies before it is shared with
+    another branch). A forecast may move a block's eviction key either way, so each tail the
+    run has in each tier (the end of every stretch held there) is filed again; the other
+    blocks are filed when they become tails. No touch: the lock is the caller's."""
     if not len(run):
         return
     table, at = index._table, run.at
     col = table.column
+    slots = run.slots
     if next_use is None:
+        forks = np.flatnonzero(col("held")[at] > 1)
+        if len(forks):
+            slots = slots[forks[-1] + 1 :]
+            if not len(slots):
+                return
+            at = slots
         col("nxt")[at] = ORPHAN_BASE - col("last")[at]
     else:
         col("nxt")[at] = next_use
     masks = col("mask")[at]
     for tier in range(index._num_tiers):
-        held = np.flatnonzero(masks & (1 << tier))
-        if len(held):
-            slot = int(run.slots[held[-1]])
+        here = (masks & (1 << tier)) != 0
+        ends = np.flatnonzero(here & ~np.append(here[1:], False))
+        for i in ends:
+            slot = int(slots[i])
             index._policy.track(BlockMeta.at(table, slot, table.key(slot)), tier)
 
 

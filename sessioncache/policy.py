@@ -29,7 +29,10 @@ unless the victim is unexpired and either
   it was the coldest above, and refusing it would drop it (orphaning any tail of it held
   below); or
 * the only copy, in the last tier, of the incoming block's own parent: admitting the child
-  would orphan it.
+  would orphan it. Under a forecast, the incoming block's parent in any tier: it comes up as
+  the victim only when its chain is expected back after every other tail there, and the
+  child is read no sooner than the parent, so the child goes lower, or in the last tier
+  nowhere (Belady's bypass: a store cut short, answered dropped).
 
 The victim orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
 whole chain) costs no heap operation: a touch only moves a block's keys later. A forecast that
@@ -137,7 +140,10 @@ class EvictionPolicy:
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
 
     def next_victim(
-        self, tier: int, now: float, lookup: Callable[[BlockHash], BlockMeta | None]
+        self,
+        tier: int,
+        now: float,
+        lookup: Callable[[BlockHash], BlockMeta | None],
     ) -> BlockMeta | None:
         """Pop the next victim of ``tier``; None when every block there is pinned or a parent.
 
@@ -203,14 +209,14 @@ class EvictionPolicy:
         ``next_victim`` chose there (see the module docstring)."""
         if victim.expired(now):
             return True
-        if tier == self._last and len(victim.tiers) == 1 and victim.block_hash == incoming.parent:
-            return False  # the only copy of its own parent
+        if victim.block_hash == incoming.parent and (
+            self.forecast is not None or (tier == self._last and len(victim.tiers) == 1)
+        ):
+            # The only copy of its own parent; under a forecast any copy: the parent is the
+            # furthest forecast only when its chain is, and the child is read no sooner.
+            return False
         entering = not incoming.mask & ((1 << tier) - 1)  # new or promoted
         return not (entering and not spare_copy(victim, tier) and _colder(incoming, victim))
-
-    def value(self, meta: BlockMeta, now: float) -> float:
-        """``meta``'s eviction value at ``now`` (``forecast.eviction_value``)."""
-        return eviction_value(meta.next_use, meta.last_access, now, self._overdue)
 
     def queued(self, tier: int) -> int:
         """Heap entries held for ``tier``, stale ones included."""

@@ -7,13 +7,15 @@ the session's ``Rhythm`` and files the chain under the forecast that follows
 ``Forecast``) it keeps nothing and files nothing.
 
 Called with the manager's lock held (it calls the store: the lock order is sessions, then
-store), except ``next_use``, a read of one session's rhythm that may be a moment stale.
+store); ``next_use``, called without it, takes it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from sessioncache.clock import Clock
@@ -21,6 +23,8 @@ from sessioncache.forecast import Forecast, Rhythm, eviction_value
 from sessioncache.hashing import BlockHash
 
 SessionKey = tuple[str, str]
+FURTHEST_OF = 64
+"""How many of the least recently active pinned sessions the pin budget compares."""
 
 
 class ForecastReads(Protocol):
@@ -32,10 +36,17 @@ class ForecastReads(Protocol):
 class SessionForecasts:
     """Rhythms of the open sessions, and their filing (module docstring)."""
 
-    def __init__(self, reads: ForecastReads, forecast: Forecast | None, clock: Clock) -> None:
+    def __init__(
+        self,
+        reads: ForecastReads,
+        forecast: Forecast | None,
+        clock: Clock,
+        lock: AbstractContextManager[object],
+    ) -> None:
         self._reads = reads
         self.forecast = forecast
         self._clock = clock
+        self._lock = lock  # the manager's: ``next_use`` takes it, the rest run under it
         self._rhythms: dict[SessionKey, Rhythm] = {}
 
     def opened(self, key: SessionKey, parent: SessionKey | None) -> None:
@@ -53,9 +64,10 @@ class SessionForecasts:
         makes. None under plain LRU."""
         if self.forecast is None:
             return None
-        now = self._clock.now()
-        rhythm = self._rhythms.get(key) or Rhythm()
-        return rhythm.after(finish, now).next_use(self.forecast, now)
+        with self._lock:
+            now = self._clock.now()
+            rhythm = self._rhythms.get(key) or Rhythm()
+            return rhythm.after(finish, now).next_use(self.forecast, now)
 
     def current(self, key: SessionKey) -> tuple[float, str | None] | None:
         """When the session is expected back now and its latest finish class; None under
@@ -106,14 +118,15 @@ class SessionForecasts:
 
     def furthest(self, keys: Iterable[SessionKey]) -> SessionKey:
         """Of ``keys`` (least recently active first), the session expected back last, by the
-        eviction value of its forecast (``forecast.eviction_value``); the first under LRU."""
+        eviction value of its forecast (``forecast.eviction_value``), among the first
+        ``FURTHEST_OF`` (a bounded cost per unpin); the first under LRU."""
         order = iter(keys)
         first = next(order)
         if self.forecast is None:
             return first
         now, overdue = self._clock.now(), self.forecast.overdue
         best, top = first, self._value(first, now, overdue)
-        for key in order:
+        for key in itertools.islice(order, FURTHEST_OF - 1):
             value = self._value(key, now, overdue)
             if value > top:
                 best, top = key, value

@@ -12,7 +12,7 @@ prefix plus a little more. Each lookup or store that names a session
 
 Each also feeds the session's forecast (``sessioncache.forecast``): when it is expected back,
 from its requests' arrivals, their finish reasons where the engine or agent passes them
-(``finish_reason`` on a store, or ``finish``), its own rhythm, its close and its parent
+(``finish_reason`` on a store or on ``record``), its own rhythm, its close and its parent
 session (a subagent's). The chain it touched is filed under that forecast, which is what the
 default eviction order reads; blocks of a previous prompt the new one no longer reaches, and a
 closed session's chain, get none and leave first. This is soft state: a restart forgets it
@@ -155,7 +155,7 @@ class SessionManager:
         self._expiring: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._idling: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._unpin_listeners: list[Callable[[SessionKey, str], None]] = []
-        self.forecasts = SessionForecasts(store.reads, store.forecast, self._clock)
+        self.forecasts = SessionForecasts(store.reads, store.forecast, self._clock, self._lock)
         """Each open session's forecast (soft state: not in the repository)."""
 
     def on_unpin(self, listener: Callable[[SessionKey, str], None]) -> None:
@@ -296,7 +296,7 @@ class SessionManager:
     ) -> WriteResult:
         """``writes.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
         the session's chain becomes ``prefix + hashes``. ``finish_reason``: the request whose
-        KV this is has finished, so (see ``finish``)."""
+        KV this is has finished, so (see ``record``)."""
         finish = finish_class(finish_reason) if finish_reason is not None else None
         session, ttl = self._begin(session_id, tenant)
         result = self._store.writes.put(
@@ -339,8 +339,9 @@ class SessionManager:
             held = self._pins.get(key)
             if held is None:
                 return
-            held.extend(self._store.reads.pin(hashes))
-            self.forecasts.refile(key, held)
+            pinned = self._store.reads.pin(hashes)
+            held.extend(pinned)
+            self.forecasts.refile(key, pinned)
             self._enforce_pin_budget()
 
     # -- maintenance --------------------------------------------------------------------

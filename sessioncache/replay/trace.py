@@ -19,12 +19,13 @@ integers (equal ids mean a reusable prefix) and its input token count.
   Request types ``n`` and ``s`` are both requests; the model name is ignored (the ids already
   separate what differs). A request's ``stop`` (its finish reason) and ``api_time`` (its
   duration) are kept: a replay reveals the finish reason when the request ends, as an engine
-  would pass it, never earlier.
+  would pass it, never earlier (a request without ``api_time`` ends as it arrives).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -122,6 +123,8 @@ def load_jsonl(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trac
                 ids = tuple(int(h) for h in row["hash_ids"])
                 tokens = int(row["input_length"])
                 time = float(row["timestamp"]) / 1000.0
+                if not math.isfinite(time):
+                    raise ValueError("a timestamp that is not a finite number")
             except (ValueError, KeyError, TypeError) as exc:
                 raise InvalidInput(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from exc
             requests.append(Request(time, None, ids, tokens))
@@ -169,6 +172,8 @@ def load_session_folder(
                 tokens = int(row["in"])
                 stop = str(row.get("stop") or "") or None
                 duration = max(0.0, float(row.get("api_time") or 0.0))
+                if not (math.isfinite(time) and math.isfinite(duration)):
+                    raise ValueError("a time that is not a finite number")
             except (ValueError, KeyError, TypeError) as exc:
                 raise InvalidInput(f"{file}: bad request ({exc})") from exc
             sessions.add(session)

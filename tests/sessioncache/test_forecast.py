@@ -14,7 +14,6 @@ from sessioncache.forecast import (
     Rhythm,
     eviction_value,
     finish_class,
-    orphaned,
 )
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.policy import EvictionPolicy
@@ -86,8 +85,7 @@ def test_the_value_is_the_forecast_until_it_is_overdue():
     # Without forecasts (equal offsets) the order is LRU's.
     older, newer = eviction_value(25.0, 0.0, 50.0, 2.0), eviction_value(35.0, 10.0, 50.0, 2.0)
     assert older > newer
-    assert orphaned(5.0) > orphaned(6.0) > 1e14  # no forecast: first, the oldest first
-    assert ORPHAN_BASE - 2e9 > 1e14
+    assert ORPHAN_BASE - 2e9 > 1e14  # a dead branch's value: above any forecast
 
 
 def test_finish_reasons_of_each_vocabulary_and_a_bad_one():
@@ -242,3 +240,44 @@ def test_the_pin_budget_unpins_the_session_expected_back_last(clock: ManualClock
     clock.advance(1)
     turn(sm, "new", chain(3, 2))  # 6 blocks pinned: one session's pins must go
     assert set(sm.pinned_sessions()) == {("default", "loop"), ("default", "new")}
+
+
+def test_a_dead_branch_is_filed_at_every_tail_it_has_in_a_tier(clock: ManualClock):
+    store = TieredStore(
+        [CpuTier(8 * SIZE, name="fast"), CpuTier(8 * SIZE, name="slow")],
+        EvictionPolicy.named("forecast", 2),
+        clock=clock,
+        default_ttl_s=1e5,
+    )
+    a, b, c = chain(1, 3)
+    store.writes.put([a, b, c], [data(h) for h in (a, b, c)], namespace_root=ROOT, tier="slow")
+    x = chain(2, 1)
+    store.writes.put(x, [data(x[0])], namespace_root=ROOT, tier="fast")
+    clock.advance(1)
+    store.reads.get(a)  # promoted: a and c are held fast, b only below: two tails up there
+    store.reads.get(c)
+    store.reads.forecast([a, b, c], None)  # a dead branch: before anything with a forecast
+    core = store._core
+    order = [
+        v.block_hash
+        for _ in range(3)
+        if (v := core.policy.next_victim(0, clock.now(), core.index.get)) is not None
+    ]
+    assert set(order[:2]) == {a, c} and order[2] == x[0]
+
+
+def test_a_dead_branch_spares_what_another_branch_forks_from(clock: ManualClock):
+    store, sm = make(30, clock)
+    sm.open("s")
+    sm.open("t")
+    base, old, other = chain(1, 3), chain(2, 3), chain(3, 2)
+    turn(sm, "s", base + old)
+    turn(sm, "t", base + old[:1] + other)  # t forks off s's branch after its first block
+    turn(sm, "s", base + chain(4, 2))  # s leaves its branch
+    assert all(v > 1e14 for v in next_uses(store, old[1:]))  # only s's, past t's fork
+    assert all(v < 1e14 for v in next_uses(store, base + old[:1] + other))
+
+
+def next_uses(store: TieredStore, hashes: list[BlockHash]) -> list[float]:
+    metas = [store.reads.meta(h) for h in hashes]
+    return [m.next_use for m in metas if m is not None]
