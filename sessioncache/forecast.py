@@ -111,7 +111,7 @@ class Forecast:
     (a request's duration plus a gap)."""
     overdue: float = 4.0
     """How fast an expected return that did not come recedes (module docstring)."""
-    dead_branch_s: float | None = None
+    dead_branch_s: float | None = 3600.0
     """The forecast of a previous prompt's blocks that the session's new prompt left: that
     many seconds ahead (a session may go back to an older branch), or None for none at all
     (they leave first). A closed session's chain has none either way."""

@@ -525,25 +525,29 @@ class BlockIndex:
         self.unref_all(hashes)
 
 
-def file_forecast(index: BlockIndex, run: Run, next_use: float | None) -> None:
-    """Predict the blocks of ``run`` (a chain, root first) read again at ``next_use``, or (None)
-    never: they leave first, the oldest first (``ORPHAN_BASE - last``), but for the blocks up
-    to the deepest one with another child held (a fork: what lies before it is shared with
-    another branch). A forecast may move a block's eviction key either way, so each tail the
-    run has in each tier (the end of every stretch held there) is filed again; the other
-    blocks are filed when they become tails. No touch: the lock is the caller's."""
+def file_forecast(
+    index: BlockIndex, run: Run, next_use: float | None, *, past_forks: bool = False
+) -> None:
+    """Predict the blocks of ``run`` (a chain, root first) read again at ``next_use``, or
+    (None) never: they leave first, the oldest first (``ORPHAN_BASE - last``). With
+    ``past_forks`` (always with None: a branch given up), only the blocks past the deepest one
+    with another child held (a fork: what lies before it is shared with another branch). A
+    forecast may move a block's eviction key either way, so each tail the run has in each
+    tier (the end of every stretch held there) is filed again; the other blocks are filed
+    when they become tails. No touch: the lock is the caller's."""
     if not len(run):
         return
     table, at = index._table, run.at
     col = table.column
     slots = run.slots
-    if next_use is None:
+    if next_use is None or past_forks:
         forks = np.flatnonzero(col("held")[at] > 1)
         if len(forks):
             slots = slots[forks[-1] + 1 :]
             if not len(slots):
                 return
             at = slots
+    if next_use is None:
         col("nxt")[at] = ORPHAN_BASE - col("last")[at]
     else:
         col("nxt")[at] = next_use

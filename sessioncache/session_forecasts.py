@@ -30,7 +30,9 @@ FURTHEST_OF = 64
 class ForecastReads(Protocol):
     """What of the store's reads this room uses."""
 
-    def forecast(self, hashes: Sequence[BlockHash], next_use: float | None) -> int: ...
+    def forecast(
+        self, hashes: Sequence[BlockHash], next_use: float | None, *, past_forks: bool = False
+    ) -> int: ...
 
 
 class SessionForecasts:
@@ -106,6 +108,7 @@ class SessionForecasts:
         self._reads.forecast(
             old[common_prefix(old, chain) :],
             None if dead is None else self._clock.now() + dead,
+            past_forks=True,
         )
 
     def closed(

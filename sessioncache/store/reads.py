@@ -138,16 +138,19 @@ class StoreReads:
             lease = self._core.index.leases.find(lease_id)
             return lease.hashes if lease is not None else None
 
-    def forecast(self, hashes: Sequence[BlockHash], next_use: float | None) -> int:
+    def forecast(
+        self, hashes: Sequence[BlockHash], next_use: float | None, *, past_forks: bool = False
+    ) -> int:
         """Predict the held prefix of ``hashes`` (a session's chain) read again at
-        ``next_use``, or (None) never (``index.file_forecast``); no touch. Returns how
+        ``next_use``, or (None) never; ``past_forks``: only past the last fork
+        (``index.file_forecast``). No touch. Returns how
         many blocks it covered."""
         if not hashes:
             return 0
         with self._core.lock:
             index = self._core.index
             run = index.held_run(hashes, self._core.clock.now())
-            file_forecast(index, run, next_use)
+            file_forecast(index, run, next_use, past_forks=past_forks)
             return len(run)
 
     def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:

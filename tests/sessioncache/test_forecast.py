@@ -185,8 +185,8 @@ def test_a_prompt_that_left_its_previous_chain_gives_up_the_old_branch_first(
     clock.advance(1)
     turn(sm, "s", base + chain(3, 2), finish="tool_use")  # edited history: branch is dead
     assert held(store, branch) == 3
-    meta = store.reads.meta(branch[-1])
-    assert meta is not None and meta.next_use > 1e14
+    meta = store.reads.meta(branch[-1])  # back in an hour, if ever: after the live sessions
+    assert meta is not None and meta.next_use == clock.now() + FORECAST.dead_branch_s
     clock.advance(1)
     more = chain(4, 3)
     store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
@@ -274,8 +274,9 @@ def test_a_dead_branch_spares_what_another_branch_forks_from(clock: ManualClock)
     turn(sm, "s", base + old)
     turn(sm, "t", base + old[:1] + other)  # t forks off s's branch after its first block
     turn(sm, "s", base + chain(4, 2))  # s leaves its branch
-    assert all(v > 1e14 for v in next_uses(store, old[1:]))  # only s's, past t's fork
-    assert all(v < 1e14 for v in next_uses(store, base + old[:1] + other))
+    dead = clock.now() + FORECAST.dead_branch_s
+    assert next_uses(store, old[1:]) == [dead, dead]  # only s's own, past t's fork
+    assert dead not in next_uses(store, base + old[:1] + other)
 
 
 def next_uses(store: TieredStore, hashes: list[BlockHash]) -> list[float]:
