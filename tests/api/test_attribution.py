@@ -199,9 +199,13 @@ def test_evictions_after_the_pin_budget_dropped_the_pins(tiered: TestClient, clo
     open_session(tiered, "first")
     first = tokens(20, 4 * BT)
     store(tiered, first, "first")
+    # its turn ended for the user: of the pinned sessions, the one expected back last
+    finished = tiered.post("/v1/sessions/first/finish", json={"finish_reason": "end_turn"})
+    assert finished.status_code == 200, finished.text
     open_session(tiered, "second")
     clock.advance(1)
-    # a second pinned chain overflows the pin budget: the least recently active loses its pins
+    # a second pinned chain overflows the pin budget: the session expected back last (under
+    # SESSIONCACHE_EVICTION_POLICY=lru, the least recently active) loses its pins
     store(tiered, tokens(21, 4 * BT), "second")
     for seed in range(22, 25):
         clock.advance(1)
