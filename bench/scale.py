@@ -51,7 +51,7 @@ from sessioncache.policy import EvictionPolicy
 from sessioncache.sessions import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import PutItem
-from sessioncache.tiers.payload import Payload, payload_nbytes
+from sessioncache.tiers.payload import payload_nbytes
 
 PAYLOAD = bytes(range(64))
 NS = b"\x01" * 16
@@ -77,16 +77,8 @@ class NullTier:
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
         return None
 
-    def put(
-        self,
-        block_hash: BlockHash,
-        payload: Payload,
-        namespace_root: bytes,
-        *,
-        parent: BlockHash | None = None,
-        expires_at: float | None = None,
-    ) -> None:
-        self.used_bytes += payload_nbytes(payload)
+    def put(self, item: PutItem) -> None:
+        self.used_bytes += payload_nbytes(item.payload)
 
     def delete(self, block_hash: BlockHash) -> int:
         return 0
