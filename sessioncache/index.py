@@ -138,10 +138,10 @@ class BlockIndex:
         # held) must count them, or ``children_held`` goes negative.
         held = 0 if first == NO_SLOT else sum(1 for k in table.kids_from(first) if table.mask[k])
         order = self._next_order(1)
+        owner = table.slot_of.get(parent) if parent is not None else None
         # A block continues its parent's chain: it is read no sooner than its parent, so it
         # starts with the parent's forecast (the session's, while its chain is written).
         if next_use is None:
-            owner = table.slot_of.get(parent) if parent is not None else None
             next_use = NO_FORECAST if owner is None else table.nxt[owner]
             if next_use >= ORPHAN_BASE / 2:
                 next_use = NO_FORECAST  # a dead branch taken up again: its writer files it
@@ -165,7 +165,8 @@ class BlockIndex:
         table.first_kid[slot] = first
         self._expiry.add(block_hash, expires_at)
         if parent is not None:
-            owner = table.slot_of.get(parent)
+            if owner is None:  # unknown before, or the block itself (named its own parent)
+                owner = table.slot_of.get(parent)
             if owner is not None:
                 table.first_kid[owner] = table.push_kid(table.first_kid[owner], slot)
             else:
