@@ -42,7 +42,7 @@ from typing import Literal, NamedTuple
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.events import Touched
-from sessioncache.hashing import HASH_BYTES, BlockHash
+from sessioncache.hashing import HASH_BYTES, BlockHash, divergence_block
 from sessioncache.sessions import SessionKey
 
 Reason = Literal["diverged", "evicted", "expired", "new"]
@@ -363,29 +363,6 @@ class Attribution:
 def _continues(prev_ids: bytes, last: BlockHash, n: int) -> bool:
     """Whether a chain of ``n`` blocks ending in ``last`` is a prefix of ``prev_ids``."""
     return prev_ids[(n - 1) * HASH_BYTES : n * HASH_BYTES] == last
-
-
-def divergence_block(hashes: Sequence[BlockHash], prev_ids: bytes) -> int | None:
-    """The first block where ``hashes`` differs from ``prev_ids`` (joined ids), None when one
-    is a prefix of the other. Ids commit to their whole prefix: equal at i means equal before
-    i, so a binary search finds it."""
-    n = min(len(hashes), len(prev_ids) // HASH_BYTES)
-    if n == 0:
-        return None
-
-    def same(i: int) -> bool:
-        return hashes[i] == prev_ids[i * HASH_BYTES : (i + 1) * HASH_BYTES]
-
-    if same(n - 1):
-        return None
-    lo, hi = 0, n - 1  # the answer is in [lo, hi]: hashes[hi] differs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if same(mid):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def first_token_difference(a: bytes, b: bytes, start: int, end: int) -> int | None:

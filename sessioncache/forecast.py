@@ -161,28 +161,25 @@ class Rhythm:
         self.finish = cls
         self.finished = now
 
-    def after(self, finish: str | None, now: float) -> Rhythm:
-        """A copy that has seen a request arrive (``finish`` None) or finish, at ``now``."""
-        copy = Rhythm(
-            self.arrived,
-            self.finished,
-            self.finish,
-            {k: list(v) for k, v in self.gaps.items()},
-            self.parent,
-        )
+    def next_use_if(self, finish: str | None, forecast: Forecast, now: float) -> float:
+        """``next_use`` as it would be were a request arriving now (``finish`` None) or
+        finishing now for that class."""
         if finish is None:
-            copy.arrive(now)
-        else:
-            copy.finished_with(finish, now)
-        return copy
+            return now + forecast.in_flight_s
+        return now + self._gap(forecast, finish)
 
     def next_use(self, forecast: Forecast, now: float) -> float:
         """When the session is expected back, seen at ``now``."""
         if self.finish is None or self.finished is None:
             return (self.arrived if self.arrived is not None else now) + forecast.in_flight_s
-        gap = forecast.gaps[self.finish]
-        seen = self.gaps.get(self.finish)
+        return self.finished + self._gap(forecast, self.finish)
+
+    def _gap(self, forecast: Forecast, finish: str) -> float:
+        """The gap after a finish of class ``finish``: the setting's, blended with the
+        session's own median once it has shown enough of them."""
+        gap = forecast.gaps[finish]
+        seen = self.gaps.get(finish)
         if forecast.rhythm_weight and seen and len(seen) >= forecast.rhythm_after:
             own = sorted(seen)[len(seen) // 2]
             gap = forecast.rhythm_weight * own + (1 - forecast.rhythm_weight) * gap
-        return self.finished + gap
+        return gap

@@ -264,3 +264,26 @@ def keyed_block_ids(root: bytes, keys: Sequence[bytes], seed: int = 0) -> list[B
             raise InvalidInput(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
         out.append(digest(root + bytes(key) + KEY_TAG, seed))
     return cast(list[BlockHash], out)
+
+
+def divergence_block(hashes: Sequence[BlockHash], prev_ids: bytes) -> int | None:
+    """The first block where ``hashes`` differs from ``prev_ids`` (joined ids), None when one
+    is a prefix of the other. Ids commit to their whole prefix: equal at i means equal before
+    i, so a binary search finds it."""
+    n = min(len(hashes), len(prev_ids) // HASH_BYTES)
+    if n == 0:
+        return None
+
+    def same(i: int) -> bool:
+        return hashes[i] == prev_ids[i * HASH_BYTES : (i + 1) * HASH_BYTES]
+
+    if same(n - 1):
+        return None
+    lo, hi = 0, n - 1  # the answer is in [lo, hi]: hashes[hi] differs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if same(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

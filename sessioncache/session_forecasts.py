@@ -20,7 +20,7 @@ from typing import Protocol
 
 from sessioncache.clock import Clock
 from sessioncache.forecast import Forecast, Rhythm, eviction_value
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import BlockHash, divergence_block
 
 SessionKey = tuple[str, str]
 FURTHEST_OF = 64
@@ -69,7 +69,7 @@ class SessionForecasts:
         with self._lock:
             now = self._clock.now()
             rhythm = self._rhythms.get(key) or Rhythm()
-            return rhythm.after(finish, now).next_use(self.forecast, now)
+            return rhythm.next_use_if(finish, self.forecast, now)
 
     def current(self, key: SessionKey) -> tuple[float, str | None] | None:
         """When the session is expected back now and its latest finish class; None under
@@ -155,10 +155,6 @@ class SessionForecasts:
 
 
 def common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
-    """How many leading ids ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading ids ``a`` and ``b`` share (``hashing.divergence_block``)."""
+    at = divergence_block(a, b"".join(b))
+    return min(len(a), len(b)) if at is None else at
