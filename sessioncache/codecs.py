@@ -18,8 +18,11 @@ digest: a lossy namespace's ids are its own, so an engine that expects exact KV 
 lossy KV). It needs the elements' dtype, the namespace's ``kv_dtype`` (bf16, f16 or f32;
 blocks of another dtype are stored raw).
 
-A lossy block's stored bytes: a 4-byte prefix (u16 ``G``, u8 dtype code, u8 0), the ``n``
-bf16 scales, then the ``n * G`` codes. Decoding runs in torch on the calling thread.
+A lossy block's stored bytes: a 4-byte prefix (u16 ``G``, u8 dtype code, u8 flags), the ``n``
+bf16 scales, then the ``n * G`` codes. A group holding an Inf or a NaN has no scale that
+codes it: it is kept exact instead, its scale set to -1 and its codes to 0, its raw elements
+appended after the codes in group order (flag ``ESCAPED``). Decoding runs in torch on the
+calling thread.
 
 ``CodecTable``: which codec a namespace root's blocks are stored with; the namespace's own
 ``kv_codec`` when it sets one, else its tenant's setting, else the node's. The node records
@@ -81,6 +84,8 @@ _PREFIX = struct.Struct("<HBB")
 # torch warns that a tensor over read-only bytes may be written through; these only read
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 _QMAX: Final = {INT8_ID: 127.0, FP8_ID: 448.0}
+ESCAPED: Final = 1
+"""A lossy block's prefix flag: some groups are kept exact after the codes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +236,13 @@ def _quantize(codec: Codec, view: memoryview) -> bytes:
             f"a block of {view.nbytes} bytes is not whole groups of {codec.group} "
             f"{codec.dtype} elements"
         )
-    x = torch.frombuffer(view, dtype=torch.uint8).view(dtype).float().view(-1, codec.group)
+    elements = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(-1, codec.group)
+    x = elements.float()
+    escaped = ~torch.isfinite(x).all(dim=1)
+    kept = b""
+    if bool(escaped.any()):  # Inf or NaN: no scale codes the group, so it is kept exact
+        kept = elements[escaped].view(torch.uint8).numpy().tobytes()
+        x[escaped] = 0.0
     qmax = _QMAX[codec.id]
     scale = (x.abs().amax(dim=1, keepdim=True) / qmax).to(torch.bfloat16)
     safe = scale.float().clamp_min(torch.finfo(torch.float32).tiny)
@@ -239,9 +250,15 @@ def _quantize(codec: Codec, view: memoryview) -> bytes:
         codes = torch.round(x / safe).clamp_(-127, 127).to(torch.int8)
     else:
         codes = (x / safe).clamp_(-qmax, qmax).to(torch.float8_e4m3fn)
-    prefix = _PREFIX.pack(codec.group, _DTYPE_CODES[codec.dtype], 0)
+    scale[escaped] = -1.0
+    prefix = _PREFIX.pack(codec.group, _DTYPE_CODES[codec.dtype], ESCAPED if kept else 0)
     return b"".join(
-        (prefix, scale.view(torch.uint8).numpy().tobytes(), codes.view(torch.uint8).numpy().data)
+        (
+            prefix,
+            scale.view(torch.uint8).numpy().tobytes(),
+            codes.view(torch.uint8).numpy().data,
+            kept,
+        )
     )
 
 
@@ -251,26 +268,32 @@ def _dequantize(codec_id: int, stored: Any, raw_nbytes: int) -> npt.NDArray[np.u
     view = memoryview(stored).cast("B")
     if view.nbytes < _PREFIX.size:
         raise InvalidInput("a lossy block shorter than its prefix")
-    group, dcode, _ = _PREFIX.unpack_from(view)
+    group, dcode, flags = _PREFIX.unpack_from(view)
     name = _CODE_DTYPES.get(dcode)
-    if name is None or group == 0:
-        raise InvalidInput("a lossy block with an unknown dtype or group")
+    if name is None or group == 0 or flags & ~ESCAPED:
+        raise InvalidInput("a lossy block with an unknown dtype, group or flag")
     dtype = getattr(torch, name)
     item = torch.empty(0, dtype=dtype).element_size()
     n, rest = divmod(raw_nbytes, group * item)
-    if rest or view.nbytes != _PREFIX.size + 2 * n + n * group:
+    coded = _PREFIX.size + 2 * n + n * group
+    if rest or view.nbytes < coded or (view.nbytes > coded and not flags & ESCAPED):
         raise InvalidInput(f"a lossy block of {view.nbytes} bytes for {raw_nbytes} raw")
     body = torch.frombuffer(view, dtype=torch.uint8)
     scale = body[_PREFIX.size : _PREFIX.size + 2 * n].view(torch.bfloat16).view(n, 1)
-    codes = body[_PREFIX.size + 2 * n :].view(n, group)
+    codes = body[_PREFIX.size + 2 * n : coded].view(n, group)
     out = np.empty(raw_nbytes, np.uint8)
     dst = torch.from_numpy(out).view(dtype).view(n, group)
     if codec_id == INT8_ID:
         dst.copy_(codes.view(torch.int8))  # exact: |code| <= 127
-        dst.mul_(scale.to(dtype))
     else:
         dst.copy_(codes.view(torch.float8_e4m3fn).to(dtype))
-        dst.mul_(scale.to(dtype))
+    dst.mul_(scale.to(dtype))
+    if flags & ESCAPED:
+        escaped = (scale < 0).view(n)
+        kept = body[coded:]
+        if kept.numel() != int(escaped.sum()) * group * item:
+            raise InvalidInput(f"a lossy block of {view.nbytes} bytes for {raw_nbytes} raw")
+        dst[escaped] = kept.clone().view(dtype).view(-1, group)  # clone: aligned
     return out
 
 

@@ -79,6 +79,30 @@ def test_lossy_codecs_halve_a_block_within_their_error(name: str, qmax: int) -> 
     assert bool((err <= bound * 0.51 + absmax * 2**-8).all())  # half a step, plus bf16's
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+def test_a_group_holding_inf_or_nan_is_kept_exact_and_spoils_no_other(
+    name: str, dtype: str
+) -> None:
+    torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
+    x = torch.randn(64 * HEAD_DIM, generator=torch.Generator().manual_seed(9)).to(torch_dtype)
+    x[3] = float("inf")  # group 0
+    x[5 * HEAD_DIM + 7] = float("nan")  # group 5
+    x[9 * HEAD_DIM] = float("-inf")  # group 9
+    raw = x.view(torch.uint8).numpy().tobytes()
+    codec = parse_codec(f"{name}/{HEAD_DIM}", dtype)
+    stored = codec.encode(raw)
+    assert stored.nbytes < len(raw)  # still coded: three groups of 64 kept exact
+    back = torch.frombuffer(bytearray(codec.decode(stored, len(raw))), dtype=torch_dtype)
+    rows, want = back.view(-1, HEAD_DIM), x.view(-1, HEAD_DIM)
+    for g in (0, 5, 9):  # byte-exact, Inf and NaN included
+        assert rows[g].view(torch.uint8).tolist() == want[g].view(torch.uint8).tolist()
+    finite = [g for g in range(rows.shape[0]) if g not in (0, 5, 9)]
+    assert bool(torch.isfinite(rows[finite]).all())
+    err = (rows[finite].float() - want[finite].float()).abs().amax()
+    assert float(err) < 0.5  # the other groups keep their codec's error
+
+
 def test_bytes_a_codec_did_not_make_are_refused() -> None:
     raw = kv_block(4, 8192)
     for name in ("lossless", f"int8/{HEAD_DIM}", f"fp8/{HEAD_DIM}"):
