@@ -287,6 +287,16 @@ class LeaseOut(BaseModel):
     expires_at: float
 
 
+LeaseCut = Annotated[
+    Literal["pin_share"] | None,
+    Field(
+        description="The bound that cut the match, and its lease, short of what the node "
+        "holds: `pin_share` when leasing more would pass the tenant's share of a tier (the "
+        "rest is held, not leased: release leases or look up less); null when nothing did."
+    ),
+]
+
+
 MissReason = Literal["diverged", "evicted", "expired", "new"]
 
 
@@ -330,6 +340,7 @@ class LookupResponse(BaseModel):
     matched_tokens: int
     blocks: list[BlockRef]
     lease: LeaseOut | None
+    lease_cut: LeaseCut = None
     locations: list[dict[str, list[str]]] | None = Field(
         None, description="Per matched block: node id -> tiers (when asked, with a fleet)."
     )
@@ -354,6 +365,7 @@ class CompactLookupResponse(BaseModel):
         '{"tier": "disk", "blocks": 48}].'
     )
     lease: LeaseOut | None
+    lease_cut: LeaseCut = None
     locations: list[dict[str, list[str]]] | None = Field(
         None, description="Per matched block: node id -> tiers (when asked, with a fleet)."
     )

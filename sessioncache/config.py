@@ -202,14 +202,36 @@ class Settings(BaseSettings):
         4096,
         gt=0,
         description="most REST connections open at once, lowered to stay below the process's "
-        "descriptor limit; at the cap a new connection evicts the oldest one waiting for a "
-        "request head, or is answered 503 when every one is busy",
+        "descriptor limit; at the cap a new connection evicts the one stalled longest (waiting "
+        "for a request head or body), or is answered 503 when every one is busy",
+    )
+    http_tenant_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of `http_max_connections` one tenant's REST connections may hold, "
+        "counted from their first request head (those without a known key count together); "
+        "past it a request is answered 429 and its connection closed; `http_connections` in "
+        "`tenant_limits` sets a tenant's count instead; unused without API keys",
     )
     http_head_timeout_s: float = Field(
         10.0,
         gt=0,
         description="a REST connection that has not sent a whole request head this long after "
         "it opened, or after its previous response, is closed",
+    )
+    http_body_floor_s: float = Field(
+        10.0,
+        gt=0,
+        description="grace a REST request body gets after its head before "
+        "`http_body_min_bytes_per_s` applies; a body behind it is answered 408 and its "
+        "connection closed",
+    )
+    http_body_min_bytes_per_s: int = Field(
+        65_536,
+        gt=0,
+        description="least rate of a REST request body: t seconds after its head, at least "
+        "(t - `http_body_floor_s`) times this many bytes of it have arrived",
     )
     http_keepalive_s: float = Field(
         5.0, gt=0, description="an idle REST connection is closed after this long"
@@ -238,8 +260,9 @@ class Settings(BaseSettings):
         0.5,
         ge=0,
         le=1,
-        description="largest share of any tier one tenant's pinned blocks (leases and sessions "
-        "together) may hold before its next lease or same-host staging is refused with 429; "
+        description="largest share of each tier one tenant's pinned blocks (leases, session "
+        "pins, same-host stagings together) may hold: a lease, a session pin or a staging "
+        "past it takes the prefix that fits (a lease of which no block fits: 429); "
         "`pin_share` still bounds every tenant's session pins together",
     )
     tenant_limits: dict[str, dict[str, int | float]] = Field(
@@ -293,6 +316,18 @@ class Settings(BaseSettings):
         None,
         description="token of the `/admin` dashboard and of admin operations such as `POST "
         "/v1/gc` (separate from API keys); unset: both only when the service runs open",
+    )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="bearer token that opens the per-tenant and per-namespace series of "
+        "`/metrics` (the admin token does too); without either, a node with API keys serves "
+        "only the node-wide series (docs/metrics.md)",
+    )
+    metrics_top_namespaces: int = Field(
+        20,
+        ge=0,
+        description="namespaces `/metrics` lists one by one, the most active (hit and miss "
+        'tokens); the others are summed into one `namespace="other"` row',
     )
     prefill_tokens_per_s: float = Field(
         10000.0,
@@ -355,15 +390,43 @@ class Settings(BaseSettings):
         16,
         gt=0,
         description="most engines one tenant may register through `POST /v1/engines` (each is a "
-        "socket the node keeps dialling, backing off to 30 s while the endpoint is dead)",
+        "socket the node keeps dialling, backing off to `engine_redial_max_s` while the "
+        "endpoint is dead)",
+    )
+    engine_endpoint_prefixes: list[str] | None = Field(
+        None,
+        description="JSON list of the endpoint prefixes (`tcp://10.0.0.`, "
+        "`ipc:///run/engines/`) at which a tenant may register engines when API keys are "
+        "set; unset: `tcp://` at an IP address off this host only (docs/routing.md)",
+    )
+    tenant_cache_salts: dict[str, str] = Field(
+        default_factory=dict,
+        description='JSON `{"<tenant>": "<cache_salt>"}`: the vLLM `cache_salt` of each '
+        "tenant's requests; with API keys, a chain a shared engine caches routes only for "
+        "the tenant whose salt it carries (docs/routing.md)",
+        repr=False,  # secrets: a tenant knowing another's salt could plant prefixes in its name
     )
     engine_stale_s: float = Field(
         300.0,
         gt=0,
-        description="an engine silent this long (no KV event) is stale and scores nothing",
+        description="an engine silent this long (no KV event) is stale and scores nothing; so "
+        "is one the node is behind on (a replay pending, messages queued)",
     )
     engine_replay_timeout_s: float = Field(
         2.0, gt=0, description="longest wait for an engine's replay socket to answer"
+    )
+    engine_replay_buffer: int = Field(
+        10_000,
+        gt=0,
+        description="messages an engine's replay socket holds (vLLM's `buffer_steps`): a wider "
+        "gap is not asked for, the engine's view starts afresh past it; also the most messages "
+        "of one engine kept waiting while its replay is in flight",
+    )
+    engine_redial_max_s: float = Field(
+        2.0,
+        gt=0,
+        description="longest wait between two dials of a dead engine endpoint; each (re)connect "
+        "asks the engine's replay socket for what it missed",
     )
     route_medium_weights: dict[str, float] = Field(
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.25},

@@ -30,6 +30,7 @@ A client's exception carries the answer it came from: ``status`` (the HTTP statu
       13   429  QuotaExceeded        the caller's tenant is at one of its bounds
        -   404  NotFound             (any other 404), EngineNotFound
        -   409  EngineExists
+       -   408  RequestTimeout       a REST request body slower than the node's least rate
        -   413  BodyTooLarge
        -   429  RateLimited
        -   503  Unavailable          (also 502 and 504)
@@ -160,7 +161,8 @@ class EngineNotFound(NotFound):
 
 
 class EngineExists(SessionCacheError):
-    """An engine of that id is already registered."""
+    """An engine of that id, or one of another tenant at that endpoint, is already
+    registered."""
 
 
 # -- room -----------------------------------------------------------------------------------
@@ -214,6 +216,10 @@ class Unavailable(SessionCacheError):
 
 class Busy(Unavailable):
     """The node already serves its maximum number of connections."""
+
+
+class RequestTimeout(SessionCacheError):
+    """A REST request's body did not arrive in time; its connection was closed."""
 
 
 class RateLimited(SessionCacheError):
@@ -290,6 +296,7 @@ TABLE: tuple[Row, ...] = (
     Row(AdminRequired, 403, None),
     Row(AdminForbidden, 403, None),
     Row(EngineExists, 409, None),
+    Row(RequestTimeout, 408, None),
     Row(BodyTooLarge, 413, None),
     Row(RateLimited, 429, None),
     Row(QuotaExceeded, 429, _C.QUOTA),

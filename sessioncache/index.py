@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +56,13 @@ class Run:
     @classmethod
     def one(cls, slot: int) -> Run:
         return cls(np.array([slot], np.int64))
+
+    def prefix(self, n: int) -> Run:
+        """The run of the first ``n`` slots."""
+        at = self.at
+        if isinstance(at, slice):
+            return Run(self.slots[:n], slice(at.start, at.start + n))
+        return Run(self.slots[:n])
 
 
 _NO_SLOTS: Slots = np.empty(0, np.int64)
@@ -503,17 +510,25 @@ class BlockIndex:
             if meta is not None:
                 self.unref(meta)
 
-    def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """A session pin on the longest held prefix of ``hashes``; returns the pinned ids."""
+    def pin(
+        self, hashes: Sequence[BlockHash], admit: Callable[[Run], int] | None = None
+    ) -> list[BlockHash]:
+        """A session pin on the longest prefix of ``hashes`` a tier holds (blocks past a hole
+        are useless), of it the first ``admit(run)`` blocks only where given (a budget's, by
+        ``pin_sizes``); returns the pinned ids."""
         table = self._table
-        pinned: list[BlockHash] = []
+        slots: list[int] = []
         for block_hash in hashes:
-            meta = self.get(block_hash)
-            if meta is None or not table.mask[meta.slot]:
+            slot = table.slot_of.get(block_hash)
+            if slot is None or not table.mask[slot]:
                 break
-            table.pins[meta.slot] += 1
-            self.ref(meta)
-            pinned.append(block_hash)
+            slots.append(slot)
+        if admit is not None and slots:
+            del slots[admit(Run(np.array(slots, np.int64))) :]
+        pinned = list(hashes[: len(slots)])
+        for slot, block_hash in zip(slots, pinned, strict=True):
+            table.pins[slot] += 1
+            self.ref(BlockMeta.at(table, slot, block_hash))
         return pinned
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
@@ -561,6 +576,21 @@ def file_forecast(
             index._policy.track(BlockMeta.at(table, slot, table.key(slot)), tier)
 
 
+def pin_sizes(index: BlockIndex, run: Run, into: int | None = None) -> npt.NDArray[np.int64]:
+    """The bytes a lasting pin of ``run`` (a lease, a session pin) would add to its root's
+    pinned bytes, per block (rows, in order) and tier (columns): a block's bytes in each tier
+    holding it, nothing where a lease or a session pin holds it already. ``into``: a tier the
+    blocks are then copied into (a locate), counted as holding each of them."""
+    col, at = index._table.column, run.at
+    held = (col("mask")[at][:, None] >> np.arange(index._num_tiers)) & 1
+    nbytes = col("nbytes")[at][:, None]
+    free = ((col("pins")[at] == 0) & (col("leased")[at] == 0))[:, None]
+    sizes: npt.NDArray[np.int64] = nbytes * (held & free)
+    if into is not None:  # a copy into ``into`` of a block pinned already adds its bytes
+        sizes[:, into] = nbytes[:, 0] * ((held[:, into] == 0) | free[:, 0])
+    return sizes
+
+
 class Leases:
     """Leases over a ``BlockIndex``'s records: each pins its blocks until ``release`` or its
     expiry (``reap``)."""
@@ -572,8 +602,10 @@ class Leases:
     def take(self, metas: Sequence[BlockMeta], expires_at: float) -> Lease:
         """Pin ``metas`` until ``release`` or ``expires_at``."""
         lease = Lease(secrets.token_hex(16), tuple(m.block_hash for m in metas), expires_at)
+        leased = self._index._table.leased
         for meta in metas:
             self._index.ref(meta)
+            leased[meta.slot] += 1
         self._leases[lease.id] = lease
         return lease
 
@@ -584,7 +616,7 @@ class Leases:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
-        self._index.unref_all(lease.hashes)
+        self._end(lease)
         return lease.expires_at > now
 
     def reap(self, now: float) -> None:
@@ -592,7 +624,15 @@ class Leases:
         if not self._leases:
             return
         for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
-            self._index.unref_all(self._leases.pop(lease_id).hashes)
+            self._end(self._leases.pop(lease_id))
+
+    def _end(self, lease: Lease) -> None:
+        table = self._index._table
+        for block_hash in lease.hashes:
+            slot = table.slot_of.get(block_hash)
+            if slot is not None and table.leased[slot]:
+                table.leased[slot] -= 1
+        self._index.unref_all(lease.hashes)
 
     def find(self, lease_id: str) -> Lease | None:
         """The live or not yet reaped lease of that id."""

@@ -25,7 +25,7 @@ def charge(tally: Tally, tenant: str) -> Iterator[Charge]:
     try:
         yield held
     finally:
-        tally.give(tenant, held.nbytes)
+        tally.release(tenant, held.nbytes)
 
 
 class Charge:
@@ -38,5 +38,5 @@ class Charge:
 
     def __call__(self, nbytes: int) -> None:
         """Hold ``nbytes`` more (``QuotaExceeded`` past the tenant's bound)."""
-        self._tally.take(self.tenant, nbytes)
+        self._tally.admit(self.tenant, nbytes)
         self.nbytes += nbytes

@@ -20,7 +20,7 @@ from sessioncache.accounting import TokenAccounting, TokenCounts
 from sessioncache.attribution import Attribution, DropLog, StoreView
 from sessioncache.codecs import CodecTable
 from sessioncache.config import Settings
-from sessioncache.errors import InvalidInput, QuotaExceeded
+from sessioncache.errors import InvalidInput
 from sessioncache.events import UsageRecorder
 from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import (
@@ -30,7 +30,7 @@ from sessioncache.hashing import (
     tenant_namespace,
 )
 from sessioncache.history import Sample, StatsHistory, TierSample
-from sessioncache.quotas import Counts, Quotas, TenantLimits
+from sessioncache.quotas import Counts, PinBudget, Quotas, TenantLimits
 from sessioncache.sessions import SessionKey, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tenancy import NamespaceOwners
@@ -53,6 +53,7 @@ def tenant_defaults(settings: Settings) -> TenantLimits:
     return TenantLimits(
         upload_slots=settings.tenant_upload_slots,
         stream_connections=settings.tenant_stream_connections,
+        http_connections=max(1, int(settings.http_tenant_share * settings.http_max_connections)),
         inflight_bytes=settings.tenant_inflight_bytes,
         engines=settings.max_engines_per_tenant,
         namespaces=settings.tenant_namespaces,
@@ -91,12 +92,14 @@ class CacheNode:
             ttl_s=settings.upload_ttl_s,
             limit=lambda tenant: quotas.of(tenant).upload_slots,
         )
-        self.inflight = quotas.tally("inflight_bytes", "bytes of requests in flight")
+        self.inflight = quotas.tally("inflight_bytes")
         """Receive-buffer bytes each tenant's requests hold now (``inflight.charge``)."""
         self.owners = owners or NamespaceOwners()
-        self.owners.limit = lambda tenant: quotas.of(tenant).namespaces
+        self.owners.admit = lambda tenant, held: quotas.admit(tenant, "namespaces", held=held)
         quotas.count("namespaces", self.owners.per_tenant)
-        sessions.limit = lambda tenant: quotas.of(tenant).sessions
+        sessions.admit = lambda tenant, held: quotas.admit(tenant, "sessions", held=held)
+        sessions.budget = self.pin_budget
+        sessions.pinned_of = self._pins_of
         quotas.count("sessions", sessions.tenants.snapshot)
         quotas.count("pin_share", self.pin_shares)
         self.staged = Counts()
@@ -147,18 +150,20 @@ class CacheNode:
             pinned[self.store.tier_names().index(shm)] += self.staged.get(tenant)
         return pinned
 
-    def check_pin_room(self, tenant: str) -> None:
-        """``QuotaExceeded`` when the tenant's pinned blocks hold more than its ``pin_share``
-        of some tier already (checked before a lease or a staging is taken)."""
-        share = self.quotas.of(tenant).pin_share
-        pinned = self._pins_of(tenant)
-        for n, t in zip(pinned, self.store.tiers, strict=True):
-            if n > share * t.capacity_bytes:
-                raise QuotaExceeded(
-                    f"tenant {tenant!r} pins {n} bytes of the {t.name} tier, more than its share "
-                    f"{share} of {t.capacity_bytes} (pin_share: SESSIONCACHE_TENANT_LIMITS or "
-                    "SESSIONCACHE_TENANT_PIN_SHARE): release leases or close sessions first"
-                )
+    def pin_budget(self, tenant: str, *, locate: bool = False) -> PinBudget:
+        """What a lasting pin for ``tenant`` (a lease, a session pin, a staging) is admitted
+        against: its ``pin_share`` of each tier, less its pins and stagings
+        (``quotas.PinBudget``). ``locate``: the granted blocks are then copied into the
+        shared-memory tier."""
+        shm = self.store.shared_memory_tier_name
+        tier = self.store.tier_names().index(shm) if shm is not None else None
+        return self.quotas.pins(
+            tenant,
+            self.owners.roots(tenant),
+            staged=self.staged,
+            staged_tier=tier,
+            into=tier if locate else None,
+        )
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far, on every path: found in the cache (hit) or not."""

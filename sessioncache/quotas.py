@@ -1,27 +1,43 @@
-"""Each tenant's bounds on what the node holds for it, and what it holds now.
+"""Each tenant's bounds on what the node holds for it, and the admission of every grant of them.
 
 A shared node gives no tenant the means to starve another: every resource a request can make
-the node keep for a while is counted per tenant and refused past the tenant's bound, with 429
-``QuotaExceeded`` (stream code ``QUOTA``) and a message naming the bound.
+the node keep for a while is admitted here, with its size, before it is granted, and refused
+past the tenant's bound with 429 ``QuotaExceeded`` (stream code ``QUOTA``) and a message naming
+the bound.
 
 ``TenantLimits`` lists the bounds. Their defaults are flat settings (``tenant_upload_slots``,
 ``tenant_stream_connections``, ``tenant_inflight_bytes``, ``max_engines_per_tenant``,
-``tenant_namespaces``, ``tenant_sessions``); ``tenant_limits`` overrides any of them for one
-tenant, as JSON beside the API keys:
-``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``. The counts themselves stay
-with what they count (``UploadSlots``, the ``Tally`` objects below, the router, the
-namespace owners, the session manager); ``Quotas.usage`` gathers them for ``/metrics``.
+``tenant_namespaces``, ``tenant_sessions``, ``tenant_pin_share``); ``tenant_limits`` overrides
+any of them for one tenant, as JSON beside the API keys:
+``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``.
+
+Two kinds of grant:
+
+* a count (``Quotas.admit``): a connection, a session, a namespace, bytes in flight. The node's
+  own tallies (``Quotas.tally``) are counted here; the namespace owners and the session manager
+  keep their own counts, read and granted under a lock of their own, and admit through it too
+  (``UploadSlots`` and the router, which first make room of their own, check their bound and
+  ``refuse`` alike);
+* pinned bytes (``PinBudget``): a lease (of every carrier), a session's pin, a same-host
+  staging. Its amount is the bytes per tier it would pin, admitted against the tenant's
+  ``pin_share`` of each tier together with what it pins already, under the store's lock, with
+  the grant itself: a lease or a pin takes the prefix of its blocks that fits.
+
+``Quotas.usage`` gathers the counts for ``/metrics``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from sessioncache.errors import InvalidInput, QuotaExceeded
 
-__all__ = ["Counts", "Quotas", "Tally", "TenantLimits", "refuse"]
+__all__ = ["Counts", "PinBudget", "Quotas", "Tally", "TenantLimits", "refuse"]
 
 
 class TenantLimits(NamedTuple):
@@ -31,6 +47,9 @@ class TenantLimits(NamedTuple):
     """Open REST upload slots (``POST /v1/store`` hands one out per missing block)."""
     stream_connections: int
     """Authenticated block-stream and same-host connections at once."""
+    http_connections: int
+    """REST connections at once, counted from their first request head (``api.connections``;
+    by default ``http_tenant_share`` of the node's connection cap)."""
     inflight_bytes: int
     """Bytes of request bodies held in receive buffers at once (``inflight.charge``)."""
     engines: int
@@ -40,11 +59,22 @@ class TenantLimits(NamedTuple):
     sessions: int
     """Sessions open at once."""
     pin_share: float
-    """The largest share of any tier the tenant's pinned blocks (leases, sessions) may hold
-    before a new lease or staging is refused."""
+    """The largest share of each tier the tenant's pinned blocks (leases, session pins) and
+    same-host stagings may hold together (``PinBudget``)."""
 
 
 LIMITS = TenantLimits._fields
+
+UNITS: Mapping[str, str] = {
+    "upload_slots": "upload slots open",
+    "stream_connections": "data-plane connections",
+    "http_connections": "REST connections",
+    "inflight_bytes": "bytes of requests in flight",
+    "engines": "engines registered",
+    "namespaces": "namespaces",
+    "sessions": "open sessions",
+}
+"""What each count bound counts, for its refusal."""
 
 
 def refuse(tenant: str, bound: str, held: int, limit: int, what: str) -> QuotaExceeded:
@@ -80,7 +110,8 @@ class Quotas:
                     raise InvalidInput(f"tenant_limits[{tenant!r}][{name!r}] must be an int >= 0")
             self._of[tenant] = defaults._replace(**dict(fields))  # type: ignore[arg-type]
         self._counters: dict[str, Callable[[], Mapping[str, float]]] = {}
-        self._tallies: dict[str, Tally] = {}
+        self._tallies: dict[str, Counts] = {}
+        self._lock = threading.Lock()
 
     def of(self, tenant: str) -> TenantLimits:
         return self._of.get(tenant, self.defaults)
@@ -89,39 +120,129 @@ class Quotas:
         """Register where ``bound``'s usage per tenant is read (for ``usage``)."""
         self._counters[bound] = counter
 
-    def tally(self, bound: str, what: str) -> Tally:
-        """The node's one per-tenant count of ``bound`` (made on first use, then shared)."""
-        found = self._tallies.get(bound)
-        if found is None:
-            found = self._tallies[bound] = Tally(self, bound, what)
-            self.count(bound, found.counts)
-        return found
+    def tally(self, bound: str) -> Tally:
+        """The node's one count of ``bound`` per tenant (made on first use, then shared), as
+        a handle to ``admit`` and ``release`` it by."""
+        return Tally(self, bound)
+
+    def admit(self, tenant: str, bound: str, amount: int = 1, *, held: int | None = None) -> None:
+        """Admit a grant of ``amount`` more of the count ``bound`` to ``tenant``, before it is
+        made: ``QuotaExceeded`` naming the bound, and nothing granted, past the tenant's bound.
+
+        ``held``: what the tenant holds now, for a count kept by what it counts (which reads
+        it and grants under one lock of its own). Without it, the count is the node's tally of
+        ``bound``, taken here with the check (``release`` gives it back)."""
+        limit = getattr(self.of(tenant), bound)
+        if held is None:
+            tallied = self._tallied(bound)
+            if tallied.add(tenant, amount, at_most=limit):
+                return
+            held = tallied.get(tenant)
+        elif held + amount <= limit:
+            return
+        raise refuse(tenant, bound, held, limit, f"{UNITS[bound]} and asks {amount} more")
+
+    def release(self, tenant: str, bound: str, amount: int = 1) -> None:
+        """Give back ``amount`` of the tally of ``bound`` that ``admit`` took for ``tenant``."""
+        self._tallied(bound).add(tenant, -amount)
+
+    def pins(
+        self,
+        tenant: str,
+        roots: Sequence[bytes],
+        *,
+        staged: Counts | None = None,
+        staged_tier: int | None = None,
+        into: int | None = None,
+    ) -> PinBudget:
+        """The budget a grant of pinned bytes to ``tenant`` is admitted against (``PinBudget``):
+        its ``pin_share``, its namespace ``roots``, ``staged`` (its same-host staging, held in
+        ``staged_tier``) and ``into`` (the tier a locate copies the granted blocks into)."""
+        return PinBudget(tenant, self.of(tenant).pin_share, roots, staged, staged_tier, into)
 
     def usage(self) -> dict[str, dict[str, float]]:
         """Per bound, what each tenant holds now (tenants holding none left out)."""
         return {bound: dict(read()) for bound, read in self._counters.items()}
 
+    def _tallied(self, bound: str) -> Counts:
+        with self._lock:
+            found = self._tallies.get(bound)
+            if found is None:
+                found = self._tallies[bound] = Counts()
+                self.count(bound, found.snapshot)
+            return found
 
-class Tally:
-    """How many of something each tenant holds now, at most its ``bound``. Thread-safe."""
 
-    def __init__(self, quotas: Quotas, bound: str, what: str) -> None:
-        self._quotas = quotas
-        self._bound = bound
-        self._what = what
-        self._held = Counts()
+class Tally(NamedTuple):
+    """One of the node's tallied count bounds, by handle (``Quotas.tally``)."""
 
-    def take(self, tenant: str, n: int = 1) -> None:
+    quotas: Quotas
+    bound: str
+
+    def admit(self, tenant: str, n: int = 1) -> None:
         """``n`` more for ``tenant``; ``QuotaExceeded`` (and nothing taken) past its bound."""
-        limit = getattr(self._quotas.of(tenant), self._bound)
-        if not self._held.add(tenant, n, at_most=limit):
-            raise refuse(tenant, self._bound, self._held.get(tenant), limit, self._what)
+        self.quotas.admit(tenant, self.bound, n)
 
-    def give(self, tenant: str, n: int = 1) -> None:
-        self._held.add(tenant, -n)
+    def release(self, tenant: str, n: int = 1) -> None:
+        self.quotas.release(tenant, self.bound, n)
 
-    def counts(self) -> dict[str, int]:
-        return self._held.snapshot()
+
+Sizes = npt.NDArray[np.int64]
+"""Bytes per block (rows, in grant order) and tier (columns)."""
+
+
+class PinBudget(NamedTuple):
+    """Room for one tenant's lasting pins (leases, session pins) in each tier: its ``share``
+    of the tier's capacity, less what it pins already (the blocks under its namespace
+    ``roots``, pinned by anything, moves in flight too) and its same-host ``staged`` bytes.
+
+    A store admits a grant against it under the store's lock, with the grant itself, so two
+    grants of one tenant never both spend the same room: ``admit`` says how many of the
+    grant's blocks, from the first, fit, by the bytes each would add (nothing for a block a
+    lease or a session pin holds already; ``index.pin_sizes``)."""
+
+    tenant: str
+    share: float
+    roots: Sequence[bytes]
+    staged: Counts | None = None
+    staged_tier: int | None = None
+    into: int | None = None
+    """The tier a locate copies the granted blocks into (they will be pinned there too)."""
+
+    def room(self, pinned: Mapping[bytes, Sequence[int]], capacity: Sequence[int]) -> Sizes:
+        """Per tier, the bytes the tenant may still pin (negative: it is over its share);
+        ``pinned``: the store's pinned bytes per root and tier (read under its lock)."""
+        held = np.zeros(len(capacity), np.int64)
+        for root in self.roots:
+            per_tier = pinned.get(root)
+            if per_tier is not None:
+                held += per_tier
+        if self.staged is not None and self.staged_tier is not None:
+            held[self.staged_tier] += self.staged.get(self.tenant)
+        share = np.floor(self.share * np.asarray(capacity, np.float64)).astype(np.int64)
+        return share - held
+
+    def admit(self, sizes: Sizes, room: Sizes) -> int:
+        """How many of a grant's blocks, from the first, fit in ``room``: ``sizes``, the bytes
+        each adds per tier (rows in grant order), summed from the first, stay within the room
+        of every tier they add to."""
+        if not len(sizes):
+            return 0
+        over = ((np.cumsum(sizes, axis=0) > room) & (sizes > 0)).any(axis=1)
+        return int(over.argmax()) if over.any() else len(sizes)
+
+    def refuse(
+        self, first: Sizes, room: Sizes, names: Sequence[str], capacity: Sequence[int]
+    ) -> QuotaExceeded:
+        """The error for a grant of which not even the ``first`` block fits."""
+        tier = int(np.argmax((first > 0) & (first > room)))
+        return QuotaExceeded(
+            f"tenant {self.tenant!r} may pin {self.share} of the {names[tier]} tier "
+            f"({capacity[tier]} bytes) and has {max(int(room[tier]), 0)} of them left, too "
+            f"few for {int(first[tier])} more (pin_share: "
+            "SESSIONCACHE_TENANT_LIMITS or SESSIONCACHE_TENANT_PIN_SHARE): release leases or "
+            "close sessions first"
+        )
 
 
 class Counts:

@@ -18,10 +18,14 @@ default eviction order reads; blocks of a previous prompt the new one no longer 
 closed session's chain, get none and leave first. This is soft state: a restart forgets it
 and the session starts again from the defaults.
 
-Pins are released by ``close``, by an idle timeout (the session stays open; its blocks then
-age out by TTL, and its next request pins again) and by the pin budget: pinned bytes per tier
-are bounded by a share of the tier's capacity, past which the pins of the sessions expected
-back last (under LRU, the least recently active) fall back to ordinary eviction priority, so
+A session's pin is admitted against its tenant's share of each tier (``budget``,
+``quotas.PinBudget``): it pins the prefix of the chain that fits with what the tenant pins
+already. Pins are released by ``close``, by an idle timeout (the session stays open; its
+blocks then age out by TTL, and its next request pins again) and by the pin budget: pinned
+bytes per tier are bounded by a share of the tier's capacity, past which pins go, those of
+the tenant pinning the largest share of the tier first, and of its sessions those expected
+back last (under LRU, the least recently active) first: a tenant's finish reasons order its
+own sessions, never another's. Unpinned blocks fall back to ordinary eviction priority, so
 pins can never make the cache refuse work.
 ``sweep`` (run by a background thread in the service, or ``sessioncache gc`` by hand) expires
 sessions and blocks.
@@ -51,10 +55,10 @@ from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.expiry import ExpiryIndex
 from sessioncache.forecast import finish_class
 from sessioncache.hashing import BlockHash
-from sessioncache.quotas import Counts, refuse
+from sessioncache.quotas import Counts, PinBudget
 from sessioncache.session_forecasts import SessionForecasts
 from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
-from sessioncache.store import Match, TieredStore, WriteResult
+from sessioncache.store import Match, TieredStore, TierStats, WriteResult
 from sessioncache.store.results import MAX_TTL_S, check_ttl
 from sessioncache.tiers.payload import Payload
 
@@ -147,8 +151,14 @@ class SessionManager:
         self._sessions: dict[SessionKey, Session] = {}
         self.tenants = Counts()
         """Open sessions per tenant."""
-        self.limit: Callable[[str], int] | None = None
-        """A tenant's bound on its open sessions (``quotas.TenantLimits.sessions``)."""
+        self.admit: Callable[[str, int], None] | None = None
+        """Admits one more open session to a tenant holding so many (``quotas.Quotas.admit``
+        of ``sessions``; None: no bound)."""
+        self.budget: Callable[[str], PinBudget | None] = lambda tenant: None
+        """What a tenant's session pins are admitted against (None: only the pin budget)."""
+        self.pinned_of: Callable[[str], Sequence[int]] | None = None
+        """The bytes a tenant pins per tier, which the pin budget unpins the most of first
+        (None: the sessions of every tenant are one pool)."""
         # Pinned sessions, least recently active first, with the ids their pins hold.
         self._pins: OrderedDict[SessionKey, list[BlockHash]] = OrderedDict()
         # When sessions expire, and when pinned ones go idle: a sweep visits the due ones only.
@@ -196,10 +206,8 @@ class SessionManager:
                 session.expires_at = max(session.expires_at, now + session.ttl_s)
                 self._save(session)
                 return replace(session)
-            held = self.tenants.get(tenant)
-            limit = None if self.limit is None else self.limit(tenant)
-            if limit is not None and held >= limit:
-                raise refuse(tenant, "sessions", held, limit, "open sessions")
+            if self.admit is not None:
+                self.admit(tenant, self.tenants.get(tenant))
             ttl = self._kind_ttls[kind] if ttl_s is None else float(ttl_s)
             session = Session(
                 id=session_id or secrets.token_hex(16),
@@ -275,10 +283,12 @@ class SessionManager:
         *,
         tenant: str = DEFAULT_TENANT,
         lease_s: float | None = None,
+        budget: PinBudget | None = None,
     ) -> Match:
-        """``reads.lookup`` on behalf of a session: TTLs at least the session's, chain pinned."""
+        """``reads.lookup`` on behalf of a session: TTLs at least the session's, chain pinned;
+        ``budget``: its lease's (``reads.lookup``)."""
         session, ttl = self._begin(session_id, tenant)
-        match = self._store.reads.lookup(hashes, lease_s=lease_s, ttl_s=ttl)
+        match = self._store.reads.lookup(hashes, lease_s=lease_s, ttl_s=ttl, budget=budget)
         self._end(session, match.hashes)
         return match
 
@@ -339,7 +349,7 @@ class SessionManager:
             held = self._pins.get(key)
             if held is None:
                 return
-            pinned = self._store.reads.pin(hashes)
+            pinned = self._store.reads.pin(hashes, self.budget(key[0]))
             held.extend(pinned)
             self.forecasts.refile(key, pinned)
             self._enforce_pin_budget()
@@ -496,11 +506,12 @@ class SessionManager:
         if old and len(chain) >= len(old) and chain[len(old) - 1] == old[-1]:
             # The usual turn: the chain only grew. Ids commit to their whole prefix, so equal
             # last ids mean the old pins are a prefix of the new chain: pin the growth only.
-            old.extend(self._store.reads.pin(chain[len(old) :]))
+            if len(chain) > len(old):
+                old.extend(self._store.reads.pin(chain[len(old) :], self.budget(session.tenant)))
             new = old
         else:
             # Pin the new chain before unpinning the old: shared blocks never drop to zero.
-            new = self._store.reads.pin(chain)
+            new = self._store.reads.pin(chain, self.budget(session.tenant))
             if old:
                 self._store.reads.unpin(old)
         self._pins[session.key] = new
@@ -520,19 +531,45 @@ class SessionManager:
 
     def _enforce_pin_budget(self) -> None:
         while self._pins:
+            tiers = self._store.stats_tiers()
             over = [
-                t
-                for t in self._store.stats_tiers()
+                i
+                for i, t in enumerate(tiers)
                 if t.pinned_bytes > self._pin_share * t.capacity_bytes
             ]
             if not over:
                 return
-            # the session expected back last (under LRU: the least recently active)
-            self._unpin(self.forecasts.furthest(self._pins), "pin_budget")
+            tenant = most_pinning(self._pins, self.pinned_of, tiers, over)
+            # its session expected back last (under LRU: the least recently active)
+            keys = self._pins if tenant is None else (k for k in self._pins if k[0] == tenant)
+            self._unpin(self.forecasts.furthest(keys), "pin_budget")
 
     def _save(self, session: Session) -> None:
         if self._repo is not None:
             self._repo.save_session(replace(session))
+
+
+def most_pinning(
+    pins: Iterable[SessionKey],
+    pinned_of: Callable[[str], Sequence[int]] | None,
+    tiers: Sequence[TierStats],
+    over: Sequence[int],
+) -> str | None:
+    """Of the tenants with pinned sessions (``pins``), the one furthest over its fair share of
+    the tiers ``over`` the pin budget: every tenant's fair share is the same, so the one
+    pinning the largest share of one of them (``pinned_of``: per tier; None: one pool)."""
+    tenants = {tenant for tenant, _ in pins}
+    if pinned_of is None or len(tenants) < 2:
+        return None
+
+    def share(tenant: str) -> float:
+        pinned = pinned_of(tenant)
+        return max(
+            (pinned[i] / tiers[i].capacity_bytes for i in over if tiers[i].capacity_bytes),
+            default=0.0,
+        )
+
+    return max(sorted(tenants), key=share)
 
 
 def _chain(

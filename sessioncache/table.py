@@ -58,6 +58,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("flags", "B"),
     ("ref", "i"),
     ("pins", "i"),
+    ("leased", "i"),
     ("held", "i"),
     ("hits", "q"),
     ("order", "q"),
@@ -176,6 +177,8 @@ class BlockTable:
     flags: memoryview[int]
     ref: memoryview[int]
     pins: memoryview[int]
+    leased: memoryview[int]
+    """Leases holding the block (``ref`` counts them too)."""
     held: memoryview[int]
     """Children held in any tier."""
     hits: memoryview[int]
@@ -226,6 +229,7 @@ class BlockTable:
         )
         self.ref[slot] = f.ref_cnt
         self.pins[slot] = f.pins
+        self.leased[slot] = 0
         self.held[slot] = f.children_held
         self.hits[slot] = f.hit_count
         self.order[slot] = f.touch_order
@@ -280,7 +284,7 @@ class BlockTable:
         a["expires"][start:end] = expires_at
         a["mask"][start:end] = mask
         a["flags"][start:end] = F_LIVE | np.where(has_parent, F_PARENT, 0)
-        for name in ("ref", "pins", "held", "hits", "op", "checksum"):
+        for name in ("ref", "pins", "leased", "held", "hits", "op", "checksum"):
             a[name][start:end] = 0
         a["order"][start:end] = np.arange(touch_order, touch_order + n)
         for name in ("first_kid", "next_kid", "prev_kid"):
@@ -296,7 +300,7 @@ class BlockTable:
         a caller may still report on it."""
         del self.slot_of[self.key(slot)]
         self.flags[slot] &= ~F_LIVE
-        self.mask[slot] = self.ref[slot] = self.pins[slot] = 0
+        self.mask[slot] = self.ref[slot] = self.pins[slot] = self.leased[slot] = 0
         self._free.append(slot)
 
     def slots(self) -> Iterator[int]:

@@ -16,7 +16,6 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from sessioncache.hashing import Namespace
-from sessioncache.quotas import refuse
 
 
 class OwnerRepository(Protocol):
@@ -38,8 +37,9 @@ class NamespaceOwners:
         self._namespaces: dict[bytes, dict[str, Any]] = {}  # the roots' descriptions
         self._roots_of: dict[str, set[bytes]] = {}
         self._lock = threading.Lock()
-        self.limit: Callable[[str], int] | None = None
-        """A tenant's bound on its roots (``quotas.TenantLimits.namespaces``; None: none)."""
+        self.admit: Callable[[str, int], None] | None = None
+        """Admits one more root to a tenant holding so many (``quotas.Quotas.admit`` of
+        ``namespaces``; None: no bound)."""
 
     def load(self) -> int:
         """Read the owners the repository knows; returns how many."""
@@ -63,10 +63,8 @@ class NamespaceOwners:
         with self._lock:
             if self._owners.get(root) == tenant:
                 return
-            held = len(self._roots_of.get(tenant, ()))
-            limit = None if self.limit is None else self.limit(tenant)
-            if limit is not None and held >= limit:
-                raise refuse(tenant, "namespaces", held, limit, "namespaces")
+            if self.admit is not None:
+                self.admit(tenant, len(self._roots_of.get(tenant, ())))
             self._own(root, tenant)
             self._namespaces[root] = asdict(namespace)
         if self._repository is not None:

@@ -80,6 +80,7 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
         "matched_blocks": match.num_blocks,
         "matched_tokens": match.num_blocks * result.block_tokens,
         "lease": {"id": lease.id, "expires_at": lease.expires_at} if lease else None,
+        "lease_cut": match.cut,
         "locations": node.locations(match.hashes) if body.locations else None,
     }
     out["miss"] = miss_json(result.miss) if body.explain and result.miss is not None else None

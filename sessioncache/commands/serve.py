@@ -89,7 +89,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from sessioncache.api.app import create_app
-    from sessioncache.api.connections import ConnectionGuard, connection_cap, guarded_protocol
+    from sessioncache.api.connections import (
+        ConnectionGuard,
+        Deadlines,
+        TenantConnections,
+        connection_cap,
+        guarded_protocol,
+    )
     from sessioncache.config import Settings
     from sessioncache.dataplane.samehost_server import open_samehost_server
     from sessioncache.dataplane.server import open_stream_server
@@ -106,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
     settings = Settings(**overrides)
+    # REST's cap, below the descriptor limit less the data plane's connections (the stream's
+    # and the same-host socket's), settled before the node takes each tenant's share of it
+    data_plane = settings.stream_max_connections * (1 + settings.shm)
+    cap = connection_cap(settings.http_max_connections, data_plane)
+    settings = settings.model_copy(update={"http_max_connections": cap})
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -155,11 +166,26 @@ def run(args: argparse.Namespace) -> int:
     if same_host is not None:
         log.info("same-host path: shared-memory CPU tier on %s", same_host.address)
     app = create_app(node, stream=stream, same_host=same_host)
-    data_plane = settings.stream_max_connections * (1 + (same_host is not None))
-    cap = connection_cap(settings.http_max_connections, data_plane)
-    guard = ConnectionGuard(cap, settings.http_head_timeout_s)
+    deadlines = Deadlines(
+        settings.http_head_timeout_s,
+        settings.http_body_floor_s,
+        settings.http_body_min_bytes_per_s,
+    )
+    tenants = None
+    if node.auth_enabled:
+        tenants = TenantConnections(node.tenant_for_key, node.quotas.tally("http_connections"))
+    guard = ConnectionGuard(cap, deadlines, tenants)
     app.state.connections = guard
-    log.info("REST: at most %d connections, %.0f s for a request head", cap, guard.head_timeout_s)
+    share = f" ({node.quotas.defaults.http_connections} a tenant)" if tenants else ""
+    log.info(
+        "REST: at most %d connections%s, %g s for a request head, %g s of grace then %d "
+        "bytes/s for a body",
+        cap,
+        share,
+        deadlines.head_s,
+        deadlines.body_floor_s,
+        deadlines.body_bytes_per_s,
+    )
     uvicorn.run(
         app,
         host=settings.host,

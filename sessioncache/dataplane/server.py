@@ -491,7 +491,7 @@ class StreamServer:
         self.load_lease_s = min(node.settings.max_lease_s, 600.0)
         self.hello_timeout_s = node.settings.stream_hello_timeout_s
         self.max_unauthenticated = min(node.settings.stream_max_unauthenticated, max_connections)
-        self._tenants = node.quotas.tally("stream_connections", "data-plane connections")
+        self._tenants = node.quotas.tally("stream_connections")
         self._lock = threading.Lock()
         self._live: dict[int, tuple[Transport, threading.Thread]] = {}
         self._unauthenticated: dict[int, Transport] = {}  # no HELLO yet, oldest first
@@ -536,13 +536,13 @@ class StreamServer:
     def enter(self, connection: Connection, tenant: str) -> None:
         """A connection's HELLO named ``tenant``: counted against the tenant's bound
         (``QuotaExceeded`` past it), and no longer one the server may close for room."""
-        self._tenants.take(tenant)
+        self._tenants.admit(tenant)
         if connection.key is not None:
             with self._lock:
                 self._unauthenticated.pop(connection.key, None)
 
     def leave(self, tenant: str) -> None:
-        self._tenants.give(tenant)
+        self._tenants.release(tenant)
 
     def serve(self, transport: Transport) -> None:
         """Run one connection in the calling thread (until it ends)."""

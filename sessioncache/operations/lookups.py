@@ -1,5 +1,10 @@
 """Resolve, lookup, exists, locate, load and release: the read side of the operation layer.
 
+Admission: every lease (a lookup's of any carrier, a locate's, a load's by ids) is admitted
+against the caller's share of each tier with its size, with the lease itself
+(``CacheNode.pin_budget``, ``reads.lookup``): a lease that would pass the share leases the
+prefix that fits, and the match is cut to it (``Match.cut``); not one block: ``QuotaExceeded``.
+
 Tenancy: a root is usable by a caller once ``resolve`` derived it from the caller's own
 namespace (with authentication on, the tenant salts it: ``hashing.tenant_namespace``). A
 lookup by ids matches only the run of them linked to that root (``chain_prefix``), so nobody
@@ -22,6 +27,7 @@ from sessioncache.index import Lease
 from sessioncache.node import CacheNode
 from sessioncache.operations.caller import Caller, CallerLease
 from sessioncache.operations.messages import LookupRequest, LookupResult
+from sessioncache.quotas import PinBudget
 from sessioncache.store import LocatedSlot, Match
 from sessioncache.tiers.payload import as_memoryview
 
@@ -88,11 +94,15 @@ def _match(
     *,
     session_id: str | None,
     lease_s: float | None,
+    budget: PinBudget | None,
 ) -> Match:
-    """The store's lookup, on behalf of a session when one is named (its TTL, pins, head)."""
+    """The store's lookup, on behalf of a session when one is named (its TTL, pins, head),
+    its lease admitted against ``budget``."""
     if session_id is not None:
-        return node.sessions.lookup(session_id, hashes, tenant=tenant, lease_s=lease_s)
-    return node.store.reads.lookup(hashes, lease_s=lease_s)
+        return node.sessions.lookup(
+            session_id, hashes, tenant=tenant, lease_s=lease_s, budget=budget
+        )
+    return node.store.reads.lookup(hashes, lease_s=lease_s, budget=budget)
 
 
 def _keep_lease(caller: Caller, match: Match) -> bytes | None:
@@ -106,16 +116,21 @@ def _keep_lease(caller: Caller, match: Match) -> bytes | None:
     return key
 
 
-def lookup(node: CacheNode, caller: Caller, request: LookupRequest) -> LookupResult:
-    """The longest held prefix of ``request.ids`` the caller may read, leased on request, on
-    behalf of its session; counted in the token totals and attributed (module docstring)."""
+def lookup(
+    node: CacheNode, caller: Caller, request: LookupRequest, *, locate: bool = False
+) -> LookupResult:
+    """The longest held prefix of ``request.ids`` the caller may read, leased on request (as
+    far as the caller's share admits; ``locate``: the leased blocks are then copied into the
+    shared-memory tier), on behalf of its session; counted in the token totals and attributed
+    (module docstring)."""
     root = request.root
     namespace = caller.namespace(root)
     block_tokens = namespace.block_tokens
     ids = request.ids
+    budget = None
     if request.lease_s is not None:
         caller.room_for_lease(node.store.clock.now())
-        node.check_pin_room(caller.tenant)
+        budget = node.pin_budget(caller.tenant, locate=locate)
     if request.keyed:
         held = node.store.reads.held_under(root, ids)
         own = held.index(False) if False in held else len(held)
@@ -124,7 +139,12 @@ def lookup(node: CacheNode, caller: Caller, request: LookupRequest) -> LookupRes
     else:
         own = chain_prefix(node, root, ids)
     match = _match(
-        node, caller.tenant, ids[:own], session_id=request.session_id, lease_s=request.lease_s
+        node,
+        caller.tenant,
+        ids[:own],
+        session_id=request.session_id,
+        lease_s=request.lease_s,
+        budget=budget,
     )
     key = _keep_lease(caller, match)
     nbytes = 0
@@ -224,7 +244,7 @@ def locate(
     only lower are copied there first; the located run stops where that was not possible)."""
     if not request.lease_s:
         raise InvalidInput("a locate needs a lease (lease_ms > 0): it guards the slots")
-    found = lookup(node, caller, request)
+    found = lookup(node, caller, request, locate=True)
     if found.key is None:
         return found, []
     return found, node.store.reads.locate(caller.leases[found.key].hashes)
@@ -346,16 +366,18 @@ def plan_load_ids(
     session_id: str | None = None,
 ) -> LoadPlan:
     """The held prefix of ``ids`` the caller may read (with ``each``: every held one), leased
-    for ``lease_s`` while it is sent, on behalf of ``session_id`` (its TTL, pins and head
-    follow what is sent; ``SessionNotFound`` before anything else when it is not open or not
-    the caller's). Not counted: a load moves blocks a lookup or an exists already counted."""
+    for ``lease_s`` while it is sent, as far as the caller's share admits (the others answer
+    missing), on behalf of ``session_id`` (its TTL, pins and head follow what is sent;
+    ``SessionNotFound`` before anything else when it is not open or not the caller's). Not
+    counted: a load moves blocks a lookup or an exists already counted."""
     if session_id is not None:
         node.sessions.get(session_id, tenant=caller.tenant)
+    budget = node.pin_budget(caller.tenant)
     if each:
-        plan = _plan_each(node, caller, list(ids), lease_s)
+        plan = _plan_each(node, caller, list(ids), lease_s, budget)
         sent = [h for h in plan.hashes if h is not None]
     else:
-        metas, lease = _leased_run(node, caller, list(ids), lease_s)
+        metas, lease = _leased_run(node, caller, list(ids), lease_s, budget)
         sent = [m.block_hash for m in metas]
         plan = LoadPlan(
             [*sent],
@@ -375,6 +397,7 @@ def _leased_run(
     caller: Caller,
     ids: list[BlockHash],
     lease_s: float,
+    budget: PinBudget,
 ) -> tuple[list[BlockMeta], Lease | None]:
     """The records of the held prefix of ``ids`` the caller may read, and a lease on it.
 
@@ -392,7 +415,7 @@ def _leased_run(
         screened.append(verdict)
     if not ids:
         return [], None
-    match = node.store.reads.lookup(ids, lease_s=lease_s)
+    match = node.store.reads.lookup(ids, lease_s=lease_s, budget=budget)
     metas = screened[: match.num_blocks]
     for i in range(len(metas), match.num_blocks):
         verdict = _readable(node, caller, match.hashes[i])
@@ -403,7 +426,7 @@ def _leased_run(
                 node.store.reads.release(match.lease.id)
             if not i:
                 return [], None
-            again = node.store.reads.lookup(match.hashes[:i], lease_s=lease_s)
+            again = node.store.reads.lookup(match.hashes[:i], lease_s=lease_s, budget=budget)
             return metas[: again.num_blocks], again.lease
         metas.append(verdict)
     return metas, match.lease
@@ -414,12 +437,13 @@ def _plan_each(
     caller: Caller,
     ids: list[BlockHash],
     lease_s: float,
+    budget: PinBudget,
 ) -> LoadPlan:
     """Every id on its own: the ids the caller may read that are held are leased together
-    while they are sent; the others answer missing."""
+    while they are sent (as far as ``budget`` admits); the others answer missing."""
     readable = [isinstance(_readable(node, caller, h), BlockMeta) for h in ids]
     wanted = [h for h, ok in zip(ids, readable, strict=True) if ok]
-    match = node.store.reads.lookup(wanted, lease_s=lease_s) if wanted else None
+    match = node.store.reads.lookup(wanted, lease_s=lease_s, budget=budget) if wanted else None
     leased = set(match.hashes) if match is not None else set()
     # ids after a block that went away since the screening are not leased: missing too
     plan: list[BlockHash | None] = [h if h in leased else None for h in ids]

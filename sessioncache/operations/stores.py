@@ -359,22 +359,26 @@ class Staged:
 
 def stage(node: CacheNode, caller: Caller, request: StoreRequest) -> Staged:
     """Slots in the shared-memory tier for a planned segment, held by the caller until
-    ``commit`` or ``abort`` (or its end)."""
+    ``commit`` or ``abort`` (or its end): as many as the caller's share of the tier admits
+    (``reads.hold``); the blocks past them are ``DROPPED``, as when the tier has no room."""
     caller.room_for_staging()
-    node.check_pin_room(caller.tenant)
     shm = node.store.shared_memory_tier_name
     if shm is None:
         raise InvalidInput("this store has no shared-memory tier (the same-host path is off)")
     plan = plan_store(node, caller, request, tier=shm)
+    nbytes, admitted = plan.write.nbytes or 0, 0
     try:
-        node.store.writes.reserve(plan.write)
+        budget = node.pin_budget(caller.tenant)
+        admitted = node.store.reads.hold(budget, shm, nbytes, len(plan.write.hashes))
+        node.store.writes.reserve(plan.write, admitted)
     except BaseException:
+        node.staged.add(caller.tenant, -admitted * nbytes)
         node.store.writes.abort(plan.write)
         raise
     key = secrets.token_bytes(16)
-    reserved = plan.write.status.count(STORED) * (plan.write.nbytes or 0)
+    reserved = plan.write.status.count(STORED) * nbytes
     staged = caller.stagings[key] = Staged(key, plan, reserved)
-    node.staged.add(caller.tenant, reserved)
+    node.staged.add(caller.tenant, reserved - admitted * nbytes)  # present or dropped: free
     return staged
 
 

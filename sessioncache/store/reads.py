@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from sessioncache.blocks import BlockMeta
@@ -13,7 +14,8 @@ from sessioncache.errors import (
     LeaseNotFound,
 )
 from sessioncache.hashing import BlockHash
-from sessioncache.index import Run, file_forecast
+from sessioncache.index import Run, file_forecast, pin_sizes
+from sessioncache.quotas import PinBudget
 from sessioncache.store.core import StoreCore
 from sessioncache.store.results import (
     LocatedSlot,
@@ -34,10 +36,14 @@ class StoreReads:
         *,
         lease_s: float | None = None,
         ttl_s: float | None = None,
+        budget: PinBudget | None = None,
     ) -> Match:
         """The longest held, unexpired prefix of ``hashes``; touches it and optionally leases it.
 
         ``ttl_s`` raises the TTL of the matched blocks to at least that (a session's TTL).
+        ``budget``: a lease is admitted against it (``quotas.PinBudget``): the match is cut to
+        the prefix that fits (``Match.cut`` says so), and ``QuotaExceeded`` when not one block
+        does.
         """
         if lease_s is not None and not 0 < lease_s <= self._core.max_lease_s:
             raise InvalidInput(f"lease_s must be in (0, {self._core.max_lease_s}], got {lease_s}")
@@ -49,14 +55,14 @@ class StoreReads:
             matched = self._core.index.held_run(hashes, now)
             short = len(matched) < len(hashes) and self._core.shared is not None
             if not short:
-                return self._finish_lookup(hashes, matched, now, lease_s, ttl_s)
+                return self._finish_lookup(hashes, matched, now, lease_s, ttl_s, budget)
         # Local tiers stop short: the fleet's shared tier may hold the rest of the chain,
         # stored by another node. One round trip, outside the lock.
         self._adopt_shared(hashes, len(matched), now)
         with self._core.lock:
             now = self._core.clock.now()
             return self._finish_lookup(
-                hashes, self._core.index.held_run(hashes, now), now, lease_s, ttl_s
+                hashes, self._core.index.held_run(hashes, now), now, lease_s, ttl_s, budget
             )
 
     def touch(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> int:
@@ -81,8 +87,14 @@ class StoreReads:
         now: float,
         lease_s: float | None,
         ttl_s: float | None,
+        budget: PinBudget | None,
     ) -> Match:
-        """Count, touch and lease a lookup's match (lock held)."""
+        """Count, touch and lease a lookup's match, cut to what ``budget`` admits (lock held)."""
+        cut = None
+        if lease_s is not None and budget is not None and len(matched):
+            fits = self._admitted(budget, matched)
+            if fits < len(matched):
+                matched, cut = matched.prefix(fits), "pin_share"
         n = len(matched)
         self._core.counters.lookups += 1
         self._core.counters.hit_blocks += n
@@ -98,7 +110,20 @@ class StoreReads:
             list(hashes[:n]),  # the matched run is a prefix of the ids asked
             self._core.index.names(matched, self._core.fastest_name),
             lease,
+            cut,
         )
+
+    def _admitted(self, budget: PinBudget, run: Run, *, refuse: bool = True) -> int:
+        """How many blocks of ``run``, from the first, ``budget`` admits a lasting pin of (lock
+        held); with ``refuse``, ``QuotaExceeded`` when not one does."""
+        tiers = self._core.tiers
+        capacity = [t.capacity_bytes for t in tiers]
+        room = budget.room(self._core.index.root_pinned, capacity)
+        sizes = pin_sizes(self._core.index, run, budget.into)
+        fits = budget.admit(sizes, room)
+        if not fits and refuse:
+            raise budget.refuse(sizes[0], room, [t.name for t in tiers], capacity)
+        return fits
 
     def _adopt_shared(self, hashes: Sequence[BlockHash], start: int, now: float) -> int:
         """Index the blocks of ``hashes[start:]`` that the shared tier holds, as far as they
@@ -153,11 +178,30 @@ class StoreReads:
             file_forecast(index, run, next_use, past_forks=past_forks)
             return len(run)
 
-    def pin(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+    def pin(self, hashes: Sequence[BlockHash], budget: PinBudget | None = None) -> list[BlockHash]:
         """Pin the longest held prefix of ``hashes`` (a live session's chain: blocks past a
-        hole are useless); returns the pinned ids, exactly what ``unpin`` must be given."""
+        hole are useless), of it only what ``budget`` admits (``quotas.PinBudget``); returns
+        the pinned ids, exactly what ``unpin`` must be given."""
         with self._core.lock:
-            return self._core.index.pin(hashes)
+            if budget is None:
+                return self._core.index.pin(hashes)
+            return self._core.index.pin(
+                hashes, lambda run: self._admitted(budget, run, refuse=False)
+            )
+
+    def hold(self, budget: PinBudget, tier: str, nbytes: int, blocks: int) -> int:
+        """Admit ``blocks`` blocks of ``nbytes`` in ``tier`` that the tenant holds outside the
+        index (a same-host staging's slots) against ``budget``, under the lock the index's
+        pins are admitted under: those that fit are counted in its ``staged``
+        (``quotas.PinBudget``). Returns how many fit."""
+        sizes = np.zeros((blocks, len(self._core.tiers)), np.int64)
+        sizes[:, self._core.tier_index[tier]] = nbytes
+        capacity = [t.capacity_bytes for t in self._core.tiers]
+        with self._core.lock:
+            fits = budget.admit(sizes, budget.room(self._core.index.root_pinned, capacity))
+            if budget.staged is not None:
+                budget.staged.add(budget.tenant, fits * nbytes)
+            return fits
 
     def unpin(self, hashes: Sequence[BlockHash]) -> None:
         """Undo ``pin`` for the same ids."""

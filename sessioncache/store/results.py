@@ -48,6 +48,9 @@ class Match(NamedTuple):
     tiers: list[str]
     """For each matched block, the fastest tier holding it."""
     lease: Lease | None
+    cut: str | None = None
+    """The bound that cut the match, and its lease, short of what is held (``pin_share``:
+    leasing more would pass the tenant's share of a tier); None when nothing did."""
 
     @property
     def num_blocks(self) -> int:

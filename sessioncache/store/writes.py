@@ -315,16 +315,18 @@ class StoreWrites:
             raise
         return write
 
-    def reserve(self, write: Write) -> None:
+    def reserve(self, write: Write, slots: int | None = None) -> None:
         """Claim each block of a write prepared for the shared-memory tier and reserve its
         slot there: ``STORED`` (``slots[i]`` to fill), ``PRESENT`` (held, or being stored by
-        another caller: nothing to write) or ``DROPPED`` (no room; so is every block after)."""
+        another caller: nothing to write) or ``DROPPED`` (no room, or past ``slots`` reserved:
+        the caller's share; so is every block after)."""
         shm_index, _ = self._core.require_shm()
         if write.nbytes is None or write.tier != shm_index:
             raise InvalidInput("reserve: a write prepared for the shared-memory tier, sized")
-        dropped = False
+        dropped, left = False, slots
         for i, block_hash in enumerate(write.hashes):
             meta = None
+            dropped = dropped or left == 0
             if not dropped:
                 meta = self._core.claim(
                     block_hash,
@@ -347,6 +349,8 @@ class StoreWrites:
                 self._staged(write, BlockStatus.DROPPED, None, None)
             else:
                 self._staged(write, BlockStatus.STORED, slot, meta)
+                if left is not None:
+                    left -= 1
 
     @staticmethod
     def _staged(

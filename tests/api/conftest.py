@@ -11,6 +11,9 @@ import pytest
 from tests.support.servers import Server, start_server
 
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
+METRICS_TOKEN = "metrics-token-of-the-api-tests"
+METRICS = {"authorization": f"Bearer {METRICS_TOKEN}"}
+"""What a scrape of every tenant's series carries (``SESSIONCACHE_METRICS_TOKEN``)."""
 
 
 @pytest.fixture(scope="module")

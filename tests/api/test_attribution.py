@@ -172,9 +172,14 @@ def test_without_explain_no_miss_in_the_answer(client: TestClient):
 
 @pytest.fixture
 def tiered(tmp_path: Path, clock: ManualClock) -> Iterator[TestClient]:
-    # 8 blocks of CPU over 8 of disk; pins may hold half of each
+    # 8 blocks of CPU over 8 of disk; pins may hold half of each (the one tenant all of it)
     yield from make_client(
-        tmp_path, clock, cpu_bytes=8 * BLOCK, disk_bytes=8 * BLOCK, idle_timeout_s=60
+        tmp_path,
+        clock,
+        cpu_bytes=8 * BLOCK,
+        disk_bytes=8 * BLOCK,
+        idle_timeout_s=60,
+        tenant_pin_share=1.0,
     )
 
 

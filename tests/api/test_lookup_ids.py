@@ -147,6 +147,7 @@ def test_id_lookup_matches_the_token_lookup(client: httpx.Client, stored_blocks:
         "matched_tokens": stored_blocks * 16,
         "tiers": [{"tier": "cpu", "blocks": stored_blocks}] if stored_blocks else [],
         "lease": None,
+        "lease_cut": None,
         "locations": None,
         "miss": None,
     }

@@ -18,6 +18,9 @@ from tests.support.servers import Server, start_server
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 ALICE = {"authorization": "Bearer key-alice"}
 BOB = {"authorization": "Bearer key-bob"}
+METRICS_TOKEN = "metrics-token-of-the-operator"
+METRICS = {"authorization": f"Bearer {METRICS_TOKEN}"}
+"""What a scrape of every tenant's series carries (a tenant's key gets the node-wide ones)."""
 
 
 def rss_bytes(pid: int) -> int:
@@ -81,8 +84,8 @@ NodeFactory = Callable[..., Guarded]
 
 @pytest.fixture
 def guarded_node(tmp_path: Path) -> Iterator[NodeFactory]:
-    """``guarded_node(env, limit=...)``: a node with alice's and bob's keys and ``env`` on top,
-    killed if its RSS passes ``limit`` (default 1.5 GiB)."""
+    """``guarded_node(env, limit=...)``: a node with alice's and bob's keys, the metrics token
+    and ``env`` on top, killed if its RSS passes ``limit`` (default 1.5 GiB)."""
     started: list[Guarded] = []
 
     def start(
@@ -95,6 +98,7 @@ def guarded_node(tmp_path: Path) -> Iterator[NodeFactory]:
         full = {
             "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
             "SESSIONCACHE_SHM_TRUSTED_TENANTS": json.dumps(["alice"]),
+            "SESSIONCACHE_METRICS_TOKEN": METRICS_TOKEN,
             **(env or {}),
         }
         where = data_dir or tmp_path / f"node{len(started)}" / "data"

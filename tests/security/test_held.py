@@ -58,7 +58,7 @@ def test_a_child_uploaded_before_its_parent_is_not_stored(guarded_node: NodeFact
 def test_one_tenant_pinning_the_tiers_makes_the_others_stores_507_not_200(
     guarded_node: NodeFactory,
 ) -> None:
-    node = guarded_node(DISK_ONLY)
+    node = guarded_node({**DISK_ONLY, "SESSIONCACHE_TENANT_PIN_SHARE": "1"})  # all hers
     mine, theirs = list(range(6)), list(range(100, 106))
     with client(node, ALICE) as alice, client(node, BOB) as bob:
         assert [upload(alice, h, i).status_code for i, h in enumerate(plan(alice, mine))] == [

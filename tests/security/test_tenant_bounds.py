@@ -18,7 +18,7 @@ from sessioncache.dataplane.frames import Op
 from sessioncache.errors import InvalidInput, QuotaExceeded, StreamClosed
 from sessioncache.hashing import Namespace
 from sessioncache.status import BlockStatus
-from tests.security.conftest import ALICE, BOB, Guarded, NodeFactory, client
+from tests.security.conftest import ALICE, BOB, METRICS, Guarded, NodeFactory, client
 
 NS = {"model": "bounds", "block_tokens": 1, "kv_dtype": "u8", "kv_layout": "x"}
 
@@ -45,7 +45,7 @@ def test_upload_slots_are_bounded_per_tenant_and_never_taken_from_another(
             assert r.status_code == 200, r.text
         more = alice.post("/v1/store", json={"namespace": NS, "tokens": list(range(500, 600))})
         assert more.status_code == 429  # 990 open and unused: refused, not evicted
-        metrics = alice.get("/metrics").text
+        metrics = alice.get("/metrics", headers=METRICS).text
         assert 'sessioncache_tenant_held{bound="upload_slots",tenant="alice"} 990.0' in metrics
         assert 'sessioncache_tenant_limit{bound="upload_slots",tenant="alice"} 1000.0' in metrics
 
@@ -204,7 +204,8 @@ def test_one_tenants_leases_pin_at_most_its_share_and_the_other_still_stores(
         held = bob.post("/v1/lookup", json={"namespace": ns, "tokens": [100, 101, 102]})
         assert held.json()["matched_blocks"] == 3
         assert (
-            'sessioncache_tenant_held{bound="pin_share",tenant="alice"}' in bob.get("/metrics").text
+            'sessioncache_tenant_held{bound="pin_share",tenant="alice"}'
+            in bob.get("/metrics", headers=METRICS).text
         )
 
 
@@ -218,6 +219,10 @@ def test_same_host_staging_counts_with_the_tenants_pins(guarded_node: NodeFactor
         }
     )
     lease = {"namespace": NS, "tokens": [1], "lease_ms": 60_000}
+    for key in (ALICE, BOB):  # a block each to lease
+        with client(node, key) as c:
+            plan = c.post("/v1/store", json={"namespace": NS, "tokens": [1]}).json()
+            assert c.put(f"/v1/blocks/{plan['missing'][0]}", content=b"x" * mib).is_success
     with (
         SameHostClient.discover(node.url, api_key="key-alice") as alice,
         client(node, ALICE) as rest,
@@ -227,13 +232,14 @@ def test_same_host_staging_counts_with_the_tenants_pins(guarded_node: NodeFactor
         tokens = struct.pack("<5I", *range(5))
         body = alice._c.call(Op.STAGE, lambda rid: frames.encode_stage(rid, head, tokens))
         staged = frames.decode_stage_ok(body, mib)
-        assert staged.status == [BlockStatus.STORED] * 5  # 5 MiB of slots, never committed
+        # 4 MiB of slots (her share of 8 MiB), never committed; the fifth past it
+        assert staged.status == [BlockStatus.STORED] * 4 + [BlockStatus.DROPPED]
         refused = rest.post("/v1/lookup", json=lease)
         assert refused.status_code == 429 and "pin_share" in refused.json()["detail"]
         _abort(alice._c, staged.staging)
-        assert rest.post("/v1/lookup", json=lease).status_code == 200
+        assert rest.post("/v1/lookup", json=lease).json()["matched_blocks"] == 1
     with client(node, BOB) as bob:  # bob's pins were never alice's
-        assert bob.post("/v1/lookup", json=lease).status_code == 200
+        assert bob.post("/v1/lookup", json=lease).json()["matched_blocks"] == 1
 
 
 def test_pinned_blocks_of_many_sizes_do_not_squat_the_tier(guarded_node: NodeFactory) -> None:

@@ -11,7 +11,7 @@ from tests.support.servers import Server, start_server
 
 KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b", "sk-c": "tenant-c"}
 PINNED_OUT = "tenant-c"
-"""A tenant whose pins (its sessions') leave no room for a lease: its loads are refused."""
+"""A tenant whose pin share leaves no room for a lease: its leased loads are refused (429)."""
 
 
 @pytest.fixture(scope="module")
