@@ -12,6 +12,13 @@ Bounds and back-pressure: the queue holds at most ``bound_bytes``, and one tenan
 would pass either waits until the queue drains: one tenant's flood stalls that tenant, and a
 disk slower than the stores slows the stores, never drops or lies.
 
+Fairness: each tenant's blocks queue apart, in order, and the batches take tenants in turn,
+about one batch slot (``batch_bytes / batch_blocks``) each: deficit round robin
+(``store.fair``). A batch holding a durable store's blocks ends after the last of them (an
+eighth of a batch at least), so a durable store waits for the batch being written, its own
+tenant's earlier blocks, and about one slot of each other busy tenant per block of its
+tenant's: never for another tenant's backlog.
+
 What a crash loses: a block acknowledged as not durable is lost only if it was still queued
 (at most ``bound_bytes``); a durable one never (its answer waited for the sync).
 
@@ -30,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -39,6 +45,7 @@ from sessioncache.blocks import BlockMeta
 from sessioncache.errors import TierFull
 from sessioncache.quotas import Counts
 from sessioncache.store.core import StoreCore
+from sessioncache.store.fair import FairBatches
 from sessioncache.store.results import Ticket
 from sessioncache.tiers.base import GroupCommitTier, PutItem
 
@@ -77,12 +84,10 @@ class WriteBehind:
         """The index of the durable tier."""
         self.bound_bytes = bound_bytes
         self._tenant_bytes = max(1, int(bound_bytes * tenant_share))
-        self._batch_blocks = batch_blocks
-        self._batch_bytes = batch_bytes
         self.owner: Callable[[bytes], str] = lambda root: ""
         """The tenant of a namespace root (the node sets it): whose share a block counts in."""
         self._cond = threading.Condition()
-        self._queue: deque[_Queued] = deque()
+        self._queue: FairBatches[_Queued] = FairBatches(batch_blocks, batch_bytes)
         self._bytes = 0
         self.tenants = Counts()
         """Bytes queued per tenant."""
@@ -129,7 +134,7 @@ class WriteBehind:
             if self._closed:
                 ticket.done.set()
                 return ticket
-            self._queue.append(_Queued(meta, ticket))
+            self._queue.push(tenant, _Queued(meta, ticket), meta.nbytes, urgent=durable)
             self._urgent += durable
             self._last_submit = time.monotonic()
             self._bytes += meta.nbytes
@@ -179,15 +184,7 @@ class WriteBehind:
                     self._cond.wait(IDLE_S - idle)  # a burst under way: let it finish
                 if not self._queue:
                     return
-                batch: list[_Queued] = []
-                size = 0
-                while (
-                    self._queue
-                    and len(batch) < self._batch_blocks
-                    and (not batch or size + self._queue[0].meta.nbytes <= self._batch_bytes)
-                ):
-                    batch.append(self._queue.popleft())
-                    size += batch[-1].meta.nbytes
+                batch = self._queue.take()
             try:
                 self._write(batch)
             except Exception:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -39,6 +39,7 @@ class CountingDisk(DiskTier):
     def __init__(self, root: Path, capacity: int) -> None:
         super().__init__(root, capacity, fsync=True)
         self.groups: list[int] = []
+        self.written: list[list[bytes]] = []  # each group's ids
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
@@ -46,6 +47,7 @@ class CountingDisk(DiskTier):
     def put_group(self, items: Sequence[PutItem]) -> list[Exception | None]:
         self.gate.wait()
         self.groups.append(len(items))
+        self.written.append([item.block_hash for item in items])
         if self.fail:
             return [TierFull("disk: full (test)") for _ in items]
         return super().put_group(items)
@@ -137,6 +139,44 @@ def test_a_full_queue_stalls_the_tenant_flooding_it_not_the_other(tmp_path: Path
     assert done.wait(10)
     assert wb.flush(10) and on_disk(store, alice) == [True] * 12
     store.close()
+
+
+def test_a_durable_store_waits_for_the_batch_being_written_not_another_tenants_backlog(
+    tmp_path: Path,
+) -> None:
+    store, disk = make(tmp_path, bound=4 << 20, cpu_blocks=256)
+    wb = store.write_behind
+    assert wb is not None
+    disk.gate.clear()
+    bob = chain(10, 192, Namespace("behind", 4, "u8", "other"))  # three batches
+    store.writes.put(bob, [data(h) for h in bob], namespace_root=OTHER)
+    assert wait_for(lambda: len(disk.groups) == 0 and wb.backlog_bytes == 192 * SIZE)
+    time.sleep(0.2)  # the thread took bob's first batch: it waits on the disk
+    alice = chain(11, 2)
+    put = threading.Thread(
+        target=store.writes.put,
+        args=(alice, [data(h) for h in alice]),
+        kwargs={"namespace_root": ROOT, "durable": True},
+    )
+    put.start()
+    assert wait_for(lambda: wb.tenants.get("alice") == 2 * SIZE)
+    disk.gate.set()
+    put.join(10)
+    assert wb.flush(10)
+    # next: alice's blocks, one of bob's between them, topped up to an eighth of a batch (8
+    # blocks), not behind bob's other 127 blocks
+    assert disk.written[:2] == [bob[:64], [alice[0], bob[64], alice[1], *bob[65:70]]]
+    assert [h for group in disk.written[2:] for h in group] == bob[70:]
+    store.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_a_backlog_above_80_percent_for_long_enough_is_degraded(
