@@ -29,7 +29,9 @@ Endpoint = Annotated[
 
 class EngineIn(Strict):
     """An engine whose KV events the node follows; it binds ``endpoint`` (vLLM's
-    ``--kv-events-config`` ``endpoint``, with the engine's host instead of ``*``)."""
+    ``--kv-events-config`` ``endpoint``, with the engine's host instead of ``*``). With API
+    keys, both endpoints must be admitted by ``SESSIONCACHE_ENGINE_ENDPOINT_PREFIXES`` (403)
+    and be no other tenant's nor a shared engine's (409)."""
 
     engine_id: EngineId
     namespace: NamespaceIn = Field(
@@ -57,7 +59,10 @@ class EngineOut(BaseModel):
     replay_endpoint: str | None
     topic: str
     shared: bool = Field(description="Registered in the settings for every tenant.")
-    stale: bool = Field(description="Silent longer than engine_stale_s: scores nothing.")
+    stale: bool = Field(
+        description="Silent longer than engine_stale_s, or the node is behind on its events "
+        "(a replay pending, messages queued): scores nothing."
+    )
     last_seq: int | None
     last_message_age_s: float | None
     gaps: int
@@ -75,7 +80,8 @@ class EnginesOut(BaseModel):
 
 class RouteRequest(TokensIn):
     """A prompt by tokens, ``tokens_b64`` or ``block_ids_b64`` (ids computed from
-    ``POST /v1/namespaces/resolve``'s root; only engines of the request's block size)."""
+    ``POST /v1/namespaces/resolve``'s root; only engines of the request's block size, and
+    with API keys not the shared ones)."""
 
     FORMS: ClassVar[tuple[str, ...]] = ("tokens", "tokens_b64", "block_ids_b64")
 

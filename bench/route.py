@@ -111,7 +111,7 @@ def ingest_reference(work: Workload, block_tokens: int) -> tuple[float, float, E
     root = Namespace("bench-route", block_tokens, "bf16", "x").root()
     index = EngineIndex()
     for e in range(len(work.payloads)):
-        index.add(f"engine-{e}", block_tokens, lambda lora: root)
+        index.add(f"engine-{e}", block_tokens, lambda lora, keys: root)
     start = time.perf_counter()
     for e, payloads in enumerate(work.payloads):
         for payload in payloads:

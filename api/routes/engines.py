@@ -45,13 +45,19 @@ def engine_out(routing: Router, spec: EngineSpec) -> EngineOut:
     "",
     response_model=EngineOut,
     status_code=201,
-    responses={**ERRORS, 409: {"model": ErrorOut}, 429: {"model": ErrorOut}},
+    responses={
+        **ERRORS,
+        403: {"model": ErrorOut},
+        409: {"model": ErrorOut},
+        429: {"model": ErrorOut},
+    },
 )
 def register_engine(
     body: EngineIn, routing: RouterDep, node: NodeDep, tenant: TenantDep
 ) -> EngineOut:
-    """Follow an engine's KV events from now on, for the caller's tenant. A plain ``def``:
-    the first use of a namespace records its root in the catalog."""
+    """Follow an engine's KV events from now on, for the caller's tenant. With API keys its
+    endpoints must be under ``SESSIONCACHE_ENGINE_ENDPOINT_PREFIXES`` (by default: ``tcp://``
+    at an IP address off this host) and no other tenant's (docs/routing.md)."""
     spec = EngineSpec(
         body.engine_id,
         body.namespace.to_namespace(),
@@ -60,7 +66,7 @@ def register_engine(
         body.topic,
         tenant,
     )
-    routing.register(spec)
+    routing.register(spec, by_tenant=True)
     return engine_out(routing, routing.get(tenant, spec.engine_id))
 
 

@@ -8,8 +8,9 @@ and to chain a later ``BlockStored`` onto its ``parent_block_hash``; a bounded d
 ids of recently removed blocks, whose children may still arrive.
 
 Ids are recomputed from the events' ``token_ids`` with ``hashing.block_hashes_from_bytes``,
-rooted in the engine's namespace (with the event's LoRA): equal prefixes give the ids a
-router's prompt gives, whatever the engine's hash function or seed.
+from the root the engine's ``RootFor`` gives a chain (its namespace, with the event's LoRA,
+salted with the tenant routed to it): equal prefixes give the ids a router's prompt gives,
+whatever the engine's hash function or seed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -47,8 +49,11 @@ GHOSTS = 1 << 16
 """Removed blocks whose id is kept per engine, for children stored after their parent left
 (vLLM evicts free blocks in LRU order, not only tails)."""
 
-RootFor = Callable[[str | None], bytes]
-"""The chain root of an engine's namespace under a LoRA name (None: the base model)."""
+RootFor = Callable[[str | None, Sequence[object]], bytes | None]
+"""The root of a chain the engine starts, from the chain's LoRA name (None: the base model)
+and the extra keys of its first block as the engine reported them (vLLM's: the LoRA,
+multimodal ids, the request's ``cache_salt``; empty when none). None: the chain is not
+indexed (``skipped_blocks``), nor are the blocks the engine chains onto it."""
 
 
 def medium_bit(medium: str) -> int:
@@ -71,7 +76,8 @@ class EngineCounts:
     cleared: int = 0
     skipped_blocks: int = 0
     """Blocks of a BlockStored that could not be indexed: another block size, a parent never
-    reported, another KV cache group, too few token ids."""
+    reported or not indexed, a chain without a root (``RootFor``), another KV cache group,
+    too few token ids."""
     unknown_events: int = 0
 
 
@@ -87,15 +93,8 @@ class _View:
     dups: dict[bytes, int] = field(default_factory=dict)
     """Ids the engine reported under more than one of its hashes (the same tokens with other
     extra keys, e.g. multimodal inputs or a cache salt): how many more."""
-    roots: dict[str | None, bytes] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEDIA, 0))
     counts: EngineCounts = field(default_factory=EngineCounts)
-
-    def root(self, lora: str | None) -> bytes:
-        root = self.roots.get(lora)
-        if root is None:
-            root = self.roots[lora] = self.root_for(lora)
-        return root
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +119,8 @@ class EngineIndex:
     # -- engines -----------------------------------------------------------------------
 
     def add(self, engine_id: str, block_tokens: int, root_for: RootFor, seed: int = 0) -> None:
+        """Index ``engine_id``'s events from now on, each chain from the root ``root_for``
+        gives it; ``EngineExists`` if the id is indexed already."""
         with self._lock:
             if engine_id in self._views:
                 raise EngineExists(f"engine {engine_id!r} is already registered")
@@ -211,7 +212,12 @@ class EngineIndex:
             view.counts.skipped_blocks += n
             return
         if ev.parent_block_hash is None:
-            parent = view.root(ev.lora_name if ev.lora_name is not None else _lora(ev.lora_id))
+            lora = ev.lora_name if ev.lora_name is not None else _lora(ev.lora_id)
+            root = view.root_for(lora, _first_keys(ev.extra_keys))
+            if root is None:
+                view.counts.skipped_blocks += n
+                return
+            parent = root
         else:
             found = view.hashes.get(ev.parent_block_hash)
             if found is None:
@@ -369,6 +375,12 @@ def _lora(lora_id: int | None) -> str | None:
     """Engines before vLLM's ``lora_name`` report only the LoRA's int id: its decimal form
     names the LoRA then (docs/routing.md)."""
     return None if lora_id is None else str(lora_id)
+
+
+def _first_keys(extra_keys: list[Any] | None) -> Sequence[object]:
+    """The extra keys of a chain's first block (vLLM sends a list, or None, per block)."""
+    first = extra_keys[0] if extra_keys else None
+    return first if isinstance(first, list) else ()
 
 
 def _medium_name(medium: str) -> str:

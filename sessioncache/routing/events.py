@@ -44,6 +44,9 @@ class BlockStored:
     medium: str = GPU
     lora_name: str | None = None
     group_idx: int | None = None
+    extra_keys: list[Any] | None = None
+    """Per block, the extra keys of the engine's hash as the engine sent them (vLLM: the
+    LoRA, multimodal ids, the request's ``cache_salt`` in the first block of a chain)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,9 @@ def decode_event(raw: Any) -> Event | None:
         lora_name = f.get("lora_name")
         if lora_name is not None and not isinstance(lora_name, str):
             raise EventDecodeError("BlockStored: lora_name is not a string")
+        extra_keys = f.get("extra_keys")
+        if extra_keys is not None and not isinstance(extra_keys, list):
+            raise EventDecodeError("BlockStored: extra_keys is not a list")
         return BlockStored(
             _hashes(f.get("block_hashes"), "BlockStored"),
             parent,
@@ -145,6 +151,7 @@ def decode_event(raw: Any) -> Event | None:
             _medium(f.get("medium")),
             lora_name,
             _opt_int(f.get("group_idx"), "group_idx"),
+            extra_keys,
         )
     if kind == "BlockRemoved":
         if isinstance(raw, list):

@@ -10,11 +10,20 @@ cache" against the engines.
 
 Engines are compared when their namespace equals the request's but for the block size and
 the LoRA: a prompt by tokens is hashed once per block size among them, under the request's
-LoRA. A prompt by ids (``block_ids_b64``) reaches the engines of the request's block size.
+LoRA and the caller's tenant. A prompt by ids (``block_ids_b64``) reaches the engines of the
+request's block size, and with API keys only the caller's own: ids prove no tenant.
+
+What a tenant learns is what its own requests cached. With API keys, a tenant's engine is
+indexed under the tenant's namespaces; an engine shared by every tenant (the settings') under
+the namespaces of the tenant whose vLLM ``cache_salt`` (``SESSIONCACHE_TENANT_CACHE_SALTS``)
+each chain's first block carries, and a chain carrying none is not indexed. An endpoint a
+tenant registers must be one ``endpoints.allowed`` admits, and no other tenant's (nor a
+shared engine's): the node never follows one engine for two tenants.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -23,7 +32,8 @@ from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
 from sessioncache.node import CacheNode
 from sessioncache.operations import lookups
 from sessioncache.quotas import refuse
-from sessioncache.routing.engine_index import EngineIndex
+from sessioncache.routing import endpoints
+from sessioncache.routing.engine_index import EngineIndex, RootFor
 from sessioncache.routing.events import MEDIA
 from sessioncache.routing.subscriber import EngineFeeds, EngineSpec
 
@@ -57,8 +67,34 @@ class RouteAnswer:
     cache: CacheRoute
 
 
+_ROOTS = 1024
+"""Chain roots an engine's index keeps (per LoRA and tenant); past that it starts afresh."""
+
+
 def _compatible(a: Namespace, b: Namespace) -> bool:
     return (a.model, a.kv_dtype, a.kv_layout, a.salt) == (b.model, b.kv_dtype, b.kv_layout, b.salt)
+
+
+def salt_owners(cache_salts: Mapping[str, str]) -> dict[str, str]:
+    """``SESSIONCACHE_TENANT_CACHE_SALTS`` (tenant -> cache salt) turned round; a salt that is
+    empty (vLLM ignores it) or given to two tenants is ``InvalidInput``."""
+    owners: dict[str, str] = {}
+    for tenant, salt in cache_salts.items():
+        if not salt:
+            raise InvalidInput(f"SESSIONCACHE_TENANT_CACHE_SALTS: tenant {tenant!r} has no salt")
+        other = owners.setdefault(salt, tenant)
+        if other != tenant:
+            raise InvalidInput(
+                f"SESSIONCACHE_TENANT_CACHE_SALTS: tenants {other!r} and {tenant!r} have one salt"
+            )
+    return owners
+
+
+def _salt_owner(keys: Sequence[object], owners: Mapping[str, str]) -> str | None:
+    """The tenant whose cache salt is among a chain's first extra keys (None: no tenant's,
+    or two tenants')."""
+    found = {owners[k] for k in keys if isinstance(k, str) and k in owners}
+    return found.pop() if len(found) == 1 else None
 
 
 class Router:
@@ -77,6 +113,10 @@ class Router:
         self.index: EngineIndex = feeds.index
         self.medium_weights = dict(medium_weights)
         self.cache_weight = cache_weight
+        self._salt_owners = salt_owners(node.settings.tenant_cache_salts)
+        self._register_lock = threading.Lock()
+        """Held from an engine's endpoint checks to its addition: two tenants registering one
+        endpoint at once get one engine between them."""
 
     # -- engines -------------------------------------------------------------------------
 
@@ -95,32 +135,79 @@ class Router:
             return spec.engine_id
         return spec.engine_id.rsplit("/", 1)[1]
 
-    def register(self, spec: EngineSpec) -> None:
-        """Follow ``spec``'s engine; its ids are rooted in its tenant's namespace (unsalted
-        for a shared engine, ``tenant`` None). ``EngineExists`` if the tenant already has an
-        engine of that id, or a shared engine has it (every tenant sees those)."""
+    def register(self, spec: EngineSpec, *, by_tenant: bool = False) -> None:
+        """Follow ``spec``'s engine. ``EngineExists`` if the tenant already has an engine of
+        that id, or a shared engine has it (every tenant sees those). ``by_tenant``: its
+        tenant registers it (the API, not the settings); with API keys its endpoints are then
+        checked: ``Refused`` for one ``endpoints.allowed`` does not admit, ``EngineExists``
+        for one of another tenant's engines or of a shared one."""
         node = self.node
-        seed = node.settings.hash_seed
-        taken = self.feeds.spec(spec.engine_id)
-        if spec.tenant is not None and taken is not None and taken.tenant is None:
-            raise EngineExists(f"engine {spec.engine_id!r} is already registered (shared)")
-        if spec.tenant is not None:
-            cap = node.quotas.of(spec.tenant).engines
-            held = self.engines_per_tenant().get(spec.tenant, 0)
-            if held >= cap and self.feeds.spec(self._key(spec.tenant, spec.engine_id)) is None:
-                raise refuse(spec.tenant, "engines", held, cap, "engines registered")
-        internal = replace(spec, engine_id=self._key(spec.tenant, spec.engine_id))
+        keyed = by_tenant and spec.tenant is not None and node.auth_enabled
+        with self._register_lock:
+            taken = self.feeds.spec(spec.engine_id)
+            if spec.tenant is not None and taken is not None and taken.tenant is None:
+                raise EngineExists(f"engine {spec.engine_id!r} is already registered (shared)")
+            if spec.tenant is not None:
+                cap = node.quotas.of(spec.tenant).engines
+                held = self.engines_per_tenant().get(spec.tenant, 0)
+                if held >= cap and self.feeds.spec(self._key(spec.tenant, spec.engine_id)) is None:
+                    raise refuse(spec.tenant, "engines", held, cap, "engines registered")
+            if keyed:
+                self._check_endpoints(spec)
+            internal = replace(spec, engine_id=self._key(spec.tenant, spec.engine_id))
+            try:
+                self.feeds.add(internal, self._root_for(spec), node.settings.hash_seed)
+            except EngineExists:
+                raise EngineExists(f"engine {spec.engine_id!r} is already registered") from None
 
-        def root_for(lora: str | None) -> bytes:
-            ns = spec.namespace if lora is None else replace(spec.namespace, lora=lora)
-            if spec.tenant is None:
-                return ns.root(seed)
-            return node.namespace_root(spec.tenant, ns)
+    def _check_endpoints(self, spec: EngineSpec) -> None:
+        """A keyed tenant's endpoints: admitted by the setting, and no other owner's."""
+        prefixes = self.node.settings.engine_endpoint_prefixes
+        wanted = [
+            endpoints.allowed(e, prefixes)
+            for e in (spec.endpoint, spec.replay_endpoint)
+            if e is not None
+        ]
+        for other in self.feeds.specs():
+            if other.tenant == spec.tenant:
+                continue
+            held = {
+                endpoints.canonical(e)
+                for e in (other.endpoint, other.replay_endpoint)
+                if e is not None
+            }
+            for endpoint in wanted:
+                if endpoint in held:  # whose it is stays unsaid
+                    raise EngineExists(
+                        f"endpoint {endpoint!r} is already followed for another engine: the "
+                        "node follows an engine for one tenant only"
+                    )
 
-        try:
-            self.feeds.add(internal, root_for, seed)
-        except EngineExists:
-            raise EngineExists(f"engine {spec.engine_id!r} is already registered") from None
+    def _root_for(self, spec: EngineSpec) -> RootFor:
+        """Where ``spec``'s chains are rooted: a tenant's engine (and every engine of an open
+        node) in its namespace as the tenant's requests are hashed; with API keys, a shared
+        engine's in the namespace of the tenant whose cache salt the chain carries, and
+        nowhere (not indexed) for a chain carrying none."""
+        node, seed = self.node, self.node.settings.hash_seed
+        salted = spec.tenant is None and node.auth_enabled
+        owners = self._salt_owners
+        roots: dict[tuple[str | None, str | None], bytes] = {}
+
+        def root_for(lora: str | None, keys: Sequence[object]) -> bytes | None:
+            tenant = _salt_owner(keys, owners) if salted else spec.tenant
+            if salted and tenant is None:
+                return None
+            root = roots.get((lora, tenant))
+            if root is None:
+                ns = spec.namespace if lora is None else replace(spec.namespace, lora=lora)
+                if tenant is not None:
+                    ns = node.effective_namespace(tenant, ns)
+                if len(roots) >= _ROOTS:
+                    roots.clear()
+                root = roots[(lora, tenant)] = ns.root(seed)
+            return root
+
+        return root_for
 
     def engines_per_tenant(self) -> dict[str, int]:
         """Engines registered through the API, per tenant (shared ones left out)."""
@@ -178,7 +265,15 @@ class Router:
             specs = self.visible(tenant)
         specs = [s for s in specs if _compatible(s.namespace, namespace)]
         if ids is not None:
-            specs = [s for s in specs if s.namespace.block_tokens == namespace.block_tokens]
+            # ids say nothing of whose chain they are: a shared engine's chains belong to
+            # the tenants whose salts they carry, so ids reach the caller's own engines only
+            shared_ok = not node.auth_enabled
+            specs = [
+                s
+                for s in specs
+                if s.namespace.block_tokens == namespace.block_tokens
+                and (shared_ok or s.tenant is not None)
+            ]
             prompt_tokens = len(ids) * namespace.block_tokens
         else:
             assert token_bytes is not None
@@ -188,33 +283,29 @@ class Router:
             raise InvalidInput(f"{prompt_tokens} tokens exceed the limit of {limit}")
 
         own_root = node.namespace_root(tenant, namespace)
-        chains: dict[tuple[int, bool], list[BlockHash]] = {}
+        chains: dict[int, list[BlockHash]] = {}
 
-        def chain(block_tokens: int, shared: bool) -> list[BlockHash]:
-            """The prompt's ids at ``block_tokens`` under the tenant's (or the shared) root."""
-            key = (block_tokens, shared and node.auth_enabled)
-            found = chains.get(key)
+        def chain(block_tokens: int) -> list[BlockHash]:
+            """The prompt's ids at ``block_tokens`` under the tenant's root."""
+            found = chains.get(block_tokens)
             if found is not None:
                 return found
             if ids is not None:
                 made = list(ids)
             else:
                 assert token_bytes is not None
-                ns = replace(namespace, block_tokens=block_tokens)
-                root = ns.root(seed) if key[1] else node.namespace_root(tenant, ns)
+                root = node.namespace_root(tenant, replace(namespace, block_tokens=block_tokens))
                 made = block_hashes_from_bytes(root, token_bytes, block_tokens, seed)
-            chains[key] = made
+            chains[block_tokens] = made
             return made
 
-        groups: dict[tuple[int, bool], list[EngineSpec]] = {}
+        groups: dict[int, list[EngineSpec]] = {}
         for spec in specs:
-            groups.setdefault((spec.namespace.block_tokens, spec.tenant is None), []).append(spec)
+            groups.setdefault(spec.namespace.block_tokens, []).append(spec)
         out: list[EngineRoute] = []
-        for (block_tokens, shared), members in groups.items():
+        for block_tokens, members in groups.items():
             by_id = {s.engine_id: s for s in members}
-            matches = self.index.match(
-                chain(block_tokens, shared), list(by_id), self.medium_weights
-            )
+            matches = self.index.match(chain(block_tokens), list(by_id), self.medium_weights)
             for engine_id, m in matches.items():
                 stale = self.feeds.stale(engine_id)
                 out.append(
@@ -231,8 +322,7 @@ class Router:
                 )
         out.sort(key=lambda r: (-r.score, -r.matched_tokens, r.engine_id))
 
-        own = chain(namespace.block_tokens, False)
-        cached = lookups.chain_prefix(node, own_root, own)
+        cached = lookups.chain_prefix(node, own_root, chain(namespace.block_tokens))
         cached_tokens = cached * namespace.block_tokens
         return RouteAnswer(
             prompt_tokens,
@@ -251,6 +341,8 @@ def open_router(node: CacheNode) -> Router:
         EngineIndex(),
         stale_s=settings.engine_stale_s,
         replay_timeout_s=settings.engine_replay_timeout_s,
+        replay_buffer=settings.engine_replay_buffer,
+        redial_max_s=settings.engine_redial_max_s,
     )
     router = Router(
         node,

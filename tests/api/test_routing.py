@@ -349,6 +349,7 @@ def test_bad_requests_get_4xx(client: httpx.Client, fleet: Fleet):
 
 SHARED_PUB = endpoint()
 SHARED_NS = unique_ns()
+SALTS = {"acme": "acme-salt", "globex": "globex-salt"}
 
 
 @pytest.fixture(scope="module")
@@ -359,6 +360,9 @@ def tenant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         {
             "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
             "SESSIONCACHE_ENGINES": json.dumps(shared),
+            "SESSIONCACHE_TENANT_CACHE_SALTS": json.dumps(SALTS),
+            # the tenants' engines are simulated on this host
+            "SESSIONCACHE_ENGINE_ENDPOINT_PREFIXES": json.dumps(["tcp://127.0.0.1:"]),
             # short, for the stale engine's test; the tenant test compares no scores
             "SESSIONCACHE_ENGINE_STALE_S": "1.5",
         },
@@ -380,20 +384,28 @@ def test_a_tenant_sees_only_its_engines_and_the_shared_ones(tenant_server: Serve
             assert shared.publisher is not None
             shared.publisher.wait_subscriber()
             own, e = fleet.start(SHARED_NS)
-            p = prompt(1, 64)
+            p, q = prompt(1, 64), prompt(2, 64)
             e.cache(p)
-            shared.cache(p[:32])
+            # the shared engine holds what each tenant's requests cached, under its salt
+            shared.cache(p[:32], cache_salt=SALTS["acme"])
+            shared.cache(q[:48], cache_salt=SALTS["globex"])
+            shared.cache(q, cache_salt="nobody's")
             fleet.sync(own)
             fleet.sync("shared-0")
 
             def seen(c: httpx.Client) -> set[str]:
                 return {x["engine_id"] for x in c.get("/v1/engines").json()["engines"]}
 
+            def matched(c: httpx.Client, tokens: list[int]) -> list[tuple[str, int]]:
+                answer = route(c, SHARED_NS, tokens)
+                return [(x["engine_id"], x["matched_tokens"]) for x in answer["engines"]]
+
             assert seen(acme) == {own, "shared-0"}
             assert seen(globex) == {"shared-0"}
-            for c, want in ((acme, [(own, 64), ("shared-0", 32)]), (globex, [("shared-0", 32)])):
-                answer = route(c, SHARED_NS, p)
-                assert [(x["engine_id"], x["matched_tokens"]) for x in answer["engines"]] == want
+            assert matched(acme, p) == [(own, 64), ("shared-0", 32)]
+            assert matched(acme, q) == [(own, 0), ("shared-0", 0)]
+            assert matched(globex, p) == [("shared-0", 0)]
+            assert matched(globex, q) == [("shared-0", 48)]
             assert (
                 globex.post(
                     "/v1/route", json={"namespace": SHARED_NS, "tokens": p, "engines": [own]}

@@ -84,17 +84,24 @@ def test_an_open_node_answers_only_requests_addressed_to_it(guarded_node: NodeFa
 
 
 def test_engines_are_bounded_per_tenant(guarded_node: NodeFactory) -> None:
-    node = guarded_node({"SESSIONCACHE_MAX_ENGINES_PER_TENANT": "4"})
+    node = guarded_node(
+        {
+            "SESSIONCACHE_MAX_ENGINES_PER_TENANT": "4",
+            "SESSIONCACHE_ENGINE_ENDPOINT_PREFIXES": json.dumps(["tcp://127.0.0.1:"]),
+        }
+    )
 
-    def register(c: httpx.Client, i: int) -> httpx.Response:
-        body = {"engine_id": f"e{i}", "namespace": NS, "endpoint": f"tcp://127.0.0.1:{i + 1}"}
-        return c.post("/v1/engines", json=body)
+    def register(c: httpx.Client, i: int, port: int = 1) -> httpx.Response:
+        endpoint = f"tcp://127.0.0.1:{port + i}"
+        return c.post(
+            "/v1/engines", json={"engine_id": f"e{i}", "namespace": NS, "endpoint": endpoint}
+        )
 
     with client(node, BOB) as bob, client(node, ALICE) as alice:
         assert [register(bob, i).status_code for i in range(4)] == [201] * 4
         refused = register(bob, 4)
         assert refused.status_code == 429 and refused.json()["error"] == "QuotaExceeded"
-        assert register(alice, 0).status_code == 201  # bob's engines are not alice's bound
+        assert register(alice, 0, 101).status_code == 201  # bob's engines are not alice's bound
         assert bob.delete("/v1/engines/e0").status_code == 204
         assert register(bob, 4).status_code == 201
 

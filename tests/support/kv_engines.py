@@ -32,7 +32,7 @@ class SimEngine:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
-        self._by_prefix: dict[tuple[tuple[int, ...], str | None], int] = {}
+        self._by_prefix: dict[tuple[tuple[int, ...], str | None, str | None], int] = {}
 
     # -- what the engine does ----------------------------------------------------------
 
@@ -44,18 +44,21 @@ class SimEngine:
         lora_id: int | None = None,
         medium: str = "GPU",
         send: bool = True,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Cache the full blocks of ``tokens``; emit one BlockStored for the blocks new in
         ``medium`` (parent: the block before the first of them). Returns every block's
-        hash."""
+        hash. ``cache_salt``: the request's, in the hash of its first block (so in every
+        hash of the chain) and in that block's extra keys, as vLLM does; the reference does
+        not tell salts apart."""
         bs = self.block_size
         hashes: list[int] = []
         for i in range(len(tokens) // bs):
-            key = (tuple(tokens[: (i + 1) * bs]), lora)
+            key = (tuple(tokens[: (i + 1) * bs]), lora, cache_salt)
             h = self._by_prefix.get(key)
             if h is None:
                 h = self._by_prefix[key] = self._rng.getrandbits(64)
-                self.prefixes[h] = key
+                self.prefixes[h] = key[:2]
             hashes.append(h)
         # as vLLM: the blocks past the prefix already cached (in that medium) are new
         first = 0
@@ -65,6 +68,9 @@ class SimEngine:
         for h in new:
             self.media.setdefault(h, set()).add(medium)
         if new:
+            salted: list[tuple[Any, ...] | None] | None = None
+            if cache_salt and not first:  # vLLM: the salt is one of the first block's keys
+                salted = [(cache_salt,), *[None] * (len(new) - 1)]
             event = ve.stored(
                 self.legacy,
                 new,
@@ -74,6 +80,7 @@ class SimEngine:
                 medium=medium,
                 lora_id=lora_id,
                 lora_name=lora,
+                extra_keys=salted,
             )
             self.emit([event], send=send)
         return hashes

@@ -104,10 +104,14 @@ def stored(
     medium: str | None = "GPU",
     lora_id: int | None = None,
     lora_name: str | None = None,
+    extra_keys: list[tuple[Any, ...] | None] | None = None,
 ) -> Any:
     if legacy:
+        assert extra_keys is None, "vLLM <= 0.23 sends no extra keys"
         return LegacyBlockStored(hashes, parent, token_ids, block_size, lora_id, medium, lora_name)
-    return BlockStored(hashes, parent, token_ids, block_size, lora_id, medium, lora_name)
+    return BlockStored(
+        hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys
+    )
 
 
 def removed(legacy: bool, hashes: list[int], medium: str | None = "GPU") -> Any:

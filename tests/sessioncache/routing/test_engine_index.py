@@ -11,7 +11,12 @@ import msgspec
 import pytest
 
 from sessioncache.errors import EngineExists
-from sessioncache.hashing import Namespace, block_hashes
+from sessioncache.hashing import (
+    Namespace,
+    block_hashes,
+    block_hashes_from_bytes,
+    tokens_to_le_bytes,
+)
 from sessioncache.routing.engine_index import EngineIndex
 from sessioncache.routing.events import decode_batch
 from tests.support import vllm_events as ve
@@ -25,7 +30,7 @@ def ns_for(block_tokens: int, lora: str | None = None) -> Namespace:
 
 
 def add(index: EngineIndex, engine_id: str, block_tokens: int) -> None:
-    index.add(engine_id, block_tokens, lambda lora: ns_for(block_tokens, lora).root())
+    index.add(engine_id, block_tokens, lambda lora, keys: ns_for(block_tokens, lora).root())
 
 
 def drain(index: EngineIndex, engine_id: str, engine: SimEngine) -> None:
@@ -169,3 +174,23 @@ def test_removing_an_engine_frees_its_slot_and_its_blocks():
     add(index, "c", 16)  # takes a's slot: nothing of a's shows through
     ids = block_hashes(NS, list(range(64)))
     assert index.match(ids, ["b", "c"], WEIGHTS)["c"].matched_blocks == 0
+
+
+def test_a_chain_is_rooted_by_the_keys_of_its_first_block():
+    """``RootFor`` sees the first block's extra keys: here, a cache salt picks one of two
+    roots, and a chain with none is not indexed, nor what the engine chains onto it."""
+    index = EngineIndex()
+    roots = {salt: ns_for(16, None).root(seed) for seed, salt in enumerate(("s1", "s2"), 1)}
+    index.add("a", 16, lambda lora, keys: next((roots[k] for k in keys if k in roots), None))
+    e = SimEngine(16, legacy=False)
+    p, q = list(range(64)), list(range(100, 164))
+    e.cache(p[:32], cache_salt="s1")
+    e.cache(p, cache_salt="s1")  # chained onto s1's chain: no keys of its own
+    e.cache(q, cache_salt="s2")
+    e.cache(q)
+    e.cache(q + list(range(16)))  # onto the chain without a salt
+    drain(index, "a", e)
+    for salt, prompt, want in (("s1", p, 4), ("s2", q, 4), ("s1", q, 0), ("s2", p, 0)):
+        ids = block_hashes_from_bytes(roots[salt], tokens_to_le_bytes(prompt), 16)
+        assert index.match(ids, ["a"], WEIGHTS)["a"].matched_blocks == want, (salt, want)
+    assert index.counts("a")[0].skipped_blocks == 5

@@ -39,7 +39,7 @@ def test_both_encodings_decode_alike(legacy: bool):
     ]
 
 
-def test_new_fields_and_event_types_are_skipped():
+def test_extra_keys_are_kept_new_fields_and_event_types_skipped():
     event = ve.BlockStored(
         [b"\x01" * 32], None, TOKENS[:16], 16, None, "GPU", None,
         extra_keys=[("mm", 1)], group_idx=0, kv_cache_spec_kind="full",
@@ -48,7 +48,7 @@ def test_new_fields_and_event_types_are_skipped():
     batch = decode_batch(raw)
     assert batch.unknown == 1
     assert batch.events == [
-        BlockStored([b"\x01" * 32], None, TOKENS[:16], 16, None, "GPU", None, 0)
+        BlockStored([b"\x01" * 32], None, TOKENS[:16], 16, None, "GPU", None, 0, [["mm", 1]])
     ]
     # a positional event with fields appended by a later version
     legacy = [0.0, [["BlockStored", [1], None, TOKENS[:16], 16, None, "CPU", None, None, 2, 9]]]
