@@ -72,8 +72,7 @@ def create_app(
     app.state.same_host = same_host
     app.state.router = routing
     node.quotas.count("engines", routing.engines_per_tenant)
-    app.state.registry = metrics.install(app, node, node.store)
-    app.state.registry.register(metrics.EngineCollector(routing))
+    app.state.metrics = metrics.install(app, node, routing)
     errors.install(app)
     app.state.admin_auth = AdminAuth.from_settings(node.settings)
     # outermost (added last): a head is checked before any route reads a byte of its body

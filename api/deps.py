@@ -59,6 +59,12 @@ def bearer_key(request: Request) -> str | None:
     return None
 
 
+def source_address(request: Request) -> str:
+    """The address the request's connection comes from: what wrong tokens count against
+    (``admin.lockout``); behind a proxy, the proxy's."""
+    return request.client.host if request.client is not None else ""
+
+
 async def get_tenant(request: Request, node: NodeDep) -> str:
     """The caller's tenant from ``Authorization: Bearer <key>`` (the open tenant when auth is
     off)."""
@@ -85,16 +91,19 @@ async def get_admin(request: Request, node: NodeDep) -> None:
     """Admin operations (a sweep of every tenant's sessions): with an admin token set
     (``SESSIONCACHE_ADMIN_TOKEN``, the dashboard's), that token as a bearer key; without, only
     a node running open (no ``api_keys``) lets anyone in. A tenant's key is known but not
-    enough (403); anything else is 401."""
+    enough (403, and not counted as a wrong token); anything else is 401, or 429 from an
+    address locked for its wrong tokens (``admin.lockout``)."""
     key = bearer_key(request)
-    auth: AdminAuth = request.app.state.admin_auth
-    if key is not None and auth.token_matches(key):
-        return
     if node.settings.admin_token is None and not node.auth_enabled:
         return
-    if key is not None and node.tenant_for_key(key) is not None:
+    if key is not None and node.auth_enabled and node.tenant_for_key(key) is not None:
         raise AdminRequired("this operation needs the admin token, not a tenant's key")
-    raise AuthRefused("the admin token is required: Authorization: Bearer <token>")
+    auth: AdminAuth = request.app.state.admin_auth
+    address = source_address(request)
+    if key is not None and auth.token_matches(key, address):
+        return
+    wrong = AuthRefused("the admin token is required: Authorization: Bearer <token>")
+    raise wrong if key is None else auth.refusal(address, wrong)
 
 
 AdminDep = Annotated[None, Depends(get_admin)]

@@ -12,8 +12,9 @@
   makes the node read nothing.
 - Its body is at most the route's limit (413), declared or streamed: ``max_body_bytes`` for a
   block upload (``PUT /v1/blocks/{id}``, which reads its body itself, see
-  ``routes/blocks.read_body``), ``max_json_bytes`` for every other route, whose body FastAPI
-  reads whole before validating it.
+  ``routes/blocks.read_body``), ``MAX_LOGIN_BYTES`` for the public admin login,
+  ``max_json_bytes`` for every other route, whose body FastAPI reads whole before validating
+  it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ MAX_HEADER_BYTES = 64 << 10
 ordinary headers are well under 1 KiB."""
 
 BLOCK_UPLOAD_PREFIX = "/v1/blocks/"
+
+LOGIN_PATH = "/admin/api/login"
+MAX_LOGIN_BYTES = 8 << 10
+"""The largest body of ``LOGIN_PATH``, which anyone may call: the longest token it takes (4096
+characters, ``routes/admin.LoginIn``) with room for JSON's quoting."""
 
 
 def host_name(value: str) -> str:
@@ -86,6 +92,8 @@ class RequestGuard:
         path: str = scope["path"]
         upload = scope["method"] == "PUT" and path.startswith(BLOCK_UPLOAD_PREFIX)
         limit = self._body_limit if upload else min(self._json_limit, self._body_limit)
+        if path == LOGIN_PATH:
+            limit = min(limit, MAX_LOGIN_BYTES)
         declared = headers.get(b"content-length")
         if declared is not None:
             try:

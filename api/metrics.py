@@ -1,4 +1,8 @@
-"""Prometheus metrics: store figures read at scrape time, request latency per route."""
+"""Prometheus metrics: store figures read at scrape time, request latency per route.
+
+Two registries: the node-wide series, served to anyone, and those naming tenants, models and
+engines (``tenant_metrics``), served only with the metrics or admin token (``scrape``).
+"""
 
 from __future__ import annotations
 
@@ -7,22 +11,30 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Histogram
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sessioncache.codecs import stored_bytes
+from sessioncache.api.admin.auth import AdminAuth
+from sessioncache.api.deps import bearer_key, source_address
+from sessioncache.api.tenant_metrics import (
+    EngineCollector,
+    NamespaceCollector,
+    TenantCollector,
+    WriteBehindCollector,
+)
+from sessioncache.errors import AuthRefused
 from sessioncache.node import CacheNode
-from sessioncache.quotas import Quotas
 from sessioncache.routing.scoring import Router
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import CheckedTier
 
 
 class StoreCollector(Collector):
-    """Reads the node's store counters and tier figures at every scrape (exact, no drift)."""
+    """Reads the node's store counters and tier figures at every scrape (exact, no drift):
+    node-wide figures only, no tenant's or model's name."""
 
     def __init__(self, node: CacheNode, store: TieredStore) -> None:
         self._node = node
@@ -77,22 +89,6 @@ class StoreCollector(Collector):
             pinned.add_metric([tier.name], tier.pinned_bytes)
             blocks.add_metric([tier.name], tier.blocks)
         yield from (used, cap, pinned, blocks)
-        labels = ["tier", "namespace", "tenant", "model", "codec"]
-        raw = GaugeMetricFamily(
-            "sessioncache_tier_raw_bytes", "Bytes of the blocks held, as sent", labels=labels
-        )
-        stored = GaugeMetricFamily(
-            "sessioncache_tier_stored_bytes", "Bytes stored for them (a codec's)", labels=labels
-        )
-        ratio = GaugeMetricFamily(
-            "sessioncache_tier_compression_ratio", "Raw over stored bytes", labels=labels
-        )
-        for row in stored_bytes(store.tiers, node.codecs, node.owners.describe):
-            values = [row.tier, row.root.hex()[:16], row.tenant, row.model, row.codec]
-            raw.add_metric(values, row.raw)
-            stored.add_metric(values, row.stored)
-            ratio.add_metric(values, row.ratio)
-        yield from (raw, stored, ratio)
         sessions = GaugeMetricFamily("sessioncache_sessions", "Open sessions")
         sessions.add_metric([], node.sessions.count())
         yield sessions
@@ -109,14 +105,6 @@ class StoreCollector(Collector):
         yield degraded
         behind = store.write_behind
         if behind is not None:
-            backlog = GaugeMetricFamily(
-                "sessioncache_write_behind_bytes",
-                "Bytes of blocks queued for the disk tier (write-behind), per tenant",
-                labels=["tenant"],
-            )
-            for tenant, n in sorted(behind.tenants.snapshot().items()):
-                backlog.add_metric([tenant], n)
-            yield backlog
             bound = GaugeMetricFamily(
                 "sessioncache_write_behind_bound_bytes", "The write-behind queue's bound"
             )
@@ -139,30 +127,6 @@ class StoreCollector(Collector):
                 )
                 live.add_metric([], len(node.fleet.nodes()))
                 yield live
-        yield from namespace_families(node, store)
-
-
-def namespace_families(node: CacheNode, store: TieredStore) -> Iterator[Any]:
-    """Blocks, bytes and hit/miss tokens per namespace root, labelled with its tenant and
-    model (the dashboard's namespaces and tenants tables; sum by tenant for tenants)."""
-    labels = ["tenant", "model", "namespace"]
-    blocks = GaugeMetricFamily("sessioncache_namespace_blocks", "Blocks held", labels=labels)
-    held = GaugeMetricFamily("sessioncache_namespace_bytes", "Payload bytes held", labels=labels)
-    hit = CounterMetricFamily("sessioncache_namespace_hit_tokens", "Hit tokens", labels=labels)
-    miss = CounterMetricFamily("sessioncache_namespace_miss_tokens", "Miss tokens", labels=labels)
-    usage = store.namespace_usage()
-    tokens = node.namespace_tokens()
-    for root in usage.keys() | tokens.keys():
-        described = node.describe_root(root)
-        tenant, fields = described if described is not None else ("", {})
-        values = [tenant, str(fields.get("model", "")), root.hex()[:16]]
-        if root in usage:
-            blocks.add_metric(values, usage[root].blocks)
-            held.add_metric(values, usage[root].bytes)
-        if root in tokens:
-            hit.add_metric(values, tokens[root].hit)
-            miss.add_metric(values, tokens[root].miss)
-    yield from (blocks, held, hit, miss)
 
 
 LOOKUP_ROUTES = ("/v1/lookup",)
@@ -210,82 +174,62 @@ def latency_quantiles(
     return int(total), out
 
 
-class EngineCollector(Collector):
-    """The followed engines (KV-aware routing): blocks held per medium, events, gaps."""
+class Metrics:
+    """The node's two registries (module docstring)."""
 
-    def __init__(self, router: Router) -> None:
-        self._router = router
+    def __init__(self, node: CacheNode, router: Router, histogram: Histogram) -> None:
+        self.node_wide = CollectorRegistry()
+        self.node_wide.register(StoreCollector(node, node.store))
+        self.node_wide.register(histogram)
+        self.detail = CollectorRegistry()
+        top = node.settings.metrics_top_namespaces
+        self.detail.register(NamespaceCollector(node, node.store, top))
+        self.detail.register(WriteBehindCollector(node.store))
+        self.detail.register(TenantCollector(node.quotas))
+        self.detail.register(EngineCollector(router))
 
-    def collect(self) -> Iterator[Any]:
-        blocks = GaugeMetricFamily(
-            "sessioncache_engine_blocks", "Blocks an engine holds", labels=["engine", "medium"]
-        )
-        stale = GaugeMetricFamily("sessioncache_engine_stale", "1 when silent", labels=["engine"])
-        events = CounterMetricFamily(
-            "sessioncache_engine_events", "KV events applied", labels=["engine"]
-        )
-        gaps = CounterMetricFamily(
-            "sessioncache_engine_gaps", "Sequence gaps seen", labels=["engine"]
-        )
-        dropped = CounterMetricFamily(
-            "sessioncache_engine_views_dropped", "Gaps the replay could not fill", labels=["engine"]
-        )
-        for spec in self._router.feeds.specs():
-            engine = spec.engine_id
-            status = self._router.feeds.status(engine)
-            if status is None:
-                continue
-            try:
-                counts, held = self._router.index.counts(engine)
-            except KeyError:  # removed meanwhile
-                continue
-            for medium, count in held.items():
-                blocks.add_metric([engine, medium], count)
-            stale.add_metric([engine], float(status.stale))
-            events.add_metric([engine], counts.events)
-            gaps.add_metric([engine], status.gaps)
-            dropped.add_metric([engine], status.views_dropped)
-        yield from (blocks, stale, events, gaps, dropped)
+    def scrape(self, request: Request) -> bytes:
+        """The Prometheus text ``request`` may read: the node-wide series, and the detail
+        too when ``reads_detail``."""
+        text = generate_latest(self.node_wide)
+        return text + generate_latest(self.detail) if reads_detail(request) else text
 
 
-class TenantCollector(Collector):
-    """Per tenant and bound (``quotas.TenantLimits``): what the tenant holds, and its bound."""
+def reads_detail(request: Request) -> bool:
+    """Whether a scrape may read the series naming tenants and models: on a node running open
+    (no API keys, on loopback: every local caller is its admin) any may; else one carrying the
+    metrics or admin token as its bearer key. Without a key, or with a tenant's, only the
+    node-wide series; any other key is refused (401, or 429 from an address locked for its
+    wrong tokens)."""
+    auth: AdminAuth = request.app.state.admin_auth
+    node: CacheNode = request.app.state.node
+    key = bearer_key(request)
+    if auth.mode == "open":
+        return True
+    if key is None or (node.auth_enabled and node.tenant_for_key(key) is not None):
+        return False
+    address = source_address(request)
+    if auth.metrics_token_matches(key, address):
+        return True
+    wrong = AuthRefused(
+        "wrong token: /metrics takes the metrics token (SESSIONCACHE_METRICS_TOKEN) or the "
+        "admin token as its bearer key, or none for the node-wide series"
+    )
+    raise auth.refusal(address, wrong)
 
-    def __init__(self, quotas: Quotas) -> None:
-        self._quotas = quotas
 
-    def collect(self) -> Iterator[Any]:
-        held = GaugeMetricFamily(
-            "sessioncache_tenant_held",
-            "What a tenant holds now, per bound",
-            labels=["bound", "tenant"],
-        )
-        limit = GaugeMetricFamily(
-            "sessioncache_tenant_limit", "A tenant's bound", labels=["bound", "tenant"]
-        )
-        for bound, per_tenant in sorted(self._quotas.usage().items()):
-            for tenant, count in sorted(per_tenant.items()):
-                held.add_metric([bound, tenant], count)
-                limit.add_metric([bound, tenant], getattr(self._quotas.of(tenant), bound))
-        yield from (held, limit)
-
-
-def install(app: FastAPI, node: CacheNode, store: TieredStore) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    registry.register(StoreCollector(node, store))
-    registry.register(TenantCollector(node.quotas))
+def install(app: FastAPI, node: CacheNode, router: Router) -> Metrics:
+    """Time every request (``LatencyMiddleware``) and gather the node's series."""
     latency = Histogram(
         "sessioncache_request_seconds",
         "Request latency by route",
         ["method", "route", "status"],
-        registry=registry,
+        registry=None,
         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
     )
-
     app.add_middleware(LatencyMiddleware, histogram=latency)
     app.state.request_latency = latency  # the dashboard's lookup latency percentiles
-
-    return registry
+    return Metrics(node, router, latency)
 
 
 class LatencyMiddleware:

@@ -18,7 +18,9 @@ bound to loopback: ``serve`` refuses anything else without keys); there every lo
 an admin, and mutations still need the process's CSRF token, because any web page the operator
 visits can send requests to localhost.
 
-Tokens are compared with ``hmac.compare_digest`` and never logged.
+Tokens are compared with ``hmac.compare_digest`` and never logged. A wrong one counts against
+its source address (``lockout.Lockout``): a locked address's wrong tokens are answered 429, and
+the right token is accepted from any address, whatever its count.
 """
 
 from __future__ import annotations
@@ -31,17 +33,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from sessioncache.api.admin.lockout import Lockout
 from sessioncache.config import Settings
 from sessioncache.dataplane.transport import is_loopback
+from sessioncache.errors import AuthRefused, RateLimited
 
 COOKIE = "sessioncache_admin"
 CSRF_HEADER = "x-csrf-token"
 LOGIN_TTL_S = 12 * 3600.0
 MAX_LOGINS = 1000
-MAX_FAILURES = 30
-"""Wrong tokens (login or bearer) per ``FAILURE_WINDOW_S`` after which every token check
-fails until the window has passed: guessing costs a window per ``MAX_FAILURES`` tries."""
-FAILURE_WINDOW_S = 60.0
 
 Mode = Literal["token", "open", "disabled"]
 
@@ -63,55 +63,68 @@ class Login:
 
 
 class AdminAuth:
-    """The admin token, the logins made with it, and the open mode's CSRF token."""
+    """The admin token, the logins made with it, and the open mode's CSRF token; and the
+    metrics token, which opens ``/metrics``' per-tenant series (``metrics.reads_detail``)."""
 
     def __init__(
         self,
         token: str | None,
         *,
         open_mode: bool,
+        metrics_token: str | None = None,
         login_ttl_s: float = LOGIN_TTL_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._token = token.encode() if token else None
+        self._metrics_token = metrics_token.encode() if metrics_token else None
         self.mode: Mode = "token" if token else "open" if open_mode else "disabled"
         self.login_ttl_s = login_ttl_s
         self._clock = clock
         self._logins: dict[str, Login] = {}
-        self._failures: list[float] = []
         self._lock = threading.Lock()
+        self.lockout = Lockout()
         self.open_csrf = secrets.token_urlsafe(32)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AdminAuth:
         token = settings.admin_token.get_secret_value() if settings.admin_token else None
-        return cls(token, open_mode=not settings.api_keys and is_loopback(settings.host))
+        metrics = settings.metrics_token.get_secret_value() if settings.metrics_token else None
+        open_mode = not settings.api_keys and is_loopback(settings.host)
+        return cls(token, open_mode=open_mode, metrics_token=metrics)
 
-    def token_matches(self, candidate: str) -> bool:
-        """Constant-time comparison with the admin token (False when there is none, and for
-        every token while too many wrong ones came recently: ``throttled``)."""
-        if self._token is None:
+    def token_matches(self, candidate: str, address: str) -> bool:
+        """Constant-time comparison with the admin token (False when there is none). A wrong
+        candidate counts against ``address``; the right one is accepted whatever its count."""
+        return self._matches(candidate, address, self._token)
+
+    def metrics_token_matches(self, candidate: str, address: str) -> bool:
+        """``token_matches`` for the metrics token or the admin token."""
+        return self._matches(candidate, address, self._metrics_token, self._token)
+
+    def _matches(self, candidate: str, address: str, *secrets_: bytes | None) -> bool:
+        held = [secret for secret in secrets_ if secret is not None]
+        if not held:
             return False
-        matches = hmac.compare_digest(candidate.encode(), self._token)
-        now = self._clock()
-        with self._lock:
-            self._failures = [t for t in self._failures if t > now - FAILURE_WINDOW_S]
-            if len(self._failures) >= MAX_FAILURES:
-                return False
-            if not matches:
-                self._failures.append(now)
-        return matches
+        if any(hmac.compare_digest(candidate.encode(), secret) for secret in held):
+            return True
+        self.lockout.failed(address)
+        return False
 
-    @property
-    def throttled(self) -> bool:
-        """Too many wrong tokens lately: token checks fail until the window has passed."""
-        now = self._clock()
-        with self._lock:
-            return sum(t > now - FAILURE_WINDOW_S for t in self._failures) >= MAX_FAILURES
+    def refusal(self, address: str, wrong: AuthRefused) -> AuthRefused | RateLimited:
+        """What a wrong token from ``address`` is answered: ``wrong``, or 429 while the address
+        is locked."""
+        lockout = self.lockout
+        if not lockout.locked(address):
+            return wrong
+        return RateLimited(
+            f"{lockout.max_failures} wrong tokens from {address} within {lockout.window_s:g} s: "
+            "its wrong tokens are refused with 429 until the window has passed (the right "
+            "token is always accepted)"
+        )
 
-    def login(self, candidate: str) -> Login | None:
+    def login(self, candidate: str, address: str) -> Login | None:
         """A new login when ``candidate`` is the admin token, else None."""
-        if not self.token_matches(candidate):
+        if not self.token_matches(candidate, address):
             return None
         now = self._clock()
         login = Login(secrets.token_urlsafe(32), secrets.token_urlsafe(32), now + self.login_ttl_s)

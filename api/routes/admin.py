@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from sessioncache.api.admin import overview
 from sessioncache.api.admin.auth import COOKIE, CSRF_HEADER, Admin, AdminAuth
-from sessioncache.api.deps import NodeDep, SessionsDep, StoreDep
+from sessioncache.api.deps import NodeDep, SessionsDep, StoreDep, source_address
 from sessioncache.errors import AdminAuthRequired, AdminForbidden
 from sessioncache.session_query import SessionQuery, SortKey
 
@@ -55,9 +55,10 @@ async def require_admin(request: Request, auth: AuthDep) -> Admin:
     header = request.headers.get("authorization")
     if header is not None:
         scheme, _, value = header.partition(" ")
-        if scheme.lower() == "bearer" and auth.token_matches(value.strip()):
+        address = source_address(request)
+        if scheme.lower() == "bearer" and auth.token_matches(value.strip(), address):
             return Admin("bearer", None)
-        raise AdminAuthRequired(_wrong(auth))
+        raise auth.refusal(address, AdminAuthRequired("wrong admin token"))
     cookie = request.cookies.get(COOKIE)
     login = auth.session(cookie) if cookie else None
     if login is None:
@@ -66,12 +67,6 @@ async def require_admin(request: Request, auth: AuthDep) -> Admin:
 
 
 AdminDep = Annotated[Admin, Depends(require_admin)]
-
-
-def _wrong(auth: AdminAuth) -> str:
-    if auth.throttled:
-        return "too many wrong admin tokens: every token is refused for a minute"
-    return "wrong admin token"
 
 
 async def require_mutation(request: Request, admin: AdminDep, auth: AuthDep) -> Admin:
@@ -108,9 +103,10 @@ class LoginIn(BaseModel):
 def login(body: LoginIn, request: Request, response: Response, auth: AuthDep) -> None:
     if auth.mode != "token":
         raise AdminForbidden(f"no login in mode {auth.mode!r}")
-    made = auth.login(body.token)
+    address = source_address(request)
+    made = auth.login(body.token, address)
     if made is None:
-        raise AdminAuthRequired(_wrong(auth))
+        raise auth.refusal(address, AdminAuthRequired("wrong admin token"))
     response.set_cookie(
         COOKIE,
         made.session_id,

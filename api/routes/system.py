@@ -6,9 +6,10 @@ from dataclasses import asdict
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from sessioncache.api.deps import AdminDep, NodeDep, SessionsDep, StoreDep, TenantDep
+from sessioncache.api.metrics import Metrics
 from sessioncache.api.schemas import GcOut, StatsOut, TierStatsOut, WhoAmI
 
 router = APIRouter(tags=["system"])
@@ -66,5 +67,7 @@ def readyz(node: NodeDep, strict: bool = False) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response)
 def metrics(request: Request) -> Response:
-    """Prometheus text format."""
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text format: the node-wide series; with the metrics or the admin token as
+    bearer key, also those naming tenants, models and engines (docs/metrics.md)."""
+    registries: Metrics = request.app.state.metrics
+    return Response(registries.scrape(request), media_type=CONTENT_TYPE_LATEST)

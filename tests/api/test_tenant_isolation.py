@@ -29,7 +29,7 @@ from sessioncache.connector.lmcache import Completion, SessionCacheL2
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.connector.stream import discover_same_host
 from sessioncache.hashing import Namespace, block_key
-from tests.api.conftest import KEYS
+from tests.api.conftest import KEYS, METRICS, METRICS_TOKEN
 from tests.support.servers import Server, free_port, start_server
 
 NS = Namespace("isolation-model", block_tokens=4, kv_dtype="bf16", kv_layout="x")
@@ -257,6 +257,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         tmp_path_factory.mktemp("isolation") / "data",
         {
             "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
+            "SESSIONCACHE_METRICS_TOKEN": METRICS_TOKEN,
             # a 64 MiB slab chunk per payload size in use (tiers/slab.py): three sizes here
             "SESSIONCACHE_CPU_BYTES": str(256 << 20),
             # both tenants may use the socket, so their reads there really run
@@ -264,6 +265,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "SESSIONCACHE_ENGINES": json.dumps(
                 [{"engine_id": "shared-0", "namespace": NS_JSON, "endpoint": zmq_endpoint()}]
             ),
+            # the tenants' engines are simulated on this host
+            "SESSIONCACHE_ENGINE_ENDPOINT_PREFIXES": json.dumps(["tcp://127.0.0.1:"]),
         },
     )
     yield s
@@ -467,7 +470,7 @@ def test_routing_never_shows_another_tenants_engines(server: Server) -> None:
             "/v1/route", json={"namespace": NS_JSON, "tokens": prompt, "engines": [same]}
         )
         assert [e["engine_id"] for e in routed.json()["engines"]] == [same]
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = httpx.get(f"{server.url}/metrics", headers=METRICS).text
         assert f'sessioncache_engine_stale{{engine="globex/{same}"}}' in metrics
         # neither delete touched the other's engine
         for c in (acme, globex):

@@ -19,6 +19,7 @@ from sessioncache.tiers.disk import HEADER_SIZE, decode_header
 from tests.support.servers import DURABLE_NODE, Server, start_server
 
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
+METRICS_TOKEN = "metrics-token-of-the-codec-tests"
 EXACT = Namespace("codec-node", 16, "bf16", "x")
 LOSSY = Namespace("codec-node", 16, "bf16", "x", kv_codec="int8/64")
 BLOCK = 64 * 1024
@@ -30,6 +31,7 @@ def node(data: Path) -> Server:
         {
             **DURABLE_NODE,  # answered once on disk: what a restarted node reads back
             "SESSIONCACHE_API_KEYS": json.dumps(KEYS),
+            "SESSIONCACHE_METRICS_TOKEN": METRICS_TOKEN,
             "SESSIONCACHE_TENANT_CODECS": json.dumps({"acme": "lossless"}),
         },
     )
@@ -69,7 +71,8 @@ def test_codecs_from_the_tenant_and_the_namespace_survive_a_restart(tmp_path: Pa
             root = globex.resolve(LOSSY)
             assert globex.store(root, tokens(2, 4), lossy_blocks, durable=True).kept == 4
         # what each namespace's blocks take on disk, by codec
-        scrape = httpx.get(f"{server.url}/metrics", timeout=10).text
+        bearer = {"authorization": f"Bearer {METRICS_TOKEN}"}
+        scrape = httpx.get(f"{server.url}/metrics", headers=bearer, timeout=10).text
         ratios = {}
         for labels, value in re.findall(
             r"^sessioncache_tier_compression_ratio\{([^}]*)\} ([\d.e+]+)$", scrape, re.M
