@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from sessioncache.errors import InvalidInput, QuotaExceeded
 
-__all__ = ["Counts", "PinBudget", "Quotas", "Tally", "TenantLimits", "refuse"]
+__all__ = ["Counts", "PinBudget", "Quotas", "Sizes", "Tally", "TenantLimits", "refuse"]
 
 
 class TenantLimits(NamedTuple):
@@ -165,6 +165,9 @@ class Quotas:
         return {bound: dict(read()) for bound, read in self._counters.items()}
 
     def _tallied(self, bound: str) -> Counts:
+        found = self._tallies.get(bound)  # made once: later admits take no lock of ours
+        if found is not None:
+            return found
         with self._lock:
             found = self._tallies.get(bound)
             if found is None:

@@ -15,7 +15,7 @@ from sessioncache.errors import (
 )
 from sessioncache.hashing import BlockHash
 from sessioncache.index import Run, file_forecast, pin_sizes
-from sessioncache.quotas import PinBudget
+from sessioncache.quotas import PinBudget, Sizes
 from sessioncache.store.core import StoreCore
 from sessioncache.store.results import (
     LocatedSlot,
@@ -116,14 +116,17 @@ class StoreReads:
     def _admitted(self, budget: PinBudget, run: Run, *, refuse: bool = True) -> int:
         """How many blocks of ``run``, from the first, ``budget`` admits a lasting pin of (lock
         held); with ``refuse``, ``QuotaExceeded`` when not one does."""
-        tiers = self._core.tiers
-        capacity = [t.capacity_bytes for t in tiers]
-        room = budget.room(self._core.index.root_pinned, capacity)
+        room, capacity = self._room(budget)
         sizes = pin_sizes(self._core.index, run, budget.into)
         fits = budget.admit(sizes, room)
         if not fits and refuse:
-            raise budget.refuse(sizes[0], room, [t.name for t in tiers], capacity)
+            raise budget.refuse(sizes[0], room, [t.name for t in self._core.tiers], capacity)
         return fits
+
+    def _room(self, budget: PinBudget) -> tuple[Sizes, list[int]]:
+        """``budget``'s room per tier, and the tiers' capacities (lock held)."""
+        capacity = [t.capacity_bytes for t in self._core.tiers]
+        return budget.room(self._core.index.root_pinned, capacity), capacity
 
     def _adopt_shared(self, hashes: Sequence[BlockHash], start: int, now: float) -> int:
         """Index the blocks of ``hashes[start:]`` that the shared tier holds, as far as they
@@ -196,9 +199,8 @@ class StoreReads:
         (``quotas.PinBudget``). Returns how many fit."""
         sizes = np.zeros((blocks, len(self._core.tiers)), np.int64)
         sizes[:, self._core.tier_index[tier]] = nbytes
-        capacity = [t.capacity_bytes for t in self._core.tiers]
         with self._core.lock:
-            fits = budget.admit(sizes, budget.room(self._core.index.root_pinned, capacity))
+            fits = budget.admit(sizes, self._room(budget)[0])
             if budget.staged is not None:
                 budget.staged.add(budget.tenant, fits * nbytes)
             return fits

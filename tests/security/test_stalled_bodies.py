@@ -162,6 +162,14 @@ def test_a_stalled_body_is_answered_408_and_a_slow_steady_one_is_served(
     assert bob_took < 5.0
 
 
+def stall(node: Guarded, n: int, into: list[socket.socket]) -> None:
+    """``n`` of bob's lookups whose heads promise a body never sent, kept in ``into``."""
+    for _ in range(n):
+        s = socket.create_connection(address(node), timeout=5)
+        s.sendall(lookup_head("key-bob", 100))
+        into.append(s)
+
+
 def test_at_the_cap_the_connection_stalled_longest_makes_room(guarded_node: NodeFactory) -> None:
     node = guarded_node(
         {
@@ -172,10 +180,7 @@ def test_at_the_cap_the_connection_stalled_longest_makes_room(guarded_node: Node
     )
     bob: list[socket.socket] = []
     try:
-        for _ in range(20):
-            s = socket.create_connection(address(node), timeout=5)
-            s.sendall(lookup_head("key-bob", 100))
-            bob.append(s)
+        stall(node, 20, bob)
         time.sleep(0.5)  # every head read: the cap is full of stalled bodies
         with contextlib.ExitStack() as alice:  # 5 connections, kept open
             for _ in range(5):
@@ -219,10 +224,7 @@ def test_no_tenant_holds_more_than_its_share_of_the_cap(guarded_node: NodeFactor
     )
     bob: list[socket.socket] = []
     try:
-        for _ in range(20):
-            s = socket.create_connection(address(node), timeout=5)
-            s.sendall(lookup_head("key-bob", 100))
-            bob.append(s)
+        stall(node, 20, bob)
         assert wait_until(lambda: held(node, "bob") == 20, 10), held(node, "bob")
         with socket.create_connection(address(node), timeout=5) as past:
             past.sendall(lookup_head("key-bob", 100))
