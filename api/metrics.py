@@ -31,6 +31,9 @@ from sessioncache.routing.scoring import Router
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import CheckedTier
 
+CARRIERS = ("rest", "stream", "same_host")
+"""The carriers of block payloads (``sessioncache_received_payload_bytes``)."""
+
 
 class StoreCollector(Collector):
     """Reads the node's store counters and tier figures at every scrape (exact, no drift):
@@ -79,6 +82,15 @@ class StoreCollector(Collector):
             family = CounterMetricFamily(f"sessioncache_{name}", f"Store {name.replace('_', ' ')}")
             family.add_metric([], getattr(counters, name))
             yield family
+        received = CounterMetricFamily(
+            "sessioncache_received_payload_bytes",
+            "Block payload bytes received from engines, by carrier",
+            labels=["carrier"],
+        )
+        got = node.received.snapshot()
+        for carrier in CARRIERS:
+            received.add_metric([carrier], got.get(carrier, 0))
+        yield received
         used = GaugeMetricFamily("sessioncache_tier_used_bytes", "Bytes held", labels=["tier"])
         cap = GaugeMetricFamily("sessioncache_tier_capacity_bytes", "Capacity", labels=["tier"])
         pinned = GaugeMetricFamily("sessioncache_tier_pinned_bytes", "Pinned", labels=["tier"])

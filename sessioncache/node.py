@@ -104,6 +104,8 @@ class CacheNode:
         quotas.count("pin_share", self.pin_shares)
         self.staged = Counts()
         """Bytes of same-host staging each tenant holds: counted with its pins."""
+        self.received = Counts()
+        """Block payload bytes received, per carrier (``rest``, ``stream``, ``same_host``)."""
         quotas.count("upload_slots", self.uploads.per_tenant)
         if store.write_behind is not None:
             store.write_behind.owner = lambda root: self.owners.owner(root) or ""

@@ -111,6 +111,7 @@ async def put_block(
         async with asynccontextmanager(read_body)(request, limit, _UPLOAD_BUFFERS, charge) as body:
             if not body:
                 raise InvalidInput("empty payload")
+            node.received.add("rest", len(body))
             status = await anyio.to_thread.run_sync(
                 functools.partial(stores.upload, node, caller, bid, body, durable=durable)
             )

@@ -1,6 +1,7 @@
 """One vLLM engine for ``bench.vllm`` (run with the vLLM environment's Python): a warm-up
-prompt, then each prompt of the JSON spec with one output token; prints per prompt its
-seconds (the time to the first token, offline) and vLLM's cached prompt tokens."""
+prompt, then each prompt of the JSON spec with one output token (``params``: each prompt's
+``kv_transfer_params``, or none); prints per prompt its seconds (the time to the first token,
+offline) and vLLM's cached prompt tokens."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def main() -> None:
     )
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], params, use_tqdm=False)
-    for tokens in spec["prompts"]:
+    given = spec.get("params") or [None] * len(spec["prompts"])
+    for tokens, kv_params in zip(spec["prompts"], given, strict=True):
+        extra = {"kv_transfer_params": kv_params} if kv_params else None
+        params = SamplingParams(temperature=0.0, max_tokens=1, extra_args=extra)
         start = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         seconds = time.perf_counter() - start

@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -501,6 +501,25 @@ class EngineNode:
             self._bounce = pinned_empty(max(need, STREAM_CHUNK_BYTES)).numpy()
         for i in range(count):
             yield self._bounce[i * nbytes : (i + 1) * nbytes]
+
+    def unsent(self, namespace: Namespace, transfer: Transfer) -> Transfer:
+        """``transfer`` past the run of its blocks the node holds already: an uncounted
+        EXISTS (no hit nor miss counted, nothing touched nor leased). A session's save keeps
+        its last block, whose STORE moves the session's chain and head there."""
+        if not transfer.block_ids:
+            return transfer
+        kv = self.kv(transfer.scope)
+        conn = kv.connection
+        root = kv.root(namespace)
+        end = transfer.first + len(transfer.block_ids)
+        ids = conn.block_hashes(root, transfer.tokens[: end * namespace.block_tokens])
+        held = conn.exists(root, ids[transfer.first :], counted=False)
+        run = held.index(False) if False in held else len(held)
+        if transfer.scope.session_id is not None:
+            run = min(run, len(held) - 1)
+        if not run:
+            return transfer
+        return replace(transfer, first=transfer.first + run, block_ids=transfer.block_ids[run:])
 
     def save(self, namespace: Namespace, transfer: Transfer, layout: BlockCopier) -> int:
         """Store the transfer's blocks, gathered from the paged cache straight into the

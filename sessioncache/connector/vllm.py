@@ -18,10 +18,12 @@ miss tokens, under the request's session when ``kv_transfer_params`` names one);
 prompt token is always left to compute. ``update_state_after_alloc`` plans the load into the
 blocks vLLM allocated; ``request_finished`` plans the save of the request's computed full
 blocks past those the node held and keeps vLLM from freeing them until the save is done
-(``get_finished``). A request of a session tells the node why it finished (``finish_reason``:
-the client's ``kv_transfer_params["finish_reason"]``, else vLLM's), with the save's STOREs, or
-alone (``POST /v1/sessions/{id}/finish``) when there is nothing to save: the node keeps the
-session's blocks by when it is predicted back.
+(``get_finished``); the worker's save sends only those past the run the node holds when it
+starts (``EngineNode.unsent``: after this engine's earlier saves, and also for a prompt vLLM's
+own cache answered, which asks the node no lookup). A request of a session tells the node
+why it finished (``finish_reason``: the client's ``kv_transfer_params["finish_reason"]``,
+else vLLM's), with the save's STOREs, or alone (``POST /v1/sessions/{id}/finish``) when there
+is nothing to save: the node keeps the session's blocks by when it is predicted back.
 
 Worker side (``connector.paged``, which knows nothing of vLLM): loads run in
 ``start_load_kv``, before the forward pass: one leased LOCATE (same host) or LOOKUP (stream)
@@ -613,13 +615,18 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         layout = self._layout
         assert layout is not None
         start = time.perf_counter()
-        held = self._saver.save(self._namespace(transfer.scope), transfer, layout)
+        namespace = self._namespace(transfer.scope)
+        sent = self._saver.unsent(namespace, transfer)  # after this engine's earlier saves
+        held = self._saver.save(namespace, sent, layout)
         log.info(
-            "sessioncache save: %d of %d blocks, %d bytes in %.6f s%s",
+            "sessioncache save: %d of %d blocks, %d bytes in %.6f s, from block %d, "
+            "%d held already%s",
             held,
-            len(transfer.block_ids),
-            len(transfer.block_ids) * layout.nbytes,
+            len(sent.block_ids),
+            len(sent.block_ids) * layout.nbytes,
             time.perf_counter() - start,
+            sent.first,
+            sent.first - transfer.first,
             f", finish {transfer.finish_reason}" if transfer.finish_reason else "",
         )
 
@@ -628,10 +635,11 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         assert copies is not None and node is not None
         start = time.perf_counter()
         namespace = self._namespace(save.scope)
-        held = 0
+        held, sent = 0, 0
         if save.spine is not None:
             spine_ns, _ = node.model.namespaces(namespace)
-            held = self._saver.save(spine_ns, save.spine, copies.spine)
+            spine = self._saver.unsent(spine_ns, save.spine)  # as ``_save``
+            held, sent = self._saver.save(spine_ns, spine, copies.spine), len(spine.block_ids)
         objects = node.save_checkpoints(namespace, save.tokens, save.scope, checkpoints)
         session = save.scope.session_id
         if save.finish_reason is not None and session is not None:  # after the stores
@@ -639,7 +647,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         log.info(
             "sessioncache save: %d of %d blocks, checkpoints at %s (%d objects held) in %.6f s",
             held,
-            len(save.spine.block_ids) if save.spine is not None else 0,
+            sent,
             sorted({c.end for c in checkpoints}),
             objects,
             time.perf_counter() - start,

@@ -107,6 +107,8 @@ class Connection:
     answer."""
 
     HANDLERS: ClassVar[dict[Op, str]] = {}
+    CARRIER: ClassVar[str] = "stream"
+    """The carrier whose received payload bytes this connection counts (``node.received``)."""
 
     def __init__(self, server: StreamServer, transport: Transport) -> None:
         self.server = server
@@ -367,6 +369,7 @@ class Connection:
         # received (a declared size costs nothing until sent), charged to the tenant.
         fillings: list[Filling] = []
         pending: Future[str] | None = None
+        received = 0
         with inflight.charge(self.node.inflight, caller.tenant) as charge:
             try:
                 for index in range(head.blocks):
@@ -375,6 +378,7 @@ class Connection:
                     filling = fillings[index % 2]
                     filling.filled = 0
                     self._fill(filling)
+                    received += filling.filled
                     if pending is not None:
                         self._stored(pending, index - 1, head.blocks)
                         pending = None
@@ -385,6 +389,7 @@ class Connection:
                 pending = None
                 stores.settle(self.node, plan)  # a durable STORE: its blocks in one sync
             finally:
+                self.node.received.add(self.CARRIER, received)
                 if pending is not None:
                     wait([pending])  # its buffer goes back to the pool only once it is done
                 self.buffers.give([f.buf for f in fillings if len(f.buf) == f.size])

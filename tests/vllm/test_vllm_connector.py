@@ -252,6 +252,97 @@ def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, 
     assert hit and float(hit[0].rsplit(" ", 1)[1]) >= len(prefix), hit
 
 
+def node_holds(node: Server, tokens: list[int]) -> int:
+    """How many of the full blocks of ``tokens`` tenant A's node holds, from the first, asked
+    by an uncounted EXISTS (``held_blocks`` takes a lookup, which the node counts)."""
+    layout = "vllm-paged/cpu/l4/h2x64/tp1.0"
+    namespace = Namespace(MODEL_NAME, BLOCK, "bfloat16", layout)
+    with KVTransfer.from_url(node.url, api_key="sk-a", paths=DATA_PLANE_PATHS) as kv:
+        root = kv.root(namespace)
+        conn = kv.connection
+        held = conn.exists(root, conn.block_hashes(root, tokens), counted=False)
+        return held.index(False) if False in held else len(held)
+
+
+def lookup_series(node: Server) -> tuple[dict[str, float], float]:
+    """The node's hit and miss series (by reason too), and the stream's received bytes."""
+    text = httpx.get(f"{node.url}/metrics", headers={"Authorization": "Bearer sk-a"}).text
+    series: dict[str, float] = {}
+    stream = -1.0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(("sessioncache_hit_tokens", "sessioncache_miss_tokens")):
+            series[name] = float(value)
+        elif name == 'sessioncache_received_payload_bytes_total{carrier="stream"}':
+            stream = float(value)
+    assert series and stream >= 0, text[-3000:]
+    return series, stream
+
+
+@pytest.mark.timeout(600)
+def test_a_turn_from_vllms_own_cache_sends_the_node_only_its_new_blocks(
+    node: Server, model: Path, tmp_path: Path
+):
+    """A session's second turn whose prompt vLLM's own prefix cache covers (the connector asks
+    the node nothing for it): its save sends only the blocks the node does not hold, over
+    the stream (where every block a STORE names travels), and moves no hit or miss count."""
+    session = "vllm-cache-turns"
+    params = {"session_id": session}
+    first = tokens(32 * BLOCK, 21)  # 32 blocks
+    second = first + tokens(20, 22)  # within the next block: vLLM's cache covers the prompt
+    gates = [tmp_path / "gate-1", tmp_path / "gate-2"]
+    engine_b = engine_process(
+        model,
+        node,
+        [
+            {"tokens": first, "params": params},
+            {"tokens": second, "params": params, "gate": str(gates[0])},
+            {"tokens": tokens(40, 23), "gate": str(gates[1])},
+        ],
+        {"data_path": "stream"},
+        max_tokens=16,
+    )
+    layers = TINY_LLAMA["num_hidden_layers"]
+    assert isinstance(layers, int)
+    nbytes = BLOCK * layers * 2 * 2 * 64 * 2  # K and V of 2 heads of 64, bf16
+
+    def stored(seen: str, prompt: list[int]) -> tuple[int, dict[str, Any]]:
+        """The full blocks of KV the prompt's request computed, once the node holds them
+        all (its save runs after the request finished), and what the engine printed."""
+        out = json.loads([x for x in seen.splitlines() if x.startswith("RESULT ")][-1][7:])
+        computed = prompt + out["tokens"][:-1]  # the last token sampled has no KV
+        full = len(computed) // BLOCK
+        deadline = time.monotonic() + 60
+        while node_holds(node, computed[: full * BLOCK]) < full:
+            assert time.monotonic() < deadline, f"not stored: {seen[-5000:]}"
+            time.sleep(0.2)
+        return full, out
+
+    seen = read_to_gate(engine_b, "")
+    stored(seen, first)
+    before, sent_before = lookup_series(node)
+    gates[0].touch()
+    seen = read_to_gate(engine_b, seen)
+    full, out = stored(seen, second)
+    after, sent_after = lookup_series(node)
+    gates[1].touch()
+    log: list[str] = []
+    results(engine_b, seen, 3, log)
+
+    assert out["cached"] == len(first)  # vLLM's own cache answered the whole prompt
+    new = full - len(first) // BLOCK  # the blocks past those of the first turn's prompt
+    sent = sent_after - sent_before
+    assert new * nbytes <= sent <= (new + 1) * nbytes, (sent, new, nbytes)
+    assert after == before  # the node's held run was asked uncounted
+    start = min(len(first) // BLOCK, full - 1)  # a session's save keeps its last block
+    line = rf"sessioncache save: {full - start} of {full - start} blocks, .* from block {start}"
+    assert re.search(line, log[0]), log[0][-5000:]
+    info = httpx.get(
+        f"{node.url}/v1/sessions/{session}", headers={"Authorization": "Bearer sk-a"}
+    ).json()
+    assert info["head"] is not None and info["pinned"], info
+
+
 @pytest.mark.timeout(600)
 def test_vllm_serve_takes_the_connector_and_sessions_from_the_openai_api(
     model: Path, tmp_path: Path

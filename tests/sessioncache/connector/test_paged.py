@@ -7,6 +7,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -178,6 +179,51 @@ def test_an_engine_saves_and_another_loads_into_its_paged_blocks(node: Server, p
     ).json()
     assert info["tenant"] == "alice" and info["pinned"]
     assert info["attribution"]["hit_tokens"] >= 8 * TOKENS
+
+
+def counters(node: Server) -> dict[str, float]:
+    """The node-wide series a probe must not move, and the stream's received bytes."""
+    text = httpx.get(f"{node.url}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(("sessioncache_hit_tokens", "sessioncache_miss_tokens")) or name in (
+            "sessioncache_lookups_total",
+            'sessioncache_received_payload_bytes_total{carrier="stream"}',
+        ):
+            out[name] = float(value)
+    return out
+
+
+def test_a_save_sends_only_the_blocks_past_those_the_node_holds(node: Server) -> None:
+    prompt = tokens(8 * TOKENS, 12)
+    engine = layer_major(seed=7)
+    layout = PagedLayout(engine, BLOCKS)
+    blocks = [4, 9, 0, 2, 7, 1, 11, 3]
+    alice = EngineNode(NodeSettings(node.url, "sk-alice", "stream", timeout_s=10))
+    session = Scope(session_id="paged-unsent")
+    try:
+        alice.kv(session).client.open_session("paged-unsent")
+        assert alice.save(NS, Transfer("t1", prompt[: 5 * TOKENS], 0, blocks[:5]), layout) == 5
+        before = counters(node)
+        whole = Transfer("t2", prompt, 0, blocks, session, "tool_use")
+        sent = alice.unsent(NS, whole)
+        assert (sent.first, sent.block_ids, sent.finish_reason) == (5, blocks[5:], "tool_use")
+        assert counters(node) == before  # the probe is no lookup: nothing counted
+        assert alice.save(NS, sent, layout) == 3
+        after = counters(node)
+        stream = 'sessioncache_received_payload_bytes_total{carrier="stream"}'
+        assert after.pop(stream) - before.pop(stream) == 3 * layout.nbytes
+        assert after == before
+        # all held: a session's save keeps its last block (its chain and head move there)
+        assert alice.unsent(NS, whole).block_ids == blocks[7:]
+        assert alice.unsent(NS, replace(whole, scope=Scope())).block_ids == []
+    finally:
+        alice.close()
+    info = httpx.get(
+        f"{node.url}/v1/sessions/paged-unsent", headers={"Authorization": "Bearer sk-alice"}
+    ).json()
+    assert info["pinned"] and info["head"] is not None
 
 
 def test_a_node_that_is_gone_fails_the_calls_and_writes_nothing(node: Server) -> None:
