@@ -20,7 +20,9 @@ private
 
 Ours runs twice per regime: through shared memory (``data_path`` ``same_host``, what an
 LMCache server next to the node gets) and over the block stream (``stream``, what a remote
-one gets, here over loopback). Ratios compare ours to ``resp`` in the same regime.
+one gets, here over loopback). Ratios compare ours to ``resp`` in the same regime. Each
+backend is stopped, its files removed and synced before the next starts, so that none runs
+during another's writeback.
 
 Run: ``python -m bench.lmcache_l2 [--keys 64] [--sizes-kb 256 2048] [--rounds 5]
 [--regimes fresh warm] [--json]``. Needs the ``lmcache`` extra (``pip install '.[lmcache]'``)
@@ -127,6 +129,8 @@ class Backend:
             self.process.terminate()
             self.process.wait(30)
         shutil.rmtree(self.dir, ignore_errors=True)
+        # its files' writeback done here, not during the next backend's run
+        os.sync()
 
 
 def warm_redis(port: int, nbytes: int, size: int, margin: int) -> str:

@@ -29,7 +29,9 @@ memoryviews LMCache hands over, sets straight out of them), else over the block 
 worker's ``KVTransfer`` (its keyed operations, ``paths=DATA_PLANE_PATHS``) picks the path and
 runs the loops.
 A set batch is stored as one chain (``linked``): LMCache sets one request's consecutive
-chunks together, so tail-first eviction then drops a request's last chunks first.
+chunks together, so tail-first eviction then drops a request's last chunks first. Only the
+blocks the node lacks are sent: over the stream an uncounted EXISTS comes first; on the same
+host the STAGE answers held blocks present, and nothing is copied for them.
 """
 
 from __future__ import annotations
@@ -130,6 +132,15 @@ def _groups(keys: Sequence[str]) -> dict[tuple[str, str | None], list[tuple[int,
         key = parse_key(text)
         groups.setdefault((key.model, key.salt), []).append((i, key.block_key))
     return groups
+
+
+def _held(kv: KVTransfer, namespace: Namespace, keys: list[bytes]) -> list[bool]:
+    """Which ``keys`` the node holds, asked (uncounted: not a prompt's question) where a
+    store would send their payloads: over the stream. On the same host none is asked: the
+    STAGE answers held blocks present and nothing is copied for them."""
+    if kv.path == "stream":
+        return kv.exists_keyed(namespace, keys, counted=False)
+    return [False] * len(keys)
 
 
 class SessionCacheL2:
@@ -270,13 +281,19 @@ class SessionCacheL2:
         s = self.settings
         dropped = 0
         for (model, salt), items in _groups(keys).items():
+            ns = _namespace(s, model, salt)
+            block_keys = [k for _, k in items]
+            held = _held(kv, ns, block_keys)
+            if all(held):
+                continue
             # one STORE per payload size (KVTransfer.store_keyed): the node takes one per store
             ack = kv.store_keyed(
-                _namespace(s, model, salt),
-                [k for _, k in items],
-                [memviews[i] for i, _ in items],
+                ns,
+                block_keys,
+                [None if h else memviews[i] for (i, _), h in zip(items, held, strict=True)],
                 linked=s.linked,
                 ttl_s=s.ttl_s,
+                held=held,
             )
             dropped += len(ack.status) - sum(ack.held)
         if dropped:

@@ -19,7 +19,8 @@ engine needs to allocate the chunk) followed by the chunk's bytes, zero-padded t
 chunk, so that every block of a namespace has the one size the node requires. The namespace
 is the model, the chunk size, the KV dtype and the padded size. Batched puts (one request's
 consecutive chunks) are stored as one chain, so tail-first eviction applies; single puts
-stand alone. The connector's ``KVTransfer`` (keyed operations, never the REST path) picks the
+stand alone. Chunks the node holds already are neither packed nor sent (an uncounted EXISTS
+first). The connector's ``KVTransfer`` (keyed operations, never the REST path) picks the
 data path and moves the blocks: gets through shared memory on the node's host.
 
 This module imports LMCache (it subclasses its classes) and is imported only by LMCache.
@@ -165,9 +166,18 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         return memory_obj
 
     def _put_sync(self, keys: list[Any], memory_objs: list[Any], linked: bool) -> None:
-        payloads = [self._pack(m) for m in memory_objs]
+        """Store the chunks the node lacks (an uncounted check first: held ones are neither
+        packed nor sent)."""
+        block_keys = self._keys(keys)
         with self._lock:
-            self.transfer.store_keyed(self.namespace, self._keys(keys), payloads, linked=linked)
+            held = self.transfer.exists_keyed(self.namespace, block_keys, counted=False)
+        if all(held):
+            return
+        payloads = [None if h else self._pack(m) for m, h in zip(memory_objs, held, strict=True)]
+        with self._lock:
+            self.transfer.store_keyed(
+                self.namespace, block_keys, payloads, linked=linked, held=held
+            )
 
     def _get_sync(self, keys: list[Any]) -> list[Any]:
         bufs = [bytearray(self.block_bytes) for _ in keys]

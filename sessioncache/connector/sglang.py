@@ -271,16 +271,27 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         after: str | None = None,
     ) -> list[bool]:
         """Store one block per key as one chain, continuing from the block of ``after`` when
-        the node still holds it; which blocks the node holds afterwards."""
+        the node still holds it; which blocks the node holds afterwards. Only the blocks the
+        node lacks are sent: over the stream an uncounted EXISTS comes first (on the same host
+        the STAGE answers held blocks present, and nothing is copied for them)."""
         if not keys:
             return []
+        namespace = self.namespace()
+        block_keys = [block_key(k) for k in keys]
+        if kv.path == "stream":
+            held = kv.exists_keyed(namespace, block_keys, counted=False)
+            if all(held):
+                return held
+        else:
+            held = [False] * len(keys)
         ack = kv.store_keyed(
-            self.namespace(),
-            [block_key(k) for k in keys],
-            payloads,
+            namespace,
+            block_keys,
+            [None if h else p for p, h in zip(payloads, held, strict=True)],
             parent_key=block_key(after) if after is not None else None,
             linked=True,
             ttl_s=self.options.ttl_s,
+            held=held,
         )
         return ack.held
 

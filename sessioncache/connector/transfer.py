@@ -42,7 +42,7 @@ from sessioncache.connector.payloads import as_buffer
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.connector.stream import StoreAck, StreamClient
 from sessioncache.devices import DeviceCopies, device_bytes, is_tensor, on_device
-from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.errors import InvalidInput, SessionCacheError, StoreRefused
 from sessioncache.hashing import Namespace, Tokens, tokens_to_le_bytes
 from sessioncache.status import BlockStatus
 
@@ -349,15 +349,21 @@ class KVTransfer:
         parent_key: bytes | None = None,
         linked: bool = True,
         ttl_s: float | None = None,
+        held: Sequence[bool] | None = None,
     ) -> StoreAck:
         """Store one payload per 16-byte block key. ``linked`` records the batch as a chain
         (block ``i`` hangs off block ``i - 1``) for tail-first eviction; else each block stands
         alone. ``parent_key``: the key of the block the batch continues, when the node still
         holds it (an uncounted probe; evicted meanwhile, the batch starts a chain of its own).
         Payloads of several sizes go in one STORE per run of one size (the linked runs one
-        chain); a namespace's blocks have one size, so a run of another size is refused."""
+        chain); a namespace's blocks have one size, so a run of another size is refused.
+        ``held``: per key, the node holds it already (``exists_keyed(counted=False)``): such
+        blocks are answered ``present`` and their payloads neither read nor sent (None may
+        stand for them); a linked run after one hangs off it."""
         if len(keys) != len(payloads):
             raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
+        if held is not None and len(held) != len(keys):
+            raise InvalidInput(f"{len(held)} held flags for {len(keys)} keys")
         conn = self._dataplane("store_keyed")
         root = self.root(namespace)
         parent: bytes | None = None
@@ -365,29 +371,62 @@ class KVTransfer:
             (parent,) = conn.key_ids(root, [parent_key])
             if not conn.exists(root, [parent], counted=False)[0]:
                 parent = None
+        skip = list(held) if held is not None else [False] * len(keys)
+        ids = conn.key_ids(root, keys) if any(skip) else []
         hashes: list[bytes] = []
         status: list[BlockStatus] = []
         durable = True
-        sizes = [_nbytes(p) for p in payloads]
+        sent = False
+        sizes = [0 if s else _nbytes(p) for p, s in zip(payloads, skip, strict=True)]
         start = 0
         while start < len(payloads):
+            if skip[start]:
+                hashes.append(ids[start])
+                status.append(BlockStatus.PRESENT)
+                parent = ids[start] if linked else None
+                start += 1
+                continue
             end = start + 1
-            while end < len(payloads) and sizes[end] == sizes[start]:
+            while end < len(payloads) and not skip[end] and sizes[end] == sizes[start]:
                 end += 1
-            ack = conn.store_keyed(
+            ack = self._store_run(
+                conn,
                 root,
                 keys[start:end],
                 payloads[start:end],
-                parent=parent,
-                linked=linked,
-                ttl_s=ttl_s,
+                parent,
+                linked,
+                ttl_s,
+                checked_parent=start > 0 and skip[start - 1],
             )
             hashes += ack.hashes
             status += ack.status
             durable = durable and ack.durable
+            sent = True
             parent = ack.hashes[-1] if linked and ack.held[-1] else None
             start = end
-        return StoreAck(hashes, status, durable and bool(hashes))
+        return StoreAck(hashes, status, durable and sent)
+
+    @staticmethod
+    def _store_run(
+        conn: StreamClient,
+        root: bytes,
+        keys: Sequence[bytes],
+        payloads: Sequence[Any],
+        parent: bytes | None,
+        linked: bool,
+        ttl_s: float | None,
+        *,
+        checked_parent: bool,
+    ) -> StoreAck:
+        """One run of ``store_keyed``; a parent found held by the caller's check but evicted
+        since (``StoreRefused`` before any block is stored) is dropped: the run stands alone."""
+        try:
+            return conn.store_keyed(root, keys, payloads, parent=parent, linked=linked, ttl_s=ttl_s)
+        except StoreRefused:
+            if not checked_parent or parent is None or conn.broken:
+                raise
+        return conn.store_keyed(root, keys, payloads, parent=None, linked=linked, ttl_s=ttl_s)
 
     # -- paths ---------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from sessioncache.hashing import Namespace
@@ -29,3 +31,13 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     )
     yield server
     server.stop()
+
+
+def received_bytes(server: Server, carrier: str) -> int:
+    """Block payload bytes the node has received over ``carrier`` (``stream``, ``same_host``,
+    ``rest``): its ``sessioncache_received_payload_bytes_total``."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    series = rf'^sessioncache_received_payload_bytes_total\{{carrier="{carrier}"\}} (\S+)$'
+    found = re.search(series, text, re.M)
+    assert found is not None, f"no received payload bytes of {carrier} in /metrics"
+    return int(float(found.group(1)))

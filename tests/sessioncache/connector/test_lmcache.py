@@ -19,6 +19,7 @@ import pytest
 
 from sessioncache.connector.lmcache import Completion, SessionCacheL2, parse_key
 from sessioncache.errors import InvalidInput
+from tests.sessioncache.connector.conftest import received_bytes
 from tests.support.servers import Server, free_port, start_server
 
 LMCACHE = [sys.executable, "-c", "from lmcache.cli.main import main; main()"]
@@ -178,6 +179,44 @@ def test_native_interface_round_trip(node: Server, data_path: str):
 
         bad = wait_for(adapter, adapter.submit_batch_exists(["not-a-key"]))
         assert bad[1] is False and "not an LMCache key" in bad[2]
+    finally:
+        adapter.close()
+
+
+def prompt_tokens(node: Server) -> tuple[float, float]:
+    """The node's hit and miss tokens (``/metrics``)."""
+    text = httpx.get(f"{node.url}/metrics", timeout=10).text
+    found = dict(re.findall(r"^sessioncache_(hit|miss)_tokens_total (\S+)$", text, re.M))
+    return float(found["hit"]), float(found["miss"])
+
+
+@pytest.mark.parametrize("data_path", ["stream", "same_host"])
+def test_a_set_sends_only_the_blocks_the_node_lacks(node: Server, data_path: str):
+    """Held keys' payloads never reach the node (its received payload bytes say so), and the
+    check is not a prompt's question (no hit or miss tokens)."""
+    adapter = SessionCacheL2(node.url, data_path=data_path, kv_layout=f"resend-{data_path}")  # type: ignore[arg-type]
+    try:
+        size = 256 << 10
+        keys = [key(100 + i) for i in range(8)]
+        payloads = [bytes([i + 1]) * size for i in range(8)]
+        before = received_bytes(node, data_path)
+        stored = wait_for(adapter, adapter.submit_batch_set(keys[:6], payloads[:6]))
+        assert stored[1:3] == (True, "")
+        assert received_bytes(node, data_path) - before == 6 * size
+        tokens = prompt_tokens(node)
+        before = received_bytes(node, data_path)
+        again = [b"\xff" * size] * 6
+        assert wait_for(adapter, adapter.submit_batch_set(keys[:6], again))[1:3] == (True, "")
+        assert received_bytes(node, data_path) == before  # no payload crossed
+        # held and new keys in one batch: only the new ones are sent
+        assert wait_for(adapter, adapter.submit_batch_set(keys, payloads))[1:3] == (True, "")
+        assert received_bytes(node, data_path) - before == 2 * size
+        assert prompt_tokens(node) == tokens  # the checks counted nothing
+
+        out = [bytearray(size) for _ in keys]
+        got = wait_for(adapter, adapter.submit_batch_get(keys, [memoryview(b) for b in out]))
+        assert got[1:] == (True, "", [True] * 8)
+        assert [bytes(b) for b in out] == payloads
     finally:
         adapter.close()
 

@@ -23,6 +23,8 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
 from lmcache.v1.metadata import LMCacheMetadata
 
+from sessioncache.connector.lmcache_remote import SessionCacheRemoteConnector
+from tests.sessioncache.connector.conftest import received_bytes
 from tests.support.servers import Server, start_server
 
 LAYERS, CHUNK, HEADS, HEAD_DIM = 2, 16, 2, 8
@@ -123,5 +125,65 @@ def test_a_fresh_engine_retrieves_what_another_stored(node: Server, data_path: s
         assert torch.equal(out, kv)
         other = torch.randint(30_000, 40_000, (n,))
         assert reader.lookup(other) == 0
+    finally:
+        LMCacheEngineBuilder.destroy(second)
+
+
+def counted_puts(built: Any) -> list[int]:
+    """How many batched puts the engine's sessioncache connector has finished (its store
+    returns before they do, and its close frees the buffers they read)."""
+    backend = built.storage_manager.storage_backends["RemoteBackend-sessioncache"]
+    connector = backend.connection
+    while not isinstance(connector, SessionCacheRemoteConnector):  # LMCache's wrappers
+        connector = getattr(connector, "_connector", None) or connector.real_connector
+    done = [0]
+    put = connector._put_sync
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        try:
+            put(*args, **kwargs)
+        finally:
+            done[0] += 1
+
+    connector._put_sync = counted
+    return done
+
+
+def wait_puts(done: list[int], n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while done[0] < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert done[0] >= n
+
+
+def test_chunks_the_node_holds_are_not_sent_again(node: Server):
+    """A second engine storing the same prompt sends none of its chunks' payloads (only the
+    new chunks of a longer prompt reach the node)."""
+    n = 4 * CHUNK
+    tokens = torch.randint(0, 30_000, (2 * n,))
+    kv = torch.randn(2, LAYERS, 2 * n, HEADS * HEAD_DIM, dtype=torch.float16)
+    chunk_bytes = 2 * LAYERS * CHUNK * HEADS * HEAD_DIM * 2
+    first, writer = engine(node, "stream")
+    try:
+        done = counted_puts(writer)
+        writer.store(tokens[:n], kvcaches=kv[:, :, :n])
+        wait_puts(done, 1)
+    finally:
+        LMCacheEngineBuilder.destroy(first)
+    held = blocks(node)
+
+    second, again = engine(node, "stream")
+    try:
+        done = counted_puts(again)
+        before = received_bytes(node, "stream")
+        again.store(tokens[:n], kvcaches=kv[:, :, :n])
+        wait_puts(done, 1)
+        assert received_bytes(node, "stream") == before  # no chunk crossed
+        assert blocks(node) == held
+        again.store(tokens, kvcaches=kv)  # four held chunks, four new
+        wait_puts(done, 2)
+        sent = received_bytes(node, "stream") - before
+        assert 4 * chunk_bytes < sent < 5 * chunk_bytes  # with their metadata
+        assert blocks(node) == held + 4
     finally:
         LMCacheEngineBuilder.destroy(second)

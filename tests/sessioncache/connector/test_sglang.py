@@ -36,6 +36,7 @@ from sessioncache.connector.sglang import (  # noqa: E402
 )
 from sessioncache.errors import InvalidInput  # noqa: E402
 from sessioncache.hashing import block_key  # noqa: E402
+from tests.sessioncache.connector.conftest import received_bytes  # noqa: E402
 from tests.support.servers import Server, start_server  # noqa: E402
 
 MODULE = "sessioncache.connector.sglang"
@@ -247,6 +248,34 @@ def test_a_written_sequence_is_one_chain(node: Server, prefix: bool):
             root = stream.resolve(ns)
             ids = stream.key_ids(root, [block_key(b) for b in blocks])
             assert stream.lookup(root, ids).matched == (6 if prefix else 4)
+    finally:
+        backend.close()
+
+
+def test_pages_the_node_holds_are_not_sent_again(node: Server):
+    """A batch of held pages sends the node no payload; held and new pages in one
+    batch send the new ones only, and the chain goes on through the held ones."""
+    backend = create(node, "m-resend", path="stream", interface_v1=True)
+    pool = PageFirstHostPool(4)
+    backend.register_mem_pool_host(pool)
+    page_bytes = 2 * LAYERS * PAGE * HEADS * DIM * 2  # K and V, bf16
+    try:
+        keys = keys_for("resend", 4)
+        at = torch.arange(0, 4 * PAGE, dtype=torch.int64)
+        for i in range(4):
+            pool.fill(PAGE * i, seed=100 + i)
+        assert backend.batch_set_v1(keys[:2], at[: 2 * PAGE]) == [True] * 2
+        before = received_bytes(node, "stream")
+        assert backend.batch_set_v1(keys[:2], at[: 2 * PAGE]) == [True] * 2
+        assert received_bytes(node, "stream") == before
+        assert backend.batch_set_v1(keys, at) == [True] * 4
+        assert received_bytes(node, "stream") - before == 2 * page_bytes
+        blocks = [f"{k}#{j}" for k in keys for j in range(2)]
+        ns = backend.namespace()
+        with SessionCacheClient(node.url, namespace=ns, api_key="k1") as c, c.stream() as stream:
+            root = stream.resolve(ns)
+            ids = stream.key_ids(root, [block_key(b) for b in blocks])
+            assert stream.lookup(root, ids).matched == 8  # one chain
     finally:
         backend.close()
 

@@ -189,6 +189,39 @@ def test_a_batch_continues_the_chain_of_a_held_parent(node: Server, path: str):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_blocks_said_held_are_neither_read_nor_sent(node: Server, path: str):
+    """``held`` blocks are answered present without their payloads (None here), the linked
+    runs after them hang off them; one said held but not (a stale check) leaves the next run
+    a chain of its own."""
+    ns = namespace(f"held-{path}")
+    with (
+        transfer(node, path) as kv,
+        SessionCacheClient(node.url, namespace=ns, api_key="key-a") as rest,
+        rest.stream() as stream,
+    ):
+        root = stream.resolve(ns)
+        keys = keys_for(f"held-{path}", 4)
+        data = payloads(7, 4)
+        assert kv.store_keyed(ns, keys[:2], data[:2]).kept == 2
+        held = kv.exists_keyed(ns, keys, counted=False)
+        assert held == [True, True, False, False]
+        ack = kv.store_keyed(ns, keys, [None, None, *data[2:]], held=held)
+        assert ack.status == [BlockStatus.PRESENT] * 2 + [BlockStatus.STORED] * 2
+        assert ack.hashes == stream.key_ids(root, keys)
+        assert stream.lookup(root, ack.hashes).matched == 4  # one chain
+        out = buffers(4)
+        assert kv.load_keyed(ns, keys, out) == [True] * 4
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+
+        stale = keys_for(f"held-stale-{path}", 3)
+        ack = kv.store_keyed(ns, stale, [None, *payloads(8, 2)], held=[True, False, False])
+        assert ack.status[1:] == [BlockStatus.STORED] * 2
+        assert kv.exists_keyed(ns, stale, counted=False) == [False, True, True]
+        with pytest.raises(InvalidInput, match="held flags"):
+            kv.store_keyed(ns, stale, payloads(8, 3), held=[True])
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_tenant_cannot_read_anothers_keyed_blocks(node: Server, path: str):
     ns, keys = namespace(f"tenants-{path}"), keys_for(f"tenants-{path}", 5)
     mine, theirs = payloads(7, 5), payloads(8, 5)
