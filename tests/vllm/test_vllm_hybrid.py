@@ -3,7 +3,8 @@
 ``SupportsHMA``): a Gemma 3 layout (five sliding-window layers to one full-attention layer)
 and a Qwen3-Next layout (three Gated DeltaNet layers to one full-attention layer, a tiny MoE),
 each shared between two fresh engine processes through the node, with the greedy tokens and
-their log-probabilities of the engine that computed the prompt in full (docs/hybrid.md)."""
+their log-probabilities of the engine that computed the prompt in full (docs/hybrid.md): the
+same prompt again, and a session's next turn (the prompt and 96 tokens more)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,21 @@ MODELS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwen3-next": (QWEN3_NEXT, {"mamba_cache_mode": "align"}),
 }
 PROMPT = [t % 1000 + 3 for t in tokens(2048, 7)]
+NEXT_TURN = PROMPT + [t % 1000 + 3 for t in tokens(96, 8)]
+"""A session's next request: the prompt and a turn of 96 tokens."""
+C = {"api_key": "sk-c", "session_id": "c"}
+ENGINE_A: list[dict[str, Any]] = [
+    {"tokens": PROMPT},
+    {"tokens": PROMPT, "params": C, "cache_salt": "c"},
+    {"tokens": PROMPT, "params": {"session_id": "t"}, "cache_salt": "t"},
+    # computed in full (its salt is nowhere else): the next turn's reference
+    {"tokens": NEXT_TURN, "cache_salt": "full"},
+]
+ENGINE_B: list[dict[str, Any]] = [
+    {"tokens": PROMPT},
+    {"tokens": PROMPT, "params": C, "cache_salt": "c"},
+    {"tokens": NEXT_TURN, "params": {"session_id": "t"}, "cache_salt": "t"},
+]
 
 pytestmark = pytest.mark.skipif(
     not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (.ci/run builds it)"
@@ -113,15 +129,12 @@ def random_model(folder: Path, config: dict[str, Any]) -> Path:
     return folder
 
 
-def engine_log(model: Path, node: Server, llm: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """One fresh engine serving the prompt twice: for tenant A, then for tenant C (its own
-    ``cache_salt``, under a session): each result, and everything it printed. Over the stream:
-    the same-host path stages a store only within the tenant's pin bound, the stream does
-    not, so C's objects are stored, and pinned by its session."""
-    prompts = [
-        {"tokens": PROMPT},
-        {"tokens": PROMPT, "params": {"api_key": "sk-c", "session_id": "c"}, "cache_salt": "c"},
-    ]
+def engine_log(
+    model: Path, node: Server, llm: dict[str, Any], prompts: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], str]:
+    """One fresh engine serving ``prompts`` in turn: each result, and everything it printed.
+    Over the stream: the same-host path stages a store only within the tenant's pin bound,
+    the stream does not, so C's objects are stored, and pinned by its session."""
     process = engine_process(
         model,
         node,
@@ -133,31 +146,35 @@ def engine_log(model: Path, node: Server, llm: dict[str, Any]) -> tuple[list[dic
     )
     out, _ = process.communicate(timeout=400)
     found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and len(found) == 2, out[-6000:]
+    assert process.returncode == 0 and len(found) == len(prompts), out[-6000:]
     return found, out
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_two_engines_share_a_hybrid_prefix(node: Server, tmp_path: Path, name: str) -> None:
-    """Engine A computes the prompt in full, for tenants A and C; a fresh engine B takes
-    98% of it from the node for A. For C, whose session's pins leave no room for a lease, the
-    load is refused after the lookup found the prefix: B recomputes it (a failed load of a
-    model with several KV-cache groups is reported per request; vLLM fails the engine for one
-    reported per block) with the same tokens."""
+    """Engine A computes the prompt in full, for tenants A and C and for a session ``t``
+    (its own ``cache_salt``), and the session's next turn (the prompt and 96 tokens) in full
+    under a salt of its own. A fresh engine B takes 98% of the prompt from the node for A,
+    and the next turn's prefix up to the prompt's last block boundary (2016 or 2048 of its
+    2144 tokens) for ``t``, with A's tokens. For C, whose session's pins leave no room for a
+    lease, the load is refused after the lookup found the prefix: B recomputes it (a failed
+    load of a model with several KV-cache groups is reported per request; vLLM fails the
+    engine for one reported per block) with the same tokens."""
     config, llm = MODELS[name]
     model = random_model(tmp_path / name, config)
-    # Engine A: nothing on the node; computes the prompt in full and stores it.
-    (first, first_c), log_a = engine_log(model, node, llm)
-    assert first["cached"] == 0 and first_c["cached"] == 0
-    assert first_c["tokens"] == first["tokens"]
+    # Engine A: nothing on the node; computes the prompts in full and stores them.
+    (first, first_c, first_t, full_next), log_a = engine_log(model, node, llm, ENGINE_A)
+    assert [r["cached"] for r in (first, first_c, first_t, full_next)] == [0, 0, 0, 0]
+    assert first_c["tokens"] == first["tokens"] == first_t["tokens"]
+    assert full_next["tokens"] != first["tokens"]  # the turn changes the output
     assert "sessioncache: hybrid model" in log_a, log_a[-6000:]
     saved = re.search(
         r"sessioncache save: (\d+) of \d+ blocks, checkpoints at \[([\d, ]*)\]", log_a
     )
     assert saved is not None and saved.group(2), log_a[-6000:]  # the spine and checkpoints
     # Engine B, a fresh process: most of the prompt from the node, the rest computed.
-    (second, second_c), log_b = engine_log(model, node, llm)
+    (second, second_c, next_t), log_b = engine_log(model, node, llm, ENGINE_B)
     assert second["cached"] >= 0.7 * len(PROMPT), (second, log_b[-6000:])
     load = re.search(r"sessioncache load: (\d+) of (\d+) blocks", log_b)
     assert load is not None and load.group(1) == load.group(2) != "0", log_b[-6000:]
@@ -167,3 +184,7 @@ def test_two_engines_share_a_hybrid_prefix(node: Server, tmp_path: Path, name: s
     assert re.search(r"sessioncache load of \S+ failed, recomputing: .*pin", log_b), log_b[-6000:]
     assert second_c["tokens"] == first["tokens"]
     assert second_c["logprobs"] == pytest.approx(first["logprobs"], abs=0.05)
+    # Session t's next turn: resumed at the prompt's last block boundary.
+    assert next_t["cached"] >= 1500, (next_t, log_b[-6000:])
+    assert next_t["tokens"] == full_next["tokens"]
+    assert next_t["logprobs"] == pytest.approx(full_next["logprobs"], abs=0.05)
