@@ -149,12 +149,16 @@ def upload(
 ) -> BlockStatus:
     """Phase two: store one handed-out block; with ``durable`` (or ``durable_uploads``) it
     is on the durable tier when this returns, else its copy there follows (write-behind).
-    ``PRESENT`` when it was already held, ``DROPPED`` when no tier could make room for it."""
+    ``PRESENT`` when it was already held, ``DROPPED`` when no tier could make room for it.
+    Its durability is this upload's own, whatever the plan's other uploads ask."""
     tenant = caller.tenant
     slot = upload_slot(node, caller, block_hash)
     if slot.used and _same_as_held(node, block_hash, payload):
         return PRESENT  # a retry whose first answer was lost
-    status = node.store.writes.fill(slot.write, slot.index, payload, durable=durable)
+    writes = node.store.writes
+    sync = writes.sync_for(slot.write, durable=durable)
+    status = writes.fill(slot.write, slot.index, payload, sync=sync)
+    writes.settle(slot.write, sync)
     if status is DROPPED:
         return DROPPED  # the slot stays open: a later try may find room
     node.uploads.mark_used(tenant, block_hash)
@@ -292,7 +296,7 @@ def store_block(node: CacheNode, plan: StorePlan, index: int, payload: Payload) 
     """Store block ``index`` of the plan (its whole payload received); returns its status.
     After a dropped block the rest of the segment is dropped (``TieredStore.writes.fill``).
     A durable plan's blocks reach the durable tier at ``settle``, several per sync."""
-    return node.store.writes.fill(plan.write, index, payload, settle=False)
+    return node.store.writes.fill(plan.write, index, payload)
 
 
 def settle(node: CacheNode, plan: StorePlan) -> None:

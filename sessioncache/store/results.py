@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import xxhash
 
@@ -98,6 +98,29 @@ class LocatedSlot:
     """XXH3-64 (seed 0) of the payload."""
 
 
+class Sync:
+    """One request's durability: the durable tier its blocks must reach before it answers
+    (None: it asked for none), and its blocks queued for that tier, not waited for yet
+    (``StoreWrites.settle``). Its own: the requests filling one write never share one."""
+
+    __slots__ = ("_lock", "_tickets", "durable_tier")
+
+    def __init__(self, durable_tier: int | None = None) -> None:
+        self.durable_tier: Final = durable_tier
+        self._tickets: list[tuple[BlockHash, Ticket]] = []
+        self._lock = threading.Lock()  # a request's blocks may be filled from several threads
+
+    def add(self, block_hash: BlockHash, ticket: Ticket) -> None:
+        with self._lock:
+            self._tickets.append((block_hash, ticket))
+
+    def take(self) -> list[tuple[BlockHash, Ticket]]:
+        """The tickets added since the last ``take``."""
+        with self._lock:
+            tickets, self._tickets = self._tickets, []
+        return tickets
+
+
 @dataclass(eq=False)
 class Write:
     """A prepared write of one chain segment (``TieredStore.prepare``). Its blocks are filled
@@ -109,8 +132,8 @@ class Write:
       another process fills in place, and ``publish(write, ...)`` verifies and publishes the
       next of them, in order (a same-host stage and its commits); ``abort`` frees the rest.
 
-    Either way a filled block is written through (to the write-through tiers, and with
-    ``durable`` to the first durable tier before the call returns) by the same code, and
+    Either way a filled block is written through (to the write-through tiers, and for a
+    durable request to the first durable tier before it answers) by the same code, and
     ``status[i]`` says what became of block ``i`` (None until it is filled or reserved; after
     ``reserve``, ``STORED`` means a slot to fill)."""
 
@@ -126,6 +149,8 @@ class Write:
     exact_tier: bool
     """Placed in ``tier`` as named, not lowered to its parent's tier."""
     durable_tier: int | None
+    """The plan's durable tier (None: not durable); a request filling some of its blocks may
+    ask for more (``StoreWrites.sync_for``), never for less."""
     op: int
     at: float
     """The operation's instant: its records share it (creation, access and expiry times)."""
@@ -140,9 +165,12 @@ class Write:
     """Staged blocks a ``publish`` took so far (done or under way): the next starts here."""
     broken: bool = False
     """A staged block was rejected: every later one is dropped."""
-    tickets: list[tuple[BlockHash, Ticket]] = field(default_factory=list)
-    """A durable write's blocks queued for the durable tier, not waited for yet
-    (``StoreWrites.settle``)."""
+    sync: Sync = field(init=False)
+    """The durability of the request filling all of the write (``put``, a stream STORE, a
+    staging's commits): ``durable_tier`` and its blocks queued for it."""
+
+    def __post_init__(self) -> None:
+        self.sync = Sync(self.durable_tier)
 
     @property
     def locations(self) -> list[SlotLocation | None]:
