@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -66,14 +66,17 @@ class Settings(BaseSettings):
     cpu_spare_chunks: int = Field(
         2,
         ge=0,
-        description="64 MiB chunks of the CPU tier made (and faulted in) ahead of need by a "
-        "background thread, within its capacity, so that a store that needs new memory "
-        "does not wait for the kernel to make it; 0: made by the store that needs it",
+        description="with `cpu_preallocate=off`: 64 MiB chunks of the CPU tier made (and "
+        "faulted in) ahead of need by a background thread from the node's start, within its "
+        "capacity; 0: made by the store that needs it, at the kernel's rate",
     )
-    cpu_preallocate: bool = Field(
-        False,
-        description="make the whole CPU tier at start (the node serves once it is made): "
-        "no store ever waits for new memory, at the cost of holding `cpu_bytes` from boot",
+    cpu_preallocate: Literal["background", "wait", "off"] = Field(
+        "background",
+        description="make the whole CPU tier ahead of need: `background` (a thread makes it "
+        "64 MiB at a time from the node's start, while it serves; a store that comes first "
+        "waits for the chunk being made), `wait` (the node serves once it is made), `off` "
+        "(made as stores need it, `cpu_spare_chunks` ahead). `background` and `wait` hold "
+        "`cpu_bytes` of memory from start, never more; `true` and `false` mean `wait` and `off`",
     )
     shm: bool = Field(
         default_factory=lambda: sys.platform == "linux",
@@ -310,6 +313,14 @@ class Settings(BaseSettings):
     upload_ttl_s: float = Field(
         600.0, gt=0, description="how long the upload slots of a store stay open"
     )
+    store_room_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="longest a store waits for room in a full memory tier whose victims are "
+        "waiting for the write-behind (queued, or being written to disk); past it the store "
+        "copies a queued victim to disk itself or, with nothing evictable, answers the block "
+        "`dropped`",
+    )
 
     # -- admin dashboard (`/admin`)
     admin_token: SecretStr | None = Field(
@@ -437,6 +448,18 @@ class Settings(BaseSettings):
         ge=0,
         description="worth of one token held in sessioncache's own tiers, for `/v1/route`",
     )
+
+    @field_validator("cpu_preallocate", mode="before")
+    @classmethod
+    def _preallocate_as_bool(cls, value: object) -> object:
+        """The earlier boolean setting: true waits for the tier, false makes it as needed."""
+        if isinstance(value, bool):
+            return "wait" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+            return "wait"
+        if isinstance(value, str) and value.strip().lower() in ("false", "0", "no"):
+            return "off"
+        return value
 
     def kind_ttls(self) -> dict[str, float]:
         return {"agent": self.agent_ttl_s, "chat": self.chat_ttl_s, **self.session_kinds}

@@ -27,6 +27,7 @@ from sessioncache.tiers.cpu import CpuTier, SharedCpuTier, shared_memory_availab
 from sessioncache.tiers.disk import DiskTier
 from sessioncache.tiers.gpu import GpuTier
 from sessioncache.tiers.redis import RedisTier
+from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier
 
 log = logging.getLogger("sessioncache.factory")
 
@@ -45,7 +46,12 @@ def build_tiers(
     if settings.gpu_bytes:
         tiers.append(GpuTier(settings.gpu_bytes, device=settings.gpu_device))
     if settings.cpu_bytes:
-        spare, prealloc = settings.cpu_spare_chunks, settings.cpu_preallocate
+        prealloc = settings.cpu_preallocate == "wait"
+        spare = (  # "background": every chunk that fits, kept made
+            settings.cpu_bytes // DEFAULT_CHUNK_BYTES
+            if settings.cpu_preallocate == "background"
+            else settings.cpu_spare_chunks
+        )
         tiers.append(
             SharedCpuTier(
                 settings.cpu_bytes,
@@ -107,6 +113,7 @@ def build_store(
         observers=observers,
         write_behind_bytes=settings.write_behind_bytes,
         write_behind_tenant_share=settings.tenant_write_behind_share,
+        room_wait_s=settings.store_room_wait_s,
     )
 
 
@@ -173,6 +180,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             write_through=write_through,
             write_behind_bytes=settings.write_behind_bytes,
             write_behind_tenant_share=settings.tenant_write_behind_share,
+            room_wait_s=settings.store_room_wait_s,
         )
         closers.append(store.close)
         if refresher is not None and shared is not None:
@@ -213,6 +221,9 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         background.start()
         on_close.append(background.close)
     if start:
+        for tier in tiers:
+            if isinstance(tier, SlabTier):
+                tier.make_ahead()  # a serving node makes its memory from start
         catalog.start()
         sweep.start()
         if fleet is not None:

@@ -102,6 +102,9 @@ class BlockIndex:
         """Bytes of pinned blocks per tier."""
         self.root_pinned: dict[bytes, list[int]] = {}
         """The same per namespace root: a tenant's share is its roots' sum."""
+        self._in_flight: dict[int, int] = {}
+        """Per slot, the references of the node's own copies (``ref(in_flight=True)``):
+        they keep the block in place but are no pin, so no tenant's pin share pays them."""
         self._order = 1  # the next touch order: orders a chain's blocks
         self._ops = itertools.count(1)  # one per operation: orders same-instant touches
         policy.bind(self.get)
@@ -205,6 +208,7 @@ class BlockIndex:
         if first != NO_SLOT:
             self._orphans[meta.block_hash] = first
             table.first_kid[slot] = NO_SLOT
+        self._in_flight.pop(slot, None)
         table.free(slot)
 
     def snapshot(self, block_hash: BlockHash) -> BlockMeta | None:
@@ -420,7 +424,7 @@ class BlockIndex:
         mask |= bit
         table.mask[slot] = mask
         self.tier_blocks[tier] += 1
-        if table.ref[slot]:
+        if table.ref[slot] > self._in_flight.get(slot, 0):
             _pinned(self, slot, tier, table.nbytes[slot])
         table.children_in[slot * self._num_tiers + tier] = sum(
             1 for kid in table.kids(slot) if table.mask[kid] & bit
@@ -429,8 +433,9 @@ class BlockIndex:
         owner = table.slot_of.get(parent) if parent is not None else None
         if owner is not None and table.mask[owner] & bit:
             table.children_in[owner * self._num_tiers + tier] += 1
-        for held in tier_set(mask):
-            self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
+        if table.ref[slot] == table.pins[slot]:  # else no copy of it is a candidate
+            for held in tier_set(mask):
+                self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
         return True
 
     def remove_copy(self, meta: BlockMeta, tier: int) -> bool:
@@ -446,7 +451,7 @@ class BlockIndex:
         mask &= ~bit
         table.mask[slot] = mask
         self.tier_blocks[tier] -= 1
-        if table.ref[slot]:
+        if table.ref[slot] > self._in_flight.get(slot, 0):
             _pinned(self, slot, tier, -table.nbytes[slot])
         parent = meta.parent
         owner = table.slot_of.get(parent) if parent is not None else None
@@ -477,28 +482,44 @@ class BlockIndex:
 
     # -- pins and leases ----------------------------------------------------------------
 
-    def ref(self, meta: BlockMeta) -> None:
+    def ref(self, meta: BlockMeta, *, in_flight: bool = False) -> None:
+        """One more reference on ``meta``: a pin (a lease, a session, a write), or with
+        ``in_flight`` a copy the node itself makes (to a lower tier, to the durable tier),
+        which keeps the block where it is but is counted in no pinned bytes."""
         table, slot = self._table, meta.slot
         if not meta.live:
             return
-        if table.ref[slot] == 0:
+        flying = self._in_flight.get(slot, 0)
+        if in_flight:
+            self._in_flight[slot] = flying + 1
+        elif table.ref[slot] == flying:
             for tier in tier_set(table.mask[slot]):
                 _pinned(self, slot, tier, table.nbytes[slot])
         table.ref[slot] += 1
 
-    def unref(self, meta: BlockMeta) -> None:
+    def unref(self, meta: BlockMeta, *, in_flight: bool = False) -> None:
+        """Drop a reference ``ref`` took, with the same ``in_flight``."""
         table, slot = self._table, meta.slot
         if not meta.live:
             return
         ref = table.ref[slot]
         if ref <= 0:
             return
+        flying = self._in_flight.get(slot, 0)
+        if in_flight and flying:
+            flying -= 1
+            if flying:
+                self._in_flight[slot] = flying
+            else:
+                del self._in_flight[slot]
         ref -= 1
         table.ref[slot] = ref
         tiers = tier_set(table.mask[slot])
-        if ref == 0:
+        if not in_flight and ref == flying:
             for tier in tiers:
                 _pinned(self, slot, tier, -table.nbytes[slot])
+        if ref == 0:
+            for tier in tiers:
                 self._policy.track(meta, tier)
         elif ref == table.pins[slot] and len(tiers) > 1:
             for tier in tiers:

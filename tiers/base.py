@@ -34,7 +34,7 @@ Optional abilities, each its own small protocol:
     ``SharedMemoryTier`` a host tier whose memory other processes on the host may map: where
                          a block lies (``locate``), the segments' descriptors, and slots a
                          writer fills in place before they are published as blocks
-                         (``reserve``, ``publish``, ``release_reserved``); see
+                         (``reserve``, ``publish_many``, ``release_many``); see
                          ``docs/dataplane.md``, "Same host"
 """
 
@@ -294,9 +294,10 @@ class SharedMemoryTier(Protocol):
     ``segments()`` the live segment ids; ``segment_fd(segment)`` a new descriptor of one
     (the caller closes it; ``KeyError`` when the segment is gone); ``locate(h)`` where a held
     block lies, or None. ``reserve(nbytes)`` takes a free slot (``TierFull``,
-    ``PayloadSizeError`` as ``put``); ``publish(h, slot)`` makes the filled slot the block
-    ``h`` without copying (False, and the slot freed, when ``h`` is already held);
-    ``release_reserved(slot)`` frees an unpublished slot.
+    ``PayloadSizeError`` as ``put``); ``reserve_many(nbytes, n)`` takes up to ``n``, as many
+    as fit without eviction. ``publish_many([(h, slot), ...])`` makes each filled slot the
+    block ``h`` without copying (False, and the slot freed, where ``h`` is already held);
+    ``release_many(slots)`` frees unpublished slots. Each call takes the tier's lock once.
     """
 
     def segments(self) -> list[int]: ...
@@ -307,6 +308,8 @@ class SharedMemoryTier(Protocol):
 
     def reserve(self, nbytes: int) -> StagedSlot: ...
 
-    def publish(self, block_hash: BlockHash, slot: StagedSlot) -> bool: ...
+    def reserve_many(self, nbytes: int, count: int) -> list[StagedSlot]: ...
 
-    def release_reserved(self, slot: StagedSlot) -> None: ...
+    def publish_many(self, items: Sequence[tuple[BlockHash, StagedSlot]]) -> list[bool]: ...
+
+    def release_many(self, slots: Iterable[StagedSlot]) -> None: ...

@@ -21,16 +21,18 @@ mappings of it for theirs. A segment is unregistered before it is retired.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import itertools
 import mmap
 import os
 import weakref
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from sessioncache.errors import PayloadSizeError
+from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.hostpin import HostRegistration
 from sessioncache.tiers.base import SlotLocation, StagedSlot
@@ -47,25 +49,44 @@ _SEALS_READ_ONLY = _SEALS | F_SEAL_FUTURE_WRITE
 included; the node's mapping, made before the seal, stays writable."""
 
 
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14: fault the range in, writable (not in Python's ``mmap`` module)."""
+
+
 def shared_segment(name: str, nbytes: int, *, read_only: bool = False) -> tuple[int, torch.Tensor]:
     """A new memfd segment of ``nbytes``, sized for good, mapped writable into this process
     and populated: its descriptor and a flat ``uint8`` tensor over the mapping. With
-    ``read_only`` every other mapping of it can only read."""
+    ``read_only`` every other mapping of it can only read.
+
+    Its pages are transparent huge pages where the kernel allows them for shared memory
+    (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``: ``advise``, ``within_size`` or
+    ``always``), else 4 KiB ones."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
-        # Populated now (as a pinned allocation would be): no page faults on the data path.
-        memory = mmap.mmap(
-            fd,
-            nbytes,
-            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        )
+        memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        _populate(memory, fd, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS_READ_ONLY if read_only else _SEALS)
     except BaseException:
         os.close(fd)
         raise
     return fd, torch.frombuffer(memory, dtype=torch.uint8)
+
+
+def _populate(memory: mmap.mmap, fd: int, nbytes: int) -> None:
+    """Fault a new segment's pages in now (as a pinned allocation would be): no page faults
+    on the data path. Huge pages asked for first (refused or ignored where not allowed)."""
+    with contextlib.suppress(OSError, AttributeError):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        memory.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # a kernel before 5.14: a populated mapping of the same pages instead
+        mmap.mmap(
+            fd,
+            nbytes,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        ).close()
 
 
 @functools.cache
@@ -116,8 +137,8 @@ class CpuTier(SlabTier):
             preallocate=preallocate,
             grow_chunks=grow_chunks,
         )
-        if type(self) is CpuTier:
-            self._start_spares(preallocate)
+        if type(self) is CpuTier and preallocate:
+            self._spares.fill()  # else ``make_ahead`` or the first chunk made starts it
 
 
 class SharedCpuTier(CpuTier):
@@ -160,7 +181,8 @@ class SharedCpuTier(CpuTier):
         weakref.finalize(self, _close_all, self._fds)
         weakref.finalize(self, self._spares.close)
         self._reserved: dict[SlotLocation, _Slot] = {}
-        self._start_spares(preallocate)
+        if preallocate:
+            self._spares.fill()  # else ``make_ahead`` or the first chunk made starts it
 
     # -- segments -----------------------------------------------------------------------
 
@@ -208,17 +230,13 @@ class SharedCpuTier(CpuTier):
 
     def locate(self, block_hash: BlockHash) -> SlotLocation | None:
         with self._lock:
-            slot = self._index.get(block_hash)
-            return None if slot is None else _location(self._slabs, slot)
+            code = self._index.get(block_hash)
+            return None if code is None else _location(self._slabs, self._codes.unpack(code))
 
     # -- slots filled in place -----------------------------------------------------------
 
     def reserve(self, nbytes: int) -> StagedSlot:
-        if nbytes <= 0 or nbytes > self.capacity_bytes:
-            raise PayloadSizeError(
-                f"{self.name}: payload of {nbytes} bytes does not fit a tier of "
-                f"{self.capacity_bytes} bytes"
-            )
+        _check_reservable(self, nbytes)
         with self._lock:
             slot = self._allocate(nbytes)
             location = _location(self._slabs, slot)
@@ -227,27 +245,67 @@ class SharedCpuTier(CpuTier):
             assert chunk is not None
             return StagedSlot(location, chunk.tensor[slot.slot])
 
-    def publish(self, block_hash: BlockHash, slot: StagedSlot) -> bool:
+    def reserve_many(self, nbytes: int, count: int) -> list[StagedSlot]:
+        """Up to ``count`` free slots of ``nbytes`` at once: as many as there is room for
+        without eviction (maybe none)."""
+        if count <= 0:
+            return []
+        _check_reservable(self, nbytes)
+        staged: list[StagedSlot] = []
         with self._lock:
-            held = self._reserved.pop(slot.location, None)
-            if held is None:
-                raise KeyError(f"{self.name}: slot {slot.location} is not reserved")
-            if block_hash in self._index or block_hash in self._pending:
-                self._release(held)
-                return False
-            self._index[block_hash] = held
-            return True
+            slabs, reserved = self._slabs, self._reserved
+            while len(staged) < count and self._can_allocate(nbytes):
+                try:
+                    slot = self._allocate(nbytes)
+                except TierFull:
+                    break
+                chunk = slabs[nbytes].chunks[slot.chunk]
+                assert chunk is not None
+                location = SlotLocation(chunk.segment, slot.slot * nbytes, nbytes)
+                reserved[location] = slot
+                staged.append(StagedSlot(location, chunk.tensor[slot.slot]))
+        return staged
 
-    def release_reserved(self, slot: StagedSlot) -> None:
+    def publish_many(self, items: Sequence[tuple[BlockHash, StagedSlot]]) -> list[bool]:
+        """Publish each reserved ``slot`` as the copy of its block ``id``, in order, under one
+        lock: True where published, False where the block is held already (the slot freed);
+        ``KeyError`` for a slot not reserved."""
+        done: list[bool] = []
         with self._lock:
-            held = self._reserved.pop(slot.location, None)
-            if held is not None:
-                self._release(held)
+            index, pending, reserved = self._index, self._pending, self._reserved
+            for block_hash, slot in items:
+                held = reserved.pop(slot.location, None)
+                if held is None:
+                    raise KeyError(f"{self.name}: slot {slot.location} is not reserved")
+                if block_hash in index or block_hash in pending:
+                    self._release(held)
+                    done.append(False)
+                else:
+                    index[block_hash] = self._codes.pack(held)
+                    done.append(True)
+        return done
+
+    def release_many(self, slots: Iterable[StagedSlot]) -> None:
+        """Free reserved slots not published, under one lock (a slot no longer reserved is
+        skipped)."""
+        with self._lock:
+            for slot in slots:
+                held = self._reserved.pop(slot.location, None)
+                if held is not None:
+                    self._release(held)
 
     def close(self) -> None:
         with self._lock:
             self._reserved.clear()
         super().close()
+
+
+def _check_reservable(tier: SharedCpuTier, nbytes: int) -> None:
+    if nbytes <= 0 or nbytes > tier.capacity_bytes:
+        raise PayloadSizeError(
+            f"{tier.name}: payload of {nbytes} bytes does not fit a tier of "
+            f"{tier.capacity_bytes} bytes"
+        )
 
 
 def _location(slabs: dict[int, _Slab], slot: _Slot) -> SlotLocation:

@@ -81,6 +81,45 @@ class _Slot:
     slot: int
 
 
+_SLOT_BITS = 32
+_CHUNK_BITS = 20
+"""A held block's slot is kept as one int (``SlabTier._pack``): its slab's number, its chunk
+and its slot index; a ``_Slot`` object per block would cost ~56 bytes more."""
+
+
+class _SlotCodes:
+    """Slots as ints (a held block's entry in the tier's map: one int, not a ``_Slot``):
+    the slab's number, the chunk's index, the slot's index, packed."""
+
+    def __init__(self) -> None:
+        self._number: dict[int, int] = {}  # payload size: its slab's number
+        self._sizes: list[int] = []  # slab number: its payload size
+
+    def pack(self, slot: _Slot) -> int:
+        assert slot.chunk >> _CHUNK_BITS == 0 and slot.slot >> _SLOT_BITS == 0
+        number = self._number.get(slot.payload_size)
+        if number is None:
+            number = self._number[slot.payload_size] = len(self._sizes)
+            self._sizes.append(slot.payload_size)
+        return (number << _CHUNK_BITS | slot.chunk) << _SLOT_BITS | slot.slot
+
+    def unpack(self, code: int) -> _Slot:
+        chunk = code >> _SLOT_BITS
+        return _Slot(
+            self._sizes[chunk >> _CHUNK_BITS],
+            chunk & ((1 << _CHUNK_BITS) - 1),
+            code & ((1 << _SLOT_BITS) - 1),
+        )
+
+
+def _reuse_chunk_index(slab: _Slab) -> int:
+    for i, chunk in enumerate(slab.chunks):
+        if chunk is None:
+            return i
+    slab.chunks.append(None)
+    return len(slab.chunks) - 1
+
+
 class SlabTier:
     """A tier of fixed-size slots in torch tensors on one device (see module docstring)."""
 
@@ -118,7 +157,9 @@ class SlabTier:
         self._grow = grow_chunks and not preallocate
         self._lock = threading.Lock()
         self._slabs: dict[int, _Slab] = {}
-        self._index: dict[BlockHash, _Slot] = {}
+        self._index: dict[BlockHash, int] = {}
+        """Each held block's slot, packed (``_SlotCodes``)."""
+        self._codes = _SlotCodes()
         self._pending: set[BlockHash] = set()
         self._used = 0
         self._allocated = 0
@@ -131,11 +172,10 @@ class SlabTier:
             name=f"sessioncache-{name}",
         )
 
-    def _start_spares(self, preallocate: bool) -> None:
-        """Make the spares the constructor asked for (call at the end of ``__init__``)."""
-        if preallocate:
-            self._spares.fill()
-        # else the first chunk made starts the refill: a tier never used holds no memory
+    def make_ahead(self) -> None:
+        """Start making the spare chunks now, in the background (a serving node's tier, from
+        its start), instead of after the first chunk made."""
+        self._spares.start()
 
     @property
     def spare_bytes(self) -> int:
@@ -167,9 +207,10 @@ class SlabTier:
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
         with self._lock:
-            slot = self._index.get(block_hash)
-            if slot is None:
+            code = self._index.get(block_hash)
+            if code is None:
                 return None
+            slot = self._codes.unpack(code)
             chunk = self._slabs[slot.payload_size].chunks[slot.chunk]
             assert chunk is not None
             return chunk.tensor[slot.slot]
@@ -205,13 +246,14 @@ class SlabTier:
             raise
         with self._lock:
             self._pending.discard(block_hash)
-            self._index[block_hash] = slot
+            self._index[block_hash] = self._codes.pack(slot)
 
     def delete(self, block_hash: BlockHash) -> int:
         with self._lock:
-            slot = self._index.pop(block_hash, None)
-            if slot is None:
+            code = self._index.pop(block_hash, None)
+            if code is None:
                 return 0
+            slot = self._codes.unpack(code)
             self._release(slot)
             return slot.payload_size
 
@@ -291,7 +333,7 @@ class SlabTier:
             ):
                 grown = max(nbytes, sum(c.tensor.numel() for c in slab.chunks if c is not None))
             slots = max(1, min(self._chunk_bytes, room, grown) // nbytes)
-            index = self._reuse_chunk_index(slab)
+            index = _reuse_chunk_index(slab)
             slab.chunks[index] = self._new_chunk(slots, nbytes)
             self._allocated += slots * nbytes
             slab.fresh.append(index)
@@ -310,14 +352,6 @@ class SlabTier:
         chunk.used += 1
         self._used += nbytes
         return _Slot(nbytes, chunk_index, slot_index)
-
-    @staticmethod
-    def _reuse_chunk_index(slab: _Slab) -> int:
-        for i, chunk in enumerate(slab.chunks):
-            if chunk is None:
-                return i
-        slab.chunks.append(None)
-        return len(slab.chunks) - 1
 
     def _release(self, slot: _Slot) -> None:
         slab = self._slabs[slot.payload_size]

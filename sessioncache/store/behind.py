@@ -23,13 +23,17 @@ What a crash loses: a block acknowledged as not durable is lost only if it was s
 (at most ``bound_bytes``); a durable one never (its answer waited for the sync).
 
 The thread lets a burst of stores finish before it writes: it starts once the stores have
-paused for ``IDLE_S`` (50 ms), or the backlog passes half its bound, or a durable store waits.
+paused for ``IDLE_S`` (50 ms), or the backlog passes half its bound, or a durable store waits,
+or a store waits for room in a full tier (``hurry``: then it writes on until the queue is
+empty, the tier's room coming from its copies).
 A busy node thus copies its stores first and writes them to disk right after, rather than
 making both compete for the same cores.
 
 A queued block is not pinned: if its tier evicts it first, the eviction demotes it to the
 disk (a copy the queue then finds done). While the thread copies a block it holds it in
-flight (``BlockIndex.ref``), so its slot is not reused under the copy.
+flight (``StoreCore.flush_begin``), so its slot is not reused under the copy; a store that
+finds nothing else to evict in a full tier waits for that copy to end (``StoreCore.make_room``:
+back-pressure, as a full queue's), rather than being answered ``dropped``.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class WriteBehind:
         """Bytes queued per tenant."""
         self._closed = False
         self._urgent = 0  # durable blocks queued: written at once
+        self._hurried = False  # a store waited for room: write until the queue is empty
         self._last_submit = 0.0
         self._above_since: float | None = None
         self.written = 0
@@ -143,6 +148,56 @@ class WriteBehind:
             self._cond.notify_all()
         return ticket
 
+    def submit_many(self, metas: Sequence[BlockMeta], *, durable: bool = False) -> list[Ticket]:
+        """``submit`` of each of ``metas`` in order (each waits for room as ``submit`` does),
+        taking the queue's lock once while there is room. Without ``durable`` no store waits
+        for them: their tickets share one event, and none is returned."""
+        owners: dict[bytes, str] = {}
+        tickets: list[Ticket] = []
+        shared = None if durable else threading.Event()
+        with self._cond:
+            for meta in metas:
+                root, nbytes = meta.namespace_root, meta.nbytes
+                tenant = owners.get(root)
+                if tenant is None:
+                    tenant = owners[root] = self.owner(root)
+                ticket = (
+                    Ticket(nbytes, tenant, urgent=True)
+                    if shared is None
+                    else Ticket(nbytes, tenant, done=shared)
+                )
+                if durable:
+                    tickets.append(ticket)
+                while not self._closed and self._full(tenant, nbytes):
+                    self._cond.notify_all()  # what is queued so far may be written meanwhile
+                    self._cond.wait()
+                if self._closed:
+                    ticket.done.set()
+                    continue
+                self._queue.push(tenant, _Queued(meta, ticket), nbytes, urgent=durable)
+                self._urgent += durable
+                self._bytes += nbytes
+                self.tenants.add(tenant, nbytes)
+            self._last_submit = time.monotonic()
+            self._note_level()
+            self._cond.notify_all()
+        return tickets
+
+    def _full(self, tenant: str, nbytes: int) -> bool:
+        """(condition held) Whether ``nbytes`` more of ``tenant``'s would pass a bound."""
+        if self._bytes and self._bytes + nbytes > self.bound_bytes:
+            return True
+        queued = self.tenants.get(tenant)
+        return bool(queued) and queued + nbytes > self._tenant_bytes
+
+    def hurry(self) -> None:
+        """A store waits for room in a tier that copies of queued blocks would make: write
+        now, and on until the queue is empty, without waiting for the stores to pause."""
+        with self._cond:
+            if not self._hurried:
+                self._hurried = True
+                self._cond.notify_all()
+
     @staticmethod
     def wait(tickets: Sequence[Ticket]) -> bool:
         """Wait for ``tickets``; whether every block reached the durable tier."""
@@ -176,10 +231,13 @@ class WriteBehind:
             with self._cond:
                 while not self._closed:
                     if not self._queue:
+                        self._hurried = False
                         self._cond.wait()
                         continue
                     idle = time.monotonic() - self._last_submit
-                    if self._urgent or self._bytes > self.bound_bytes / 2 or idle >= IDLE_S:
+                    if self._urgent or self._hurried or self._bytes > self.bound_bytes / 2:
+                        break
+                    if idle >= IDLE_S:
                         break
                     self._cond.wait(IDLE_S - idle)  # a burst under way: let it finish
                 if not self._queue:
@@ -205,6 +263,7 @@ class WriteBehind:
         core, d = self._core, self.durable
         tier = core.tiers[d]
         todo: list[tuple[_Queued, BlockMeta]] = []
+        held: list[tuple[BlockMeta, tuple[int, ...]]] = []
         with core.lock:
             for queued in batch:
                 meta = core.index.get(queued.meta.block_hash)
@@ -213,7 +272,8 @@ class WriteBehind:
                 if d in meta.tiers:
                     queued.ticket.ok = True  # there already (an eviction demoted it)
                     continue
-                core.index.ref(meta)  # in flight: its slot is not reused under the copy
+                # in flight: its slot is not reused under the copy
+                held.append((meta, core.flush_begin(meta, d)))
                 todo.append((queued, meta))
         try:
             items: list[PutItem] = []
@@ -245,7 +305,7 @@ class WriteBehind:
                 error = errors[k]
                 if isinstance(error, TierFull):
                     # the room went to another writer, or the tier commits one by one: alone
-                    ok = core.place(meta, items[k].payload, d, stop=d + 1) is not None
+                    ok = core.place(meta, items[k].payload, d, stop=d + 1, wait=False) is not None
                 elif error is None:
                     with core.lock:
                         if meta.live:
@@ -263,8 +323,7 @@ class WriteBehind:
                 else:
                     self.failed += 1
         finally:
-            for _, meta in todo:
-                core.unclaim(meta)
+            core.flush_end(held)
 
     def _note_level(self) -> None:
         """(condition held) Track how long the backlog has stayed above 80% of its bound."""

@@ -4,12 +4,16 @@ promotion), and the index changes that observers hear of. ``StoreReads``, ``Stor
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypedDict
 
+import numpy as np
 import torch
 
 from sessioncache.blocks import BlockMeta
@@ -45,6 +49,50 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sessioncache.store")
 
+DEFAULT_ROOM_WAIT_S = 30.0
+
+
+class _Evicted(enum.Enum):
+    DONE = enum.auto()
+    """A victim left the tier."""
+    NONE = enum.auto()
+    """No victim: every block there is pinned, or the parent of one."""
+    REFUSED = enum.auto()
+    """The policy keeps the victim over the incoming block."""
+    BEHIND = enum.auto()
+    """The victim waits for the write-behind, whose copy would make room (kept in place)."""
+
+
+class _Line:
+    """Stores waiting for room in one tier: a queue per tenant, the tenants in turn (the head
+    of the first tenant's queue goes next; once it got room, that tenant goes last)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[object]] = {}
+        self._turns: deque[str] = deque()
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+    def join(self, tenant: str, waiter: object) -> None:
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+            self._turns.append(tenant)
+        queue.append(waiter)
+
+    def head(self) -> object | None:
+        return self._queues[self._turns[0]][0] if self._turns else None
+
+    def leave(self, tenant: str, waiter: object, served: bool) -> None:
+        queue = self._queues[tenant]
+        queue.remove(waiter)
+        if not queue:
+            del self._queues[tenant]
+            self._turns.remove(tenant)
+        elif served and self._turns[0] == tenant:
+            self._turns.rotate(-1)
+
 
 class StoreOptions(TypedDict, total=False):
     """A store's settings beside its tiers and policy (defaults in ``StoreCore``)."""
@@ -62,6 +110,9 @@ class StoreOptions(TypedDict, total=False):
     the durable tier by eviction, or by a durable write's own copy)."""
     write_behind_tenant_share: float
     """The share of that bound one tenant's blocks may take."""
+    room_wait_s: float
+    """How long a store waits for room in a tier whose only evictable blocks are being
+    written behind (``StoreCore.make_room``)."""
 
 
 class StoreCore:
@@ -81,6 +132,7 @@ class StoreCore:
         write_through: Sequence[str] = (),
         write_behind_bytes: int = 0,
         write_behind_tenant_share: float = 0.5,
+        room_wait_s: float = DEFAULT_ROOM_WAIT_S,
     ) -> None:
         if not tiers:
             raise InvalidInput("a store needs at least one tier")
@@ -128,12 +180,28 @@ class StoreCore:
         self.behind: WriteBehind | None = None
         """The write-behind queue to the first durable tier below the first (``TieredStore``
         makes it)."""
+        if room_wait_s < 0:
+            raise InvalidInput("room_wait_s >= 0")
+        self.room_wait_s = room_wait_s
+        # Blocks the write-behind is copying to the durable tier, per tier holding them
+        # (pinned until the copy ends: room that comes back then).
+        self.flushing = [0] * len(self.tiers)
+        self._room = threading.Condition(threading.Lock())
+        self._flushes = 0  # copies ended so far (batches of the write-behind)
+        self._lines: dict[int, _Line] = {}
 
     def place(
-        self, meta: BlockMeta, payload: Payload, start: int, *, stop: int | None = None
+        self,
+        meta: BlockMeta,
+        payload: Payload,
+        start: int,
+        *,
+        stop: int | None = None,
+        wait: bool = True,
     ) -> int | None:
         """Write ``payload`` into the first tier at or after ``start`` (before ``stop``) that
-        can make room, evicting there as needed; returns that tier's index or None."""
+        can make room, evicting there as needed (``make_room``: ``wait`` for blocks being
+        written behind); returns that tier's index or None. Call without the store's lock."""
         end = len(self.tiers) if stop is None else stop
         for tier in range(start, end):
             if tier in meta.tiers:
@@ -160,7 +228,7 @@ class StoreCore:
                             return None
                         self.add_to_tier(meta, tier)
                     return tier
-                if not self.evict_one(tier, meta):
+                if not self.make_room(tier, meta, wait=wait):
                     break
         return None
 
@@ -169,23 +237,138 @@ class StoreCore:
         expired, at the bottom or a spare copy. Refuses (False) when nothing is evictable or
         when the policy does not admit ``incoming`` at the cost of the victim (see
         ``EvictionPolicy.admits``): then ``incoming`` belongs lower down, or nowhere."""
+        return self._evict(tier, incoming) is _Evicted.DONE
+
+    def make_room(self, tier: int, incoming: BlockMeta, *, wait: bool = True) -> bool:
+        """``evict_one``; with ``wait``, back-pressure rather than a drop or a copy of its own
+        when the tier's victims are waiting for the write-behind: when nothing in ``tier`` is
+        evictable but blocks being copied to disk (pinned until their copy ends, chain tails
+        among them), or the victim would be demoted to the durable tier while still queued
+        for it, wait (up to ``room_wait_s``) for the write-behind's next copies, then evict
+        (at the deadline, a victim still queued is demoted). Waiters take turns tenant by
+        tenant (``_Line``); a store arriving while others wait queues behind them. Call
+        without the store's lock."""
+        if not wait:
+            return self.evict_one(tier, incoming)
+        with self._room:
+            flushes = self._flushes
+            queued = tier in self._lines
+        if not queued:
+            outcome = self._evict(tier, incoming, demote=False)
+            if outcome is _Evicted.DONE or outcome is _Evicted.REFUSED:
+                return outcome is _Evicted.DONE
+            if not self._room_coming(tier, flushes, outcome):
+                return outcome is _Evicted.BEHIND and self.evict_one(tier, incoming)
+        return self._wait_for_room(tier, incoming, None if queued else flushes)
+
+    def _room_coming(self, tier: int, flushes: int, outcome: _Evicted) -> bool:
+        """Whether waiting may make room after ``outcome``: the write-behind is copying
+        blocks of ``tier``, or the victim is ``BEHIND`` and blocks are queued (the write-behind
+        is hurried on), or a copy ended since ``flushes``."""
+        behind = self.behind
+        if behind is None or tier >= behind.durable:
+            return False
+        with self.lock:
+            busy = self.flushing[tier] > 0
+        if outcome is _Evicted.BEHIND and behind.backlog_bytes:
+            behind.hurry()
+            busy = True
+        with self._room:
+            return busy or self._flushes != flushes
+
+    def _wait_for_room(self, tier: int, incoming: BlockMeta, tried: int | None) -> bool:
+        """Queue in ``tier``'s line; at the head, evict once the next copy ends (at once if
+        ``tried`` is None: not tried yet), until room is made or none can come."""
+        deadline = time.monotonic() + self.room_wait_s
+        tenant = self.behind.owner(incoming.namespace_root) if self.behind is not None else ""
+        waiter = object()
+        with self._room:
+            line = self._lines.setdefault(tier, _Line())
+            line.join(tenant, waiter)
+            if line.head() is not waiter:
+                tried = None  # the head before it may leave room behind: try at its turn
+        served = False
+        try:
+            while True:
+                with self._room:
+                    while not (turn := line.head() is waiter and self._flushes != tried):
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._room.wait(left)
+                    tried = self._flushes
+                if not turn:  # past the deadline: a victim still queued is copied now
+                    return self.evict_one(tier, incoming)
+                outcome = self._evict(tier, incoming, demote=False)
+                if outcome is _Evicted.DONE or outcome is _Evicted.REFUSED:
+                    served = outcome is _Evicted.DONE
+                    return served
+                if not self._room_coming(tier, tried, outcome):
+                    served = outcome is _Evicted.BEHIND and self.evict_one(tier, incoming)
+                    return served
+        finally:
+            with self._room:
+                line.leave(tenant, waiter, served)
+                if not line:
+                    del self._lines[tier]
+                self._room.notify_all()
+
+    def waiting_for_room(self, tier: int) -> int:
+        """How many stores wait for room in ``tier`` (``make_room``)."""
+        with self._room:
+            line = self._lines.get(tier)
+            return len(line) if line is not None else 0
+
+    def flush_begin(self, meta: BlockMeta, durable: int) -> tuple[int, ...]:
+        """(lock held) Pin ``meta`` while the write-behind copies it to tier ``durable``;
+        returns the tiers above it that hold it, for ``flush_end``."""
+        self.index.ref(meta, in_flight=True)  # no pin: no tenant's share pays for it
+        above = tuple(t for t in meta.tiers if t < durable)
+        for t in above:
+            self.flushing[t] += 1
+        return above
+
+    def flush_end(self, copies: Sequence[tuple[BlockMeta, tuple[int, ...]]]) -> None:
+        """Unpin the blocks of ended copies (``flush_begin``) and wake the stores waiting for
+        room (``make_room``)."""
+        with self.lock:
+            for meta, above in copies:
+                for t in above:
+                    self.flushing[t] -= 1
+                self.index.unref(meta, in_flight=True)
+                if not meta.tiers:
+                    self.index.forget(meta)
+        with self._room:
+            self._flushes += 1
+            self._room.notify_all()
+
+    def _evict(self, tier: int, incoming: BlockMeta, *, demote: bool = True) -> _Evicted:
+        """``evict_one``; ``demote=False``: a victim that would be copied to the durable tier
+        while the write-behind has blocks queued stays (``BEHIND``)."""
+        behind = self.behind
+        queued = not demote and behind is not None and tier + 1 == behind.durable
+        queued = queued and behind is not None and behind.backlog_bytes > 0
         with self.lock:
             now = self.clock.now()
             victim = self.policy.next_victim(tier, now, self.index.get)
             if victim is None:
-                return False
+                return _Evicted.NONE
             if not self.policy.admits(victim, incoming, tier, now):
                 self.policy.track(victim, tier)  # not evicted: back in line
-                return False
-            self.counters.evictions += 1
+                return _Evicted.REFUSED
             below = tier + 1 < len(self.tiers) and not victim.expired(now)
+            if queued and below and len(victim.tiers) == 1:
+                self.policy.track(victim, tier)  # its copy is on the way: back in line
+                return _Evicted.BEHIND
+            self.counters.evictions += 1
             if not below or len(victim.tiers) > 1:
                 # Expired, last tier, or held in another tier too: nothing to copy.
                 if victim.expired(now):
                     self.counters.expirations += 1
                 self.drop_from_tier(victim, tier)
-                return True
-            self.index.ref(victim)  # in flight: no other thread may pick or drop it
+                return _Evicted.DONE
+            # in flight: no other thread may pick or drop it (no tenant's pin share pays)
+            self.index.ref(victim, in_flight=True)
         try:
             data = self.tiers[tier].get(victim.block_hash)
             if data is not None and self.place(victim, data, tier + 1) is not None:
@@ -197,10 +380,10 @@ class StoreCore:
                 # was in flight may be reading it), even when it found room below.
                 if victim.ref_cnt == 1:
                     self.drop_from_tier(victim, tier)
-                self.index.unref(victim)
+                self.index.unref(victim, in_flight=True)
                 if not victim.tiers:
                     self.index.forget(victim)
-        return True
+        return _Evicted.DONE
 
     def claim(
         self,
@@ -236,6 +419,63 @@ class StoreCore:
                 next_use=next_use,
             )
 
+    def claim_many(
+        self,
+        hashes: Sequence[BlockHash],
+        parents: Sequence[BlockHash | None],
+        start: int,
+        room: int,
+        namespace_root: bytes,
+        nbytes: int,
+        ttl: float,
+        op: int,
+        now: float,
+        next_use: float | None = None,
+    ) -> list[BlockMeta | None]:
+        """``claim`` of ``hashes[start:]`` in order under one lock, up to the block that would
+        make a record past ``room`` (not claimed): each block's record, or None (held, its TTL
+        extended, or being stored by another caller). Observers hear of the touches at once."""
+        index = self.index
+        claimed: list[BlockMeta | None] = []
+        touched: list[int] = []  # slots
+        touched_ids: list[BlockHash] = []
+        made = 0
+        with self.lock:
+            try:
+                touch_at = self.clock.now()
+                for j in range(start, len(hashes)):
+                    block_hash = hashes[j]
+                    meta = index.get(block_hash)
+                    if meta is not None:
+                        if meta.mask:
+                            index.touch(meta, touch_at, ttl, op)
+                            touched.append(meta.slot)
+                            touched_ids.append(block_hash)
+                        claimed.append(None)
+                        continue
+                    if made == room:
+                        break
+                    made += 1
+                    claimed.append(
+                        index.new_record(
+                            block_hash,
+                            parent=parents[j],
+                            namespace_root=namespace_root,
+                            nbytes=nbytes,
+                            ttl_s=ttl,
+                            created=now,
+                            ref_cnt=1,
+                            touched_by_op=op,
+                            next_use=next_use,
+                        )
+                    )
+            except BaseException:
+                self.unclaim_many([m for m in claimed if m is not None])
+                raise
+            if touched:
+                self.notify_touched(Run(np.array(touched, np.int64)), touched_ids)
+        return claimed
+
     def live(self, block_hash: BlockHash) -> bool:
         """Whether the store holds the block or a caller is storing it now."""
         with self.lock:
@@ -247,6 +487,15 @@ class StoreCore:
             self.index.unref(meta)
             if not meta.tiers:
                 self.index.forget(meta)
+
+    def unclaim_many(self, metas: Iterable[BlockMeta]) -> None:
+        """``unclaim`` of each of ``metas``, under one lock."""
+        index = self.index
+        with self.lock:
+            for meta in metas:
+                index.unref(meta)
+                if not meta.tiers:
+                    index.forget(meta)
 
     def add_to_tier(self, meta: BlockMeta, tier: int) -> None:
         if self.index.add_copy(meta, tier):
@@ -363,7 +612,7 @@ class StoreCore:
                     event = self.promoting[block_hash] = threading.Event()
             if first:
                 try:
-                    if self.place(meta, data, 0, stop=tier) is not None:
+                    if self.place(meta, data, 0, stop=tier, wait=False) is not None:
                         with self.lock:
                             self.counters.promotions += 1
                 finally:
@@ -392,7 +641,7 @@ class StoreCore:
             data = self.tiers[sources[0]].get(block_hash)
             if data is None:
                 return False  # that tier lost it (or is down): a later read forgets the copy
-            placed = self.place(meta, data, target, stop=target + 1)
+            placed = self.place(meta, data, target, stop=target + 1, wait=False)
             if placed is not None:
                 with self.lock:
                     self.counters.promotions += 1

@@ -19,6 +19,7 @@ from sessioncache.status import BlockStatus
 from sessioncache.store.core import StoreCore
 from sessioncache.store.results import (
     _PLACE_ATTEMPTS,
+    Sync,
     Write,
     WriteResult,
     check_ttl,
@@ -73,7 +74,7 @@ class StoreWrites:
             next_use=next_use,
         )
         for i, payload in enumerate(payloads):
-            self.fill(write, i, payload, settle=False)
+            self.fill(write, i, payload)
         self.settle(write)
         return WriteResult(write.hashes, [s or BlockStatus.DROPPED for s in write.status])
 
@@ -128,28 +129,33 @@ class StoreWrites:
             next_use=next_use,
         )
 
+    def sync_for(self, write: Write, *, durable: bool = False) -> Sync:
+        """The durability of one request filling some blocks of ``write`` (a REST upload):
+        the write's, or with ``durable`` the first durable tier at or below its tier
+        (``InvalidInput`` without one). Each request gets its own: it waits at ``settle``
+        for its own blocks, never for another request's, and never for a durable copy it did
+        not ask for."""
+        tier = write.durable_tier
+        if durable and tier is None:
+            tier = self._core.first_durable(write.tier)
+            if tier is None:
+                raise InvalidInput("durable=true but this node has no durable tier")
+        return Sync(tier)
+
     def fill(
-        self,
-        write: Write,
-        index: int,
-        payload: Payload,
-        *,
-        settle: bool = True,
-        durable: bool = False,
+        self, write: Write, index: int, payload: Payload, *, sync: Sync | None = None
     ) -> BlockStatus:
         """Store block ``index`` of a prepared write from ``payload``: ``STORED``, ``PRESENT``
         (held already, or another caller is storing it) or ``DROPPED`` (no tier could make
         room, or its parent is neither held nor being stored: a block never hangs off a parent
         the store lacks, so a chain is filled in order and the rest of it is dropped after a
-        dropped block). Raises ``DurableStoreFailed`` when a durable write's block could not
-        reach the durable tier (it is then held, in memory only). With write-behind a block
-        of any write is queued for the durable tier; a durable write waits for it here, or
-        (``settle=False``: several blocks share one sync) at ``settle``. ``durable``: this
-        block is durable whatever its write says (a REST upload asking for it)."""
-        if durable and write.durable_tier is None:
-            write.durable_tier = self._core.first_durable(write.tier)
-            if write.durable_tier is None:
-                raise InvalidInput("durable=true but this node has no durable tier")
+        dropped block). ``sync``: the durability of the request filling it (``sync_for``;
+        default the write's own, ``write.sync``). Raises ``DurableStoreFailed`` when a durable
+        request's block could not reach the durable tier (it is then held, in memory only).
+        With write-behind a block is queued for the durable tier; a durable request waits for
+        its blocks at ``settle`` (several blocks, one sync)."""
+        if sync is None:
+            sync = write.sync
         block_hash = write.hashes[index]
         nbytes = payload_nbytes(payload)
         if write.nbytes is None:
@@ -175,8 +181,8 @@ class StoreWrites:
             write.next_use,
         )
         if meta is None:
-            if write.durable_tier is not None:
-                self._ensure_durable(write, block_hash)
+            if sync.durable_tier is not None:
+                self._ensure_durable(sync, block_hash)
             write.status[index] = BlockStatus.PRESENT
             return BlockStatus.PRESENT
         durable = True
@@ -191,22 +197,23 @@ class StoreWrites:
                 )
             placed = self._core.place(meta, payload, target)
             if placed is not None:
-                durable = self._write_through(write, meta, payload, placed)
+                durable = self._write_through(write, meta, payload, placed, sync)
         finally:
             self._core.unclaim(meta)
         status = BlockStatus.STORED if placed is not None else BlockStatus.DROPPED
         write.status[index] = status
         self._count(stored=int(placed is not None), dropped=int(placed is None))
         if not durable:
-            self._durable_failed(write, block_hash)
-        if settle:
-            self.settle(write)
+            self._durable_failed(sync, block_hash)
         return status
 
-    def settle(self, write: Write) -> None:
-        """Wait for the durable copies of a durable write's blocks queued so far (one sync
-        for many: ``store.behind``); ``DurableStoreFailed`` when one could not be made."""
-        tickets, write.tickets = write.tickets, []
+    def settle(self, write: Write, sync: Sync | None = None) -> None:
+        """Wait for the durable copies of a durable request's blocks queued so far (one sync
+        for many: ``store.behind``); ``DurableStoreFailed`` when one could not be made.
+        ``sync``: the request's (``sync_for``; default the write's own)."""
+        if sync is None:
+            sync = write.sync
+        tickets = sync.take()
         behind = self._core.behind
         if not tickets or behind is None:
             return
@@ -215,37 +222,42 @@ class StoreWrites:
             if not ticket.ok:
                 with self._core.lock:
                     meta = self._core.index.get(block_hash)
-                    there = meta is not None and write.durable_tier in meta.tiers
+                    there = meta is not None and sync.durable_tier in meta.tiers
                 if not there:
-                    self._durable_failed(write, block_hash)
+                    self._durable_failed(sync, block_hash)
 
-    def _write_through(self, write: Write, meta: BlockMeta, payload: Payload, placed: int) -> bool:
+    def _write_through(
+        self, write: Write, meta: BlockMeta, payload: Payload, placed: int, sync: Sync | None = None
+    ) -> bool:
         """Copy a block just placed in tier ``placed`` to the write-through tiers, and queue it
-        for the durable tier (write-behind; a durable write's ticket is kept for ``settle``),
-        or without write-behind copy a durable write's block there now; False when that
-        durable copy could not be made."""
+        for the durable tier (write-behind; a durable request's ticket is kept in its ``sync``
+        for ``settle``), or without write-behind copy a durable request's block there now;
+        False when that durable copy could not be made. ``sync``: default the write's own."""
+        if sync is None:
+            sync = write.sync
+        durable = sync.durable_tier
         also = [t for t in self._core.write_through_tiers if t != placed]
         behind = self._core.behind
         queued = behind is not None and placed < behind.durable and behind.durable not in also
         if queued:
             assert behind is not None
             # waits while the queue is full: back-pressure
-            ticket = behind.submit(meta, durable=write.durable_tier is not None)
-            if write.durable_tier is not None:
-                write.tickets.append((meta.block_hash, ticket))
-        elif write.durable_tier is not None and write.durable_tier not in (placed, *also):
-            also.append(write.durable_tier)
+            ticket = behind.submit(meta, durable=durable is not None)
+            if durable is not None:
+                sync.add(meta.block_hash, ticket)
+        elif durable is not None and durable not in (placed, *also):
+            also.append(durable)
         for extra in also:
             self._core.place(meta, payload, extra, stop=extra + 1)
-        return queued or write.durable_tier is None or write.durable_tier in meta.tiers
+        return queued or durable is None or durable in meta.tiers
 
-    def _ensure_durable(self, write: Write, block_hash: BlockHash) -> None:
-        """A block of a durable write found held already (a retry after a durable write
+    def _ensure_durable(self, sync: Sync, block_hash: BlockHash) -> None:
+        """A block a durable request found held already (a retry after a durable write
         failed, or another caller's copy in memory only): copy it to the durable tier from a
         tier holding it, or raise ``DurableStoreFailed``. One another caller is storing now
         is left to that caller's write."""
         core = self._core
-        durable = write.durable_tier
+        durable = sync.durable_tier
         assert durable is not None
         with core.lock:
             meta = core.index.get(block_hash)
@@ -260,11 +272,11 @@ class StoreWrites:
         finally:
             core.unclaim(meta)
         if not ok:
-            self._durable_failed(write, block_hash)
+            self._durable_failed(sync, block_hash)
 
-    def _durable_failed(self, write: Write, block_hash: BlockHash) -> None:
-        assert write.durable_tier is not None
-        name = self._core.tiers[write.durable_tier].name
+    def _durable_failed(self, request: Write | Sync, block_hash: BlockHash) -> None:
+        assert request.durable_tier is not None
+        name = self._core.tiers[request.durable_tier].name
         raise DurableStoreFailed(
             f"the durable tier {name!r} could not take block {block_hash.hex()} (its "
             "filesystem is full, or nothing there can be evicted): the block is held in memory "
@@ -319,38 +331,71 @@ class StoreWrites:
         """Claim each block of a write prepared for the shared-memory tier and reserve its
         slot there: ``STORED`` (``slots[i]`` to fill), ``PRESENT`` (held, or being stored by
         another caller: nothing to write) or ``DROPPED`` (no room, or past ``slots`` reserved:
-        the caller's share; so is every block after)."""
-        shm_index, _ = self._core.require_shm()
-        if write.nbytes is None or write.tier != shm_index:
+        the caller's share; so is every block after). The slots free now are taken at once
+        and the blocks claimed under one lock; past them, each block makes room by eviction."""
+        shm_index, tier = self._core.require_shm()
+        nbytes = write.nbytes
+        if nbytes is None or write.tier != shm_index:
             raise InvalidInput("reserve: a write prepared for the shared-memory tier, sized")
-        dropped, left = False, slots
-        for i, block_hash in enumerate(write.hashes):
-            meta = None
-            dropped = dropped or left == 0
-            if not dropped:
-                meta = self._core.claim(
-                    block_hash,
-                    write.parents[i],
+        core, hashes, n = self._core, write.hashes, len(write.hashes)
+        left = n if slots is None else slots
+        i = 0
+        while i < n and left > 0:
+            pool = tier.reserve_many(nbytes, min(left, n - i))
+            used = 0
+            try:
+                claimed = core.claim_many(
+                    hashes,
+                    write.parents,
+                    i,
+                    len(pool),
                     write.namespace_root,
-                    write.nbytes,
+                    nbytes,
                     write.ttl,
                     write.op,
                     write.at,
                     write.next_use,
                 )
-                if meta is None:
-                    self._staged(write, BlockStatus.PRESENT, None, None)
-                    continue
-            slot = self._reserve(meta, shm_index) if meta is not None else None
+                for meta in claimed:
+                    if meta is None:
+                        self._staged(write, BlockStatus.PRESENT, None, None)
+                    else:
+                        self._staged(write, BlockStatus.STORED, pool[used], meta)
+                        used += 1
+            finally:
+                tier.release_many(pool[used:])
+            i += len(claimed)
+            left -= used
+            if i == n or left <= 0:
+                break
+            # No room without eviction: this block makes its own.
+            meta = core.claim(
+                hashes[i],
+                write.parents[i],
+                write.namespace_root,
+                nbytes,
+                write.ttl,
+                write.op,
+                write.at,
+                write.next_use,
+            )
+            if meta is None:
+                self._staged(write, BlockStatus.PRESENT, None, None)
+                i += 1
+                continue
+            try:
+                slot = self._reserve(meta, shm_index)
+            except BaseException:
+                core.unclaim(meta)
+                raise
             if slot is None:
-                if meta is not None:
-                    self._core.unclaim(meta)
-                dropped = True
-                self._staged(write, BlockStatus.DROPPED, None, None)
-            else:
-                self._staged(write, BlockStatus.STORED, slot, meta)
-                if left is not None:
-                    left -= 1
+                core.unclaim(meta)
+                break
+            self._staged(write, BlockStatus.STORED, slot, meta)
+            i += 1
+            left -= 1
+        while len(write.slots) < n:
+            self._staged(write, BlockStatus.DROPPED, None, None)
 
     @staticmethod
     def _staged(
@@ -369,7 +414,8 @@ class StoreWrites:
                     return tier.reserve(meta.nbytes)
                 except TierFull:
                     continue  # another thread took the room: evict again
-            if not self._core.evict_one(index, meta):
+            # waits while the only victims are being written behind: back-pressure
+            if not self._core.make_room(index, meta):
                 break
         return None
 
@@ -407,49 +453,93 @@ class StoreWrites:
                     f"staging {write.id}: {n} blocks to commit, {len(write.hashes) - start} left"
                 )
             write.claimed = start + n
+        core, hashes, slots, metas = self._core, write.hashes, write.slots, write.metas
         status: list[BlockStatus] = []
-        unsaved: BlockHash | None = None
-        for k, i in enumerate(range(start, start + n)):
-            block_hash = write.hashes[i]
-            slot, meta = write.slots[i], write.metas[i]
-            if write.status[i] is BlockStatus.PRESENT:
-                status.append(BlockStatus.PRESENT)
-                continue
-            if slot is None or meta is None or unsaved is not None:
-                if slot is not None:
-                    tier.release_reserved(slot)
-                if meta is not None:
-                    self._core.unclaim(meta)
-                status.append(BlockStatus.DROPPED)
-                continue
-            try:
-                if write.broken:
-                    tier.release_reserved(slot)
+        good: list[int] = []  # the blocks checked, to publish (as offsets from ``start``)
+        freed: list[int] = []  # the blocks whose slots and records go
+        try:
+            for k in range(n):
+                i = start + k
+                slot = slots[i]
+                if write.status[i] is BlockStatus.PRESENT:
+                    status.append(BlockStatus.PRESENT)
+                    continue
+                if slot is None or metas[i] is None or write.broken:
+                    freed.append(k)
                     status.append(BlockStatus.DROPPED)
                     continue
                 if copy_in is not None:
                     checksum = copy_in(i, slot)
                 else:
                     checksum = xxh3(as_memoryview(slot.payload))
-                good = (lengths is None or lengths[k] == slot.location.nbytes) and (
+                if (lengths is None or lengths[k] == slot.location.nbytes) and (
                     checksum == checksums[k]
-                )
-                if not good:
-                    tier.release_reserved(slot)
+                ):
+                    good.append(k)
+                    status.append(BlockStatus.STORED)
+                else:
+                    freed.append(k)
                     status.append(BlockStatus.REJECTED)
                     write.broken = True
+        except BaseException:
+            # Nothing of this commit is published: every block of it goes.
+            freed = [k for k in range(n) if write.status[start + k] is not BlockStatus.PRESENT]
+            self._free_staged(write, start, freed)
+            raise
+        # Published in one batch when no write-through can fail; else block by block, since
+        # the blocks after one whose durable copy failed are dropped.
+        behind = core.behind
+        queued = (
+            behind is not None
+            and shm_index < behind.durable
+            and behind.durable not in core.write_through_tiers
+        )
+        step = max(len(good), 1) if write.durable_tier is None or queued else 1
+        # Queued for the durable tier and written through nowhere else: queued at once.
+        at_once = queued and all(t == shm_index for t in core.write_through_tiers)
+        unsaved: BlockHash | None = None
+        try:
+            for at in range(0, len(good), step):
+                batch = good[at : at + step]
+                if unsaved is not None:
+                    freed.extend(batch)
+                    for k in batch:
+                        status[k] = BlockStatus.DROPPED
                     continue
-                if not tier.publish(block_hash, slot):
-                    status.append(BlockStatus.PRESENT)
-                    continue
-                with self._core.lock:
-                    meta.checksum = checksums[k]
-                    self._core.add_to_tier(meta, shm_index)
-                if not self._write_through(write, meta, slot.payload, shm_index):
-                    unsaved = block_hash
-                status.append(BlockStatus.STORED)
-            finally:
-                self._core.unclaim(meta)
+                items = [(hashes[start + k], slots[start + k]) for k in batch]
+                published = tier.publish_many([(h, slot) for h, slot in items if slot is not None])
+                batch_metas = [metas[start + k] for k in batch]
+                with core.lock:
+                    for k, meta, ok in zip(batch, batch_metas, published, strict=True):
+                        assert meta is not None
+                        if ok:
+                            meta.checksum = checksums[k]
+                            core.add_to_tier(meta, shm_index)
+                        else:
+                            status[k] = BlockStatus.PRESENT
+                try:
+                    if at_once:
+                        assert behind is not None
+                        sync = write.sync
+                        done = [
+                            m
+                            for m, ok in zip(batch_metas, published, strict=True)
+                            if ok and m is not None
+                        ]
+                        tickets = behind.submit_many(done, durable=sync.durable_tier is not None)
+                        for meta, ticket in zip(done, tickets, strict=False):
+                            sync.add(meta.block_hash, ticket)
+                    else:
+                        for k, meta, ok in zip(batch, batch_metas, published, strict=True):
+                            slot = slots[start + k]
+                            assert meta is not None and slot is not None
+                            if ok and not self._write_through(write, meta, slot.payload, shm_index):
+                                unsaved = hashes[start + k]
+                                break
+                finally:
+                    core.unclaim_many(m for m in batch_metas if m is not None)
+        finally:
+            self._free_staged(write, start, freed)
         write.status[start : start + n] = status
         result = WriteResult(write.hashes[start : start + n], status)
         with self._core.lock:
@@ -473,15 +563,16 @@ class StoreWrites:
             write.open = False
             start = write.claimed
             write.claimed = len(write.hashes)
-        tier = self._core.require_shm()[1]
-        freed = 0
-        for slot, meta in zip(write.slots[start:], write.metas[start:], strict=True):
-            if slot is not None:
-                tier.release_reserved(slot)
-                freed += 1
-            if meta is not None:
-                self._core.unclaim(meta)
-        return freed
+        return self._free_staged(write, start, range(len(write.slots) - start))
+
+    def _free_staged(self, write: Write, start: int, blocks: Sequence[int]) -> int:
+        """Free the slots and forget the records of staged blocks ``start + k`` for ``k`` in
+        ``blocks``; how many slots were freed."""
+        slots = [s for k in blocks if (s := write.slots[start + k]) is not None]
+        metas = [m for k in blocks if (m := write.metas[start + k]) is not None]
+        self._core.require_shm()[1].release_many(slots)
+        self._core.unclaim_many(metas)
+        return len(slots)
 
     def delete(self, hashes: Sequence[BlockHash]) -> int:
         """Drop unpinned blocks from every tier; returns how many were dropped."""

@@ -68,7 +68,7 @@ def test_a_reserved_slot_is_invisible_until_published_and_then_not_copied():
     assert tier.used_bytes == 1000 and len(tier._reserved) == 1
     slot.payload.numpy()[:] = 9  # the node's writer (its copy of what a client staged)
     assert tier.get(bid(1)) is None and tier.locate(bid(1)) is None and tier.keys() == []
-    assert tier.publish(bid(1), slot)
+    assert tier.publish_many([(bid(1), slot)])[0]
     assert tier.locate(bid(1)) == slot.location and len(tier._reserved) == 0
     got = tier.get(bid(1))
     assert got is not None and bytes(got.numpy()) == b"\x09" * 1000
@@ -81,12 +81,12 @@ def test_publishing_a_held_id_frees_the_slot_and_keeps_the_held_bytes():
     tier.put(PutItem(bid(1), b"\x01" * 100, NS))
     slot = tier.reserve(100)
     slot.payload.numpy()[:] = 2
-    assert not tier.publish(bid(1), slot)
+    assert not tier.publish_many([(bid(1), slot)])[0]
     assert tier.used_bytes == 100 and len(tier._reserved) == 0
     got = tier.get(bid(1))
     assert got is not None and bytes(got.numpy()) == b"\x01" * 100
     with pytest.raises(KeyError):
-        tier.publish(bid(2), slot)  # no longer reserved
+        tier.publish_many([(bid(2), slot)])[0]  # no longer reserved
     tier.close()
 
 
@@ -99,8 +99,8 @@ def test_released_slots_are_reused_and_reservations_respect_capacity():
         tier.reserve(0)
     with pytest.raises(PayloadSizeError):
         tier.reserve(3001)
-    tier.release_reserved(slots[1])
-    tier.release_reserved(slots[1])  # twice: a no-op
+    tier.release_many([slots[1]])
+    tier.release_many([slots[1]])  # twice: a no-op
     assert tier.used_bytes == 2000
     again = tier.reserve(1000)
     assert again.location == slots[1].location
@@ -201,7 +201,7 @@ def test_concurrent_reserve_publish_and_puts_keep_every_block_intact():
                 if i % 2:
                     slot = tier.reserve(512)
                     slot.payload.numpy()[:] = data
-                    assert tier.publish(bid(i), slot)
+                    assert tier.publish_many([(bid(i), slot)])[0]
                 else:
                     tier.put(PutItem(bid(i), data, NS))
                 got = tier.get(bid(i))
