@@ -38,7 +38,13 @@ from sessioncache.dataplane.server import (
     lookup_request,
     store_request,
 )
-from sessioncache.dataplane.staging import Region, StagingMemory
+from sessioncache.dataplane.staging import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_KEEP_CHUNKS,
+    Region,
+    StagingMemory,
+    staging_spares,
+)
 from sessioncache.dataplane.transport import SocketTransport, Transport, UnixListener
 from sessioncache.errors import AuthRefused, InvalidInput, StreamClosed, TierUnavailable
 from sessioncache.node import OPEN_TENANT, CacheNode
@@ -66,12 +72,14 @@ class SameHostConnection(Connection):
     staging memory its client writes the blocks it stores into; the caller's stagings go with
     it (``Caller``), and so does that memory."""
 
+    CARRIER = "same_host"
+
     def __init__(self, server: SameHostServer, transport: Transport) -> None:
         super().__init__(server, transport)
         self.tier = server.tier
         self.trusted = server.trusted
         self.credentials = peer_credentials(transport)
-        self.staging = StagingMemory()
+        self.staging = StagingMemory(spares=server.staging_spares)
         self._regions: dict[bytes, Region] = {}
         """Each open staging's slots in ``staging``."""
 
@@ -96,6 +104,14 @@ class SameHostConnection(Connection):
         finally:
             self._regions.clear()
             self.staging.close()
+
+    def _hello(self, header: Header, session: str | None) -> None:
+        super()._hello(header, session)
+        # Answered: the first staging chunk is taken while the peer prepares its first request.
+        try:
+            self.staging.ahead(1)
+        except OSError as exc:  # a STAGE tries again, and says why it failed
+            log.warning("same-host connection %s: no staging memory ahead: %s", self.key, exc)
 
     def _admit(self, caller: Caller) -> None:
         if caller.tenant not in self.trusted:
@@ -208,6 +224,7 @@ class SameHostConnection(Connection):
         finally:
             if commit.staging not in self._caller.stagings:  # committed whole, or failed
                 self._give(commit.staging)
+        self.node.received.add(self.CARRIER, sum(commit.nbytes))  # the blocks written
         end = commit.start + len(commit.checksums)
         ok = frames.StoreOk(
             staged.plan.durable,
@@ -260,9 +277,24 @@ class SameHostServer(StreamServer):
         )
         self.tier = tier
         self.trusted = frozenset(trusted if node.auth_enabled else [OPEN_TENANT])
+        # One STAGE's staging chunks made ahead (fewer for a small CPU tier: a STAGE reserves
+        # its slots there), handed to connections as they come.
+        chunks = node.settings.cpu_bytes // DEFAULT_CHUNK_BYTES
+        self.staging_spares = staging_spares(max(1, min(DEFAULT_KEEP_CHUNKS, chunks)))
 
     def connection(self, transport: Transport) -> Connection:
         return SameHostConnection(self, transport)
+
+    def start(self) -> SameHostServer:
+        super().start()
+        self.staging_spares.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        try:
+            super().stop(timeout_s)
+        finally:
+            self.staging_spares.close()
 
 
 def open_samehost_server(node: CacheNode, settings: Settings) -> SameHostServer | None:

@@ -14,6 +14,10 @@ time; a staging's blocks lie in its chunks back to back. A chunk freed by a COMM
 is kept for the next staging, up to ``keep_chunks`` (four: 256 MiB); the rest are unmapped
 at once. All of
 them go with the connection.
+
+New chunks come from a server's ``staging_spares`` where it has one: chunks made and faulted in
+ahead by a background thread, each handed to one connection only and never back to another
+(a peer keeps its mappings of its connection's chunks after it goes).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from sessioncache.dataplane.slots import copy_and_hash
 from sessioncache.tiers.base import SlotLocation
 from sessioncache.tiers.cpu import shared_segment
+from sessioncache.tiers.spares import SparePool
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_KEEP_CHUNKS = 4
@@ -60,6 +65,35 @@ class Region:
         return copy_and_hash(dst.numpy(), self.views[i].numpy())
 
 
+def _new_chunk(nbytes: int, name: str = "staging") -> _Chunk:
+    segment = next(_ids)
+    if segment >= 1 << 32:
+        raise RuntimeError("staging segment ids are used up")
+    fd, memory = shared_segment(f"sessioncache-{name}-{segment}", nbytes)
+    return _Chunk(segment, fd, memory)
+
+
+def _spare_chunk(nbytes: int, ahead: bool) -> _Chunk:
+    return _new_chunk(nbytes)
+
+
+def _drop_chunk(chunk: _Chunk) -> None:
+    os.close(chunk.fd)  # the mapping goes with the tensor
+
+
+def staging_spares(target: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SparePool[_Chunk]:
+    """Up to ``target`` staging chunks made ahead for a server's connections (module
+    docstring); ``start`` it, ``close`` it with the server."""
+    return SparePool(
+        _spare_chunk,
+        _drop_chunk,
+        chunk_bytes=chunk_bytes,
+        capacity_bytes=target * chunk_bytes,
+        target=target,
+        name="sessioncache-staging",
+    )
+
+
 class StagingMemory:
     """The staging chunks of one connection (module docstring). Not thread-safe: one
     connection serves one request at a time."""
@@ -70,12 +104,19 @@ class StagingMemory:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         keep_chunks: int = DEFAULT_KEEP_CHUNKS,
         name: str = "staging",
+        spares: SparePool[_Chunk] | None = None,
     ) -> None:
         self._chunk_bytes = chunk_bytes
         self._keep = keep_chunks
         self._name = name
+        self._spares = spares if spares is not None and spares.chunk_bytes == chunk_bytes else None
         self._used: dict[int, _Chunk] = {}
         self._free: list[_Chunk] = []
+
+    def ahead(self, count: int = 1) -> None:
+        """Hold ``count`` free chunks (at most ``keep_chunks``) before a STAGE needs them."""
+        while len(self._free) < min(count, self._keep):
+            self._free.append(self._make(self._chunk_bytes))
 
     def take(self, blocks: list[int], nbytes: int) -> Region:
         """Slots of ``nbytes`` for the staging's blocks ``blocks`` (the ones it stores)."""
@@ -130,10 +171,14 @@ class StagingMemory:
         if nbytes == self._chunk_bytes and self._free:
             chunk = self._free.pop()
         else:
-            segment = next(_ids)
-            if segment >= 1 << 32:
-                raise RuntimeError("staging segment ids are used up")
-            fd, memory = shared_segment(f"sessioncache-{self._name}-{segment}", nbytes)
-            chunk = _Chunk(segment, fd, memory)
+            chunk = self._make(nbytes)
         self._used[chunk.segment] = chunk
         return chunk
+
+    def _make(self, nbytes: int) -> _Chunk:
+        """A chunk never handed out: a spare where one is made (or being made), else new."""
+        if self._spares is not None and nbytes == self._chunk_bytes:
+            chunk, held = self._spares.take(nbytes)
+            self._spares.give_back(held)  # this connection's from now on: the pool refills
+            return chunk
+        return _new_chunk(nbytes, self._name)

@@ -42,10 +42,13 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "bench.dataplane": (
         [
-            *("--blocks", "4", "--block-mib", "0.0625", "--repeats", "1"),
+            *("--chain", "4", "--fresh-gib", "0.0005", "--after-s", "0", "--cpu-gib", "0.0625"),
+            *("--warm", "--blocks", "4", "--block-mib", "0.0625", "--repeats", "1"),
             *("--redis", REDIS_URL, "--json"),
         ],
-        r'(?m)^stream LOAD \(lease\) +[\d.]+ .*\n(?s:.*)^\{"memcpy": [\d.]+, "socket": [\d.]+, '
+        r"(?m)^ +0s same_host +[\d.]+ +memcpy .*\n +0s stream +[\d.]+ +socket .*\n"
+        r'(?s:.*)^stream LOAD \(lease\) +[\d.]+ .*\n(?s:.*)^\{"fresh_0s_same_host": [\d.]+, '
+        r'(?s:.*)"memcpy": [\d.]+, "socket": [\d.]+, '
         r'"stream_load": [\d.]+, "stream_store": [\d.]+, .*"same_host_load": [\d.]+, '
         r'"same_host_store": [\d.]+\}$',
     ),
@@ -124,6 +127,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         # tiny sizes: the RAM delta (and its ratio) may come out negative
         r"(?m)^ +2048( +-?[\d.]+){12}\n(?s:.*)^ +200 +2( +[\d.]+){4}\n(?s:.*)"
         r"^sqlite +200 +[\d.]+ .*\n(?s:.*)^sqlite +200 +\d+ ",
+    ),
+    "bench.stage_commit": (
+        [
+            *("--rounds", "3", "--blocks-per-stage", "8", "--block-bytes", "256"),
+            *("--ram-blocks", "2048", "--chain", "256"),
+        ],
+        r"(?m)^cpu with room \+ disk( +[\d.]+){7}\n(?s:.*)^reference: RLock.* [\d.]+ +1\n(?s:.*)"
+        r"^shared-memory CPU tier, payloads left out +-?\d+ B/block",
     ),
     "bench.session_load": (
         ["--loads", "2", "--json"],

@@ -179,3 +179,22 @@ def test_chunks_grow_from_one_slot_so_many_sizes_cannot_squat_the_tier() -> None
     sizes = sorted({c.tensor.shape[0] for c in tier._slabs[256].chunks if c is not None})
     assert sizes[0] == 1 and max(sizes) <= CHUNK // 256
     tier.close()
+
+
+@pytest.mark.parametrize("cls", [CpuTier, SharedCpuTier])
+def test_make_ahead_makes_the_spares_in_the_background_without_any_put(
+    cls: type[CpuTier],
+) -> None:
+    tier = cls(8 * CHUNK, chunk_bytes=CHUNK, spare_chunks=8, grow_chunks=False)
+    assert tier.spare_bytes == 0
+    tier.make_ahead()
+    wait_for(lambda: tier.spare_bytes == 8 * CHUNK)  # the whole tier, no put
+    assert tier.allocated_bytes == 0
+    if isinstance(tier, SharedCpuTier):
+        assert tier.segments() == []  # made ahead, not live: nothing in them yet
+    for i in range(8 * 4):
+        tier.put(PutItem(bid(i), bytes([i]) * 1024, NS))
+    assert tier.spare_bytes == 0 and tier.allocated_bytes == 8 * CHUNK
+    if isinstance(tier, SharedCpuTier):
+        assert tier.segments() == list(range(1, 9))  # only the ones made ahead
+    tier.close()
