@@ -47,6 +47,7 @@ from typing import Final
 
 from sessioncache.blocks import BlockMeta
 from sessioncache.errors import TierFull
+from sessioncache.hashing import BlockHash
 from sessioncache.quotas import Counts
 from sessioncache.store.core import StoreCore
 from sessioncache.store.fair import FairBatches
@@ -93,6 +94,7 @@ class WriteBehind:
         self._cond = threading.Condition()
         self._queue: FairBatches[_Queued] = FairBatches(batch_blocks, batch_bytes)
         self._bytes = 0
+        self._queued: dict[BlockHash, int] = {}  # the ids queued, not written yet (a count each)
         self.tenants = Counts()
         """Bytes queued per tenant."""
         self._closed = False
@@ -140,6 +142,7 @@ class WriteBehind:
                 ticket.done.set()
                 return ticket
             self._queue.push(tenant, _Queued(meta, ticket), meta.nbytes, urgent=durable)
+            self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
             self._urgent += durable
             self._last_submit = time.monotonic()
             self._bytes += meta.nbytes
@@ -175,6 +178,7 @@ class WriteBehind:
                     ticket.done.set()
                     continue
                 self._queue.push(tenant, _Queued(meta, ticket), nbytes, urgent=durable)
+                self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
                 self._urgent += durable
                 self._bytes += nbytes
                 self.tenants.add(tenant, nbytes)
@@ -189,6 +193,10 @@ class WriteBehind:
             return True
         queued = self.tenants.get(tenant)
         return bool(queued) and queued + nbytes > self._tenant_bytes
+
+    def queued(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` waits in the queue or in the batch being written."""
+        return block_hash in self._queued
 
     def hurry(self) -> None:
         """A store waits for room in a tier that copies of queued blocks would make: write
@@ -206,9 +214,13 @@ class WriteBehind:
         return all(t.ok for t in tickets)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until the queue is empty (what is queued now and later); False on timeout."""
+        """Wait until the queue is empty (what is queued now and later); False on timeout.
+        The thread writes at once meanwhile (``hurry``): someone waits."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
+            if self._bytes and not self._hurried:
+                self._hurried = True
+                self._cond.notify_all()
             while self._bytes:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -250,6 +262,10 @@ class WriteBehind:
             finally:
                 with self._cond:
                     for queued in batch:
+                        block_hash = queued.meta.block_hash
+                        left = self._queued.pop(block_hash, 1) - 1
+                        if left:
+                            self._queued[block_hash] = left
                         t = queued.ticket
                         self._urgent -= t.urgent
                         self._bytes -= t.nbytes

@@ -344,10 +344,9 @@ class StoreCore:
 
     def _evict(self, tier: int, incoming: BlockMeta, *, demote: bool = True) -> _Evicted:
         """``evict_one``; ``demote=False``: a victim that would be copied to the durable tier
-        while the write-behind has blocks queued stays (``BEHIND``)."""
+        while it is queued for the write-behind stays (``BEHIND``)."""
         behind = self.behind
         queued = not demote and behind is not None and tier + 1 == behind.durable
-        queued = queued and behind is not None and behind.backlog_bytes > 0
         with self.lock:
             now = self.clock.now()
             victim = self.policy.next_victim(tier, now, self.index.get)
@@ -357,7 +356,8 @@ class StoreCore:
                 self.policy.track(victim, tier)  # not evicted: back in line
                 return _Evicted.REFUSED
             below = tier + 1 < len(self.tiers) and not victim.expired(now)
-            if queued and below and len(victim.tiers) == 1:
+            on_the_way = behind is not None and behind.queued(victim.block_hash)
+            if queued and below and len(victim.tiers) == 1 and on_the_way:
                 self.policy.track(victim, tier)  # its copy is on the way: back in line
                 return _Evicted.BEHIND
             self.counters.evictions += 1

@@ -55,6 +55,9 @@ def store(
         r = client.put(f"/v1/blocks/{h}", content=bytes.fromhex(h) * (BLOCK // 16), headers=headers)
         assert r.status_code == 200, r.text
     hashes: list[str] = plan.json()["hashes"]
+    behind = client.app.state.node.store.write_behind  # type: ignore[attr-defined]
+    if behind is not None:  # on disk before the next store: evictions in a set order
+        assert behind.flush(30)
     return hashes
 
 
