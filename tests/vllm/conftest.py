@@ -14,9 +14,8 @@ PINNED_OUT = "tenant-c"
 """A tenant whose pin share leaves no room for a lease: its leased loads are refused (429)."""
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
+def start_node(tmp_path_factory: pytest.TempPathFactory) -> Server:
+    return start_server(
         tmp_path_factory.mktemp("vllm") / "data",
         {
             "SESSIONCACHE_CPU_BYTES": str(512 << 20),
@@ -26,5 +25,20 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "SESSIONCACHE_TENANT_LIMITS": json.dumps({PINNED_OUT: {"pin_share": 1e-6}}),
         },
     )
-    yield server
-    server.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[list[Server]]:
+    """The module's nodes: the last one is live."""
+    servers: list[Server] = []
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def node(nodes: list[Server], tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """The node the module's engines share, started again after a test killed it."""
+    if not nodes or nodes[-1].process.poll() is not None:
+        nodes.append(start_node(tmp_path_factory))
+    return nodes[-1]
