@@ -430,7 +430,7 @@ def test_a_tier_full_of_queued_blocks_waits_for_the_write_behind_not_a_copy_each
 
 def test_stores_waiting_for_room_take_turns_tenant_by_tenant(tmp_path: Path) -> None:
     """One block of room at a time: alice's three waiting stores do not pass bob's one."""
-    store, disk = make_shared(tmp_path)
+    store, disk = make_shared(tmp_path, room_wait_s=120.0)  # no deadline under a loaded CI
     leased = chain(28, 15)
     store.writes.put(leased, [data(h) for h in leased], namespace_root=ROOT)
     assert store.write_behind is not None and store.write_behind.flush(10)
@@ -466,7 +466,8 @@ def test_stores_waiting_for_room_take_turns_tenant_by_tenant(tmp_path: Path) -> 
     for t in threads:
         t.join(10)
     # (a2 and a3 then find bob's newer block the victim: not admitted over it, they go to
-    # the disk tier; under load bob may find alice's block still on its way to disk when his
-    # wait ends, and go there too: what must never be is alice's second store before his)
-    assert granted[:1] == ["a1"] and granted[1:2] in ([], ["b"])
+    # the disk tier; bob may be refused over the victim he finds (the policy) when his
+    # turn comes, and go there: what must never be is alice's second store before his)
+    assert granted[:1] == ["a1"]
+    assert "b" not in granted or granted.index("b") == 1, granted
     store.close()
