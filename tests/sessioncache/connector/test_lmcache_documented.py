@@ -56,6 +56,8 @@ def test_the_pair_starts_with_the_documented_commands(tmp_path: Path):
         PYTHONPATH=str(ROOT_DIR),
         LMCACHE_DISABLE_BANNER="1",
         LMCACHE_TRACK_USAGE="false",
+        # the node's 4 GiB tier made as stores need it, beside LMCache's 20 GB L1 on a CI host
+        SESSIONCACHE_CPU_PREALLOCATE="off",
     )
     log_path = tmp_path / "pair.log"
     with log_path.open("w+") as log:
