@@ -399,25 +399,9 @@ class StoreCore:
         """Create the record of a block about to be stored (at ``now``, the operation's
         instant), pinned while in flight; None when it is already held (its TTL is extended)
         or another caller is storing it."""
-        with self.lock:
-            meta = self.index.get(block_hash)
-            if meta is not None:
-                if meta.mask:
-                    # now, not the operation's instant: a touch never moves a block back
-                    self.index.touch(meta, self.clock.now(), ttl, op)
-                    self.notify_touched(Run.one(meta.slot), [meta.block_hash])
-                return None
-            return self.index.new_record(
-                block_hash,
-                parent=parent,
-                namespace_root=namespace_root,
-                nbytes=nbytes,
-                ttl_s=ttl,
-                created=now,
-                ref_cnt=1,
-                touched_by_op=op,
-                next_use=next_use,
-            )
+        return self.claim_many(
+            [block_hash], [parent], 0, 1, namespace_root, nbytes, ttl, op, now, next_use
+        )[0]
 
     def claim_many(
         self,

@@ -170,16 +170,7 @@ class StoreWrites:
             write.status[index] = BlockStatus.DROPPED
             self._count(dropped=1)
             return BlockStatus.DROPPED
-        meta = self._core.claim(
-            block_hash,
-            parent,
-            write.namespace_root,
-            nbytes,
-            write.ttl,
-            write.op,
-            write.at,
-            write.next_use,
-        )
+        meta = self._claim(write, index, nbytes)
         if meta is None:
             if sync.durable_tier is not None:
                 self._ensure_durable(sync, block_hash)
@@ -273,6 +264,19 @@ class StoreWrites:
             core.unclaim(meta)
         if not ok:
             self._durable_failed(sync, block_hash)
+
+    def _claim(self, write: Write, i: int, nbytes: int) -> BlockMeta | None:
+        """``StoreCore.claim`` of the write's block ``i`` (``nbytes``)."""
+        return self._core.claim(
+            write.hashes[i],
+            write.parents[i],
+            write.namespace_root,
+            nbytes,
+            write.ttl,
+            write.op,
+            write.at,
+            write.next_use,
+        )
 
     def _durable_failed(self, request: Write | Sync, block_hash: BlockHash) -> None:
         assert request.durable_tier is not None
@@ -369,16 +373,7 @@ class StoreWrites:
             if i == n or left <= 0:
                 break
             # No room without eviction: this block makes its own.
-            meta = core.claim(
-                hashes[i],
-                write.parents[i],
-                write.namespace_root,
-                nbytes,
-                write.ttl,
-                write.op,
-                write.at,
-                write.next_use,
-            )
+            meta = self._claim(write, i, nbytes)
             if meta is None:
                 self._staged(write, BlockStatus.PRESENT, None, None)
                 i += 1
