@@ -19,7 +19,7 @@ from sessioncache.attribution import Attribution
 from sessioncache.errors import AdminRequired, AuthRefused
 from sessioncache.node import CacheNode
 from sessioncache.routing.scoring import Router
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
 
 

@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import Path
 from starlette.convertors import Convertor, register_url_convertor
 
-from sessioncache.sessions import MAX_SESSION_ID_LEN, SESSION_ID_PATTERN
+from sessioncache.sessions.manager import MAX_SESSION_ID_LEN, SESSION_ID_PATTERN
 
 HEX_PATTERN = r"^[0-9a-f]{32}$"
 

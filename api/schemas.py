@@ -21,7 +21,6 @@ from pydantic.config import JsonDict
 
 from sessioncache.codecs import KV_CODEC_PATTERN
 from sessioncache.errors import InvalidInput
-from sessioncache.forecast import FINISH_REASON_PATTERN
 from sessioncache.hashing import (
     FIELD_LIMITS,
     HASH_BYTES,
@@ -30,7 +29,8 @@ from sessioncache.hashing import (
     Namespace,
     tokens_to_le_bytes,
 )
-from sessioncache.sessions import MAX_SESSION_ID_LEN, SESSION_ID_PATTERN
+from sessioncache.sessions.manager import MAX_SESSION_ID_LEN, SESSION_ID_PATTERN
+from sessioncache.store.forecast import FINISH_REASON_PATTERN
 from sessioncache.store.results import MAX_TTL_S
 
 Hex = Annotated[

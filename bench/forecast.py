@@ -13,7 +13,7 @@ Each cell prints the share of the miss tokens between tail-first LRU and Belady 
 forecast saves: 1 is Belady's, 0 LRU's, below 0 worse than LRU. The targets (docs/sessions.md):
 at least 0.5 at 1% and 5% capacity, and never below 0. ``--tune`` replays a small grid of
 settings on the halves given and prints each one's cells; the settings are fixed by hand in
-``sessioncache.forecast.Forecast`` from the tuning half, then reported on the other.
+``sessioncache.store.forecast.Forecast`` from the tuning half, then reported on the other.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sessioncache.forecast import DEFAULT_GAPS, Forecast
-from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.runner import capacity_tiers, make_simulator, replay_one
 from sessioncache.replay.simulators import StoreSim
 from sessioncache.replay.trace import load_trace
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.forecast import DEFAULT_GAPS, Forecast
 
 DEFAULT_TRACE = Path(__file__).parents[1].parent / "shared" / "traces" / "agent-sessions"
 TARGET_FRACS = (0.01, 0.05)

@@ -47,9 +47,9 @@ import torch
 
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash
-from sessioncache.policy import EvictionPolicy
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
+from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.payload import payload_nbytes
 
@@ -396,9 +396,9 @@ def _drop_schema(url: str, schema: str) -> None:
 def bench_catalog(n: int, databases: Sequence[tuple[str, str, str | None]]) -> list[str]:
     """Rows per second of the catalog's write-behind: ``n`` blocks added (observer calls
     queued) then one ``flush``."""
-    from sessioncache.blocks import BlockMeta
     from sessioncache.catalog.repository import Catalog
-    from sessioncache.table import BlockFields
+    from sessioncache.store.blocks import BlockMeta
+    from sessioncache.store.table import BlockFields
 
     lines = []
     for label, url, schema in databases:

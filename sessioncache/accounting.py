@@ -10,8 +10,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from sessioncache.events import UsageRecorder
-from sessioncache.sessions import SessionKey
+from sessioncache.sessions.manager import SessionKey
+from sessioncache.store.events import UsageRecorder
 
 MAX_TRACKED = 100_000
 """Most namespaces and sessions whose token counts are kept in memory."""

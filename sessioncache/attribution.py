@@ -40,10 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from sessioncache.blocks import BlockMeta
-from sessioncache.events import Touched
 from sessioncache.hashing import HASH_BYTES, BlockHash, divergence_block
-from sessioncache.sessions import SessionKey
+from sessioncache.sessions.manager import SessionKey
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.events import Touched
 
 Reason = Literal["diverged", "evicted", "expired", "new"]
 REASONS: tuple[Reason, ...] = ("diverged", "evicted", "expired", "new")

@@ -11,16 +11,16 @@ from sessioncache.clock import Clock
 from sessioncache.codecs import CodecTable
 from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
-from sessioncache.events import StoreObserver
 from sessioncache.fleet import FleetIndex, FleetObserver
 from sessioncache.history import StatsHistory
 from sessioncache.node import CacheNode
-from sessioncache.policy import EvictionPolicy
 from sessioncache.redis_link import client_factory
-from sessioncache.sessions import SessionManager
-from sessioncache.shared_expiry import SharedExpiryRefresher
+from sessioncache.sessions.manager import SessionManager
+from sessioncache.sessions.sweeper import sweeper
 from sessioncache.store import TieredStore
-from sessioncache.sweeper import sweeper
+from sessioncache.store.events import StoreObserver
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.shared_expiry import SharedExpiryRefresher
 from sessioncache.tenancy import NamespaceOwners
 from sessioncache.tiers.base import LazyStartTier, RecoverableTier, Tier
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier, shared_memory_available

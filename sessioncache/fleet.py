@@ -51,11 +51,11 @@ from typing import Any, Final, cast
 import redis.exceptions as rex
 
 from sessioncache.background import BackgroundLoop
-from sessioncache.blocks import BlockMeta
 from sessioncache.errors import InvalidInput, TierUnavailable
-from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import Client, LinkStatus, RedisLink
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.events import Touched
 
 __all__ = ["FleetIndex", "FleetObserver", "NodeInfo"]
 

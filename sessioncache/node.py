@@ -21,7 +21,6 @@ from sessioncache.attribution import Attribution, DropLog, StoreView
 from sessioncache.codecs import CodecTable
 from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
-from sessioncache.events import UsageRecorder
 from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import (
     BlockHash,
@@ -31,11 +30,12 @@ from sessioncache.hashing import (
 )
 from sessioncache.history import Sample, StatsHistory, TierSample
 from sessioncache.quotas import Counts, PinBudget, Quotas, TenantLimits
-from sessioncache.sessions import SessionKey, SessionManager
+from sessioncache.sessions.manager import SessionKey, SessionManager
 from sessioncache.store import TieredStore
+from sessioncache.store.events import UsageRecorder
+from sessioncache.store.uploads import UploadSlots
 from sessioncache.tenancy import NamespaceOwners
 from sessioncache.tiers.base import CheckedTier, SharedTier
-from sessioncache.uploads import UploadSlots
 
 log = logging.getLogger("sessioncache.node")
 
@@ -93,7 +93,7 @@ class CacheNode:
             limit=lambda tenant: quotas.of(tenant).upload_slots,
         )
         self.inflight = quotas.tally("inflight_bytes")
-        """Receive-buffer bytes each tenant's requests hold now (``inflight.charge``)."""
+        """Receive-buffer bytes each tenant's requests hold now (``Tally.charge``)."""
         self.owners = owners or NamespaceOwners()
         self.owners.admit = lambda tenant, held: quotas.admit(tenant, "namespaces", held=held)
         quotas.count("namespaces", self.owners.per_tenant)

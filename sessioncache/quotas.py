@@ -29,7 +29,8 @@ Two kinds of grant:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -188,6 +189,33 @@ class Tally(NamedTuple):
 
     def release(self, tenant: str, n: int = 1) -> None:
         self.quotas.release(tenant, self.bound, n)
+
+    @contextmanager
+    def charge(self, tenant: str) -> Iterator[Charge]:
+        """A charge for one request's receive buffers (the node's ``inflight_bytes``): the
+        request charges its tenant as its buffers grow with the bytes it has received (never
+        for what it only declares: ``buffers.Filling``), past the tenant's bound
+        ``QuotaExceeded``; given back when the ``with`` block ends. One tenant's uploads,
+        however many connections carry them, cannot take the node's memory from another's."""
+        held = Charge(self, tenant)
+        try:
+            yield held
+        finally:
+            self.release(tenant, held.nbytes)
+
+
+class Charge:
+    """What one request holds against its tenant's bound (``Tally.charge``)."""
+
+    def __init__(self, tally: Tally, tenant: str) -> None:
+        self._tally = tally
+        self.tenant = tenant
+        self.nbytes = 0
+
+    def __call__(self, nbytes: int) -> None:
+        """Hold ``nbytes`` more (``QuotaExceeded`` past the tenant's bound)."""
+        self._tally.admit(self.tenant, nbytes)
+        self.nbytes += nbytes
 
 
 Sizes = npt.NDArray[np.int64]

@@ -54,3 +54,14 @@ def test_no_class_over_30_methods() -> None:
 
     fat = {name: n for name in classes if (n := len(methods_of(name))) > MAX_METHODS}
     assert not fat, f"classes over {MAX_METHODS} methods: {fat}"
+
+
+def test_top_of_the_package_lists_its_parts() -> None:
+    """The top of ``sessioncache/`` names the product's parts (at most 20 modules); the
+    store's, the sessions' and the carriers' internals live in their packages."""
+    top = sorted(
+        p.name
+        for p in (ROOT / "sessioncache").glob("*.py")
+        if p.name != "__init__.py" and not p.is_symlink()
+    )
+    assert len(top) <= 20, f"{len(top)} modules directly under sessioncache/: {top}"

@@ -13,7 +13,7 @@ from typing import Any
 from sessioncache.api.metrics import Collectable, latency_quantiles
 from sessioncache.codecs import stored_bytes
 from sessioncache.node import CacheNode
-from sessioncache.sessions import Session
+from sessioncache.sessions.manager import Session
 from sessioncache.store import TieredStore
 from sessioncache.tiers.base import CheckedTier
 

@@ -20,7 +20,7 @@ from sessioncache.api.admin import overview
 from sessioncache.api.admin.auth import COOKIE, CSRF_HEADER, Admin, AdminAuth
 from sessioncache.api.deps import NodeDep, SessionsDep, StoreDep, source_address
 from sessioncache.errors import AdminAuthRequired, AdminForbidden
-from sessioncache.session_query import SessionQuery, SortKey
+from sessioncache.sessions.query import SessionQuery, SortKey
 
 router = APIRouter(prefix="/admin", tags=["admin"], include_in_schema=False)
 

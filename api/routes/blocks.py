@@ -1,5 +1,5 @@
 """Block payloads: ``PUT``/``GET /v1/blocks/{hash}`` and the batch read, whose binary framing
-is specified in ``sessioncache/wire.py`` and docs/api.md."""
+is specified in ``sessioncache/dataplane/frames/batch.py`` and docs/api.md."""
 
 from __future__ import annotations
 
@@ -12,19 +12,18 @@ import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from sessioncache import inflight
 from sessioncache.api.deps import NodeDep, TenantDep
 from sessioncache.api.paths import BlockIdPath
 from sessioncache.api.schemas import BlockBatchRequest, ErrorOut, UploadResponse
 from sessioncache.buffers import BufferPool, Filling
+from sessioncache.dataplane.frames.batch import BATCH_MEDIA_TYPE, batch_head, batch_record
 from sessioncache.errors import BlockNotFound, BodyTooLarge, InvalidInput, NoRoom
 from sessioncache.hashing import BlockHash, from_hex
-from sessioncache.inflight import Charge
 from sessioncache.node import CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
+from sessioncache.quotas import Charge
 from sessioncache.status import BlockStatus
-from sessioncache.wire import BATCH_MEDIA_TYPE, batch_head, batch_record
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
@@ -107,7 +106,7 @@ async def put_block(
     limit = node.settings.max_body_bytes
     caller = Caller(tenant)
     stores.upload_slot(node, caller, bid)  # a 403 before a byte of the body is read
-    with inflight.charge(node.inflight, tenant) as charge:
+    with node.inflight.charge(tenant) as charge:
         async with asynccontextmanager(read_body)(request, limit, _UPLOAD_BUFFERS, charge) as body:
             if not body:
                 raise InvalidInput("empty payload")

@@ -18,8 +18,8 @@ from sessioncache.api.schemas import (
     SessionOut,
 )
 from sessioncache.attribution import SessionTotals
-from sessioncache.session_forecasts import SessionForecasts
-from sessioncache.sessions import Session
+from sessioncache.sessions.forecasts import SessionForecasts
+from sessioncache.sessions.manager import Session
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 

@@ -86,7 +86,7 @@ class BlockRow(Base):
 
 
 class SessionRow(Base):
-    """An open agent session (``sessioncache.sessions.Session``)."""
+    """An open agent session (``sessioncache.sessions.manager.Session``)."""
 
     __tablename__ = "sessions"
 

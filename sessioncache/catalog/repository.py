@@ -41,7 +41,6 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL
 
 from sessioncache.background import BackgroundLoop
-from sessioncache.blocks import BlockMeta
 from sessioncache.catalog import bulk
 from sessioncache.catalog.db import make_engine
 from sessioncache.catalog.models import (
@@ -54,14 +53,15 @@ from sessioncache.catalog.session_rows import SessionRows
 from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import CatalogError, CatalogNotMigrated
-from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
-from sessioncache.sessions import Session, SessionKey
+from sessioncache.sessions.manager import Session, SessionKey
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.events import Touched
 from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock, Tier
 
 if TYPE_CHECKING:
-    from sessioncache.events import StoreObserver
-    from sessioncache.sessions import SessionRepository
+    from sessioncache.sessions.manager import SessionRepository
+    from sessioncache.store.events import StoreObserver
 
 log = logging.getLogger("sessioncache.catalog")
 

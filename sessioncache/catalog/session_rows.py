@@ -11,8 +11,8 @@ from sqlalchemy import ColumnElement, delete, func, or_, select
 from sessioncache.catalog.models import sessions_table
 from sessioncache.catalog.retry import retried_on_disconnect
 from sessioncache.hashing import BlockHash
-from sessioncache.session_query import SessionPage, SessionQuery
-from sessioncache.sessions import Session, SessionKey
+from sessioncache.sessions.manager import Session, SessionKey
+from sessioncache.sessions.query import SessionPage, SessionQuery
 
 if TYPE_CHECKING:
     from sessioncache.catalog.repository import Catalog

@@ -41,6 +41,7 @@ from sessioncache.connector.results import (
     WhoAmI as WhoAmI,
 )
 from sessioncache.connector.storeloop import StoreLoop
+from sessioncache.dataplane.frames.batch import decode_batch
 from sessioncache.errors import IdMismatch, InvalidInput, ProtocolError, from_http
 from sessioncache.hashing import (
     BlockHash,
@@ -53,7 +54,6 @@ from sessioncache.hashing import (
     tokens_to_le_bytes,
 )
 from sessioncache.status import BlockStatus
-from sessioncache.wire import decode_batch
 
 MAX_BATCH = 4096
 """The most ids one ``POST /v1/blocks/batch`` may ask for."""

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import ClassVar
 
-from sessioncache import inflight
 from sessioncache.attribution import REASONS, MissReport
 from sessioncache.buffers import BufferPool, Filling
 from sessioncache.config import Settings
@@ -370,7 +369,7 @@ class Connection:
         fillings: list[Filling] = []
         pending: Future[str] | None = None
         received = 0
-        with inflight.charge(self.node.inflight, caller.tenant) as charge:
+        with self.node.inflight.charge(caller.tenant) as charge:
             try:
                 for index in range(head.blocks):
                     if len(fillings) < 2:

@@ -20,15 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sessioncache.attribution import MissReport
-from sessioncache.blocks import BlockMeta
 from sessioncache.errors import BlockNotFound, InvalidInput, LeaseNotFound, SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace
-from sessioncache.index import Lease
 from sessioncache.node import CacheNode
 from sessioncache.operations.caller import Caller, CallerLease
 from sessioncache.operations.messages import LookupRequest, LookupResult
 from sessioncache.quotas import PinBudget
 from sessioncache.store import LocatedSlot, Match
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.index import Lease
 from sessioncache.tiers.payload import as_memoryview
 
 LEASE_MARGIN_S = 0.05

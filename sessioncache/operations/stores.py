@@ -30,7 +30,6 @@ from sessioncache.errors import (
     StoreRefused,
     UploadRefused,
 )
-from sessioncache.forecast import finish_class
 from sessioncache.hashing import (
     HASH_BYTES,
     BlockHash,
@@ -44,9 +43,10 @@ from sessioncache.operations.lookups import readable_meta, resolve
 from sessioncache.operations.messages import StoreRequest
 from sessioncache.status import BlockStatus, kept
 from sessioncache.store import Write
+from sessioncache.store.forecast import finish_class
+from sessioncache.store.uploads import UploadSlot
 from sessioncache.tiers.base import StagedSlot
 from sessioncache.tiers.payload import Payload, as_memoryview
-from sessioncache.uploads import UploadSlot
 
 STORED, PRESENT, DROPPED, REJECTED = (
     BlockStatus.STORED,

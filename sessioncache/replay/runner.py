@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sessioncache.errors import InvalidInput
-from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.simulators import BeladySim, LruSim, OracleSim, Simulator, StoreSim
 from sessioncache.replay.trace import Request, Trace
+from sessioncache.store.eviction import EvictionPolicy
 
 POLICIES = ("oracle", "lru", "ttl_5min", "sessioncache")
 """The four policies every replay reports, in report order. ``sessioncache`` is the node's

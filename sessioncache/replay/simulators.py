@@ -43,10 +43,10 @@ from sessioncache.attribution import DropLog
 from sessioncache.clock import ManualClock
 from sessioncache.errors import SessionCacheError, SessionNotFound
 from sessioncache.hashing import BlockHash
-from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.trace import Request, Trace
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
+from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.tiers.accounting import AccountingTier, zero_payload
 
 NAMESPACE_ROOT = b"sessioncache-rpl"

@@ -26,8 +26,8 @@ path), ``recovery`` (what durable tiers found) and ``results`` (what they hand o
 
 The store orchestrates: tiers, moves between them, observers, counters. What it knows of the
 blocks (records, chain links, per-tier counts, pins, leases) is the ``BlockIndex``
-(``sessioncache/index.py``); who leaves a full tier and who may enter it, the
-``EvictionPolicy`` (``sessioncache/policy.py``).
+(``sessioncache/store/index.py``); who leaves a full tier and who may enter it, the
+``EvictionPolicy`` (``sessioncache/store/eviction.py``).
 
 Threading model: one re-entrant lock guards the index (block records, leases, policy heaps,
 counters). Payload copies and file I/O run outside it, so that a put demoting a block to disk

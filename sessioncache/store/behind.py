@@ -45,10 +45,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.errors import TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.quotas import Counts
+from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.core import StoreCore
 from sessioncache.store.fair import FairBatches
 from sessioncache.store.results import Ticket

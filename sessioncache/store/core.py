@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, TypedDict
 import numpy as np
 import torch
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.clock import Clock, SystemClock
 from sessioncache.errors import (
     BlockNotFound,
@@ -25,10 +24,11 @@ from sessioncache.errors import (
     TierFull,
     UnknownTier,
 )
-from sessioncache.events import DropObserver, StoreObserver
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.index import BlockIndex, Run
-from sessioncache.policy import EvictionPolicy
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.events import DropObserver, StoreObserver
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.index import BlockIndex, Run
 from sessioncache.store.results import (
     _PLACE_ATTEMPTS,
     DEFAULT_TTL_S,

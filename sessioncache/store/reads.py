@@ -8,15 +8,15 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.errors import (
     InvalidInput,
     LeaseNotFound,
 )
 from sessioncache.hashing import BlockHash
-from sessioncache.index import Run, file_forecast, pin_sizes
 from sessioncache.quotas import PinBudget, Sizes
+from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.core import StoreCore
+from sessioncache.store.index import Run, file_forecast, pin_sizes
 from sessioncache.store.results import (
     LocatedSlot,
     Match,

@@ -9,13 +9,13 @@ from typing import Final, NamedTuple
 
 import xxhash
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.errors import (
     InvalidInput,
 )
 from sessioncache.hashing import BlockHash
-from sessioncache.index import Lease
 from sessioncache.status import BlockStatus
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.index import Lease
 from sessioncache.tiers.base import (
     SlotLocation,
     StagedSlot,
@@ -156,7 +156,7 @@ class Write:
     """The operation's instant: its records share it (creation, access and expiry times)."""
     status: list[BlockStatus | None] = field(default_factory=list)
     next_use: float | None = None
-    """The forecast of the records it makes (``sessioncache.forecast``); None: each starts
+    """The forecast of the records it makes (``sessioncache.store.forecast``); None: each starts
     with its parent's."""
     slots: list[StagedSlot | None] = field(default_factory=list)
     metas: list[BlockMeta | None] = field(default_factory=list)

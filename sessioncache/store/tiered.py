@@ -10,11 +10,11 @@ from typing import Unpack
 import numpy as np
 
 from sessioncache.clock import Clock
-from sessioncache.events import DropObserver, StoreObserver
-from sessioncache.forecast import Forecast
-from sessioncache.policy import EvictionPolicy
 from sessioncache.store.behind import WriteBehind
 from sessioncache.store.core import StoreCore, StoreOptions
+from sessioncache.store.events import DropObserver, StoreObserver
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.forecast import Forecast
 from sessioncache.store.reads import StoreReads
 from sessioncache.store.recovery import StoreRecovery
 from sessioncache.store.results import (

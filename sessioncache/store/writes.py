@@ -7,7 +7,6 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.errors import (
     DurableStoreFailed,
     InvalidInput,
@@ -16,6 +15,7 @@ from sessioncache.errors import (
 )
 from sessioncache.hashing import BlockHash
 from sessioncache.status import BlockStatus
+from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.core import StoreCore
 from sessioncache.store.results import (
     _PLACE_ATTEMPTS,
@@ -94,7 +94,7 @@ class StoreWrites:
         of a chain segment, or None for keyed blocks that stand alone) of ``nbytes`` each
         (None: not known yet, checked per fill), into tier ``tier`` (default: the first, or
         the parent's if lower). ``next_use``: the new records' forecast (a session's: see
-        ``sessioncache.forecast``; None: each its parent's). Checks what it can for all
+        ``sessioncache.store.forecast``; None: each its parent's). Checks what it can for all
         blocks (ids, the namespace's payload size, the TTL, a durable tier to write through
         to) before any is written."""
         if len(parents) != len(hashes):

@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 import pytest
 
+from sessioncache.dataplane.frames.batch import BATCH_MEDIA_TYPE, decode_batch
 from sessioncache.hashing import Namespace, block_hashes
-from sessioncache.wire import BATCH_MEDIA_TYPE, decode_batch
 
 NS = {"model": "test-model", "block_tokens": 16, "kv_dtype": "float16", "kv_layout": "test"}
 BLOCK = 4096

@@ -18,9 +18,9 @@ from sessioncache.api.app import create_app
 from sessioncache.clock import ManualClock
 from sessioncache.config import Settings
 from sessioncache.factory import open_node
-from sessioncache.forecast import ORPHAN_BASE, Forecast
 from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
+from sessioncache.store.forecast import ORPHAN_BASE, Forecast
 
 NS = {"model": "finish-model", "block_tokens": 16, "kv_dtype": "float16", "kv_layout": "test"}
 BLOCK = 4096

@@ -106,7 +106,7 @@ def share_and_continue(a: Server, b: Server) -> None:
             ).json()
         assert all("a" in loc for loc in body["locations"]), body["locations"]
         batch = cb.post("/v1/blocks/batch", json={"hashes": hashes})
-        from sessioncache.wire import decode_batch
+        from sessioncache.dataplane.frames.batch import decode_batch
 
         assert [v for _, v in decode_batch(batch.content)] == [bytes([i]) * 4096 for i in range(10)]
         # The session continues on B: its turn extends the chain there.

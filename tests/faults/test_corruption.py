@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 
 from sessioncache.connector import StreamClient, discover
-from sessioncache.wire import decode_batch
+from sessioncache.dataplane.frames.batch import decode_batch
 from tests.support.servers import DURABLE_NODE, start_server
 
 NS = {"model": "corrupt-model", "block_tokens": 4, "kv_dtype": "bf16", "kv_layout": "x"}

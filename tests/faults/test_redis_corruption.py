@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from sessioncache.connector import StreamClient, discover
-from sessioncache.wire import decode_batch
+from sessioncache.dataplane.frames.batch import decode_batch
 from tests.faults.test_corruption import corrupt_reads
 from tests.support.servers import start_server
 

@@ -10,9 +10,9 @@ from sessioncache.attribution import (
     classify,
     divergence_block,
 )
-from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
-from sessioncache.table import BlockFields
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.table import BlockFields
 
 ROOT = b"r" * 16
 BT = 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sessioncache.expiry import ExpiryIndex
+from sessioncache.store.expiry import ExpiryIndex
 
 
 def test_due_returns_the_expired_and_refiles_the_moved():

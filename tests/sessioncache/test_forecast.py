@@ -8,17 +8,17 @@ import pytest
 
 from sessioncache.clock import ManualClock
 from sessioncache.errors import InvalidInput, SessionNotFound
-from sessioncache.forecast import (
+from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.sessions.manager import SessionManager
+from sessioncache.store import TieredStore
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.forecast import (
     ORPHAN_BASE,
     Forecast,
     Rhythm,
     eviction_value,
     finish_class,
 )
-from sessioncache.hashing import BlockHash, Namespace, block_hashes
-from sessioncache.policy import EvictionPolicy
-from sessioncache.sessions import SessionManager
-from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
 
 SIZE = 64

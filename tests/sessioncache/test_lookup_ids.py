@@ -14,7 +14,7 @@ from sessioncache.hashing import BlockHash, Namespace
 from sessioncache.node import CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from sessioncache.blocks import BlockMeta, tier_mask
 from sessioncache.hashing import BlockHash
-from sessioncache.policy import EvictionPolicy
-from sessioncache.table import BlockFields
+from sessioncache.store.blocks import BlockMeta, tier_mask
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.table import BlockFields
 
 TIERS = 2
 

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sessioncache.dataplane.frames.batch import MAGIC, decode_batch, encode_batch
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import (
     Namespace,
@@ -24,7 +25,6 @@ from sessioncache.hashing import (
 )
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
-from sessioncache.wire import MAGIC, decode_batch, encode_batch
 
 TOKEN = st.integers(min_value=0, max_value=(1 << 32) - 1)
 EXAMPLES = int(os.environ.get("SESSIONCACHE_FUZZ_EXAMPLES", "40"))

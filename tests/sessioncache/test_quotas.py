@@ -13,10 +13,10 @@ import pytest
 from sessioncache.clock import ManualClock
 from sessioncache.errors import QuotaExceeded
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
-from sessioncache.policy import EvictionPolicy
 from sessioncache.quotas import Counts, PinBudget, Quotas, TenantLimits
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
+from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.tiers.cpu import CpuTier
 
 SIZE = 64

@@ -11,7 +11,7 @@ import pytest
 from sessioncache.clock import ManualClock
 from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
-from sessioncache.sessions import DAY_S, SessionManager
+from sessioncache.sessions.manager import DAY_S, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
 

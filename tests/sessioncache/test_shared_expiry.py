@@ -12,8 +12,8 @@ import redis
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash
 from sessioncache.redis_link import make_client
-from sessioncache.shared_expiry import SharedExpiryRefresher
 from sessioncache.store import TieredStore
+from sessioncache.store.shared_expiry import SharedExpiryRefresher
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.redis import RedisTier
 

@@ -12,12 +12,12 @@ import torch
 import xxhash
 
 from sessioncache.clock import ManualClock
-from sessioncache.expiry import ExpiryIndex
 from sessioncache.hashing import BlockHash
-from sessioncache.index import BlockIndex
-from sessioncache.policy import EvictionPolicy
 from sessioncache.status import BlockStatus
 from sessioncache.store import TieredStore
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.expiry import ExpiryIndex
+from sessioncache.store.index import BlockIndex
 from sessioncache.tiers.base import RecoveredBatch, RecoveredBlock
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 

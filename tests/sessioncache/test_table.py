@@ -8,13 +8,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash
-from sessioncache.index import _MAX_RUNS
-from sessioncache.policy import spare_copy
 from sessioncache.store import TieredStore
-from sessioncache.table import NO_SLOT, BlockFields, BlockTable
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.eviction import spare_copy
+from sessioncache.store.index import _MAX_RUNS
+from sessioncache.store.table import NO_SLOT, BlockFields, BlockTable
 from sessioncache.tiers.cpu import CpuTier
 
 ROOT = b"\x07" * 16

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.clock import ManualClock
 from sessioncache.errors import DurableStoreFailed, TierFull
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.status import BlockStatus
 from sessioncache.store import TieredStore, behind
+from sessioncache.store.blocks import BlockMeta
 from sessioncache.tiers.base import PutItem
 from sessioncache.tiers.cpu import CpuTier, SharedCpuTier
 from sessioncache.tiers.disk import DiskTier

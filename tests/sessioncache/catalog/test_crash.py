@@ -17,7 +17,7 @@ import time
 
 from sessioncache.catalog.reconcile import CatalogRecoveredTier, reconcile
 from sessioncache.hashing import BlockHash, Namespace
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.disk import DiskTier
 
@@ -32,7 +32,7 @@ import json, sys
 import numpy as np
 from sessioncache.catalog import Catalog
 from sessioncache.hashing import Namespace, block_hashes
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.disk import DiskTier
 

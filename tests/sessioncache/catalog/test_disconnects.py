@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, event, text
 
 from sessioncache.catalog import Catalog
-from sessioncache.sessions import Session
+from sessioncache.sessions.manager import Session
 from tests.sessioncache.catalog.conftest import Database, postgres_url
 
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from sqlalchemy import event
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.catalog import BlockRecord
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.store import TieredStore
-from sessioncache.table import BlockFields
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.table import BlockFields
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.disk import DiskTier
 

@@ -7,8 +7,8 @@ import pytest
 
 from sessioncache.clock import ManualClock
 from sessioncache.errors import InvalidInput
-from sessioncache.session_query import SORT_KEYS, SessionQuery, page_in_memory
-from sessioncache.sessions import Session, SessionManager
+from sessioncache.sessions.manager import Session, SessionManager
+from sessioncache.sessions.query import SORT_KEYS, SessionQuery, page_in_memory
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
 

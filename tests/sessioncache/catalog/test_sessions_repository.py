@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sessioncache.catalog.models import sessions_table
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
-from sessioncache.sessions import Session, SessionManager
+from sessioncache.sessions.manager import Session, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.disk import DiskTier
 

@@ -230,7 +230,7 @@ def test_a_store_carries_a_finish_reason_in_its_finish_byte():
 
 
 def test_finish_codes_are_the_forecasts_reasons_and_stay_put():
-    from sessioncache.forecast import FINISH_CLASSES
+    from sessioncache.store.forecast import FINISH_CLASSES
 
     assert set(frames.FINISH_REASONS) == set(FINISH_CLASSES)
     assert len(set(frames.FINISH_REASONS)) == len(frames.FINISH_REASONS)

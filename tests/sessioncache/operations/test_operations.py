@@ -16,7 +16,7 @@ from sessioncache.node import CacheNode
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.messages import LookupRequest, StoreRequest
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
 

@@ -11,7 +11,6 @@ import pytest
 
 from sessioncache.commands import replay as replay_command
 from sessioncache.errors import InvalidInput
-from sessioncache.policy import EvictionPolicy
 from sessioncache.replay.runner import (
     POLICIES,
     make_simulator,
@@ -22,6 +21,7 @@ from sessioncache.replay.runner import (
 )
 from sessioncache.replay.simulators import LruSim, OracleSim, StoreSim
 from sessioncache.replay.trace import Request, Trace, load_trace
+from sessioncache.store.eviction import EvictionPolicy
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
 AGENT = FIXTURES / "agent-sessions"

@@ -12,12 +12,12 @@ import logging
 import threading
 
 from sessioncache.background import BackgroundLoop
-from sessioncache.blocks import BlockMeta
-from sessioncache.events import Touched
 from sessioncache.hashing import BlockHash
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.events import Touched
 from sessioncache.tiers.base import SharedTier
 
-log = logging.getLogger("sessioncache.shared_expiry")
+log = logging.getLogger("sessioncache.store.shared_expiry")
 
 
 class SharedExpiryRefresher:

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from sessioncache.blocks import BlockMeta, tier_set
-from sessioncache.events import Touched
-from sessioncache.expiry import ExpiryIndex
-from sessioncache.forecast import NO_FORECAST, ORPHAN_BASE
 from sessioncache.hashing import HASH_BYTES, BlockHash
-from sessioncache.index_adoption import IndexAdoption
-from sessioncache.policy import EvictionPolicy
-from sessioncache.table import F_PARENT, NO_SLOT, BlockFields, BlockTable
+from sessioncache.store.adoption import IndexAdoption
+from sessioncache.store.blocks import BlockMeta, tier_set
+from sessioncache.store.events import Touched
+from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.expiry import ExpiryIndex
+from sessioncache.store.forecast import NO_FORECAST, ORPHAN_BASE
+from sessioncache.store.table import F_PARENT, NO_SLOT, BlockFields, BlockTable
 
 Slots = npt.NDArray[np.int64]
 """Slots of the ``BlockTable``, in chain order."""

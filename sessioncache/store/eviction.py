@@ -12,7 +12,7 @@ Victim order, per tier:
    not, least recently used first; dropping it loses nothing, so the tiers hold distinct
    blocks whenever room is short. Session pins keep a block, not its spare copies.
 5. Then, with a ``Forecast`` (the default), the tail whose predicted next use lies furthest
-   ahead (``sessioncache.forecast``: Belady's rule with predictions, a value per block that
+   ahead (``sessioncache.store.forecast``: Belady's rule with predictions, a value per block that
    is the larger of its forecast and how overdue it is); without one (``lru``, the setting
    ``SESSIONCACHE_EVICTION_POLICY=lru``), least recently used first. Blocks touched at the
    same instant are ordered by the operation that touched them (earlier first) and, within
@@ -55,9 +55,9 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 
-from sessioncache.blocks import BlockMeta
-from sessioncache.forecast import Forecast, eviction_value
 from sessioncache.hashing import BlockHash
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.forecast import Forecast, eviction_value
 
 _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
 POLICIES = ("forecast", "lru")

@@ -3,7 +3,7 @@
 ``SessionManager`` tells this room what a session did (a request arrived or finished, its
 prompt left the previous one's chain, it closed), with the chains concerned; this room keeps
 the session's ``Rhythm`` and files the chain under the forecast that follows
-(``StoreReads.forecast``: ``sessioncache.forecast`` has the model). Under plain LRU (no
+(``StoreReads.forecast``: ``sessioncache.store.forecast`` has the model). Under plain LRU (no
 ``Forecast``) it keeps nothing and files nothing.
 
 Called with the manager's lock held (it calls the store: the lock order is sessions, then
@@ -19,8 +19,8 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from sessioncache.clock import Clock
-from sessioncache.forecast import Forecast, Rhythm, eviction_value
 from sessioncache.hashing import BlockHash, divergence_block
+from sessioncache.store.forecast import Forecast, Rhythm, eviction_value
 
 SessionKey = tuple[str, str]
 FURTHEST_OF = 64

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
+from sessioncache.store.blocks import BlockMeta
 
 
 @dataclass(frozen=True, slots=True)

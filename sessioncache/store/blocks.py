@@ -1,6 +1,6 @@
 """Per-block metadata kept by the store, as the rest of the code reads it.
 
-The records themselves are a struct of arrays (``sessioncache/table.py``: a block is a slot);
+The records themselves are a struct of arrays (``sessioncache/store/table.py``: a block is a slot);
 a ``BlockMeta`` is a small handle on one slot whose attributes read and write that slot's
 fields, made when code asks for a block and dropped after. One made with
 ``BlockMeta.detached(BlockFields(...))`` owns a table of its own (a detached record:
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from functools import cache
 
 from sessioncache.hashing import BlockHash
-from sessioncache.table import F_CHECKSUM, F_PARENT, BlockFields, BlockTable
+from sessioncache.store.table import F_CHECKSUM, F_PARENT, BlockFields, BlockTable
 
 
 @cache
@@ -122,7 +122,7 @@ class BlockMeta:
 
     @property
     def next_use(self) -> float:
-        """When the block is predicted to be read again (``sessioncache.forecast``)."""
+        """When the block is predicted to be read again (``sessioncache.store.forecast``)."""
         return self._table.nxt[self.slot]
 
     @next_use.setter

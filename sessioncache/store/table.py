@@ -91,7 +91,7 @@ class BlockFields(NamedTuple):
     """The tiers holding the payload, a bit per tier."""
     checksum: int | None = None
     next_use: float = float("-inf")
-    """When the block is predicted to be read again (``sessioncache.forecast``; -inf: no
+    """When the block is predicted to be read again (``sessioncache.store.forecast``; -inf: no
     forecast)."""
 
 
@@ -168,7 +168,7 @@ class BlockTable:
     last: memoryview[float]
     """When last accessed."""
     nxt: memoryview[float]
-    """When predicted to be read again (``sessioncache.forecast``)."""
+    """When predicted to be read again (``sessioncache.store.forecast``)."""
     expires: memoryview[float]
     mask: memoryview[int]
     """The tiers holding the payload, a bit each."""

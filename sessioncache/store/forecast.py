@@ -1,6 +1,6 @@
 """When a session comes back: the next-use forecast behind session-aware eviction.
 
-The eviction order (``sessioncache.policy``) is Belady's with predictions: of the evictable
+The eviction order (``sessioncache.store.eviction``) is Belady's with predictions: of the evictable
 chain tails, the one whose predicted next use lies furthest ahead leaves first. This module
 holds the prediction and the priority, as pure functions over a few numbers per block; the
 heaps that serve them are the policy's.

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from sessioncache.blocks import BlockMeta
 from sessioncache.hashing import BlockHash
-from sessioncache.table import F_LIVE, NO_SLOT
+from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.table import F_LIVE, NO_SLOT
 from sessioncache.tiers.base import LocatedBlock, RecoveredBatch
 
 if TYPE_CHECKING:
-    from sessioncache.index import BlockIndex
+    from sessioncache.store.index import BlockIndex
 
 
 class IndexAdoption:

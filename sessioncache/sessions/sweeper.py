@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from sessioncache.background import BackgroundLoop
-from sessioncache.sessions import SessionManager
+from sessioncache.sessions.manager import SessionManager
 
-log = logging.getLogger("sessioncache.sweeper")
+log = logging.getLogger("sessioncache.sessions.sweeper")
 
 
 def sweeper(sessions: SessionManager, interval_s: float) -> BackgroundLoop:

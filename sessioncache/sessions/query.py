@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
 from sessioncache.errors import InvalidInput
 
 if TYPE_CHECKING:  # sessions.py imports this module
-    from sessioncache.sessions import Session
+    from sessioncache.sessions.manager import Session
 
 SortKey = Literal["tenant", "id", "kind", "created", "last_seen", "expires_at"]
 SORT_KEYS: tuple[str, ...] = get_args(SortKey)

@@ -10,7 +10,7 @@ prefix plus a little more. Each lookup or store that names a session
 * moves the session's head to the last block of its chain and pins that chain while the
   session is live, so capacity pressure cannot evict it.
 
-Each also feeds the session's forecast (``sessioncache.forecast``): when it is expected back,
+Each also feeds the session's forecast (``sessioncache.store.forecast``): when it is expected back,
 from its requests' arrivals, their finish reasons where the engine or agent passes them
 (``finish_reason`` on a store or on ``record``), its own rhythm, its close and its parent
 session (a subagent's). The chain it touched is filed under that forecast, which is what the
@@ -52,13 +52,13 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from sessioncache.errors import InvalidInput, SessionNotFound
-from sessioncache.expiry import ExpiryIndex
-from sessioncache.forecast import finish_class
 from sessioncache.hashing import BlockHash
 from sessioncache.quotas import Counts, PinBudget
-from sessioncache.session_forecasts import SessionForecasts
-from sessioncache.session_query import SessionPage, SessionQuery, SessionSearch, page_in_memory
+from sessioncache.sessions.forecasts import SessionForecasts
+from sessioncache.sessions.query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, TieredStore, TierStats, WriteResult
+from sessioncache.store.expiry import ExpiryIndex
+from sessioncache.store.forecast import finish_class
 from sessioncache.store.results import MAX_TTL_S, check_ttl
 from sessioncache.tiers.payload import Payload
 
