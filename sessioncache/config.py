@@ -308,7 +308,8 @@ class Settings(BaseSettings):
         gt=0,
         le=1,
         description="largest share of `write_behind_bytes` one tenant's blocks may take: a "
-        "tenant's flood stalls that tenant",
+        "tenant's flood stalls that tenant (the default of each tenant's "
+        "`write_behind_share`, which `tenant_limits` may set)",
     )
     upload_ttl_s: float = Field(
         600.0, gt=0, description="how long the upload slots of a store stay open"

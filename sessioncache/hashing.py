@@ -1,4 +1,4 @@
-"""Content-addressed block ids.
+"""Content-addressed block ids, and the one checksum of a block's payload.
 
 A prompt's token ids are cut into blocks of ``namespace.block_tokens`` tokens; only full blocks
 get ids. Block ``i``'s id is ``XXH3-128(parent || tokens_i as little-endian uint32, seed)``
@@ -6,6 +6,10 @@ where the parent of block 0 is the namespace root, a digest of everything that m
 incompatible (model, KV dtype and layout, block size, tenant salt, LoRA). Equal prefixes under
 an equal namespace give equal ids on every engine and every day. The exact byte layout, with
 golden vectors, is in ``docs/hashing.md``; change nothing here without bumping the version tag.
+
+A payload's checksum (``payload_checksum``, XXH3-64 with seed 0) is the one every layer
+writes and verifies: the disk and Redis headers, the catalog's ``checksum`` column, the
+same-host COMMIT and its slots, the store's verified copies.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
-from typing import Any, NewType, cast
+from typing import TYPE_CHECKING, Any, NewType, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +26,9 @@ import xxhash
 
 from sessioncache.codecs import parse_codec
 from sessioncache.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 BlockHash = NewType("BlockHash", bytes)
 """16 raw bytes: the XXH3-128 digest identifying one block and, through its parent, its prefix."""
@@ -216,6 +223,21 @@ def block_hashes(namespace: Namespace, tokens: Tokens, seed: int = 0) -> list[Bl
     return block_hashes_from_bytes(root, tokens_to_le_bytes(tokens), namespace.block_tokens, seed)
 
 
+def payload_checksum(data: ReadableBuffer) -> int:
+    """The checksum of a block payload: XXH3-64 (seed 0) of its bytes (``data``: any
+    contiguous buffer). Hashed with the GIL released (``xxhash.xxh3_64(data)``;
+    ``xxh3_64_intdigest`` would hold it for the whole payload), so the node's other threads
+    run meanwhile."""
+    return xxhash.xxh3_64(data).intdigest()
+
+
+def payload_hasher() -> xxhash.xxh3_64:
+    """``payload_checksum`` taken piece by piece: ``update`` it with the payload's pieces in
+    order, and its ``intdigest()`` is the checksum of the whole (each update releases the
+    GIL as ``payload_checksum`` does)."""
+    return xxhash.xxh3_64()
+
+
 def to_hex(block_hash: bytes) -> str:
     """The wire form of an id: 32 lowercase hex digits."""
     return block_hash.hex()
@@ -264,6 +286,26 @@ def keyed_block_ids(root: bytes, keys: Sequence[bytes], seed: int = 0) -> list[B
             raise InvalidInput(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
         out.append(digest(root + bytes(key) + KEY_TAG, seed))
     return cast(list[BlockHash], out)
+
+
+def segment_ids(
+    root: bytes,
+    parent: bytes | None,
+    units: bytes,
+    block_tokens: int,
+    *,
+    keyed: bool = False,
+    seed: int = 0,
+) -> list[BlockHash]:
+    """The ids of one stored segment, as the node derives them from what a STORE, a STAGE or
+    a planned REST store sends: ``units`` is its token section (little-endian uint32 tokens,
+    chained from ``parent``, or from the namespace ``root`` when the segment starts a chain:
+    ``block_hashes_from_bytes``) or, ``keyed``, its key section (16-byte keys, each id from
+    ``root`` alone: ``keyed_block_ids``)."""
+    if keyed:
+        keys = [units[i : i + KEY_BYTES] for i in range(0, len(units), KEY_BYTES)]
+        return keyed_block_ids(root, keys, seed)
+    return block_hashes_from_bytes(root if parent is None else parent, units, block_tokens, seed)
 
 
 def divergence_block(hashes: Sequence[BlockHash], prev_ids: bytes) -> int | None:

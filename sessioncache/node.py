@@ -59,7 +59,69 @@ def tenant_defaults(settings: Settings) -> TenantLimits:
         namespaces=settings.tenant_namespaces,
         sessions=settings.tenant_sessions,
         pin_share=settings.tenant_pin_share,
+        write_behind_share=settings.tenant_write_behind_share,
     )
+
+
+class TenantPins:
+    """What each tenant pins, per tier, and the budget its next lasting pin (a lease, a
+    session pin, a staging) is admitted against (``quotas.PinBudget``): the blocks under the
+    roots it owns that anything pins (``owners``, ``store``) and its same-host stagings
+    (``staged``, bytes held in the shared-memory tier)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        owners: NamespaceOwners,
+        quotas: Quotas,
+        staged: Counts | None = None,
+    ) -> None:
+        self._store = store
+        self._owners = owners
+        self._quotas = quotas
+        self.staged = staged if staged is not None else Counts()
+        """Bytes of same-host staging each tenant holds: counted with its pins."""
+
+    def of(self, tenant: str) -> list[int]:
+        """Per tier, the bytes the tenant's pins (leases, sessions) and stagings hold."""
+        store = self._store
+        pinned = store.reads.pinned_under(self._owners.roots(tenant))
+        shm = store.shared_memory_tier_name
+        if shm is not None:
+            pinned[store.tier_names().index(shm)] += self.staged.get(tenant)
+        return pinned
+
+    def shares(self) -> dict[str, float]:
+        """Per tenant owning blocks, the largest share of a tier its pinned blocks hold."""
+        tiers = self._store.tiers
+        out: dict[str, float] = {}
+        for tenant in self._owners.per_tenant():
+            share = max(
+                (
+                    n / t.capacity_bytes
+                    for n, t in zip(self.of(tenant), tiers, strict=True)
+                    if t.capacity_bytes
+                ),
+                default=0.0,
+            )
+            if share:
+                out[tenant] = share
+        return out
+
+    def budget(self, tenant: str, *, locate: bool = False) -> PinBudget:
+        """What a lasting pin for ``tenant`` is admitted against: its ``pin_share`` of each
+        tier, less its pins and stagings. ``locate``: the granted blocks are then copied into
+        the shared-memory tier."""
+        store = self._store
+        shm = store.shared_memory_tier_name
+        tier = store.tier_names().index(shm) if shm is not None else None
+        return self._quotas.pins(
+            tenant,
+            self._owners.roots(tenant),
+            staged=self.staged,
+            staged_tier=tier,
+            into=tier if locate else None,
+        )
 
 
 class CacheNode:
@@ -78,15 +140,23 @@ class CacheNode:
         history: StatsHistory | None = None,
         checks: Sequence[HealthCheck] = (),
         codecs: CodecTable | None = None,
+        quotas: Quotas | None = None,
+        pins: TenantPins | None = None,
     ) -> None:
+        """``quotas``, ``owners`` and ``pins`` are the ones ``sessions``, the namespace owners
+        and the store's write-behind were built with (``factory.open_node``), so that every
+        bound is in force from the start; left out, the node makes its own from ``settings``
+        (which bound only what the node itself grants: parts built without them are
+        unbounded)."""
         self.settings = settings
         self.codecs = codecs if codecs is not None else CodecTable()
         """How the lower tiers store each namespace's blocks (``sessioncache.codecs``)."""
         self.store = store
         self.sessions = sessions
-        self.quotas = Quotas(tenant_defaults(settings), settings.tenant_limits)
+        if quotas is None:
+            quotas = Quotas(tenant_defaults(settings), settings.tenant_limits)
+        self.quotas = quotas
         """Each tenant's bounds (``quotas.TenantLimits``)."""
-        quotas = self.quotas
         self.uploads = UploadSlots(
             store.clock,
             ttl_s=settings.upload_ttl_s,
@@ -95,20 +165,23 @@ class CacheNode:
         self.inflight = quotas.tally("inflight_bytes")
         """Receive-buffer bytes each tenant's requests hold now (``Tally.charge``)."""
         self.owners = owners or NamespaceOwners()
-        self.owners.admit = lambda tenant, held: quotas.admit(tenant, "namespaces", held=held)
-        quotas.count("namespaces", self.owners.per_tenant)
-        sessions.admit = lambda tenant, held: quotas.admit(tenant, "sessions", held=held)
-        sessions.budget = self.pin_budget
-        sessions.pinned_of = self._pins_of
-        quotas.count("sessions", sessions.tenants.snapshot)
-        quotas.count("pin_share", self.pin_shares)
-        self.staged = Counts()
+        self.pins = pins or TenantPins(store, self.owners, quotas)
+        """What each tenant pins, and the budget of its next pin."""
+        self.staged = self.pins.staged
         """Bytes of same-host staging each tenant holds: counted with its pins."""
+        quotas.count("namespaces", self.owners.per_tenant)
+        quotas.count("sessions", sessions.tenants.snapshot)
+        quotas.count("pin_share", self.pins.shares)
         self.received = Counts()
         """Block payload bytes received, per carrier (``rest``, ``stream``, ``same_host``)."""
         quotas.count("upload_slots", self.uploads.per_tenant)
-        if store.write_behind is not None:
-            store.write_behind.owner = lambda root: self.owners.owner(root) or ""
+        behind = store.write_behind
+        if behind is not None:
+            bound = behind.bound_bytes
+            quotas.count(
+                "write_behind_share",
+                lambda: {t: n / bound for t, n in behind.tenants.snapshot().items()},
+            )
         self._roots: dict[tuple[str, Namespace], bytes] = {}
         self._lock = threading.Lock()
         self._on_close = list(on_close)
@@ -126,46 +199,10 @@ class CacheNode:
         )
         sessions.on_unpin(self.attribution.unpinned)
 
-    def pin_shares(self) -> dict[str, float]:
-        """Per tenant owning blocks, the largest share of a tier its pinned blocks hold."""
-        tiers = self.store.tiers
-        out: dict[str, float] = {}
-        for tenant in self.owners.per_tenant():
-            pinned = self._pins_of(tenant)
-            share = max(
-                (
-                    n / t.capacity_bytes
-                    for n, t in zip(pinned, tiers, strict=True)
-                    if t.capacity_bytes
-                ),
-                default=0.0,
-            )
-            if share:
-                out[tenant] = share
-        return out
-
-    def _pins_of(self, tenant: str) -> list[int]:
-        """Per tier, the bytes the tenant's pins (leases, sessions) and stagings hold."""
-        pinned = self.store.reads.pinned_under(self.owners.roots(tenant))
-        shm = self.store.shared_memory_tier_name
-        if shm is not None:
-            pinned[self.store.tier_names().index(shm)] += self.staged.get(tenant)
-        return pinned
-
     def pin_budget(self, tenant: str, *, locate: bool = False) -> PinBudget:
         """What a lasting pin for ``tenant`` (a lease, a session pin, a staging) is admitted
-        against: its ``pin_share`` of each tier, less its pins and stagings
-        (``quotas.PinBudget``). ``locate``: the granted blocks are then copied into the
-        shared-memory tier."""
-        shm = self.store.shared_memory_tier_name
-        tier = self.store.tier_names().index(shm) if shm is not None else None
-        return self.quotas.pins(
-            tenant,
-            self.owners.roots(tenant),
-            staged=self.staged,
-            staged_tier=tier,
-            into=tier if locate else None,
-        )
+        against (``TenantPins.budget``)."""
+        return self.pins.budget(tenant, locate=locate)
 
     def token_counts(self) -> TokenCounts:
         """Prompt tokens looked up so far, on every path: found in the cache (hit) or not."""

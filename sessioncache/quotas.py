@@ -7,9 +7,9 @@ the bound.
 
 ``TenantLimits`` lists the bounds. Their defaults are flat settings (``tenant_upload_slots``,
 ``tenant_stream_connections``, ``tenant_inflight_bytes``, ``max_engines_per_tenant``,
-``tenant_namespaces``, ``tenant_sessions``, ``tenant_pin_share``); ``tenant_limits`` overrides
-any of them for one tenant, as JSON beside the API keys:
-``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``.
+``tenant_namespaces``, ``tenant_sessions``, ``tenant_pin_share``,
+``tenant_write_behind_share``); ``tenant_limits`` overrides any of them for one tenant, as JSON
+beside the API keys: ``{"<tenant>": {"upload_slots": 1000, "stream_connections": 4}}``.
 
 Two kinds of grant:
 
@@ -22,6 +22,10 @@ Two kinds of grant:
   staging. Its amount is the bytes per tier it would pin, admitted against the tenant's
   ``pin_share`` of each tier together with what it pins already, under the store's lock, with
   the grant itself: a lease or a pin takes the prefix of its blocks that fits.
+
+The parts that hold what they count take their admission at construction (``admitter``,
+``write_behind_share``; the node's pins, ``node.TenantPins``), so every bound is in force from
+the first request.
 
 ``Quotas.usage`` gathers the counts for ``/metrics``.
 """
@@ -62,9 +66,15 @@ class TenantLimits(NamedTuple):
     pin_share: float
     """The largest share of each tier the tenant's pinned blocks (leases, session pins) and
     same-host stagings may hold together (``PinBudget``)."""
+    write_behind_share: float
+    """The largest share of the write-behind queue's bound (``write_behind_bytes``) the
+    tenant's blocks may take while they wait for the disk (``store.behind``): past it the
+    tenant's stores wait, never another tenant's."""
 
 
 LIMITS = TenantLimits._fields
+SHARES = ("pin_share", "write_behind_share")
+"""The bounds that are a share (a number in [0, 1]) rather than a count."""
 
 UNITS: Mapping[str, str] = {
     "upload_slots": "upload slots open",
@@ -102,11 +112,13 @@ class Quotas:
                     f"bounds are {list(LIMITS)}"
                 )
             for name, value in fields.items():
-                if name == "pin_share":
+                if name in SHARES:
                     if isinstance(value, bool) or not isinstance(value, int | float):
-                        raise InvalidInput(f"tenant_limits[{tenant!r}]['pin_share'] is a number")
-                    if not 0 <= value <= 1:
-                        raise InvalidInput(f"tenant_limits[{tenant!r}]['pin_share'] is in [0, 1]")
+                        raise InvalidInput(f"tenant_limits[{tenant!r}][{name!r}] is a number")
+                    empty = name == "pin_share"  # no pins at all; a queue share is > 0
+                    if not (0 <= value <= 1 and (empty or value > 0)):
+                        interval = "[0, 1]" if empty else "(0, 1]"
+                        raise InvalidInput(f"tenant_limits[{tenant!r}][{name!r}] is in {interval}")
                 elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidInput(f"tenant_limits[{tenant!r}][{name!r}] must be an int >= 0")
             self._of[tenant] = defaults._replace(**dict(fields))  # type: ignore[arg-type]
@@ -116,6 +128,21 @@ class Quotas:
 
     def of(self, tenant: str) -> TenantLimits:
         return self._of.get(tenant, self.defaults)
+
+    def admitter(self, bound: str) -> Callable[[str, int], None]:
+        """``admit`` of one more of the count ``bound`` to a tenant holding so many, for a
+        part that keeps its own count (``NamespaceOwners``, ``SessionManager``)."""
+        if bound not in UNITS:
+            raise ValueError(f"{bound!r} is not a count bound")
+
+        def admit(tenant: str, held: int) -> None:
+            self.admit(tenant, bound, held=held)
+
+        return admit
+
+    def write_behind_share(self, tenant: str) -> float:
+        """The tenant's share of the write-behind queue (``TenantLimits.write_behind_share``)."""
+        return self.of(tenant).write_behind_share
 
     def count(self, bound: str, counter: Callable[[], Mapping[str, float]]) -> None:
         """Register where ``bound``'s usage per tenant is read (for ``usage``)."""

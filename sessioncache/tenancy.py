@@ -31,15 +31,20 @@ class OwnerRepository(Protocol):
 class NamespaceOwners:
     """Root -> owning tenant; claims are written through to the repository once per root."""
 
-    def __init__(self, repository: OwnerRepository | None = None) -> None:
+    def __init__(
+        self,
+        repository: OwnerRepository | None = None,
+        *,
+        admit: Callable[[str, int], None] | None = None,
+    ) -> None:
+        """``admit``: admits one more root to a tenant holding so many (``Quotas.admitter``
+        of ``namespaces``; None: no bound)."""
         self._repository = repository
         self._owners: dict[bytes, str] = {}
         self._namespaces: dict[bytes, dict[str, Any]] = {}  # the roots' descriptions
         self._roots_of: dict[str, set[bytes]] = {}
         self._lock = threading.Lock()
-        self.admit: Callable[[str, int], None] | None = None
-        """Admits one more root to a tenant holding so many (``quotas.Quotas.admit`` of
-        ``namespaces``; None: no bound)."""
+        self._admit = admit
 
     def load(self) -> int:
         """Read the owners the repository knows; returns how many."""
@@ -63,8 +68,8 @@ class NamespaceOwners:
         with self._lock:
             if self._owners.get(root) == tenant:
                 return
-            if self.admit is not None:
-                self.admit(tenant, len(self._roots_of.get(tenant, ())))
+            if self._admit is not None:
+                self._admit(tenant, len(self._roots_of.get(tenant, ())))
             self._own(root, tenant)
             self._namespaces[root] = asdict(namespace)
         if self._repository is not None:
@@ -93,6 +98,12 @@ class NamespaceOwners:
     def owner(self, root: bytes) -> str | None:
         with self._lock:
             return self._owners.get(root)
+
+    def tenant_of(self, root: bytes) -> str:
+        """The tenant whose share a block of ``root`` counts in: its owner, ``""`` when the
+        root is not known (yet)."""
+        with self._lock:
+            return self._owners.get(root, "")
 
     def describe(self, root: bytes) -> tuple[str, dict[str, Any]] | None:
         """(owning tenant, namespace fields) of ``root``, when known."""

@@ -13,14 +13,13 @@ from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from sessioncache.codecs import RAW, Codec, CodecTable, decode_block, encode_or_raw
 from sessioncache.errors import InvalidInput, TierFull, TierUnavailable
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.tiers.base import PutItem, RecoveredBlock
 from sessioncache.tiers.fileio import read_full
-from sessioncache.tiers.header import HEADER_SIZE, HeaderCodec, InvalidBlock, check_id
+from sessioncache.tiers.header import HEADER_SIZE, Header, HeaderCodec, InvalidBlock, check_id
 from sessioncache.tiers.payload import as_memoryview, checked_nbytes
 
 logger = logging.getLogger("sessioncache.tiers.disk")
@@ -29,7 +28,6 @@ MAGIC = b"SCBLK\x00\x01\x00"
 HEADERS = HeaderCodec(MAGIC)
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -129,13 +127,13 @@ def encode_item(item: PutItem, codecs: CodecTable, tier: str, capacity: int) -> 
     codec = codecs.for_root(item.namespace_root)
     view = as_memoryview(item.payload)
     if codec.id == RAW.id:
-        checksum = _xxh3(view) if item.checksum is None else item.checksum
+        checksum = payload_checksum(view) if item.checksum is None else item.checksum
         return Encoded(RAW, view, view.nbytes, checksum)
     used, stored = encode_or_raw(codec, view)
     if used.id == RAW.id:
-        checksum = _xxh3(view) if item.checksum is None else item.checksum
+        checksum = payload_checksum(view) if item.checksum is None else item.checksum
         return Encoded(RAW, view, view.nbytes, checksum)
-    return Encoded(used, stored, view.nbytes, _xxh3(stored))
+    return Encoded(used, stored, view.nbytes, payload_checksum(stored))
 
 
 def read_header_of(path: str, block_hash: BlockHash) -> RecoveredBlock:
@@ -174,17 +172,7 @@ def read_block(
         return read_coded(
             path, block_hash, namespace_root, raw_nbytes, stored_nbytes
         ), stored_nbytes
-    header = bytearray(HEADER_SIZE)
-    # numpy, not torch.empty: numpy asks for huge pages on big buffers, which made faulting
-    # in a fresh 32 MiB buffer ~3x cheaper here.
-    buf = np.empty(raw_nbytes, dtype=np.uint8)
-    extra = bytearray(1)  # catches a file longer than it should be
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        got = read_full(fd, [memoryview(header), buf.data, memoryview(extra)])
-    finally:
-        os.close(fd)
-    head = HEADERS.decode(header)
+    head, buf, got = _read_file(path, raw_nbytes)
     if head.block_hash != block_hash:
         raise InvalidBlock("block id in header does not match the file name")
     if head.namespace_root != namespace_root:
@@ -195,9 +183,26 @@ def read_block(
         return read_coded(path, block_hash, namespace_root, raw_nbytes, head.nbytes), head.nbytes
     if got != HEADER_SIZE + head.nbytes:
         raise InvalidBlock(f"file holds {got} bytes, expected {HEADER_SIZE + raw_nbytes}")
-    if _xxh3(buf.data) != head.checksum:
+    if payload_checksum(buf.data) != head.checksum:
         raise InvalidBlock("payload checksum mismatch")
     return buf, -1
+
+
+def _read_file(path: str, nbytes: int) -> tuple[Header, npt.NDArray[np.uint8], int]:
+    """A block file read in one go: its header, decoded but not checked, the first ``nbytes``
+    of its payload, and how many bytes were read (one more than the header and ``nbytes``
+    where the file is longer)."""
+    header = bytearray(HEADER_SIZE)
+    # numpy, not torch.empty: numpy asks for huge pages on big buffers, which made faulting
+    # in a fresh 32 MiB buffer ~3x cheaper here.
+    payload = np.empty(nbytes, dtype=np.uint8)
+    extra = bytearray(1)  # catches a file longer than it should be
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        got = read_full(fd, [memoryview(header), payload.data, memoryview(extra)])
+    finally:
+        os.close(fd)
+    return HEADERS.decode(header), payload, got
 
 
 def read_coded(
@@ -206,22 +211,14 @@ def read_coded(
     """The block of a file a codec wrote (``stored_nbytes`` of payload): read, checked
     against its header and checksum, decoded into its ``raw_nbytes``. Raises
     ``InvalidBlock`` for a file that does not hold, ``OSError`` where it cannot be read."""
-    header = bytearray(HEADER_SIZE)
-    stored = np.empty(stored_nbytes, dtype=np.uint8)
-    extra = bytearray(1)  # catches a file longer than it should be
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        got = read_full(fd, [memoryview(header), stored.data, memoryview(extra)])
-    finally:
-        os.close(fd)
-    head = HEADERS.decode(header)
+    head, stored, got = _read_file(path, stored_nbytes)
     if head.block_hash != block_hash or head.namespace_root != namespace_root:
         raise InvalidBlock("block id or namespace root in header does not match")
     if head.raw_nbytes != raw_nbytes or not head.codec:
         raise InvalidBlock(f"a block of {head.raw_nbytes} bytes, {raw_nbytes} expected")
     if head.nbytes != stored_nbytes or got != HEADER_SIZE + stored_nbytes:
         raise InvalidBlock(f"file holds {got} bytes, expected {HEADER_SIZE + head.nbytes}")
-    if _xxh3(stored.data) != head.checksum:
+    if payload_checksum(stored.data) != head.checksum:
         raise InvalidBlock("payload checksum mismatch")
     try:
         return decode_block(head.codec, stored.data, head.raw_nbytes)

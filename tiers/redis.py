@@ -51,12 +51,11 @@ from typing import Any, Final, TypeVar, cast
 
 import redis.exceptions as rex
 import torch
-import xxhash
 from redis.cluster import RedisCluster
 
 from sessioncache.codecs import CODEC_IDS, CodecTable, decode_block, encode_or_raw
 from sessioncache.errors import InvalidInput, TierFull
-from sessioncache.hashing import HASH_BYTES, BlockHash
+from sessioncache.hashing import HASH_BYTES, BlockHash, payload_checksum
 from sessioncache.redis_link import (
     Client,
     LinkStatus,
@@ -91,7 +90,6 @@ MAGIC = b"SCRBLK\x00\x01"
 _CODEC = HeaderCodec(MAGIC)
 encode_header = _CODEC.encode
 decode_header = _CODEC.decode
-_xxh3 = xxhash.xxh3_64_intdigest
 _T = TypeVar("_T")
 
 
@@ -159,11 +157,7 @@ class RedisTier:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be positive, got {default_ttl_s}")
-        self.link: Final = (
-            client
-            if isinstance(client, RedisLink)
-            else RedisLink(client, name=name, probe_interval_s=probe_interval_s)
-        )
+        self.link: Final = RedisLink.of(client, name=name, probe_interval_s=probe_interval_s)
         self.name: Final = name
         self.capacity_bytes: Final = capacity_bytes
         self.prefix: Final = prefix
@@ -278,7 +272,7 @@ class RedisTier:
             raise InvalidBlock(
                 f"value is {len(raw)} bytes, header says {HEADER_SIZE + header.nbytes}"
             )
-        if _xxh3(memoryview(raw)[HEADER_SIZE:]) != header.checksum:
+        if payload_checksum(memoryview(raw)[HEADER_SIZE:]) != header.checksum:
             raise InvalidBlock("payload checksum mismatch")
         if header.codec:
             if header.codec not in CODEC_IDS.values():

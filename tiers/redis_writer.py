@@ -11,10 +11,10 @@ already holds from crossing the network again (only their expiry is raised).
 
 Speed: a batch (at most ``max_batch_bytes``) is sent in groups of about 8 MiB: while one group
 is on the wire (a worker thread, started on first use, stopped by ``close``; socket writes
-release the GIL) the next is checksummed and copied (xxh3 and numpy copies release it too), so
-the CPU work hides behind the transfer. A client from ``make_client`` sends header and payload
-as two pieces of one bulk string (``Parts``), so no value is ever assembled by copying; other
-clients get copies in pooled buffers.
+release the GIL) the next is checksummed and copied (the checksum and numpy copies release it
+too), so the CPU work hides behind the transfer. A client from ``make_client`` sends header and
+payload as two pieces of one bulk string (``Parts``), so no value is ever assembled by copying;
+other clients get copies in pooled buffers.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
-import xxhash
 
 from sessioncache.buffers import BufferPool
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.redis_link import Parts, RedisLink, sends_parts
 from sessioncache.tiers.header import HEADER_SIZE, HeaderCodec
 
@@ -36,7 +35,6 @@ __all__ = ["BlockWriter", "Outgoing"]
 
 _GROUP_BYTES = 8 << 20
 _SEND_WORKERS = 4
-_xxh3 = xxhash.xxh3_64_intdigest
 
 _Command = tuple[str, int, memoryview | Parts | None]
 """``(key, expiry ms, value)``; value None: raise the expiry of a block Redis holds."""
@@ -176,7 +174,7 @@ class BlockWriter:
                 commands.append((keys[i], ms, None))
                 continue
             header = self._codec.encode(
-                block_hash, namespace_root, parent, nbytes, _xxh3(view), codec, raw
+                block_hash, namespace_root, parent, nbytes, payload_checksum(view), codec, raw
             )
             if zero_copy:
                 commands.append((keys[i], ms, Parts(memoryview(header), view)))

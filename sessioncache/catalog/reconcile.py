@@ -37,10 +37,9 @@ from itertools import islice
 from typing import Any, Final
 
 import torch
-import xxhash
 
 from sessioncache.catalog.repository import BlockRecord, Catalog
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
 from sessioncache.tiers.base import (
     LazyStartTier,
@@ -71,8 +70,8 @@ class ReconcileReport:
 
 
 def checksum_of(data: torch.Tensor) -> bytes:
-    """The catalog's ``checksum`` of a payload: XXH3-64, 8 bytes big-endian."""
-    return xxhash.xxh3_64_intdigest(as_memoryview(data)).to_bytes(8, "big")
+    """The catalog's ``checksum`` of a payload: its ``payload_checksum``, 8 bytes big-endian."""
+    return payload_checksum(as_memoryview(data)).to_bytes(8, "big")
 
 
 def reconcile(

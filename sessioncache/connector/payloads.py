@@ -17,10 +17,9 @@ from sessioncache.hashing import (
     KEY_BYTES,
     Namespace,
     Tokens,
-    block_hashes_from_bytes,
-    keyed_block_ids,
     tokens_to_le_bytes,
 )
+from sessioncache.hashing import segment_ids as derive_segment_ids
 
 
 class Filler(abc.ABC):
@@ -124,9 +123,10 @@ def key_bytes(keys: Sequence[bytes]) -> bytes:
 
 
 def segment_ids(head: StoreHead, units: bytes, seed: int) -> list[bytes]:
-    """The ids the node derives for one STORE or STAGE (``units``: its token or key section)."""
-    if head.keyed:
-        keys = [units[i : i + KEY_BYTES] for i in range(0, len(units), KEY_BYTES)]
-        return list(keyed_block_ids(head.root, keys, seed))
-    start = head.parent if head.parent is not None else head.root
-    return list(block_hashes_from_bytes(start, units, head.block_tokens, seed))
+    """The ids the node derives for one STORE or STAGE (``units``: its token or key section;
+    ``hashing.segment_ids``)."""
+    return list(
+        derive_segment_ids(
+            head.root, head.parent, units, head.block_tokens, keyed=head.keyed, seed=seed
+        )
+    )

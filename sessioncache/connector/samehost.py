@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Unpack
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from sessioncache.connector.errors import IdMismatch, ProtocolError
 from sessioncache.connector.payloads import Filler, as_buffer, one_size
@@ -85,6 +84,7 @@ from sessioncache.errors import (
     SessionCacheError,
     StreamClosed,
 )
+from sessioncache.hashing import payload_checksum
 from sessioncache.hostpin import HostRegistration
 from sessioncache.status import BlockStatus
 
@@ -153,14 +153,13 @@ def _copy_and_hash(dst: npt.NDArray[np.uint8], payload: Any) -> int:
         if payload.nbytes != dst.nbytes:
             raise PayloadSizeError(f"a payload of {payload.nbytes} bytes for a {dst.nbytes} slot")
         payload.write_into(dst)
-        return int(xxhash.xxh3_64(dst.data).intdigest())
+        return payload_checksum(dst.data)
     return copy_and_hash(dst, np.frombuffer(as_buffer(payload, writable=False), np.uint8))
 
 
 def _checksum(payload: Any) -> int:
-    # ``xxh3_64(data)`` hashes with the GIL released (``xxh3_64_intdigest`` holds it), so
-    # that this runs beside the copies of the calling thread.
-    return int(xxhash.xxh3_64(as_buffer(payload, writable=False)).intdigest())
+    # with the GIL released: this runs beside the copies of the calling thread
+    return payload_checksum(as_buffer(payload, writable=False))
 
 
 def _stage_frame(rid: int, *, head: StoreHead, tokens: bytes) -> bytes:
@@ -447,7 +446,7 @@ class SameHostClient(StreamClient):
                 data = (
                     view if view is not None else device_bytes(dst, slot.nbytes).cpu().numpy().data
                 )
-                if xxhash.xxh3_64_intdigest(data) != slot.checksum:
+                if payload_checksum(data) != slot.checksum:
                     raise ChecksumMismatch(f"block {start + i} does not match its checksum")
         return [i < len(slots) for i in range(len(out))]
 
@@ -555,7 +554,7 @@ class SameHostClient(StreamClient):
                                 sums.append(ahead.result())
                             lengths.append(slot.nbytes)
                     for k, slot in from_device:
-                        sums[k] = int(xxhash.xxh3_64(self._maps.view(slot).data).intdigest())
+                        sums[k] = payload_checksum(self._maps.view(slot).data)
                     commit = Commit(staged.staging, first, lengths, sums)
                     inflight.append(self._c.send(frames.encode_commit(self._c.next_rid(), commit)))
                     if len(inflight) > self.commits_in_flight:

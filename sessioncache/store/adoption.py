@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 from sessioncache.hashing import BlockHash
 from sessioncache.store.blocks import BlockMeta
+from sessioncache.store.eviction import is_spare, is_tail
 from sessioncache.store.table import F_LIVE, NO_SLOT
 from sessioncache.tiers.base import LocatedBlock, RecoveredBatch
 
@@ -147,15 +148,13 @@ class IndexAdoption:
     def _candidates(
         self, tier: int, masks: npt.NDArray[np.int64], children_here: npt.NDArray[np.int32]
     ) -> npt.NDArray[np.bool_]:
-        """Which slots the policy may queue in ``tier`` (``BlockMeta.candidacy``: a spare copy
+        """Which slots the policy may queue in ``tier`` (``eviction.candidacy``: a spare copy
         or an evictable tail there), for all slots at once."""
         col = self._index._table.column
         ref, pins, held = col("ref"), col("pins"), col("held")
-        here = (masks >> tier & 1).astype(bool)
-        spare = (ref == pins) & here & ((masks & ((1 << tier) - 1)) != 0)
-        tail = (ref == 0) & here & (children_here == 0)
-        if tier == self._index._num_tiers - 1:
-            tail &= (held == 0) | ((masks & (masks - 1)) != 0)
+        spare = is_spare(masks, ref, pins, tier)
+        last = tier == self._index._num_tiers - 1
+        tail = is_tail(masks, ref, children_here, held, tier, last)
         live = (col("flags") & F_LIVE).astype(bool)
         result: npt.NDArray[np.bool_] = (spare | tail) & live
         return result

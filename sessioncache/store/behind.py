@@ -8,7 +8,8 @@ queue and waits for its blocks' tickets before it answers, so concurrent durable
 their syncs too.
 
 Bounds and back-pressure: the queue holds at most ``bound_bytes``, and one tenant at most
-``tenant_share`` of that (the tenant of a block's namespace root, ``owner``). A store that
+its ``tenant_share`` of that (``quotas.TenantLimits.write_behind_share``; the tenant of a
+block's namespace root, ``owner``). A store that
 would pass either waits until the queue drains: one tenant's flood stalls that tenant, and a
 disk slower than the stores slows the stores, never drops or lies.
 
@@ -65,6 +66,14 @@ DEGRADED_SHARE = 0.8
 DEGRADED_AFTER_S = 10.0
 
 
+def _one_tenant(root: bytes) -> str:
+    return ""
+
+
+def _default_share(tenant: str) -> float:
+    return DEFAULT_TENANT_SHARE
+
+
 @dataclass(slots=True)
 class _Queued:
     meta: BlockMeta
@@ -80,17 +89,21 @@ class WriteBehind:
         durable: int,
         *,
         bound_bytes: int = DEFAULT_BOUND_BYTES,
-        tenant_share: float = DEFAULT_TENANT_SHARE,
+        owner: Callable[[bytes], str] | None = None,
+        tenant_share: Callable[[str], float] | None = None,
         batch_blocks: int = DEFAULT_BATCH_BLOCKS,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
     ) -> None:
+        """``owner``: the tenant of a namespace root, whose share a block counts in (None:
+        every block is one tenant's, ``""``); ``tenant_share``: a tenant's share of
+        ``bound_bytes``, in (0, 1] (None: ``DEFAULT_TENANT_SHARE`` each)."""
         self._core = core
         self.durable: Final = durable
         """The index of the durable tier."""
         self.bound_bytes = bound_bytes
-        self._tenant_bytes = max(1, int(bound_bytes * tenant_share))
-        self.owner: Callable[[bytes], str] = lambda root: ""
-        """The tenant of a namespace root (the node sets it): whose share a block counts in."""
+        self.owner: Callable[[bytes], str] = owner or _one_tenant
+        """The tenant of a namespace root: whose share a block counts in."""
+        self._share = tenant_share or _default_share
         self._cond = threading.Condition()
         self._queue: FairBatches[_Queued] = FairBatches(batch_blocks, batch_bytes)
         self._bytes = 0
@@ -130,13 +143,7 @@ class WriteBehind:
         tenant = self.owner(meta.namespace_root)
         ticket = Ticket(meta.nbytes, tenant, urgent=durable)
         with self._cond:
-            while not self._closed and (
-                (self._bytes and self._bytes + meta.nbytes > self.bound_bytes)
-                or (
-                    self.tenants.get(tenant)
-                    and self.tenants.get(tenant) + meta.nbytes > self._tenant_bytes
-                )
-            ):
+            while not self._closed and self._full(tenant, meta.nbytes):
                 self._cond.wait()
             if self._closed:
                 ticket.done.set()
@@ -192,7 +199,12 @@ class WriteBehind:
         if self._bytes and self._bytes + nbytes > self.bound_bytes:
             return True
         queued = self.tenants.get(tenant)
-        return bool(queued) and queued + nbytes > self._tenant_bytes
+        return bool(queued) and queued + nbytes > self.tenant_bytes(tenant)
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """The most bytes ``tenant``'s blocks may hold in the queue: its share of the bound
+        (at least one byte: a tenant's first block always enters an empty share)."""
+        return max(1, int(self.bound_bytes * self._share(tenant)))
 
     def queued(self, block_hash: BlockHash) -> bool:
         """Whether ``block_hash`` waits in the queue or in the batch being written."""

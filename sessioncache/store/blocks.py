@@ -35,12 +35,11 @@ class BlockMeta:
 
     ``tiers`` holds the indices of the tiers that have the payload (a promoted block is in
     several; stored as the bit mask ``mask``); ``children_in[t]`` counts this block's children
-    held in tier ``t``, which keeps a parent from being evicted before its tail.
-    ``children_held`` counts its children held in any tier: the last copy of a parent is not
-    dropped while a child of it is held anywhere. ``ref_cnt`` counts pins: leases, live
-    sessions and in-flight moves; a block with ``ref_cnt > 0`` is never a victim. ``pins``
-    counts the live sessions' among them: those keep the block in the store, not its spare
-    copies (see ``EvictionPolicy``).
+    held in tier ``t`` and ``children_held`` its children held in any tier. ``ref_cnt``
+    counts references: leases, live sessions, writes and the node's own moves in flight;
+    ``pins`` counts the live sessions' among them. What these mean for eviction (a parent
+    leaves after its tail, nothing referenced leaves, a session pin keeps the block but not
+    its spare copies) is ``store.eviction``'s.
     """
 
     __slots__ = ("_table", "block_hash", "slot")
@@ -256,36 +255,25 @@ class BlockMeta:
             f"ref_cnt={self.ref_cnt}, pins={self.pins}, expires_at={self.expires_at})"
         )
 
-    def lru_key(self) -> tuple[float, int, int]:
-        """Sort key of LRU order: older first; of one operation's blocks, the deepest first."""
-        t, slot = self._table, self.slot
-        return (t.last[slot], t.op[slot], -t.order[slot])
-
     def expired(self, now: float) -> bool:
         return self._table.expires[self.slot] <= now
 
-    def evictable_from(self, tier: int, *, last: bool = False) -> bool:
-        """Unpinned, held in ``tier``, and the tail of its chain there; from the ``last``
-        tier (where a victim is dropped, not demoted) also not the last copy of a parent
-        whose child is held elsewhere."""
+    def standing(self, tier: int) -> tuple[int, int, int, int, int]:
+        """What eviction's rules (``store.eviction``) read of the block in ``tier``, at once:
+        its tier mask, its references (``ref_cnt``), its session pins (``pins``), its children
+        held in ``tier`` and its children held in any tier."""
         t, slot = self._table, self.slot
-        mask = t.mask[slot]
-        if t.ref[slot] or not mask >> tier & 1 or t.children_in[slot * t.num_tiers + tier]:
-            return False
-        return not last or not t.held[slot] or mask & (mask - 1) != 0
-
-    def candidacy(
-        self, tier: int, *, last: bool = False
-    ) -> tuple[bool, bool, float, float, int, int, float]:
-        """What the eviction policy files the block by in ``tier``, read at once: whether its
-        copy there is spare (``policy.spare_copy``), whether it is an evictable tail there
-        (``evictable_from``), its last access, its expiry, its LRU tie-breakers (the
-        operation that touched it, minus its touch order) and its predicted next use."""
-        t, slot = self._table, self.slot
-        mask, ref = t.mask[slot], t.ref[slot]
-        held_here = mask >> tier & 1
-        spare = ref == t.pins[slot] and bool(held_here) and bool(mask & ((1 << tier) - 1))
-        tail = not (ref or not held_here or t.children_in[slot * t.num_tiers + tier]) and (
-            not last or not t.held[slot] or mask & (mask - 1) != 0
+        return (
+            t.mask[slot],
+            t.ref[slot],
+            t.pins[slot],
+            t.children_in[slot * t.num_tiers + tier],
+            t.held[slot],
         )
-        return spare, tail, t.last[slot], t.expires[slot], t.op[slot], -t.order[slot], t.nxt[slot]
+
+    def order_keys(self) -> tuple[float, float, int, int, float]:
+        """What the eviction orders sort the block by, read at once: its last access, its
+        expiry, its LRU tie-breakers (the operation that touched it, minus its touch order)
+        and its predicted next use."""
+        t, slot = self._table, self.slot
+        return t.last[slot], t.expires[slot], t.op[slot], -t.order[slot], t.nxt[slot]

@@ -1,6 +1,9 @@
 """The store's core: its tiers, its index and the moves between them (placement, eviction,
-promotion), and the index changes that observers hear of. ``StoreReads``, ``StoreWrites`` and
-``StoreRecovery`` work through it; ``TieredStore`` holds all four."""
+promotion), and the index changes that observers hear of. Eviction's rules (victim order,
+the tail rule, what may not leave, admission, demotion) are ``store.eviction``'s; the loop
+that applies them, with the write-behind's back-pressure, is ``make_room`` here.
+``StoreReads``, ``StoreWrites`` and ``StoreRecovery`` work through it; ``TieredStore`` holds
+all four."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypedDict
 
@@ -33,6 +36,7 @@ from sessioncache.store.results import (
     _PLACE_ATTEMPTS,
     DEFAULT_TTL_S,
     Counters,
+    Write,
     check_ttl,
 )
 from sessioncache.tiers.base import (
@@ -108,8 +112,12 @@ class StoreOptions(TypedDict, total=False):
     write_behind_bytes: int
     """The write-behind queue's bound (``store.behind``); 0: no write-behind (a block reaches
     the durable tier by eviction, or by a durable write's own copy)."""
-    write_behind_tenant_share: float
-    """The share of that bound one tenant's blocks may take."""
+    write_behind_owner: Callable[[bytes], str]
+    """The tenant of a namespace root, whose share of that bound its blocks take (default:
+    every block is one tenant's, ``""``)."""
+    write_behind_share: Callable[[str], float]
+    """The share of that bound a tenant's blocks may take, in (0, 1] (``TenantLimits``;
+    default: ``behind.DEFAULT_TENANT_SHARE`` each)."""
     room_wait_s: float
     """How long a store waits for room in a tier whose only evictable blocks are being
     written behind (``StoreCore.make_room``)."""
@@ -131,7 +139,8 @@ class StoreCore:
         observers: Sequence[StoreObserver] = (),
         write_through: Sequence[str] = (),
         write_behind_bytes: int = 0,
-        write_behind_tenant_share: float = 0.5,
+        write_behind_owner: Callable[[bytes], str] | None = None,
+        write_behind_share: Callable[[str], float] | None = None,
         room_wait_s: float = DEFAULT_ROOM_WAIT_S,
     ) -> None:
         if not tiers:
@@ -173,10 +182,11 @@ class StoreCore:
             for mask in range(1 << len(names))
         ]
         self.counters = Counters()
-        if write_behind_bytes < 0 or not 0 < write_behind_tenant_share <= 1:
-            raise InvalidInput("write_behind_bytes >= 0, write_behind_tenant_share in (0, 1]")
+        if write_behind_bytes < 0:
+            raise InvalidInput("write_behind_bytes >= 0")
         self.write_behind_bytes = write_behind_bytes
-        self.write_behind_tenant_share = write_behind_tenant_share
+        self.write_behind_owner = write_behind_owner
+        self.write_behind_share = write_behind_share
         self.behind: WriteBehind | None = None
         """The write-behind queue to the first durable tier below the first (``TieredStore``
         makes it)."""
@@ -355,13 +365,13 @@ class StoreCore:
             if not self.policy.admits(victim, incoming, tier, now):
                 self.policy.track(victim, tier)  # not evicted: back in line
                 return _Evicted.REFUSED
-            below = tier + 1 < len(self.tiers) and not victim.expired(now)
+            demote = self.policy.demotes(victim, tier, now)
             on_the_way = behind is not None and behind.queued(victim.block_hash)
-            if queued and below and len(victim.tiers) == 1 and on_the_way:
+            if queued and demote and on_the_way:
                 self.policy.track(victim, tier)  # its copy is on the way: back in line
                 return _Evicted.BEHIND
             self.counters.evictions += 1
-            if not below or len(victim.tiers) > 1:
+            if not demote:
                 # Expired, last tier, or held in another tier too: nothing to copy.
                 if victim.expired(now):
                     self.counters.expirations += 1
@@ -386,39 +396,15 @@ class StoreCore:
         return _Evicted.DONE
 
     def claim(
-        self,
-        block_hash: BlockHash,
-        parent: BlockHash | None,
-        namespace_root: bytes,
-        nbytes: int,
-        ttl: float,
-        op: int,
-        now: float,
-        next_use: float | None = None,
-    ) -> BlockMeta | None:
-        """Create the record of a block about to be stored (at ``now``, the operation's
-        instant), pinned while in flight; None when it is already held (its TTL is extended)
-        or another caller is storing it."""
-        return self.claim_many(
-            [block_hash], [parent], 0, 1, namespace_root, nbytes, ttl, op, now, next_use
-        )[0]
-
-    def claim_many(
-        self,
-        hashes: Sequence[BlockHash],
-        parents: Sequence[BlockHash | None],
-        start: int,
-        room: int,
-        namespace_root: bytes,
-        nbytes: int,
-        ttl: float,
-        op: int,
-        now: float,
-        next_use: float | None = None,
+        self, write: Write, start: int, room: int, nbytes: int, stop: int | None = None
     ) -> list[BlockMeta | None]:
-        """``claim`` of ``hashes[start:]`` in order under one lock, up to the block that would
-        make a record past ``room`` (not claimed): each block's record, or None (held, its TTL
-        extended, or being stored by another caller). Observers hear of the touches at once."""
+        """Create the records of ``write``'s blocks ``start..stop`` (None: to its end), about
+        to be stored (``nbytes`` each, at the write's instant), pinned while in flight, in
+        order under one lock, up to the block that would make a record past ``room`` (not
+        claimed): each
+        block's record, or None (held, its TTL extended, or being stored by another caller).
+        Observers hear of the touches at once."""
+        hashes, parents, ttl, op = write.hashes, write.parents, write.ttl, write.op
         index = self.index
         claimed: list[BlockMeta | None] = []
         touched: list[int] = []  # slots
@@ -427,7 +413,7 @@ class StoreCore:
         with self.lock:
             try:
                 touch_at = self.clock.now()
-                for j in range(start, len(hashes)):
+                for j in range(start, len(hashes) if stop is None else stop):
                     block_hash = hashes[j]
                     meta = index.get(block_hash)
                     if meta is not None:
@@ -444,13 +430,13 @@ class StoreCore:
                         index.new_record(
                             block_hash,
                             parent=parents[j],
-                            namespace_root=namespace_root,
+                            namespace_root=write.namespace_root,
                             nbytes=nbytes,
                             ttl_s=ttl,
-                            created=now,
+                            created=write.at,
                             ref_cnt=1,
                             touched_by_op=op,
-                            next_use=next_use,
+                            next_use=write.next_use,
                         )
                     )
             except BaseException:

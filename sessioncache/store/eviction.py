@@ -1,11 +1,19 @@
-"""Who leaves a full tier, and who may enter it at that price.
+"""Eviction, in one place: who may leave a full tier, in which order, where a victim goes, and
+who may enter a tier at that price. The store's core runs the loop (``StoreCore.make_room``:
+pop a victim, ask ``admits``, move it as ``demotes`` says); the rules are all here. The
+forecast behind the default order is ``sessioncache.store.forecast``'s (this module calls it).
+
+What may not leave (``may_leave``, ``is_tail``, ``is_spare``; the index offers a block to the
+policy, ``track``, whenever one of them may have become true):
+1. A referenced block (``ref_cnt > 0``: a lease, a live session's pin, a write in flight, the
+   node's own copy to a lower or the durable tier) is never a victim. A session pin keeps the
+   block in the store, but not its spare copies (4. below).
+2. The tail rule: a block whose child is held in the same tier is not a victim before that
+   child: chains are evicted tail first, since a child is useless without its parent. In the
+   last tier, where victims are dropped rather than demoted, the last copy of a parent is not
+   a victim while a child of it is held in any tier.
 
 Victim order, per tier:
-1. Pinned blocks (``ref_cnt > 0``: leases, live sessions, in-flight moves) are never victims.
-2. A block whose child is held in the same tier is not a victim before that child: chains are
-   evicted tail first, since a child is useless without its parent. In the last tier, where
-   victims are dropped rather than demoted, the last copy of a parent is not a victim while
-   a child of it is held in any tier.
 3. Among the remaining chain tails, expired blocks (``expires_at <= now``) go first, earliest
    expiry first.
 4. Then spare copies: below the first tier, a block also held in a faster tier, tail or
@@ -19,8 +27,12 @@ Victim order, per tier:
    one operation (a lookup walking a chain), deepest first, so a chain is eaten from its
    tail.
 
-Admission (``admits``): a block entering a tier takes the place of that tier's next victim
-unless the victim is unexpired and either
+Where a victim goes (``demotes``): into the next tier (which may evict in turn), unless it is
+expired, the tier is the last, or another tier holds it too; then it is dropped from the tier.
+Dropping a block may make its parent a tail.
+
+Admission (``admits``, the price of entering): a block entering a tier takes the place of that
+tier's next victim unless the victim is unexpired and either
 * hotter than the incoming block, which is new or promoted (held in no faster tier), while
   the victim's copy there is not spare: the incoming block belongs lower down, so a chain
   longer than the fast tier keeps its head fast and its tail lower instead of shredding
@@ -54,6 +66,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import numpy as np
+import numpy.typing as npt
 
 from sessioncache.hashing import BlockHash
 from sessioncache.store.blocks import BlockMeta
@@ -63,6 +79,73 @@ _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order
 POLICIES = ("forecast", "lru")
 """The eviction orders a node may run (``SESSIONCACHE_EVICTION_POLICY``), the default first."""
 _MIN_COMPACT = 4096  # entries a tier's heaps may hold before they are first compacted
+
+Column = npt.NDArray[np.integer[Any]]
+"""One number per block (the index's table columns), for the rules over every block at once."""
+
+
+# -- the rules ---------------------------------------------------------------------------------
+#
+# Each is written once over a block's numbers (``BlockMeta.standing``), and applies as it is
+# to one block (ints) or to every block of the table at once (columns: ``IndexAdoption``).
+
+
+def may_leave(ref: int, pins: int) -> bool:
+    """Whether any copy of a block with ``ref`` references, ``pins`` of them session pins,
+    may leave its tier: none while anything but session pins references it (a lease, a write
+    or a move in flight). The index offers such a block to the policy only."""
+    return ref == pins
+
+
+@overload
+def is_tail(mask: int, ref: int, here: int, held: int, tier: int, last: bool) -> bool: ...
+@overload
+def is_tail(
+    mask: Column, ref: Column, here: Column, held: Column, tier: int, last: bool
+) -> npt.NDArray[np.bool_]: ...
+def is_tail(mask: Any, ref: Any, here: Any, held: Any, tier: int, last: bool) -> Any:
+    """The tail rule: a block (tier ``mask``, ``ref`` references, ``here`` children held in
+    ``tier``, ``held`` children held anywhere) may leave ``tier`` as a victim: unreferenced,
+    held there, and no child of it held there; from the ``last`` tier (where a victim is
+    dropped, not demoted) also not the last copy of a parent whose child is held elsewhere."""
+    tail = (ref == 0) & ((mask >> tier & 1) != 0) & (here == 0)
+    if last:
+        return tail & ((held == 0) | ((mask & (mask - 1)) != 0))
+    return tail
+
+
+@overload
+def is_spare(mask: int, ref: int, pins: int, tier: int) -> bool: ...
+@overload
+def is_spare(mask: Column, ref: Column, pins: Column, tier: int) -> npt.NDArray[np.bool_]: ...
+def is_spare(mask: Any, ref: Any, pins: Any, tier: int) -> Any:
+    """A block's copy in ``tier`` is spare: a faster tier holds the block too, and nothing but
+    session pins references it (a lease or a move in flight may be reading that copy)."""
+    return (ref == pins) & ((mask >> tier & 1) != 0) & ((mask & ((1 << tier) - 1)) != 0)
+
+
+def evictable(meta: BlockMeta, tier: int, *, last: bool = False) -> bool:
+    """``is_tail`` of ``meta`` in ``tier``."""
+    mask, ref, _, here, held = meta.standing(tier)
+    return is_tail(mask, ref, here, held, tier, last)
+
+
+def spare_copy(meta: BlockMeta, tier: int) -> bool:
+    """``is_spare`` of ``meta``'s copy in ``tier``."""
+    mask, ref, pins, _, _ = meta.standing(tier)
+    return is_spare(mask, ref, pins, tier)
+
+
+def candidacy(meta: BlockMeta, tier: int, *, last: bool = False) -> tuple[bool, bool]:
+    """Whether ``meta``'s copy in ``tier`` is spare, and whether it is an evictable tail
+    there: what the policy files it by (``EvictionPolicy.track``)."""
+    mask, ref, pins, here, held = meta.standing(tier)
+    return is_spare(mask, ref, pins, tier), is_tail(mask, ref, here, held, tier, last)
+
+
+def lru_key(meta: BlockMeta) -> tuple[float, int, int]:
+    """Sort key of LRU order: older first; of one operation's blocks, the deepest first."""
+    return (meta.last_access, meta.touched_by_op, -meta.touch_order)
 
 
 class EvictionPolicy:
@@ -95,9 +178,10 @@ class EvictionPolicy:
     def track(self, meta: BlockMeta, tier: int) -> None:
         """Offer ``meta`` as a candidate in ``tier`` if it is an evictable tail or a spare
         copy there."""
-        spare, tail, last_access, expires_at, op, neg_seq, next_use = meta.candidacy(
-            tier, last=tier == self._last
-        )
+        spare, tail = candidacy(meta, tier, last=tier == self._last)
+        if not (spare or tail):
+            return
+        last_access, expires_at, op, neg_seq, next_use = meta.order_keys()
         if spare:
             heapq.heappush(self._spare[tier], (last_access, op, neg_seq, meta.block_hash))
             if self._lookup is not None and self.queued(tier) > self._limit[tier]:
@@ -130,7 +214,7 @@ class EvictionPolicy:
                 if kind == 2:
                     if not spare_copy(meta, tier):
                         continue
-                elif not meta.evictable_from(tier, last=last):
+                elif not evictable(meta, tier, last=last):
                     continue
                 seen.add(block_hash)
                 # A forecast may have moved either way: file it by its current one.
@@ -158,7 +242,7 @@ class EvictionPolicy:
                 entry = heapq.heappop(heap)
                 meta = lookup(entry[3])
                 if meta is None or not (
-                    meta.evictable_from(tier, last=last) if by_expiry else spare_copy(meta, tier)
+                    evictable(meta, tier, last=last) if by_expiry else spare_copy(meta, tier)
                 ):
                     continue  # no longer a candidate there: a stale entry
                 time = meta.expires_at if by_expiry else meta.last_access
@@ -195,7 +279,7 @@ class EvictionPolicy:
         while heap:
             entry = heap[0]
             meta = lookup(entry[3])
-            if meta is None or not meta.evictable_from(tier, last=last):
+            if meta is None or not evictable(meta, tier, last=last):
                 heapq.heappop(heap)  # no longer a candidate there: a stale entry
                 continue
             current = key(meta)
@@ -218,6 +302,11 @@ class EvictionPolicy:
         entering = not incoming.mask & ((1 << tier) - 1)  # new or promoted
         return not (entering and not spare_copy(victim, tier) and _colder(incoming, victim))
 
+    def demotes(self, victim: BlockMeta, tier: int, now: float) -> bool:
+        """Whether ``victim``, leaving ``tier``, is copied into the next tier first (else it
+        is dropped): unless it is expired, ``tier`` is the last, or another tier holds it."""
+        return tier < self._last and not victim.expired(now) and len(victim.tiers) == 1
+
     def queued(self, tier: int) -> int:
         """Heap entries held for ``tier``, stale ones included."""
         return (
@@ -238,14 +327,6 @@ class EvictionPolicy:
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
 
 
-def spare_copy(meta: BlockMeta, tier: int) -> bool:
-    """``meta``'s copy in ``tier`` is spare: a faster tier holds the block too, and nothing
-    but session pins holds it (a lease or a move in flight may be reading that copy)."""
-    mask = meta.mask
-    # Held in ``tier`` and in a tier before it.
-    return meta.ref_cnt == meta.pins and bool(mask >> tier & 1) and bool(mask & ((1 << tier) - 1))
-
-
 def _by_last(meta: BlockMeta) -> _Entry:
     return (meta.last_access, meta.touched_by_op, -meta.touch_order, meta.block_hash)
 
@@ -256,4 +337,4 @@ def _by_next_use(meta: BlockMeta) -> _Entry:
 
 def _colder(a: BlockMeta, b: BlockMeta) -> bool:
     """Whether LRU order would evict ``a`` before ``b``."""
-    return a.lru_key() < b.lru_key()
+    return lru_key(a) < lru_key(b)

@@ -3,7 +3,7 @@
 Keys are filed in buckets of ``width`` seconds by the time they expire; the bucket numbers are
 kept in a heap. Filing never looks at the bucket again: a key whose expiry moves later (a touch
 slides a TTL) stays where it was filed, and is filed again, at its new time, when its old bucket
-comes due (lazily, as the eviction heaps re-key in ``policy.py``). So a sweep visits the keys
+comes due (lazily, as the eviction heaps re-key in ``eviction.py``). So a sweep visits the keys
 of the buckets due by now (the expired ones, and those touched since they were filed: each touch
 costs at most one re-filing per expiry it outlived), never the whole population; a key costs
 one list slot here.

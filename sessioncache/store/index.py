@@ -8,7 +8,8 @@
 * Per tier: how many blocks it holds and how many of its bytes are pinned.
 * Pins (``ref``/``unref``: leases, sessions, moves in flight) and leases, reaped by time.
 * The eviction order: every change that may make a block a victim is offered to the
-  ``EvictionPolicy`` (``track``); the policy's heaps live under the same lock.
+  ``EvictionPolicy`` (``track``); the policy's heaps live under the same lock, and which block
+  may leave a tier, in which order, is the policy's (``store.eviction``).
 * The expiry order (``ExpiryIndex``): what ``expired_unpinned`` returns costs in proportion to
   what has expired, not to how many blocks are held.
 
@@ -30,7 +31,7 @@ from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.store.adoption import IndexAdoption
 from sessioncache.store.blocks import BlockMeta, tier_set
 from sessioncache.store.events import Touched
-from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.eviction import EvictionPolicy, may_leave
 from sessioncache.store.expiry import ExpiryIndex
 from sessioncache.store.forecast import NO_FORECAST, ORPHAN_BASE
 from sessioncache.store.table import F_PARENT, NO_SLOT, BlockFields, BlockTable
@@ -433,7 +434,7 @@ class BlockIndex:
         owner = table.slot_of.get(parent) if parent is not None else None
         if owner is not None and table.mask[owner] & bit:
             table.children_in[owner * self._num_tiers + tier] += 1
-        if table.ref[slot] == table.pins[slot]:  # else no copy of it is a candidate
+        if may_leave(table.ref[slot], table.pins[slot]):  # else no copy of it is a candidate
             for held in tier_set(mask):
                 self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
         return True
@@ -521,7 +522,7 @@ class BlockIndex:
         if ref == 0:
             for tier in tiers:
                 self._policy.track(meta, tier)
-        elif ref == table.pins[slot] and len(tiers) > 1:
+        elif may_leave(ref, table.pins[slot]) and len(tiers) > 1:
             for tier in tiers:
                 self._policy.track(meta, tier)  # only session pins left: copies are spare
 

@@ -12,7 +12,7 @@ from sessioncache.errors import (
     InvalidInput,
     LeaseNotFound,
 )
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.quotas import PinBudget, Sizes
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.core import StoreCore
@@ -21,7 +21,6 @@ from sessioncache.store.results import (
     LocatedSlot,
     Match,
     check_ttl,
-    xxh3,
 )
 from sessioncache.tiers.payload import as_memoryview
 
@@ -326,7 +325,7 @@ class StoreReads:
                 view = self._core.tiers[shm_index].get(block_hash)
                 if view is None:
                     break
-                checksum = xxh3(as_memoryview(view))
+                checksum = payload_checksum(as_memoryview(view))
                 with self._core.lock:
                     if not meta.live:
                         break

@@ -7,8 +7,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
-import xxhash
-
 from sessioncache.errors import (
     InvalidInput,
 )
@@ -217,12 +215,6 @@ class StoreStats:
     pinned_blocks: int
     leases: int
     counters: Counters = field(default_factory=Counters)
-
-
-def xxh3(data: memoryview) -> int:
-    """XXH3-64 (seed 0) of a payload, computed with the GIL released (``xxh3_64_intdigest``
-    holds it for the whole payload)."""
-    return int(xxhash.xxh3_64(data).intdigest())
 
 
 MAX_TTL_S = 10 * 365 * 86400.0

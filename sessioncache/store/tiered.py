@@ -46,7 +46,8 @@ class TieredStore:
                 self._core,
                 durable,
                 bound_bytes=self._core.write_behind_bytes,
-                tenant_share=self._core.write_behind_tenant_share,
+                owner=self._core.write_behind_owner,
+                tenant_share=self._core.write_behind_share,
             )
         self.reads = StoreReads(self._core)
         """Lookups, leases, touches, pins, presence, payloads and same-host locates."""
@@ -55,7 +56,12 @@ class TieredStore:
         the expiry sweep."""
         self.recovery = StoreRecovery(self._core)
         """What durable tiers found, on start and while serving."""
-        self.recovery.adopt_recovered()
+        try:
+            self.recovery.adopt_recovered()
+        except BaseException:
+            if self._core.behind is not None:  # its thread; the tiers stay the caller's
+                self._core.behind.close()
+            raise
 
     @property
     def tiers(self) -> list[Tier]:

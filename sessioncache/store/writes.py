@@ -13,7 +13,7 @@ from sessioncache.errors import (
     PayloadSizeError,
     TierFull,
 )
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.status import BlockStatus
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.core import StoreCore
@@ -23,7 +23,6 @@ from sessioncache.store.results import (
     Write,
     WriteResult,
     check_ttl,
-    xxh3,
 )
 from sessioncache.tiers.base import (
     StagedSlot,
@@ -266,17 +265,9 @@ class StoreWrites:
             self._durable_failed(sync, block_hash)
 
     def _claim(self, write: Write, i: int, nbytes: int) -> BlockMeta | None:
-        """``StoreCore.claim`` of the write's block ``i`` (``nbytes``)."""
-        return self._core.claim(
-            write.hashes[i],
-            write.parents[i],
-            write.namespace_root,
-            nbytes,
-            write.ttl,
-            write.op,
-            write.at,
-            write.next_use,
-        )
+        """``StoreCore.claim`` of the write's block ``i`` alone (``nbytes``): its record, or
+        None when it is held already (its TTL extended) or another caller is storing it."""
+        return self._core.claim(write, i, 1, nbytes, stop=i + 1)[0]
 
     def _durable_failed(self, request: Write | Sync, block_hash: BlockHash) -> None:
         assert request.durable_tier is not None
@@ -341,25 +332,14 @@ class StoreWrites:
         nbytes = write.nbytes
         if nbytes is None or write.tier != shm_index:
             raise InvalidInput("reserve: a write prepared for the shared-memory tier, sized")
-        core, hashes, n = self._core, write.hashes, len(write.hashes)
+        core, n = self._core, len(write.hashes)
         left = n if slots is None else slots
         i = 0
         while i < n and left > 0:
             pool = tier.reserve_many(nbytes, min(left, n - i))
             used = 0
             try:
-                claimed = core.claim_many(
-                    hashes,
-                    write.parents,
-                    i,
-                    len(pool),
-                    write.namespace_root,
-                    nbytes,
-                    write.ttl,
-                    write.op,
-                    write.at,
-                    write.next_use,
-                )
+                claimed = core.claim(write, i, len(pool), nbytes)
                 for meta in claimed:
                     if meta is None:
                         self._staged(write, BlockStatus.PRESENT, None, None)
@@ -466,7 +446,7 @@ class StoreWrites:
                 if copy_in is not None:
                     checksum = copy_in(i, slot)
                 else:
-                    checksum = xxh3(as_memoryview(slot.payload))
+                    checksum = payload_checksum(as_memoryview(slot.payload))
                 if (lengths is None or lengths[k] == slot.location.nbytes) and (
                     checksum == checksums[k]
                 ):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -9,6 +14,7 @@ import torch
 
 from sessioncache.catalog import Catalog
 from sessioncache.config import Settings
+from sessioncache.errors import QuotaExceeded
 from sessioncache.factory import open_node, shared_cpu_tier
 from sessioncache.hashing import Namespace, tokens_to_le_bytes
 from sessioncache.operations import lookups, stores
@@ -71,3 +77,75 @@ def test_the_cpu_tier_stays_in_shared_memory_where_cuda_is_present(
     # the same-host path, its segments registered with CUDA (tests/gpu, on a GPU).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert shared_cpu_tier(Settings(data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=0))
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _resources(tmp_path: Path) -> set[str]:
+    """What this process holds open of a node's: files under ``tmp_path``, memfd segments."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(tmp_path)) or target.startswith("/memfd:"):
+                held.add(target)
+    return held
+
+
+def _threads_gone(before: set[threading.Thread], timeout_s: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        extra = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not extra or time.monotonic() > deadline:
+            return extra
+        time.sleep(0.05)
+
+
+def test_a_start_that_fails_late_closes_every_part_it_built(tmp_path: Path):
+    settings = Settings(
+        data_dir=tmp_path,
+        cpu_bytes=4 << 20,
+        disk_bytes=8 << 20,
+        redis_url=REDIS_URL,
+        redis_prefix=f"factory-{uuid.uuid4().hex[:8]}:",
+        # the last step fails: the dashboard's history, after everything else has started
+        history_interval_s=10.0,
+        history_span_s=1.0,
+    )
+    node = open_node(settings.model_copy(update={"history_span_s": 3600.0}), start=False)
+    node.close()  # the catalog is made and migrated: what is left to see is the start
+    before_threads = set(threading.enumerate())
+    before_files = _resources(tmp_path)
+    with pytest.raises(ValueError, match="history"):
+        open_node(settings, start=True)
+    assert _threads_gone(before_threads) == []  # write-behind, sweeper, fleet, flusher, ...
+    assert _resources(tmp_path) - before_files == set()  # tier segments, catalog files
+
+
+def test_the_parts_are_built_with_the_tenants_bounds(tmp_path: Path):
+    settings = Settings(
+        data_dir=tmp_path,
+        cpu_bytes=1 << 20,
+        disk_bytes=4 << 20,
+        api_keys={"k1": "alice", "k2": "bob"},
+        tenant_write_behind_share=0.5,
+        tenant_limits={"bob": {"write_behind_share": 0.125, "namespaces": 1, "sessions": 1}},
+    )
+    node = open_node(settings, start=False)
+    try:
+        behind = node.store.write_behind
+        assert behind is not None
+        bound = settings.write_behind_bytes
+        assert behind.tenant_bytes("alice") == bound // 2
+        assert behind.tenant_bytes("bob") == bound // 8
+        root = node.namespace_root("bob", NS)
+        assert behind.owner(root) == "bob"  # whose share his blocks take
+        with pytest.raises(QuotaExceeded):
+            node.namespace_root("bob", Namespace("other-model", 4, "bf16", "x"))
+        node.sessions.open("s1", tenant="bob")
+        with pytest.raises(QuotaExceeded):
+            node.sessions.open("s2", tenant="bob")
+        assert node.quotas.usage()["write_behind_share"] == {}
+    finally:
+        node.close()

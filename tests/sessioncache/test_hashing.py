@@ -6,13 +6,30 @@ import json
 
 import numpy as np
 import pytest
+import torch
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sessioncache import Namespace as TopLevelNamespace
+from sessioncache.catalog.reconcile import checksum_of
+from sessioncache.dataplane.slots import copy_and_hash
 from sessioncache.errors import InvalidInput
-from sessioncache.hashing import Namespace, block_hashes, from_hex, namespace_root, to_hex
+from sessioncache.hashing import (
+    BlockHash,
+    Namespace,
+    block_hashes,
+    block_key,
+    from_hex,
+    keyed_block_ids,
+    namespace_root,
+    payload_checksum,
+    payload_hasher,
+    segment_ids,
+    to_hex,
+)
+from sessioncache.tiers.base import PutItem
+from sessioncache.tiers.disk import HEADERS, DiskTier
 
 LLAMA = Namespace("meta-llama/Llama-3.1-8B-Instruct", 16, "bfloat16", "vllm-nhd-v1")
 QWEN = Namespace(
@@ -204,3 +221,42 @@ def test_related_namespaces_differ_in_their_group_only():
     assert not full.related(Namespace("m", 16, "bfloat16", "l", salt="t"))  # no group
     assert not full.related(Namespace("m", 16, "bfloat16", "l", salt="u", group="window/l0"))
     assert not full.related(Namespace("m", 32, "bfloat16", "l", salt="t", group="window/l0"))
+
+
+def test_payload_checksum_is_xxh3_64_seed_0_whole_or_in_pieces():
+    data = np.random.default_rng(7).integers(0, 256, 3 * 1000 + 17, np.uint8)
+    expected = xxhash.xxh3_64_intdigest(data.tobytes())
+    assert payload_checksum(data.tobytes()) == expected
+    assert payload_checksum(memoryview(data)) == expected
+    assert payload_checksum(data.data) == expected
+    hasher = payload_hasher()
+    for start in range(0, data.nbytes, 1000):
+        hasher.update(data[start : start + 1000].data)
+    assert hasher.intdigest() == expected
+    assert copy_and_hash(np.empty_like(data), data) == expected  # the same-host slots' copy
+
+
+def test_every_layer_writes_the_same_payload_checksum(tmp_path):
+    payload = np.arange(4096, dtype=np.uint8)
+    tier = DiskTier.open(tmp_path / "blocks", 1 << 20)
+    try:
+        block = bytes(range(16))
+        tier.put(PutItem(BlockHash(block), payload, bytes(16), None, float("inf")))
+        header = HEADERS.decode((tmp_path / "blocks").rglob("*.blk").__next__().read_bytes())
+    finally:
+        tier.close()
+    assert header.checksum == payload_checksum(payload.data)
+    assert checksum_of(torch.from_numpy(payload)) == payload_checksum(payload).to_bytes(8, "big")
+
+
+def test_segment_ids_chain_from_the_parent_or_the_root_and_key_from_the_root():
+    root = LLAMA.root()
+    tokens = list(range(48))
+    units = np.asarray(tokens, "<u4").tobytes()
+    chain = block_hashes(LLAMA, tokens)
+    assert segment_ids(root, None, units, 16) == chain
+    assert segment_ids(root, chain[0], units[16 * 4 :], 16) == chain[1:]
+    assert segment_ids(root, chain[1], units[16 * 4 :], 16, seed=0) != chain[1:]
+    keys = [block_key("a"), block_key("b")]
+    keyed = segment_ids(root, chain[0], b"".join(keys), 16, keyed=True, seed=3)
+    assert keyed == keyed_block_ids(root, keys, 3)  # the parent takes no part in a key's id

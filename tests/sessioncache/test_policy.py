@@ -83,3 +83,11 @@ def test_victims_come_expired_first_then_spare_copies_then_least_recently_used()
         order.append(victim.block_hash[0])
         del blocks[victim.block_hash]  # evicted: its other entries are stale
     assert order == [3, 2, 1]
+
+
+def test_a_victim_is_demoted_unless_expired_at_the_bottom_or_held_in_another_tier() -> None:
+    policy = EvictionPolicy(TIERS)
+    assert policy.demotes(meta(1, tiers={0}, last_access=1.0), 0, now=20.0)
+    assert not policy.demotes(meta(2, tiers={0}, last_access=1.0, expires_at=5.0), 0, 20.0)
+    assert not policy.demotes(meta(3, tiers={0, 1}, last_access=1.0), 0, now=20.0)  # spare
+    assert not policy.demotes(meta(4, tiers={1}, last_access=1.0), 1, now=20.0)  # the last

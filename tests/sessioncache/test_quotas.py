@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sessioncache.clock import ManualClock
-from sessioncache.errors import QuotaExceeded
+from sessioncache.errors import InvalidInput, QuotaExceeded
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.quotas import Counts, PinBudget, Quotas, TenantLimits
 from sessioncache.sessions.manager import SessionManager
@@ -69,6 +69,25 @@ def test_counts_are_admitted_up_to_each_tenants_bound_and_refused_naming_it() ->
         quotas.admit("alice", "sessions", held=2)
 
 
+def test_shares_are_overridden_per_tenant_within_their_range() -> None:
+    quotas = Quotas(
+        LIMITS._replace(write_behind_share=0.5, pin_share=0.5),
+        {"bob": {"write_behind_share": 0.25, "pin_share": 0}},
+    )
+    assert quotas.write_behind_share("bob") == 0.25
+    assert quotas.write_behind_share("alice") == 0.5
+    assert quotas.of("bob").pin_share == 0  # no pins at all: a bound of its own
+    for bad in (0, 1.5, True, "half"):  # a tenant with no queue share could never store
+        with pytest.raises(InvalidInput, match="write_behind_share"):
+            Quotas(LIMITS, {"bob": {"write_behind_share": bad}})
+    admit = quotas.admitter("namespaces")
+    admit("alice", 9)
+    with pytest.raises(QuotaExceeded, match="namespaces"):
+        admit("alice", 10)
+    with pytest.raises(ValueError):
+        quotas.admitter("pin_share")  # a share, not a count
+
+
 def test_a_grant_fits_as_far_as_the_bytes_it_adds_stay_within_each_tiers_room() -> None:
     pins = PinBudget("t", 0.5, [])
     sizes = np.array([[10, 0], [10, 5], [0, 0], [10, 0]], np.int64)
@@ -124,8 +143,7 @@ def test_concurrent_leases_of_one_tenant_never_pass_its_share(clock: ManualClock
 
 def test_a_session_pin_pins_the_prefix_that_fits_the_tenants_share(clock: ManualClock) -> None:
     store = TieredStore([CpuTier(20 * SIZE)], clock=clock, default_ttl_s=3600)
-    sm = SessionManager(store, pin_share=1.0)
-    sm.budget = lambda tenant: budget(tenant, 0.25)
+    sm = SessionManager(store, pin_share=1.0, budget=lambda tenant: budget(tenant, 0.25))
     for tenant in ("alice", "bob"):
         sm.open("s", tenant=tenant)
     bob = chain("bob", 1, 8)
@@ -147,8 +165,9 @@ def test_the_pin_budget_unpins_the_tenant_pinning_most_first(clock: ManualClock)
     store = TieredStore(
         [CpuTier(20 * SIZE)], EvictionPolicy.named("forecast", 1), clock=clock, default_ttl_s=1e5
     )
-    sm = SessionManager(store, pin_share=0.5)  # 10 blocks of pins, every tenant together
-    sm.pinned_of = lambda tenant: store.reads.pinned_under([root(tenant)])
+    sm = SessionManager(  # 10 blocks of pins, every tenant together
+        store, pin_share=0.5, pinned_of=lambda tenant: store.reads.pinned_under([root(tenant)])
+    )
     sm.open("a", tenant="alice")
     stop = chain("alice", 1, 3)
     put(store, "alice", stop)

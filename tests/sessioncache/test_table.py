@@ -12,7 +12,7 @@ from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash
 from sessioncache.store import TieredStore
 from sessioncache.store.blocks import BlockMeta
-from sessioncache.store.eviction import spare_copy
+from sessioncache.store.eviction import candidacy, evictable, is_spare, is_tail, spare_copy
 from sessioncache.store.index import _MAX_RUNS
 from sessioncache.store.table import NO_SLOT, BlockFields, BlockTable
 from sessioncache.tiers.cpu import CpuTier
@@ -111,10 +111,25 @@ def test_candidacy_agrees_with_the_policy_predicates(
         next_use=11.0,
     )
     meta = BlockMeta.detached(fields, [here, here, here])
-    spare, tail, last_access, expires, op, neg, next_use = meta.candidacy(tier, last=last)
+    spare, tail = candidacy(meta, tier, last=last)
     assert spare == spare_copy(meta, tier)
-    assert tail == meta.evictable_from(tier, last=last)
-    assert (last_access, expires, op, neg, next_use) == (3.0, 8.0, 4, -9, 11.0)
+    assert tail == evictable(meta, tier, last=last)
+    assert meta.order_keys() == (3.0, 8.0, 4, -9, 11.0)
+    # the same rules over whole columns (the index's adoption) say the same of the block
+    column = lambda v: np.array([v, 0, v], np.int64)  # noqa: E731
+    assert is_tail(
+        column(mask & 0b11), column(ref), column(here), column(held), tier, last
+    ).tolist()[::2] == [tail, tail]
+    assert is_spare(column(mask & 0b11), column(ref), column(pins), tier).tolist()[::2] == [
+        spare,
+        spare,
+    ]
+    # the rules spelled out: what may not leave, the tail rule, a spare copy
+    held_here = bool((mask & 0b11) >> tier & 1)
+    assert tail == (
+        ref == 0 and held_here and here == 0 and (not last or held == 0 or mask & 0b11 == 0b11)
+    )
+    assert spare == (ref == pins and held_here and bool(mask & 0b11 & ((1 << tier) - 1)))
 
 
 def test_a_chain_put_in_several_segments_is_matched_whole() -> None:

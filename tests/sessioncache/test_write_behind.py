@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 
 from sessioncache.clock import ManualClock
+from sessioncache.config import Settings
 from sessioncache.errors import DurableStoreFailed, TierFull
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.node import tenant_defaults
+from sessioncache.quotas import Quotas
 from sessioncache.status import BlockStatus
 from sessioncache.store import TieredStore, behind
 from sessioncache.store.blocks import BlockMeta
@@ -55,16 +58,20 @@ class CountingDisk(DiskTier):
         return super().put_group(items)
 
 
+def owner(root: bytes) -> str:
+    return "bob" if root == OTHER else "alice"
+
+
 def make(tmp_path: Path, *, bound: int = 1 << 20, share: float = 0.5, cpu_blocks: int = 64):
     disk = CountingDisk(tmp_path / "disk", 1 << 30)
     store = TieredStore(
         [CpuTier(cpu_blocks * SIZE, chunk_bytes=16 * SIZE), disk],
         clock=ManualClock(),
         write_behind_bytes=bound,
-        write_behind_tenant_share=share,
+        write_behind_owner=owner,
+        write_behind_share=lambda tenant: share,
     )
     assert store.write_behind is not None
-    store.write_behind.owner = lambda root: "bob" if root == OTHER else "alice"
     return store, disk
 
 
@@ -140,6 +147,41 @@ def test_a_full_queue_stalls_the_tenant_flooding_it_not_the_other(tmp_path: Path
     disk.gate.set()
     assert done.wait(10)
     assert wb.flush(10) and on_disk(store, alice) == [True] * 12
+    store.close()
+
+
+def test_each_tenant_has_the_share_its_tenant_limits_give_it(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, tenant_write_behind_share=0.5)
+    quotas = Quotas(tenant_defaults(settings), {"bob": {"write_behind_share": 0.25}})
+    disk = CountingDisk(tmp_path / "disk", 1 << 30)
+    store = TieredStore(
+        [CpuTier(64 * SIZE, chunk_bytes=16 * SIZE), disk],
+        clock=ManualClock(),
+        write_behind_bytes=8 * SIZE,
+        write_behind_owner=owner,
+        write_behind_share=quotas.write_behind_share,
+    )
+    wb = store.write_behind
+    assert wb is not None
+    assert (wb.tenant_bytes("alice"), wb.tenant_bytes("bob")) == (4 * SIZE, 2 * SIZE)
+    disk.gate.clear()  # the disk stalls
+    bob = chain(6, 6, Namespace("behind", 4, "u8", "other"))
+    done = threading.Event()
+
+    def flood() -> None:
+        store.writes.put(bob, [data(h) for h in bob], namespace_root=OTHER)
+        done.set()
+
+    threading.Thread(target=flood, daemon=True).start()
+    assert wait_for(lambda: wb.tenants.get("bob") == 2 * SIZE)
+    time.sleep(0.2)
+    assert not done.is_set() and wb.tenants.get("bob") == 2 * SIZE  # his quarter, no more
+    alice = chain(5, 4)
+    store.writes.put(alice, [data(h) for h in alice], namespace_root=ROOT)  # her half
+    assert wb.tenants.get("alice") == 4 * SIZE
+    disk.gate.set()
+    assert done.wait(10)
+    assert wb.flush(10) and on_disk(store, bob) == [True] * 6
     store.close()
 
 
@@ -309,11 +351,11 @@ def make_shared(
         [SharedCpuTier(cpu_blocks * SIZE, chunk_bytes=4 * SIZE), disk],
         clock=ManualClock(),
         write_behind_bytes=1 << 20,
-        write_behind_tenant_share=1.0,
+        write_behind_owner=owner,
+        write_behind_share=lambda tenant: 1.0,
         room_wait_s=room_wait_s,
     )
     assert store.write_behind is not None
-    store.write_behind.owner = lambda root: "bob" if root == OTHER else "alice"
     return store, disk
 
 
