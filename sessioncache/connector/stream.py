@@ -39,6 +39,7 @@ from sessioncache.connector.payloads import (
     store_tokens,
     store_ttl_ms,
 )
+from sessioncache.connector.sessioncalls import SessionCalls
 from sessioncache.connector.storeloop import StoreLoop
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import (
@@ -270,8 +271,8 @@ class HelloOptions(TypedDict, total=False):
     timeout: float | None
 
 
-class StreamClient:
-    """A connection to one node's data plane (see the module docstring)."""
+class StreamClient(SessionCalls[StreamConnection]):
+    """A connection to one node's data plane (see the module docstring and ``SessionCalls``)."""
 
     client_name: ClassVar[str] = "sessioncache-stream/1"
     """How the client names itself in its HELLO."""
@@ -291,9 +292,8 @@ class StreamClient:
             self._c.transport.close()
             raise
         hello = frames.decode_hello_ok(ok)
-        self.tenant = hello.tenant
-        self.auth = hello.auth
-        self.tiers = hello.tiers
+        self.tenant, self.auth, self.tiers = hello.tenant, hello.auth, hello.tiers
+        self.version = hello.version
         self._c.limits = hello.limits
 
     @property

@@ -51,9 +51,16 @@ from sessioncache.errors import (
 from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
 from sessioncache.operations import caller as callers
-from sessioncache.operations import lookups, stores
+from sessioncache.operations import lookups, sessions, stores
 from sessioncache.operations.caller import Caller
-from sessioncache.operations.messages import LookupRequest, StoreRequest
+from sessioncache.operations.messages import (
+    LookupRequest,
+    SessionExtend,
+    SessionFinish,
+    SessionOpen,
+    SessionResult,
+    StoreRequest,
+)
 from sessioncache.status import kept
 
 log = logging.getLogger("sessioncache.dataplane")
@@ -97,6 +104,28 @@ def lookup_request(request: frames.Lookup) -> LookupRequest:
     )
 
 
+def session_call(node: CacheNode, caller: Caller, call: frames.SessionCall) -> SessionResult | None:
+    """The session operation a SESSION names (``frames.VERBS``); None for a ``close``."""
+    sid = call.session_id
+    if call.verb == "open":
+        kind = {"kind": call.kind} if call.kind is not None else {}
+        return sessions.open_session(
+            node, caller, SessionOpen(sid, ttl_s=call.ttl_s, parent=call.parent, **kind)
+        )
+    if sid is None:
+        raise InvalidInput(f"SESSION {call.verb}: a session_id is required")
+    if call.verb == "get":
+        return sessions.get_session(node, caller, sid)
+    if call.verb == "extend":
+        return sessions.extend_session(node, caller, SessionExtend(sid, call.ttl_s))
+    if call.verb == "finish":
+        if call.finish_reason is None:
+            raise InvalidInput("SESSION finish: a finish_reason is required")
+        return sessions.finish_session(node, caller, SessionFinish(sid, call.finish_reason))
+    sessions.close_session(node, caller, sid)
+    return None
+
+
 class Connection:
     """One peer: the HELLO, then requests answered one by one (see the module docstring).
 
@@ -122,6 +151,8 @@ class Connection:
         self.putter = server.putter
         self.load_lease_s = server.load_lease_s
         self.caller: Caller | None = None
+        self.version = frames.FRAME_VERSION
+        """The version its HELLO negotiated."""
         self._header = bytearray(frames.HEADER_SIZE)
         self._left = 0  # body bytes of the current request not read yet
         self._scratch: memoryview | None = None
@@ -205,6 +236,11 @@ class Connection:
         try:
             if self.caller is None and header.opcode != Op.HELLO:
                 raise AuthRefused("the first frame of a connection must be HELLO")
+            if header.opcode == Op.SESSION and self.version < frames.SESSION_VERSION:
+                raise FrameError(
+                    f"SESSION is a request of version {frames.SESSION_VERSION}; this connection "
+                    f"speaks version {self.version}, as its HELLO negotiated"
+                )
             session = self._session(header)
             handler = self.HANDLERS.get(header.opcode)
             if handler is None:
@@ -246,7 +282,7 @@ class Connection:
             raise InvalidInput("HELLO twice on one connection")
         hello = frames.decode_hello(self._body())
         try:
-            version = frames.negotiate(hello)
+            version = frames.negotiate(hello, self.server.versions)
         except VersionError as exc:
             raise FrameError(str(exc)) from None
         caller = callers.authenticate(self.node, hello.api_key)
@@ -256,7 +292,7 @@ class Connection:
         except QuotaExceeded as exc:  # the tenant holds its most connections: this one ends
             self._send_error(header.request_id, exc, closing=True)
             raise _Refused(str(exc)) from None
-        self.caller = caller
+        self.caller, self.version = caller, version
         node = self.node
         ok = frames.HelloOk(
             caller.tenant, node.auth_enabled, tuple(node.store.tier_names()), self.limits, version
@@ -305,6 +341,12 @@ class Connection:
         ids = [BlockHash(h) for h in request.ids]
         held = lookups.exists(self.node, self._caller, request.root, ids, counted=request.counted)
         self.transport.send([frames.encode_exists_ok(header.request_id, held)])
+
+    def _session_op(self, header: Header, session: str | None) -> None:
+        call = frames.decode_session_call(self._body())
+        result = session_call(self.node, self._caller, call)
+        body = sessions.as_json(result) if result is not None else None
+        self.transport.send([frames.encode_session_ok(header.request_id, body)])
 
     def _release(self, header: Header, session: str | None) -> None:
         key = frames.decode_release(self._body())
@@ -444,7 +486,7 @@ class Connection:
         exc: BaseException,
         *,
         closing: bool = False,
-        version: int = frames.VERSION,
+        version: int = frames.FRAME_VERSION,
     ) -> None:
         code = stream_code(exc)
         message = str(exc) if isinstance(exc, SessionCacheError) else "internal error"
@@ -464,6 +506,7 @@ Connection.HANDLERS = {
     Op.STORE: "_store",
     Op.RELEASE: "_release",
     Op.EXISTS: "_exists",
+    Op.SESSION: "_session_op",
 }
 
 
@@ -488,6 +531,8 @@ class StreamServer:
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
         self.advertise = advertise or listener.address
+        self.versions = frames.VERSIONS
+        """The data-plane versions it negotiates in HELLO."""
         self.buffers = BufferPool()
         # Puts of STOREs, overlapping the receipt of the next block (one per connection).
         self.putter = ThreadPoolExecutor(max_connections, thread_name_prefix="dataplane-put")

@@ -22,6 +22,8 @@ The operations, after vLLM's offloading manager contract:
 ``store_block``   one block of a planned store, written through
 ``stage``         slots in shared memory for a planned store; ``commit`` and ``abort``
 ``complete``      what a finished store means for its session
+``open_session``  open a session of the caller's (``sessions.py``); ``get_session``,
+                  ``extend_session``, ``finish_session``, ``close_session``
 ================  =============================================================
 """
 

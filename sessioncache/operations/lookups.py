@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sessioncache.attribution import MissReport
+from sessioncache.attribution import Lookup, MissReport
 from sessioncache.errors import BlockNotFound, InvalidInput, LeaseNotFound, SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace
 from sessioncache.node import CacheNode
@@ -170,17 +170,9 @@ def _account(
     session_id = request.session_id
     session = (caller.tenant, session_id) if session_id is not None else None
     node.accounting.count(matched * block_tokens, asked, root=request.root, session=session)
-    return node.attribution.lookup(
-        request.root,
-        request.ids,
-        matched,
-        block_tokens,
-        asked,
-        tokens=bytes(request.tokens)
-        if request.tokens is not None and session_id is not None
-        else None,
-        session=session,
-    )
+    tokens = bytes(request.tokens) if request.tokens is not None and session is not None else None
+    lookup = Lookup(request.root, request.ids, matched, block_tokens, asked, tokens)
+    return node.attribution.lookup(lookup, session=session)
 
 
 def lookup_tokens(

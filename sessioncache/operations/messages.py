@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from sessioncache.attribution import MissReport
+from sessioncache.attribution import MissReport, SessionTotals
 from sessioncache.hashing import BlockHash
+from sessioncache.sessions.manager import Session
 from sessioncache.store import Match
 
 
@@ -64,3 +65,40 @@ class StoreRequest(NamedTuple):
     finish_reason: str | None = None
     """With ``session_id``: the request whose KV this is has finished, for this reason
     (``forecast.FINISH_CLASSES``); the session's chain is filed under what follows."""
+
+
+class SessionOpen(NamedTuple):
+    """Open a session of the caller's tenant (or return its open one of ``session_id``):
+    ``kind`` names its default TTL, ``ttl_s`` overrides it, ``parent`` is the caller's session
+    it was forked from (a subagent's)."""
+
+    session_id: str | None = None
+    kind: str = "agent"
+    ttl_s: float | None = None
+    parent: str | None = None
+
+
+class SessionExtend(NamedTuple):
+    """Slide a session's expiry, with a new TTL when ``ttl_s`` is given."""
+
+    session_id: str
+    ttl_s: float | None = None
+
+
+class SessionFinish(NamedTuple):
+    """A session's latest request finished, for ``finish_reason`` (``forecast.FINISH_CLASSES``)."""
+
+    session_id: str
+    finish_reason: str
+
+
+class SessionResult(NamedTuple):
+    """A session as an operation answers it."""
+
+    session: Session
+    expected_back: float | None
+    """When the session is predicted back (its forecast); None before its first request here."""
+    last_finish: str | None
+    """The class of its latest request's finish, once told."""
+    totals: SessionTotals | None = None
+    """Its lookups' tokens hit and missed by reason (a ``get`` only)."""

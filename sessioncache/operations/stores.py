@@ -30,14 +30,9 @@ from sessioncache.errors import (
     StoreRefused,
     UploadRefused,
 )
-from sessioncache.hashing import (
-    HASH_BYTES,
-    BlockHash,
-    Namespace,
-    block_hashes_from_bytes,
-    keyed_block_ids,
-)
+from sessioncache.hashing import BlockHash, Namespace, segment_ids
 from sessioncache.node import CacheNode
+from sessioncache.operations import sessions
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.lookups import readable_meta, resolve
 from sessioncache.operations.messages import StoreRequest
@@ -106,12 +101,13 @@ def plan_upload(
             durable=node.durable_uploads,
             next_use=_forecast(node, tenant, session_id, finish_reason),
         )
+        if session_id is not None:  # the session's chain moves once the uploads are answered
+            record = (session_id, hashes, bytes(token_bytes), namespace.block_tokens)
+            sessions.record_plan(node, caller, *record, finish_reason, write=write, wanted=wanted)
         node.uploads.open_many(tenant, missing, write, session_id=session_id)
-    if session_id is not None and hashes:
-        node.sessions.record(session_id, hashes, tenant=tenant, finish_reason=finish_reason)
-        node.attribution.stored((tenant, session_id), hashes, bytes(token_bytes))
-    elif session_id is not None and finish_reason is not None:
-        node.sessions.record(session_id, tenant=tenant, finish_reason=finish_reason)
+    elif session_id is not None:  # nothing to upload: the chain is the session's now
+        record = (session_id, hashes, bytes(token_bytes), namespace.block_tokens)
+        sessions.record_plan(node, caller, *record, finish_reason)
     return UploadPlan(namespace.block_tokens, hashes, missing)
 
 
@@ -157,13 +153,15 @@ def upload(
         return PRESENT  # a retry whose first answer was lost
     writes = node.store.writes
     sync = writes.sync_for(slot.write, durable=durable)
-    status = writes.fill(slot.write, slot.index, payload, sync=sync)
-    writes.settle(slot.write, sync)
+    try:
+        status = writes.fill(slot.write, slot.index, payload, sync=sync)
+        writes.settle(slot.write, sync)
+    finally:
+        if slot.session_id is not None:  # the plan's last answer records its session's chain
+            sessions.uploaded(node, slot)
     if status is DROPPED:
         return DROPPED  # the slot stays open: a later try may find room
     node.uploads.mark_used(tenant, block_hash)
-    if slot.session_id is not None and status is STORED:
-        node.sessions.adopt((tenant, slot.session_id), [block_hash])
     return status
 
 
@@ -243,13 +241,14 @@ def plan_store(
         ttl_s = max(ttl_s or 0.0, session.ttl_s)
     seed = node.settings.hash_seed
     parent = BlockHash(request.parent) if request.parent is not None else None
-    units = request.units
-    if request.keyed:
-        keys = [units[i : i + HASH_BYTES] for i in range(0, len(units), HASH_BYTES)]
-        ids = keyed_block_ids(request.root, keys, seed)
-    else:
-        start = request.parent if request.parent is not None else request.root
-        ids = block_hashes_from_bytes(start, units, request.block_tokens, seed)
+    ids = segment_ids(
+        request.root,
+        request.parent,
+        request.units,
+        request.block_tokens,
+        keyed=request.keyed,
+        seed=seed,
+    )
     if request.linked:
         parents: list[BlockHash | None] = [parent, *ids[:-1]]
     else:

@@ -17,8 +17,11 @@
   and, for requests that name a session, the production ``SessionManager``, over
   ``AccountingTier``s and a ``ManualClock``. It follows the service's data path: a lookup in
   the session leasing its match, a ``get`` of every matched block held only below the first
-  tier (the engine's load, which promotes it), the lease's release, then a put of the missing
-  blocks in the session, parent = the last matched block. ``sweep`` runs every ``sweep_s``
+  tier (the engine's load, which promotes it), the lease's release, then a store of the missing
+  blocks, parent = the last matched block: in a session through the operation layer, as a
+  STORE naming it (``operations.stores``: plan, blocks, completion), else a plain put. A trace
+  block is stored as four tokens of its integer id, so the store's ids are the ones the node
+  derives (``hashing``), chained as the trace's are. ``sweep`` runs every ``sweep_s``
   simulated seconds, as the service's background thread does (a sweep between two requests is
   run at the last sweep instant before the second one: nothing happens in between, so the
   state is the same). A request's finish reason reaches it through ``finish`` when the request
@@ -41,16 +44,23 @@ from typing import Any, Final, Protocol
 
 from sessioncache.attribution import DropLog
 from sessioncache.clock import ManualClock
+from sessioncache.config import Settings
 from sessioncache.errors import SessionCacheError, SessionNotFound
-from sessioncache.hashing import BlockHash
+from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
+from sessioncache.node import OPEN_TENANT, CacheNode
+from sessioncache.operations import lookups, stores
+from sessioncache.operations.caller import Caller
+from sessioncache.operations.messages import StoreRequest
 from sessioncache.replay.trace import Request, Trace
 from sessioncache.sessions.manager import SessionManager
+from sessioncache.status import BlockStatus, kept
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
 from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.tiers.accounting import AccountingTier, zero_payload
 
-NAMESPACE_ROOT = b"sessioncache-rpl"
-"""The one namespace root of a replay: trace ids are already distinct per session file."""
+NAMESPACE = Namespace("sessioncache-replay", 4, "float16", "replay")
+"""The one namespace of a replay (trace ids are already distinct per session file): a trace
+block is four tokens, the 16 bytes of its integer id."""
 
 CLOCK_START = 1_700_000_000.0
 
@@ -302,7 +312,15 @@ class StoreSim:
             default_ttl_s=default_ttl_s,
         )
         self.sessions = SessionManager(self.store, **(session_options or {})) if sessions else None
+        # The node of the operation layer over them; a session's stores go through it.
+        self.node = CacheNode(Settings(), self.store, self.sessions) if self.sessions else None
+        self._caller = Caller(OPEN_TENANT)
+        self._root = (
+            lookups.resolve(self.node, self._caller, NAMESPACE) if self.node else NAMESPACE.root()
+        )
+        self._seed = self.node.settings.hash_seed if self.node else 0
         self._kind = session_kind
+        self._block_bytes = block_bytes
         self._payload = zero_payload(block_bytes)
         self._ids: dict[int, BlockHash] = {}
         self._sweep_s = sweep_s
@@ -364,21 +382,32 @@ class StoreSim:
                 if (m := store.reads.meta(h)) is not None and m.expired(now)
             }
         if matched < len(hashes):
-            new = hashes[matched:]
-            payloads = [self._payload] * len(new)
-            if sessions is not None and session is not None:
-                result = sessions.put(
-                    session, new, payloads, namespace_root=NAMESPACE_ROOT, prefix=match.hashes
-                )
+            parent = match.hashes[-1] if match.hashes else None
+            if session is not None and self.node is not None:
+                self._dropped += self._store_in_session(session, parent, request.ids[matched:])
             else:
-                result = store.writes.put(
-                    new,
-                    payloads,
-                    namespace_root=NAMESPACE_ROOT,
-                    parent=match.hashes[-1] if match.hashes else None,
-                )
-            self._dropped += len(result.dropped)
+                new = hashes[matched:]
+                payloads = [self._payload] * len(new)
+                result = store.writes.put(new, payloads, namespace_root=self._root, parent=parent)
+                self._dropped += len(result.dropped)
         return tiers
+
+    def _store_in_session(self, session: str, parent: BlockHash | None, ids: Sequence[int]) -> int:
+        """A STORE of the trace blocks ``ids`` after ``parent`` on behalf of ``session``,
+        through the operation layer; how many blocks were dropped."""
+        node, caller = self.node, self._caller
+        assert node is not None
+        units = b"".join(block.to_bytes(16, "little") for block in ids)
+        request = StoreRequest(
+            self._root, parent, 4, len(ids), self._block_bytes, units, session_id=session
+        )
+        plan = stores.plan_store(node, caller, request)
+        for i in range(len(ids)):
+            if stores.store_block(node, plan, i, self._payload) is BlockStatus.DROPPED:
+                break  # the rest hangs off it: dropped
+        status = plan.status
+        stores.complete(node, caller, plan, kept(status))
+        return status.count(BlockStatus.DROPPED)
 
     def why_missing(self, block: int) -> str:
         block_hash = self._ids.get(block)
@@ -409,11 +438,15 @@ class StoreSim:
     def _hashes(self, ids: Sequence[int]) -> list[BlockHash]:
         cache = self._ids
         out: list[BlockHash] = []
+        parent = self._root
         for block in ids:
             block_hash = cache.get(block)
-            if block_hash is None:
-                block_hash = cache[block] = BlockHash(block.to_bytes(16, "little"))
+            if block_hash is None:  # the node's id of the block: trace ids are chained
+                unit = block.to_bytes(16, "little")
+                (block_hash,) = block_hashes_from_bytes(parent, unit, 4, self._seed)
+                cache[block] = block_hash
             out.append(block_hash)
+            parent = block_hash
         return out
 
     def detail(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ sessions and blocks.
 
 Thread-safe. The manager's lock guards the sessions and their pins, and is never held across
 a store call that may wait on I/O: a lookup that misses locally asks the fleet's shared tier
-(a network round trip), a put writes payloads. Such a call runs between two short holds of the
+(a network round trip), a record touches its chain. Such a call runs between two short holds of the
 lock (``_begin``, ``_end``): the first checks the session and copies its TTL, the second
 records the activity only if the same session is still open, so a session closed, swept or
 replaced meanwhile gains no pins (nothing would ever release them) and is not written back.
@@ -56,11 +56,10 @@ from sessioncache.hashing import BlockHash
 from sessioncache.quotas import Counts, PinBudget
 from sessioncache.sessions.forecasts import SessionForecasts
 from sessioncache.sessions.query import SessionPage, SessionQuery, SessionSearch, page_in_memory
-from sessioncache.store import Match, TieredStore, TierStats, WriteResult
+from sessioncache.store import Match, TieredStore, TierStats
 from sessioncache.store.expiry import ExpiryIndex
 from sessioncache.store.forecast import finish_class
 from sessioncache.store.results import MAX_TTL_S, check_ttl
-from sessioncache.tiers.payload import Payload
 
 DAY_S = 86400.0
 DEFAULT_KIND_TTLS: Mapping[str, float] = {"agent": 3 * DAY_S, "chat": 7 * DAY_S}
@@ -133,7 +132,12 @@ class SessionManager:
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         pin_share: float = DEFAULT_PIN_SHARE,
         repository: SessionRepository | None = None,
+        admit: Callable[[str, int], None] | None = None,
+        budget: Callable[[str], PinBudget | None] | None = None,
+        pinned_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
+        """``admit``, ``budget`` and ``pinned_of``: the tenants' bounds (``quotas``), each
+        described where it is kept below; left out, that bound does not apply."""
         for kind, ttl in kind_ttls.items():
             if not 0 < ttl <= MAX_TTL_S:
                 raise InvalidInput(f"the TTL of session kind {kind!r} must be positive")
@@ -151,12 +155,12 @@ class SessionManager:
         self._sessions: dict[SessionKey, Session] = {}
         self.tenants = Counts()
         """Open sessions per tenant."""
-        self.admit: Callable[[str, int], None] | None = None
-        """Admits one more open session to a tenant holding so many (``quotas.Quotas.admit``
-        of ``sessions``; None: no bound)."""
-        self.budget: Callable[[str], PinBudget | None] = lambda tenant: None
+        self.admit = admit
+        """Admits one more open session to a tenant holding so many (``Quotas.admitter`` of
+        ``sessions``; None: no bound)."""
+        self.budget: Callable[[str], PinBudget | None] = budget or (lambda tenant: None)
         """What a tenant's session pins are admitted against (None: only the pin budget)."""
-        self.pinned_of: Callable[[str], Sequence[int]] | None = None
+        self.pinned_of = pinned_of
         """The bytes a tenant pins per tier, which the pin budget unpins the most of first
         (None: the sessions of every tenant are one pool)."""
         # Pinned sessions, least recently active first, with the ids their pins hold.
@@ -167,6 +171,12 @@ class SessionManager:
         self._unpin_listeners: list[Callable[[SessionKey, str], None]] = []
         self.forecasts = SessionForecasts(store.reads, store.forecast, self._clock, self._lock)
         """Each open session's forecast (soft state: not in the repository)."""
+
+    @property
+    def store(self) -> TieredStore:
+        """The store holding its sessions' chains (a session's blocks are stored there by the
+        operation layer, ``operations.stores``, which then ``record``s the chain)."""
+        return self._store
 
     def on_unpin(self, listener: Callable[[SessionKey, str], None]) -> None:
         """Call ``listener((tenant, session_id), cause)`` when a session's pins go: ``pin_budget``,
@@ -291,35 +301,6 @@ class SessionManager:
         match = self._store.reads.lookup(hashes, lease_s=lease_s, ttl_s=ttl, budget=budget)
         self._end(session, match.hashes)
         return match
-
-    def put(
-        self,
-        session_id: str,
-        hashes: Sequence[BlockHash],
-        payloads: Sequence[Payload],
-        *,
-        namespace_root: bytes,
-        prefix: Sequence[BlockHash] = (),
-        tenant: str = DEFAULT_TENANT,
-        durable: bool = False,
-        finish_reason: str | None = None,
-    ) -> WriteResult:
-        """``writes.put`` of ``hashes`` (whose parent is ``prefix[-1]``) on behalf of a session;
-        the session's chain becomes ``prefix + hashes``. ``finish_reason``: the request whose
-        KV this is has finished, so (see ``record``)."""
-        finish = finish_class(finish_reason) if finish_reason is not None else None
-        session, ttl = self._begin(session_id, tenant)
-        result = self._store.writes.put(
-            hashes,
-            payloads,
-            namespace_root=namespace_root,
-            parent=prefix[-1] if prefix else None,
-            ttl_s=ttl,
-            durable=durable,
-            next_use=self.forecasts.next_use(session.key, finish),
-        )
-        self._end(session, [*prefix, *hashes], finish)
-        return result
 
     def record(
         self,

@@ -20,6 +20,7 @@ from sessioncache.store.forecast import (
     finish_class,
 )
 from sessioncache.tiers.cpu import CpuTier
+from tests.support.session_store import put_in_session
 
 SIZE = 64
 NS = Namespace("m", 4, "bf16", "x")
@@ -56,7 +57,8 @@ def turn(
 ) -> None:
     match = sm.lookup(sid, hashes, tenant=tenant)
     new = hashes[match.num_blocks :]
-    sm.put(
+    put_in_session(
+        sm,
         sid,
         new,
         [data(h) for h in new],

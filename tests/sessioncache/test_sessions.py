@@ -14,6 +14,7 @@ from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.sessions.manager import DAY_S, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.tiers.cpu import CpuTier
+from tests.support.session_store import put_in_session
 
 NS = Namespace("test-model", 4, "float16", "test-layout")
 ROOT = NS.root()
@@ -37,7 +38,7 @@ def make(blocks: int, clock: ManualClock, **kw: float) -> tuple[TieredStore, Ses
 def store_turn(sm: SessionManager, sid: str, hashes: list[BlockHash]) -> None:
     match = sm.lookup(sid, hashes)
     new = hashes[match.num_blocks :]
-    sm.put(sid, new, [data(h) for h in new], namespace_root=ROOT, prefix=match.hashes)
+    put_in_session(sm, sid, new, [data(h) for h in new], namespace_root=ROOT, prefix=match.hashes)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ Every frame is a fixed 24-byte little-endian header and a body of ``body_len`` b
 
     offset  size  field
          0     4  magic        b"SCDP"
-         4     1  version      2 (``VERSION``; see "Versions" in docs/dataplane.md)
+         4     1  version      2 (3 for SESSION frames; see "Versions" in docs/dataplane.md)
          5     1  opcode       ``Op``
          6     2  flags        per opcode (``F_*``)
          8     8  request id   chosen by the client, echoed in every frame of the answer
@@ -15,12 +15,12 @@ answer before the next: one ``*_OK`` frame, or for ``LOAD`` one ``BLOCK`` frame 
 asked, or an ``ERROR`` frame (which may cut a ``LOAD`` short). Bodies are described beside
 their encoders; ids and roots are 16 raw bytes, tokens little-endian ``u32``.
 
-Everything here is pure (the modules ``header``, ``control``, ``blocks``, ``samehost`` and
-``sizes``, whose names this package re-exports): the node (``server.py``) and the clients
-(``sessioncache.connector``) do the socket work and call these to build and check bytes, so
-both ends share one definition. A
-decoder that meets bytes breaking the framing raises ``FrameError`` (the connection is then
-closed); values that are well framed but wrong raise ``InvalidInput``.
+Everything here is pure (the modules ``header``, ``control``, ``blocks``, ``samehost``,
+``sessions`` and ``sizes``, whose names this package re-exports): the node (``server.py``) and
+the clients (``sessioncache.connector``) do the socket work and call these to build and check
+bytes, so both ends share one definition. A decoder that meets bytes breaking the framing
+raises ``FrameError`` (the connection is then closed); values that are well framed but wrong
+raise ``InvalidInput``.
 """
 
 from __future__ import annotations
@@ -209,6 +209,9 @@ from sessioncache.dataplane.frames.header import (
     FINISH_REASONS as FINISH_REASONS,
 )
 from sessioncache.dataplane.frames.header import (
+    FRAME_VERSION as FRAME_VERSION,
+)
+from sessioncache.dataplane.frames.header import (
     HEADER as HEADER,
 )
 from sessioncache.dataplane.frames.header import (
@@ -240,6 +243,9 @@ from sessioncache.dataplane.frames.header import (
 )
 from sessioncache.dataplane.frames.header import (
     SESSION_OPS as SESSION_OPS,
+)
+from sessioncache.dataplane.frames.header import (
+    SESSION_VERSION as SESSION_VERSION,
 )
 from sessioncache.dataplane.frames.header import (
     VERSION as VERSION,
@@ -366,6 +372,24 @@ from sessioncache.dataplane.frames.samehost import (
 )
 from sessioncache.dataplane.frames.samehost import (
     encode_stage_ok as encode_stage_ok,
+)
+from sessioncache.dataplane.frames.sessions import (
+    VERBS as VERBS,
+)
+from sessioncache.dataplane.frames.sessions import (
+    SessionCall as SessionCall,
+)
+from sessioncache.dataplane.frames.sessions import (
+    decode_session_call as decode_session_call,
+)
+from sessioncache.dataplane.frames.sessions import (
+    decode_session_ok as decode_session_ok,
+)
+from sessioncache.dataplane.frames.sessions import (
+    encode_session_call as encode_session_call,
+)
+from sessioncache.dataplane.frames.sessions import (
+    encode_session_ok as encode_session_ok,
 )
 from sessioncache.dataplane.frames.sizes import (
     check_body as check_body,

@@ -10,6 +10,7 @@ from sessioncache.dataplane.frames.header import (
     F_ERROR_CLOSING,
     F_RELEASE_CHECK,
     F_RELEASE_LIVE,
+    FRAME_VERSION,
     MAX_MESSAGE,
     VERSION,
     VERSIONS,
@@ -48,7 +49,7 @@ class Hello(NamedTuple):
 
     api_key: str | None
     client: str = ""
-    versions: tuple[int, ...] = (VERSION,)
+    versions: tuple[int, ...] = tuple(sorted(VERSIONS))
 
 
 def encode_hello(request_id: int, hello: Hello) -> bytes:
@@ -60,7 +61,7 @@ def decode_hello(data: bytes) -> Hello:
     body = _json_body(data, "HELLO")
     key = body.get("api_key")
     client = body.get("client", "")
-    versions = body.get("versions", [VERSION])
+    versions = body.get("versions", [FRAME_VERSION])  # a HELLO from before the list
     if key is not None and not isinstance(key, str):
         raise FrameError("HELLO: api_key must be a string or null")
     if not isinstance(client, str):
@@ -72,9 +73,10 @@ def decode_hello(data: bytes) -> Hello:
     return Hello(key, client, tuple(versions))
 
 
-def negotiate(hello: Hello) -> int:
-    """The version a node answers a HELLO in: the highest both ends speak."""
-    common = VERSIONS.intersection(hello.versions)
+def negotiate(hello: Hello, speaks: frozenset[int] = VERSIONS) -> int:
+    """The version a node that ``speaks`` these answers a HELLO in: the highest both ends
+    speak."""
+    common = speaks.intersection(hello.versions)
     if not common:
         raise VersionError(max(hello.versions, default=0))
     return max(common)
@@ -183,7 +185,7 @@ class ErrorFrame(NamedTuple):
     closing: bool = False
 
 
-def encode_error(request_id: int, error: ErrorFrame, *, version: int = VERSION) -> bytes:
+def encode_error(request_id: int, error: ErrorFrame, *, version: int = FRAME_VERSION) -> bytes:
     """An ERROR frame; ``version``: the peer's, when refusing a peer of another version (an
     ERROR's layout is the same in every version, so its peer can read why)."""
     message = error.message.encode("utf-8", "replace")[:MAX_MESSAGE]

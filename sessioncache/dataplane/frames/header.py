@@ -12,10 +12,17 @@ from sessioncache.errors import FrameError, InvalidInput
 from sessioncache.hashing import HASH_BYTES
 
 MAGIC = b"SCDP"
-VERSION = 2
-"""The frame version both ends of this release speak (docs/dataplane.md, "Versions")."""
-VERSIONS = frozenset({VERSION})
-"""The versions a node serves; a HELLO of another is refused with a closing ERROR."""
+VERSION = 3
+"""The highest data-plane version this release speaks (docs/dataplane.md, "Versions")."""
+VERSIONS = frozenset({2, VERSION})
+"""The versions this release speaks: a HELLO negotiates the highest both ends list, and a
+frame of another is refused with a closing ERROR."""
+FRAME_VERSION = 2
+"""The version byte of every frame whose layout version 2 defined (all but the SESSION pair):
+a frame carries the version that defined it, so a peer of version 2 reads them all."""
+SESSION_VERSION = 3
+"""The version that added SESSION and SESSION_OK: a connection that negotiated an older one
+carries neither."""
 HEADER = struct.Struct("<4sBBHQQ")
 HEADER_SIZE = HEADER.size  # 24
 
@@ -32,6 +39,7 @@ class Op(IntEnum):
     STORE = 0x05
     RELEASE = 0x06
     EXISTS = 0x07
+    SESSION = 0x08
     # the same-host path (a Unix socket; payloads in shared memory, see SAME_HOST)
     SEGMENTS = 0x10
     LOCATE = 0x11
@@ -45,6 +53,7 @@ class Op(IntEnum):
     STORE_OK = 0x85
     RELEASE_OK = 0x86
     EXISTS_OK = 0x87
+    SESSION_OK = 0x88
     SEGMENTS_OK = 0x90
     LOCATE_OK = 0x91
     STAGE_OK = 0x92
@@ -56,7 +65,17 @@ class Op(IntEnum):
 SAME_HOST = frozenset({Op.SEGMENTS, Op.LOCATE, Op.STAGE, Op.COMMIT, Op.ABORT})
 """Requests served on the node's same-host Unix socket only (``samehost_server.py``)."""
 REQUESTS = frozenset(
-    {Op.HELLO, Op.RESOLVE, Op.LOOKUP, Op.LOAD, Op.STORE, Op.RELEASE, Op.EXISTS, *SAME_HOST}
+    {
+        Op.HELLO,
+        Op.RESOLVE,
+        Op.LOOKUP,
+        Op.LOAD,
+        Op.STORE,
+        Op.RELEASE,
+        Op.EXISTS,
+        Op.SESSION,
+        *SAME_HOST,
+    }
 )
 REPLIES = frozenset(set(Op) - REQUESTS)
 ANSWER: dict[Op, Op] = {
@@ -67,6 +86,7 @@ ANSWER: dict[Op, Op] = {
     Op.STORE: Op.STORE_OK,
     Op.RELEASE: Op.RELEASE_OK,
     Op.EXISTS: Op.EXISTS_OK,
+    Op.SESSION: Op.SESSION_OK,
     Op.SEGMENTS: Op.SEGMENTS_OK,
     Op.LOCATE: Op.LOCATE_OK,
     Op.STAGE: Op.STAGE_OK,
@@ -174,7 +194,7 @@ class Header(NamedTuple):
 
 
 def encode_header(
-    opcode: Op, request_id: int, body_len: int, flags: int = 0, *, version: int = VERSION
+    opcode: Op, request_id: int, body_len: int, flags: int = 0, *, version: int = FRAME_VERSION
 ) -> bytes:
     return HEADER.pack(MAGIC, version, opcode, flags, request_id, body_len)
 

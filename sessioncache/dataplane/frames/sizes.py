@@ -47,7 +47,7 @@ def max_body(header: Header, limits: Limits) -> int:
     if header.flags & F_SESSION and op in SESSION_OPS:
         bare = header._replace(flags=header.flags & ~F_SESSION)
         return SESSION_LEN + MAX_SESSION_BYTES + max_body(bare, limits)
-    if op in (Op.HELLO, Op.RESOLVE, Op.HELLO_OK):
+    if op in (Op.HELLO, Op.RESOLVE, Op.HELLO_OK, Op.SESSION, Op.SESSION_OK):
         return limits.max_json
     if op == Op.LOOKUP:
         return _LOOKUP.size + ids

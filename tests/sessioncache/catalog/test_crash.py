@@ -56,16 +56,15 @@ while True:
     assert hashes[:2] == shared
     for j in range(0, len(hashes), 2):
         seg = hashes[j : j + 2]
-        result = manager.put(
-            sid,
+        result = store.writes.put(
             seg,
             [(h * (cfg["size"] // 16))[: cfg["size"]] for h in seg],
             namespace_root=root,
-            prefix=hashes[:j],
-            tenant="t",
+            parent=hashes[j - 1] if j else None,
             durable=True,
         )
         assert not result.dropped, result
+        manager.record(sid, hashes[: j + 2], tenant="t")
         print("B", sid, *(h.hex() for h in seg), flush=True)
         manager.lookup(sid, hashes[: j + 2], tenant="t")
     i += 1

@@ -59,7 +59,8 @@ def test_gc_frees_expired_blocks_and_keeps_a_live_sessions_chain(tmp_path: Path)
             == loose
         )
         node.sessions.open("keep")
-        stored = node.sessions.put("keep", chain, payloads(3), namespace_root=NS, durable=True)
+        stored = node.store.writes.put(chain, payloads(3), namespace_root=NS, durable=True)
+        node.sessions.record("keep", chain)
         assert stored.stored == chain
         disk = {t.name: t for t in node.store.stats_tiers()}["disk"]
         assert (disk.blocks, disk.used_bytes) == (5, 5 * SIZE)

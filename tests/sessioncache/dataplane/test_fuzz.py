@@ -6,6 +6,7 @@ node keeps serving a bystander connection throughout."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import struct
@@ -46,6 +47,20 @@ def hostile_frame(draw: st.DrawFn) -> tuple[bytes, bool]:
                 st.integers(0, (1 << 32) - 1),
                 st.integers(0, (1 << 32) - 1),
                 st.binary(max_size=80),
+            ),
+            # a SESSION-shaped body: JSON with a verb, maybe wrong in kind or value
+            st.builds(
+                lambda body: json.dumps(body).encode(),
+                st.dictionaries(
+                    st.sampled_from(["verb", "session_id", "kind", "ttl_s", "finish_reason", "x"]),
+                    st.one_of(
+                        st.sampled_from([*frames.VERBS, "stop", "agent"]),
+                        st.text(max_size=8),
+                        st.floats(allow_nan=True),
+                        st.none(),
+                    ),
+                    max_size=4,
+                ),
             ),
         )
     )

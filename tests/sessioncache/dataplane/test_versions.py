@@ -48,7 +48,7 @@ def test_hello_negotiates_the_version(open_server: Server):
     with raw_connect(open_server) as sock:
         sock.sendall(frames.encode_hello(1, frames.Hello(None, "future", (7, 8))))
         version, opcode, flags, reply = read_any_version(sock)
-        assert (version, opcode) == (frames.VERSION, Op.ERROR)
+        assert (version, opcode) == (frames.FRAME_VERSION, Op.ERROR)
         error = frames.decode_error(reply, flags)
         assert error.closing and "frame version 8" in error.message
         assert_closed(sock)
