@@ -4,7 +4,9 @@
 clients and mirror each other; ``StreamClient`` (the binary block stream) and
 ``SameHostClient`` (shared memory on the node's host) are the data-plane clients;
 ``sessioncache.connector.transfer.KVTransfer`` picks the fastest of the three for loads and
-stores by tokens or by keys. The package imports the core (``sessioncache.errors``,
+stores by tokens or by keys; ``sessioncache.connector.ops`` has the engine side's operations
+over a data-plane connection (the one load loop), and ``retry.NodeBackoff`` its one failure
+policy. The package imports the core (``sessioncache.errors``,
 ``hashing``, ``status``) and the wire (``sessioncache.dataplane.frames``), never a server;
 ``sessioncache.connector.transformers`` turns a Hugging Face transformers KV cache into block
 payloads and back (import it explicitly: it needs torch and transformers, this package does not).
@@ -50,6 +52,8 @@ from sessioncache.connector.retry import (
     ExponentialBackoff,
     ExponentialWithJitterBackoff,
     NoBackoff,
+    NodeBackoff,
+    NodeDown,
     Retry,
 )
 from sessioncache.connector.samehost import SameHostClient, SameHostLookup
@@ -76,6 +80,8 @@ __all__ = [
     "Namespace",
     "NoBackoff",
     "NoRoom",
+    "NodeBackoff",
+    "NodeDown",
     "NotFound",
     "PayloadSource",
     "PayloadTooLarge",

@@ -27,7 +27,9 @@ Payloads move over the data plane only, never per-block HTTP: through shared mem
 node runs on this host and the tenant is trusted with it (gets copy straight into the
 memoryviews LMCache hands over, sets straight out of them), else over the block stream. Each
 worker's ``KVTransfer`` (its keyed operations, ``paths=DATA_PLANE_PATHS``) picks the path and
-runs the loops.
+runs the loops (``connector.ops``). A failure of the node makes the batches fail at once for a
+backoff (``retry.NodeBackoff``), after which the next one connects again.
+
 A set batch is stored as one chain (``linked``): LMCache sets one request's consecutive
 chunks together, so tail-first eviction then drops a request's last chunks first. Only the
 blocks the node lacks are sent: over the stream an uncounted EXISTS comes first; on the same
@@ -37,6 +39,7 @@ host the STAGE answers held blocks present, and nothing is copied for them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sessioncache.connector.payloads import as_buffer
+from sessioncache.connector.retry import NodeBackoff, NodeDown
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key
@@ -134,15 +138,6 @@ def _groups(keys: Sequence[str]) -> dict[tuple[str, str | None], list[tuple[int,
     return groups
 
 
-def _held(kv: KVTransfer, namespace: Namespace, keys: list[bytes]) -> list[bool]:
-    """Which ``keys`` the node holds, asked (uncounted: not a prompt's question) where a
-    store would send their payloads: over the stream. On the same host none is asked: the
-    STAGE answers held blocks present and nothing is copied for them."""
-    if kv.path == "stream":
-        return kv.exists_keyed(namespace, keys, counted=False)
-    return [False] * len(keys)
-
-
 class SessionCacheL2:
     """LMCache's native L2 client interface over a sessioncache node (module docstring)."""
 
@@ -196,6 +191,9 @@ class SessionCacheL2:
         self._jobs: queue.SimpleQueue[tuple[int, Callable[[KVTransfer], Outcome]] | None]
         self._jobs = queue.SimpleQueue()
         self._closed = False
+        self.backoff = NodeBackoff()
+        """The engine side's failure policy, shared by the workers: after a failure of the
+        node, batches complete failed at once for the backoff, then reconnect."""
         self._threads = [
             threading.Thread(
                 target=self._work,
@@ -260,8 +258,10 @@ class SessionCacheL2:
         os.eventfd_write(self._efd, 1)
 
     def _work(self, kv: KVTransfer) -> None:
-        """Run batches on this worker's transfer (a broken connection is replaced by the next
-        batch)."""
+        """Run batches on this worker's transfer under the engine side's failure policy
+        (``retry.NodeBackoff``): a batch that fails completes failed; after a failure of the
+        node its connection is closed, batches complete failed at once for the backoff, and
+        the next one after it connects again."""
         try:
             while True:
                 item = self._jobs.get()
@@ -269,11 +269,13 @@ class SessionCacheL2:
                     return
                 future_id, job = item
                 try:
-                    ok, error, result = job(kv)
-                    self._complete((future_id, ok, error, result))
+                    outcome = self.backoff.guard(functools.partial(job, kv), kv.disconnect)
                 except Exception as exc:
-                    log.warning("sessioncache L2: batch %d failed: %s", future_id, exc)
+                    if not isinstance(exc, NodeDown):
+                        log.warning("sessioncache L2: batch %d failed: %s", future_id, exc)
                     self._complete((future_id, False, f"{type(exc).__name__}: {exc}", None))
+                else:
+                    self._complete((future_id, *outcome))
         finally:
             kv.close()
 
@@ -283,7 +285,7 @@ class SessionCacheL2:
         for (model, salt), items in _groups(keys).items():
             ns = _namespace(s, model, salt)
             block_keys = [k for _, k in items]
-            held = _held(kv, ns, block_keys)
+            held = kv.unsent_keyed(ns, block_keys)
             if all(held):
                 continue
             # one STORE per payload size (KVTransfer.store_keyed): the node takes one per store

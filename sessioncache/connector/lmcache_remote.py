@@ -21,7 +21,9 @@ is the model, the chunk size, the KV dtype and the padded size. Batched puts (on
 consecutive chunks) are stored as one chain, so tail-first eviction applies; single puts
 stand alone. Chunks the node holds already are neither packed nor sent (an uncounted EXISTS
 first). The connector's ``KVTransfer`` (keyed operations, never the REST path) picks the
-data path and moves the blocks: gets through shared memory on the node's host.
+data path and moves the blocks: gets through shared memory on the node's host. A failure of
+the node reaches LMCache; for a backoff after it (``retry.NodeBackoff``) gets and lookups
+miss and puts are dropped at once, and the next call after it connects again.
 
 This module imports LMCache (it subclasses its classes) and is imported only by LMCache.
 The node's I/O is blocking: it runs on a thread of this connector, off LMCache's event loop.
@@ -45,6 +47,7 @@ from lmcache.v1.storage_backend.connector import (
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from sessioncache.connector.payloads import as_buffer
+from sessioncache.connector.retry import NodeBackoff, NodeDown
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer, Path
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key
@@ -117,6 +120,8 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         # one thread: the client is one connection, and its I/O blocks
         self._io = ThreadPoolExecutor(1, thread_name_prefix="sessioncache-lmcache")
         self._lock = threading.Lock()
+        self.backoff = NodeBackoff()
+        """The failure policy (``_guarded``)."""
         log.info(
             "sessioncache remote plugin: %s over %s, blocks of %d bytes",
             url,
@@ -132,6 +137,19 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
+
+    def _guarded(self, op: Callable[[], T], missed: T) -> T:
+        """``op`` under the engine side's failure policy (``retry.NodeBackoff``): a failure
+        reaches LMCache as before, and after one of the node's the connection is closed and
+        calls answer ``missed`` at once for the backoff (then the next one reconnects)."""
+        try:
+            return self.backoff.guard(op, self._disconnect)
+        except NodeDown:
+            return missed
+
+    def _disconnect(self) -> None:
+        with self._lock:
+            self.transfer.disconnect()
 
     def _pack(self, memory_obj: Any) -> bytearray:
         """RemoteMetadata, then the chunk's bytes, zero-padded to one full chunk."""
@@ -166,6 +184,10 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         return memory_obj
 
     def _put_sync(self, keys: list[Any], memory_objs: list[Any], linked: bool) -> None:
+        """Store the chunks the node lacks (nothing while the node is down)."""
+        self._guarded(lambda: self._put(keys, memory_objs, linked), None)
+
+    def _put(self, keys: list[Any], memory_objs: list[Any], linked: bool) -> None:
         """Store the chunks the node lacks (an uncounted check first: held ones are neither
         packed nor sent)."""
         block_keys = self._keys(keys)
@@ -181,13 +203,20 @@ class SessionCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     def _get_sync(self, keys: list[Any]) -> list[Any]:
         bufs = [bytearray(self.block_bytes) for _ in keys]
-        with self._lock:
-            found = self.transfer.load_keyed(self.namespace, self._keys(keys), bufs)
+
+        def load() -> list[bool]:
+            with self._lock:
+                return self.transfer.load_keyed(self.namespace, self._keys(keys), bufs)
+
+        found = self._guarded(load, [False] * len(keys))
         return [self._unpack(b) if ok else None for b, ok in zip(bufs, found, strict=True)]
 
     def _exists_sync(self, keys: list[Any]) -> list[bool]:
-        with self._lock:
-            return self.transfer.exists_keyed(self.namespace, self._keys(keys))
+        def ask() -> list[bool]:
+            with self._lock:
+                return self.transfer.exists_keyed(self.namespace, self._keys(keys))
+
+        return self._guarded(ask, [False] * len(keys))
 
     @staticmethod
     def _prefix(held: list[bool]) -> int:

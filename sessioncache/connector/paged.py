@@ -14,17 +14,18 @@ before the copy returns, so that a lease on the source is released only after it
 
 ``EngineNode`` is one engine process's side of the node: a data-plane connection per API key,
 a counted lookup per request, a leased load straight into the paged blocks (out of the node's
-shared memory on the same host, through a reused buffer over the stream), and a save that
-gathers the blocks straight into the node's staging memory (same host) or the stream's frames.
+shared memory on the same host, through a reused buffer over the stream; ``connector.ops``'
+load loop, the layout's ``scatter`` placing the blocks), on behalf of the request's session
+as its lookup and its save are, and a save that gathers the blocks straight into the node's
+staging memory (same host) or the stream's frames. Failures follow ``retry.NodeBackoff``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
@@ -33,21 +34,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from sessioncache.connector.errors import IdMismatch
+from sessioncache.connector import ops
 from sessioncache.connector.payloads import Filler
-from sessioncache.connector.samehost import SameHostClient, map_segments, reading
+from sessioncache.connector.retry import NodeBackoff
+from sessioncache.connector.samehost import SameHostClient, map_segments
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, DEFAULT_LEASE_MS, KVTransfer
-from sessioncache.devices import DeviceCopies, pinned_empty
-from sessioncache.errors import (
-    AuthRefused,
-    InvalidInput,
-    NotFound,
-    PayloadSizeError,
-    QuotaExceeded,
-    RateLimited,
-    Refused,
-    SessionCacheError,
-)
+from sessioncache.devices import DeviceCopies
+from sessioncache.errors import InvalidInput, PayloadSizeError
 from sessioncache.hashing import Namespace
 
 BlockBytes = npt.NDArray[np.uint8]
@@ -65,20 +58,6 @@ def default_copy_threads() -> int:
 
 MIN_SHARED_BLOCKS = 8
 """Fewer blocks than this are copied by the caller alone."""
-REQUEST_ERRORS = (
-    InvalidInput,
-    AuthRefused,
-    Refused,
-    NotFound,
-    QuotaExceeded,
-    RateLimited,
-    IdMismatch,
-)
-"""What a node answers about one request: that request misses; the node stays up."""
-BACKOFF_S = 1.0
-MAX_BACKOFF_S = 30.0
-STREAM_CHUNK_BYTES = 32 << 20
-"""Most bytes one stream load receives into its reused buffer before scattering them."""
 
 
 class Run(NamedTuple):
@@ -341,45 +320,40 @@ class NodeSettings:
 class EngineNode:
     """One engine process's data-plane connections to the node: one ``KVTransfer`` per API
     key (the engine's, or a request's own). Calls are serialized by the caller (one
-    ``EngineNode`` per thread).
+    ``EngineNode`` per thread); the operations are ``connector.ops``'.
 
-    A caller that met a failure says so (``failed``): the connections are closed and the node
-    is ``down`` for a backoff that doubles with each failure in a row (``BACKOFF_S`` up to
-    ``MAX_BACKOFF_S``), so that a node that is dead or silent costs one timeout per backoff,
+    Failures follow the engine side's policy (``retry.NodeBackoff``): a caller that met a
+    failure says so (``failure``, or ``failed`` for the node's): after one of the node's the
+    connections are closed and the node is ``down`` for a backoff that doubles with each
+    failure in a row, so that a node that is dead or silent costs one timeout per backoff,
     not one per request. ``ok`` after a call that succeeded ends the run of failures."""
 
     def __init__(self, settings: NodeSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
-        self._clock = clock
-        self._backoff = 0.0
-        self._retry_at = 0.0
+        self.backoff = NodeBackoff(clock=clock)
         self._kvs: dict[str | None, KVTransfer] = {}
         self._sessions: set[tuple[str | None, str]] = set()
         """Sessions opened on the node from here (``open_session`` is idempotent)."""
-        self._bounce: BlockBytes | None = None
+        self._bounce = ops.Bounce()
 
     @property
     def down(self) -> bool:
         """Within the backoff after a failure: callers skip the node (a miss, a dropped save)."""
-        return self._clock() < self._retry_at
+        return self.backoff.down
 
     def failed(self) -> float:
-        """A call failed: close the connections, back off; the backoff's seconds."""
+        """A call failed for the node's fault: close the connections, back off; the
+        backoff's seconds."""
         self.close()
-        self._backoff = min(MAX_BACKOFF_S, max(BACKOFF_S, 2 * self._backoff))
-        self._retry_at = self._clock() + self._backoff
-        return self._backoff
+        return self.backoff.failed()
 
     def ok(self) -> None:
-        self._backoff = 0.0
+        self.backoff.ok()
 
     def failure(self, exc: BaseException) -> float | None:
-        """A call raised ``exc``: a refusal of the request itself (bad input, a key or session
-        the node refuses, a tenant's bound) leaves the node up (None); anything else is the
-        node's or the carrier's (``failed``: the backoff's seconds)."""
-        if isinstance(exc, REQUEST_ERRORS):
-            return None
-        return self.failed()
+        """A call raised ``exc``: a refusal of the request itself leaves the node up (None);
+        anything else is the node's or the carrier's (``failed``: the backoff's seconds)."""
+        return self.backoff.failure(exc, self.close)
 
     def kv(self, scope: Scope) -> KVTransfer:
         key = scope.api_key or self.settings.api_key
@@ -418,15 +392,13 @@ class EngineNode:
         """``held_blocks`` of a chain's ids computed already (``root``: resolved for
         ``scope``)."""
         kv = self.kv(scope)
-        conn = kv.connection
-        ids = ids[: conn.limits.max_ids]  # one request's most
         if not ids:
             return 0
         session = scope.session_id
         if session is not None and (scope.api_key, session) not in self._sessions:
-            kv.client.open_session(session)  # or the open one of that id
+            ops.open_session(kv, session)  # or the open one of that id
             self._sessions.add((scope.api_key, session))
-        return conn.lookup(root, ids, session_id=session).matched
+        return ops.held(kv.connection, root, ids, session_id=session)
 
     def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> Loaded:
         """Load the transfer's blocks into their paged blocks under one lease; how many, from
@@ -455,52 +427,26 @@ class EngineNode:
     ) -> Loaded:
         """Lease ``ids`` (a chain under ``root``, or keyed ids each held on its own) and copy
         those from ``first`` on into ``targets`` (what ``layout.scatter`` takes: engine block
-        ids); how many of them, from the first, were loaded (``load``)."""
-        conn = self.kv(scope).connection
-        lease_ms = self.settings.lease_ms
-        if isinstance(conn, SameHostClient):
-            found = conn.locate(root, ids, lease_ms=lease_ms, counted=False, keyed=keyed)
-            n = max(0, found.located - first)
-            if not n:
-                if found.lease is not None:
-                    conn.release_checked(found)
-                return Loaded(0, 0.0)
-            with reading(conn, found, layout.device) as views:
-                start = time.perf_counter()
-                layout.scatter(targets[:n], views[first : first + n])
-                copy_s = time.perf_counter() - start
-            return Loaded(n, copy_s)
-        lookup = conn.lookup(root, ids, lease_ms=lease_ms, counted=False, keyed=keyed)
-        n = max(0, lookup.matched - first)
-        if not n:
-            if lookup.lease is not None:
-                conn.release(lookup)
-            return Loaded(0, 0.0)
-        per = max(1, STREAM_CHUNK_BYTES // layout.nbytes)
-        copy_s = 0.0
-        for done in range(0, n, per):
-            count = min(per, n - done)
-            buffers = list(self._buffers(layout.nbytes, count))
-            last = done + count >= n
-            loaded = conn.load_into(lookup, buffers, start=first + done, release=last)
-            got = loaded.index(False) if False in loaded else count
-            start = time.perf_counter()
-            layout.scatter(targets[done : done + got], buffers[:got])
-            copy_s += time.perf_counter() - start
-            if got < count:  # gone under the lease (the node lost it): the rest recomputes
-                if not last:
-                    with contextlib.suppress(SessionCacheError):
-                        conn.release(lookup)
-                return Loaded(done + got, copy_s)
-        return Loaded(n, copy_s)
-
-    def _buffers(self, nbytes: int, count: int) -> Iterator[BlockBytes]:
-        """``count`` block buffers of one reused allocation."""
-        need = nbytes * count
-        if self._bounce is None or self._bounce.nbytes < need:
-            self._bounce = pinned_empty(max(need, STREAM_CHUNK_BYTES)).numpy()
-        for i in range(count):
-            yield self._bounce[i * nbytes : (i + 1) * nbytes]
+        ids); how many of them, from the first, were loaded (``load``). A chain's load goes
+        on behalf of the request's session (its TTL and pins follow the blocks read)."""
+        placed = ops.Targets.placed(
+            targets[: max(0, len(ids) - first)],
+            layout.scatter,
+            layout.nbytes,
+            self._bounce,
+            layout.device,
+        )
+        got = ops.load(
+            self.kv(scope).connection,
+            root,
+            ids,
+            placed,
+            lease_ms=self.settings.lease_ms,
+            first=first,
+            keyed=keyed,
+            session_id=None if keyed else scope.session_id,
+        )
+        return Loaded(got.count(True), placed.copy_s)
 
     def unsent(self, namespace: Namespace, transfer: Transfer) -> Transfer:
         """``transfer`` past the run of its blocks the node holds already: an uncounted
@@ -529,18 +475,15 @@ class EngineNode:
         session = transfer.scope.session_id
         if not transfer.block_ids:
             if transfer.finish_reason is not None and session is not None:
-                kv.client.finish_session(session, transfer.finish_reason)
+                ops.finish_session(kv, session, transfer.finish_reason)
             return 0
-        root = kv.root(namespace)
-        conn = kv.connection
-        size = namespace.block_tokens
-        ids = conn.block_hashes(root, transfer.tokens[: transfer.first * size])
-        parent = ids[transfer.first - 1] if transfer.first else None
-        ack = conn.store(
-            root,
-            transfer.tokens[transfer.first * size :],
+        ack = ops.store(
+            kv.connection,
+            kv.root(namespace),
+            transfer.tokens,
             [PagedBlock(layout, b) for b in transfer.block_ids],
-            parent=parent,
+            block_tokens=namespace.block_tokens,
+            first=transfer.first,
             session_id=session,
             finish_reason=transfer.finish_reason if session is not None else None,
         )

@@ -11,20 +11,42 @@ the caller's mistake and is raised at once.
 Retried requests must be safe to repeat. Every connector request is: ``POST /v1/store`` only
 re-plans, ``PUT /v1/blocks/{id}`` answers ``stored=false`` for a block already held, and a
 lookup repeated after a lost answer at worst takes a second lease that expires by itself.
+
+The engine side's adapters (``KVTransfer``'s users: vLLM's ``EngineNode``, SGLang, LMCache)
+retry nothing: an engine recomputes what it cannot load. Their one failure policy is
+``NodeBackoff``: an error the node answered about one request (bad input, a refused key or
+session, a tenant's bound, a lease lost: ``REQUEST_ERRORS``) makes that request miss and
+leaves the node up; anything else (a transport error, a broken or silent connection) is the
+node's: the adapter's connection is closed, and for a backoff that doubles with each failure
+in a row (``BACKOFF_S`` up to ``MAX_BACKOFF_S``) calls answer at once without touching the
+network (``NodeDown``: a miss, a store not made); the first call after it connects again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import random
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from sessioncache.connector.errors import RateLimited, TransportError, Unavailable
+from sessioncache.errors import (
+    AuthRefused,
+    IdMismatch,
+    InvalidInput,
+    NotFound,
+    QuotaExceeded,
+    Refused,
+    SessionCacheError,
+)
 
 T = TypeVar("T")
+log = logging.getLogger("sessioncache.connector.retry")
 
 __all__ = [
     "Backoff",
@@ -32,6 +54,8 @@ __all__ = [
     "ExponentialBackoff",
     "ExponentialWithJitterBackoff",
     "NoBackoff",
+    "NodeBackoff",
+    "NodeDown",
     "Retry",
 ]
 
@@ -166,3 +190,116 @@ class Retry:
                 if delay is None:
                     raise
             await sleep(delay)
+
+
+# -- the engine side's failure policy ---------------------------------------------------
+
+
+REQUEST_ERRORS: tuple[type[Exception], ...] = (
+    InvalidInput,
+    AuthRefused,
+    Refused,
+    NotFound,
+    QuotaExceeded,
+    RateLimited,
+    IdMismatch,
+)
+"""What a node answers about one request: that request misses; the node stays up."""
+BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+
+class NodeDown(SessionCacheError):
+    """The node failed a moment ago: within its backoff, a call answers at once, without
+    touching the network."""
+
+
+class NodeBackoff:
+    """The engine side's failure policy (module docstring), shared by an adapter's
+    threads: ``failure`` classifies an error, and after one of the node's the node is
+    ``down`` for a backoff that doubles with each failure in a row (``base`` seconds up to
+    ``cap``), so that a node that is dead or silent costs one timeout per backoff, not one
+    per call; ``ok`` after a call that succeeded ends the run of failures."""
+
+    def __init__(
+        self,
+        *,
+        base: float = BACKOFF_S,
+        cap: float = MAX_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._delays = ExponentialBackoff(base, max(base, cap))
+        self._clock = clock
+        self._failures = 0
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def down(self) -> bool:
+        """Within the backoff after a failure of the node: calls skip it."""
+        return self._clock() < self._retry_at
+
+    @property
+    def retry_in(self) -> float:
+        """Seconds until the backoff ends (0 when the node is not down)."""
+        return max(0.0, self._retry_at - self._clock())
+
+    def failed(self) -> float:
+        """A call failed for the node's fault: back off; the backoff's seconds."""
+        with self._lock:
+            self._failures += 1
+            delay = self._delays.compute(self._failures)
+            self._retry_at = self._clock() + delay
+        return delay
+
+    def ok(self) -> None:
+        self._failures = 0
+
+    def failure(
+        self, exc: BaseException, disconnect: Callable[[], None] | None = None
+    ) -> float | None:
+        """A call raised ``exc``: a refusal of the request itself (``REQUEST_ERRORS``) leaves
+        the node up (None); anything else is the node's or the carrier's: ``disconnect``
+        (the next call after the backoff connects again) and back off (its seconds)."""
+        if isinstance(exc, REQUEST_ERRORS):
+            return None
+        if disconnect is not None:
+            with contextlib.suppress(Exception):
+                disconnect()
+        return self.failed()
+
+    def guard(self, op: Callable[[], T], disconnect: Callable[[], None] | None = None) -> T:
+        """``op()`` unless the node is down (``NodeDown``, at once); an exception it raises is
+        classified (``failure``) and raised again; a success ends the run of failures."""
+        if self.down:
+            raise NodeDown(f"the node failed: next try in {self.retry_in:.1f} s")
+        try:
+            result = op()
+        except Exception as exc:
+            self.failure(exc, disconnect)
+            raise
+        self.ok()
+        return result
+
+    def call(
+        self,
+        what: str,
+        op: Callable[[], T],
+        missed: T,
+        disconnect: Callable[[], None] | None = None,
+    ) -> T:
+        """``guard(op)`` for an adapter whose contract is to miss, never to raise: ``missed``
+        when the node is down or the call failed (said in a warning, a node's failure once
+        per backoff)."""
+        try:
+            return self.guard(op, disconnect)
+        except NodeDown:
+            return missed
+        except Exception as exc:
+            if isinstance(exc, REQUEST_ERRORS):
+                log.warning("sessioncache %s refused: %s", what, exc)
+            else:
+                log.warning(
+                    "sessioncache %s failed (retry in %.0f s): %s", what, self.retry_in, exc
+                )
+            return missed

@@ -12,7 +12,9 @@ and ``hashing.block_key`` of the page's key alone. Pages move over the data plan
 per-block HTTP: through the node's shared memory when it runs on this host, else over the
 binary stream: each of SGLang's storage threads has its own ``KVTransfer``, whose keyed
 operations pick the path (``path`` / the ``SESSIONCACHE_DATA_PATH`` variable force one) and
-move the pages.
+move the pages (``connector.ops``). SGLang's threads never see an exception from the node: a
+failed call answers a miss or a write not made, and after a failure of the node calls do so at
+once for a backoff (``retry.NodeBackoff``, from ``retry_after_s``), then reconnect.
 
 Two page formats, one namespace each (they never mix):
 
@@ -34,7 +36,6 @@ import ctypes
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -46,6 +47,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from sessioncache.connector.client import SessionCacheClient
+from sessioncache.connector.retry import MAX_BACKOFF_S, NodeBackoff
 from sessioncache.connector.transfer import (
     DATA_PLANE_PATHS,
     DEFAULT_LEASE_MS,
@@ -54,7 +56,7 @@ from sessioncache.connector.transfer import (
     KVTransfer,
     Path,
 )
-from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key
 
 logger = logging.getLogger(__name__)
@@ -89,8 +91,9 @@ class HiCacheOptions:
     interface_v1: bool = False
     timeout_s: float = 30.0
     retry_after_s: float = 5.0
-    """After the node could not be reached, calls fail at once for this long (SGLang's storage
-    threads are not held up by one connection attempt per call)."""
+    """After a failure of the node, calls fail at once for this long (SGLang's storage
+    threads are not held up by one timeout per call), twice as long after each failure in a
+    row, up to ``retry.MAX_BACKOFF_S`` (``retry.NodeBackoff``)."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> HiCacheOptions:
@@ -138,10 +141,6 @@ def host_view(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
 
-class _NodeDown(SessionCacheError):
-    """The node was unreachable a moment ago: the call fails without trying again."""
-
-
 class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang HiCache pages in a sessioncache node (the module docstring)."""
 
@@ -164,8 +163,10 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._transfers: list[KVTransfer] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._down_until = 0.0
-        """``time.monotonic()`` before which no connection is tried (the node was unreachable)."""
+        self.backoff = NodeBackoff(
+            base=self.options.retry_after_s, cap=max(MAX_BACKOFF_S, self.options.retry_after_s)
+        )
+        """The failure policy, shared by SGLang's storage threads."""
 
     # -- the namespace -----------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _transfer(self) -> KVTransfer:
         """This thread's transfer, connected."""
         if self._closed:
-            raise SessionCacheError("the storage backend is closed")
+            raise InvalidInput("the storage backend is closed")
         kv: KVTransfer | None = getattr(self._local, "kv", None)
         if kv is None:
             kv = KVTransfer(
@@ -207,17 +208,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             with self._lock:
                 self._transfers.append(kv)
         if not kv.connected:
-            if time.monotonic() < self._down_until:
-                raise _NodeDown()
-            try:
-                path = kv.path
-            except (SessionCacheError, OSError) as exc:
-                self._down_until = time.monotonic() + self.options.retry_after_s
-                raise SessionCacheError(
-                    f"no data path to {self.options.url} "
-                    f"(next try in {self.options.retry_after_s:g} s): {exc}"
-                ) from exc
-            logger.info("sessioncache HiCache backend: %s path to %s", path, self.options.url)
+            logger.info("sessioncache HiCache backend: %s path to %s", kv.path, self.options.url)
         return kv
 
     @property
@@ -226,20 +217,18 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return self._transfer().path
 
     def _run(self, what: str, op: Callable[[KVTransfer], T], failed: T) -> T:
-        """Run ``op`` on this thread's transfer; SGLang's storage threads get ``failed``
-        (never an exception) when the node cannot be reached, and the next call reconnects."""
-        kv: KVTransfer | None = None
-        try:
-            kv = self._transfer()
-            return op(kv)
-        except _NodeDown:
-            return failed  # said once, when the node was found unreachable
-        except (SessionCacheError, OSError) as exc:
-            logger.warning("sessioncache HiCache %s failed: %s", what, exc)
-            # a refused request leaves the connection in step; anything else may not have
-            if kv is not None and not isinstance(exc, InvalidInput):
-                kv.disconnect()
-            return failed
+        """Run ``op`` on this thread's transfer under the engine side's failure policy
+        (``retry.NodeBackoff``): SGLang's storage threads get ``failed``, never an exception;
+        after a failure of the node, at once for the backoff; then the call reconnects."""
+        return self.backoff.call(
+            f"HiCache {what}", lambda: op(self._transfer()), failed, self._disconnect
+        )
+
+    def _disconnect(self) -> None:
+        """Close this thread's connection (the next call after the backoff connects)."""
+        kv: KVTransfer | None = getattr(self._local, "kv", None)
+        if kv is not None:
+            kv.disconnect()
 
     def close(self) -> None:
         self._closed = True
@@ -278,12 +267,9 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return []
         namespace = self.namespace()
         block_keys = [block_key(k) for k in keys]
-        if kv.path == "stream":
-            held = kv.exists_keyed(namespace, block_keys, counted=False)
-            if all(held):
-                return held
-        else:
-            held = [False] * len(keys)
+        held = kv.unsent_keyed(namespace, block_keys)
+        if all(held):
+            return held
         ack = kv.store_keyed(
             namespace,
             block_keys,
@@ -389,6 +375,24 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         m = len(found) // pages
         return [all(found[i * m : (i + 1) * m]) for i in range(pages)]
 
+    def _pages_v1(
+        self,
+        what: str,
+        keys: list[str],
+        host_indices: Any,
+        op: Callable[[KVTransfer, list[str], list[Any]], list[bool]],
+    ) -> list[bool]:
+        """``op`` on the blocks of ``keys``' pages at ``host_indices`` in SGLang's host pool
+        (their block keys and views); per page, whether all of its blocks were done."""
+        if not keys:
+            return []
+
+        def pages(kv: KVTransfer) -> list[bool]:
+            block_keys, views = self._page_views(keys, host_indices)
+            return self._per_page(op(kv, block_keys, views), len(keys))
+
+        return self._run(what, pages, [False] * len(keys))
+
     def batch_get_v1(
         self,
         keys: list[str],
@@ -396,14 +400,7 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read ``keys``' pages straight into SGLang's host pool at ``host_indices``."""
-        if not keys:
-            return []
-
-        def load(kv: KVTransfer) -> list[bool]:
-            block_keys, views = self._page_views(keys, host_indices)
-            return self._per_page(self._load(kv, block_keys, views), len(keys))
-
-        return self._run("batch_get_v1", load, [False] * len(keys))
+        return self._pages_v1("batch_get_v1", keys, host_indices, self._load)
 
     def batch_set_v1(
         self,
@@ -413,17 +410,14 @@ class SessionCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Store ``keys``' pages straight from SGLang's host pool at ``host_indices``; they
         continue the chain of ``extra_info.prefix_keys``."""
-        if not keys:
-            return []
         prefix = extra_info.prefix_keys if extra_info is not None else None
 
-        def store(kv: KVTransfer) -> list[bool]:
-            block_keys, views = self._page_views(keys, host_indices)
+        def store(kv: KVTransfer, block_keys: list[str], views: list[Any]) -> list[bool]:
             m = len(block_keys) // len(keys)
             after = region_key(prefix[-1], m - 1, m) if prefix else None
-            return self._per_page(self._store(kv, block_keys, views, after), len(keys))
+            return self._store(kv, block_keys, views, after)
 
-        return self._run("batch_set_v1", store, [False] * len(keys))
+        return self._pages_v1("batch_set_v1", keys, host_indices, store)
 
     def clear(self) -> None:
         """Nothing: pages leave the node by eviction and TTL, never by one engine's word."""

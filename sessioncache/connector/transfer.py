@@ -23,7 +23,9 @@ Two ways to name blocks:
   ``load_keyed``, ``store_keyed``, each in a namespace the caller names. These need the stream or
   the same-host path (the REST API has no keyed blocks).
 
-One ``KVTransfer`` holds one data-plane connection: use one per thread.
+The lookups, loads and stores themselves are ``connector.ops``' (one locate / load / release
+loop for every engine adapter). One ``KVTransfer`` holds one data-plane connection: use one per
+thread.
 """
 
 from __future__ import annotations
@@ -36,15 +38,14 @@ from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 
+from sessioncache.connector import ops
 from sessioncache.connector.client import DEFAULT_TIMEOUT_S, SessionCacheClient
 from sessioncache.connector.errors import TransportError
+from sessioncache.connector.ops import payload_nbytes
 from sessioncache.connector.payloads import as_buffer
-from sessioncache.connector.samehost import SameHostClient
 from sessioncache.connector.stream import StoreAck, StreamClient
-from sessioncache.devices import DeviceCopies, device_bytes, is_tensor, on_device
-from sessioncache.errors import InvalidInput, SessionCacheError, StoreRefused
+from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, Tokens, tokens_to_le_bytes
-from sessioncache.status import BlockStatus
 
 log = logging.getLogger("sessioncache.connector.transfer")
 
@@ -138,6 +139,13 @@ class KVTransfer:
         return self._path
 
     @property
+    def carrier(self) -> StreamClient | None:
+        """The data-plane connection in use (connecting on first use); None on the REST
+        path."""
+        self.path  # noqa: B018 - connects (or reconnects) on first use
+        return self._conn
+
+    @property
     def connection(self) -> StreamClient:
         """The data-plane connection (same host or stream; connecting on first use): for
         callers that place the blocks themselves. Raises where the path is REST."""
@@ -184,10 +192,27 @@ class KVTransfer:
         path, conn = self.path, self._conn
         start = time.perf_counter()
         if conn is None:
-            n = self._load_rest(tokens, out, session_id)
+            n = ops.load_rest(
+                self.client,
+                tokens,
+                ops.Targets.buffers(out),
+                lease_ms=self.lease_ms,
+                session_id=session_id,
+            )
         else:
-            n = self._load_dataplane(conn, tokens, out, session_id)
-        nbytes = sum(_nbytes(b) for b in out[:n]) if n else 0
+            root = self.root(self.client.namespace)
+            ids = conn.block_hashes(root, tokens)[: len(out)]
+            got = ops.load(
+                conn,
+                root,
+                ids,
+                ops.Targets.buffers(out[: len(ids)]),
+                lease_ms=self.lease_ms,
+                counted=True,
+                session_id=session_id,
+            )
+            n = got.count(True)
+        nbytes = sum(payload_nbytes(b) for b in out[:n]) if n else 0
         return Transferred(path, n, nbytes, time.perf_counter() - start)
 
     def store_from(
@@ -243,22 +268,22 @@ class KVTransfer:
             kept = max(0, result.kept - first_block)
         elif not payloads:  # no STORE to carry the finish: said alone
             if finish_reason is not None and session_id is not None:
-                self.client.finish_session(session_id, finish_reason)
+                ops.finish_session(self, session_id, finish_reason)
         else:
-            root = self.root(self.client.namespace)
-            parent = conn.block_hashes(root, head[: first_block * bt])[-1] if first_block else None
-            ack = conn.store(
-                root,
-                head[first_block * bt :],
+            ack = ops.store(
+                conn,
+                self.root(self.client.namespace),
+                head,
                 payloads,
-                parent=parent,
+                block_tokens=bt,
+                first=first_block,
                 ttl_s=ttl_s,
                 session_id=session_id,
                 durable=durable,
                 finish_reason=finish_reason,
             )
             kept = ack.kept
-        nbytes = sum(_nbytes(p) for p in payloads[:kept])
+        nbytes = sum(payload_nbytes(p) for p in payloads[:kept])
         return Transferred(path, kept, nbytes, time.perf_counter() - start)
 
     # -- by keys -----------------------------------------------------------------------------
@@ -266,12 +291,7 @@ class KVTransfer:
     def root(self, namespace: Namespace) -> bytes:
         """The caller's root of ``namespace`` on this connection (RESOLVE once per namespace
         and connection; with an API key it carries the tenant's salt)."""
-        conn = self._dataplane("a namespace root")
-        root = self._roots.get(namespace)
-        if root is None:
-            root = conn.resolve(namespace)
-            self._roots[namespace] = root
-        return root
+        return ops.resolve(self._dataplane("a namespace root"), self._roots, namespace)
 
     def key_ids(self, namespace: Namespace | bytes, keys: Sequence[bytes]) -> list[bytes]:
         """The ids of the keyed blocks of ``keys`` (16 bytes each) in ``namespace`` (or under a
@@ -297,16 +317,7 @@ class KVTransfer:
         (unlike ``exists_keyed`` it also finds blocks in a fleet's shared tier)."""
         conn = self._dataplane("held_prefix_keyed")
         root = self.root(namespace)
-        ids = conn.key_ids(root, keys)
-        per = conn.limits.max_ids
-        held = 0
-        for first in range(0, len(ids), per):
-            part = ids[first : first + per]
-            matched = conn.lookup(root, part, keyed=True, counted=counted).matched
-            held += matched
-            if matched < len(part):
-                break
-        return held
+        return ops.held(conn, root, conn.key_ids(root, keys), keyed=True, counted=counted)
 
     def load_keyed(
         self,
@@ -331,14 +342,8 @@ class KVTransfer:
         ids = conn.key_ids(root, keys)
         if counted:
             conn.exists(root, ids, counted=True)
-        if isinstance(conn, SameHostClient):
-            got = self._load_keyed_same_host(conn, root, ids, out, prefix)
-        else:
-            got = self._load_keyed_stream(conn, ids, out, prefix)
-        if prefix and False in got:
-            first_miss = got.index(False)
-            got[first_miss:] = [False] * (len(got) - first_miss)
-        return got
+        targets = ops.Targets.buffers(out)
+        return ops.load(conn, root, ids, targets, lease_ms=self.lease_ms, keyed=True, prefix=prefix)
 
     def store_keyed(
         self,
@@ -360,73 +365,25 @@ class KVTransfer:
         ``held``: per key, the node holds it already (``exists_keyed(counted=False)``): such
         blocks are answered ``present`` and their payloads neither read nor sent (None may
         stand for them); a linked run after one hangs off it."""
-        if len(keys) != len(payloads):
-            raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
-        if held is not None and len(held) != len(keys):
-            raise InvalidInput(f"{len(held)} held flags for {len(keys)} keys")
         conn = self._dataplane("store_keyed")
-        root = self.root(namespace)
-        parent: bytes | None = None
-        if parent_key is not None:
-            (parent,) = conn.key_ids(root, [parent_key])
-            if not conn.exists(root, [parent], counted=False)[0]:
-                parent = None
-        skip = list(held) if held is not None else [False] * len(keys)
-        ids = conn.key_ids(root, keys) if any(skip) else []
-        hashes: list[bytes] = []
-        status: list[BlockStatus] = []
-        durable = True
-        sent = False
-        sizes = [0 if s else _nbytes(p) for p, s in zip(payloads, skip, strict=True)]
-        start = 0
-        while start < len(payloads):
-            if skip[start]:
-                hashes.append(ids[start])
-                status.append(BlockStatus.PRESENT)
-                parent = ids[start] if linked else None
-                start += 1
-                continue
-            end = start + 1
-            while end < len(payloads) and not skip[end] and sizes[end] == sizes[start]:
-                end += 1
-            ack = self._store_run(
-                conn,
-                root,
-                keys[start:end],
-                payloads[start:end],
-                parent,
-                linked,
-                ttl_s,
-                checked_parent=start > 0 and skip[start - 1],
-            )
-            hashes += ack.hashes
-            status += ack.status
-            durable = durable and ack.durable
-            sent = True
-            parent = ack.hashes[-1] if linked and ack.held[-1] else None
-            start = end
-        return StoreAck(hashes, status, durable and sent)
+        return ops.store_keyed(
+            conn,
+            self.root(namespace),
+            keys,
+            payloads,
+            parent_key=parent_key,
+            linked=linked,
+            ttl_s=ttl_s,
+            held=held,
+        )
 
-    @staticmethod
-    def _store_run(
-        conn: StreamClient,
-        root: bytes,
-        keys: Sequence[bytes],
-        payloads: Sequence[Any],
-        parent: bytes | None,
-        linked: bool,
-        ttl_s: float | None,
-        *,
-        checked_parent: bool,
-    ) -> StoreAck:
-        """One run of ``store_keyed``; a parent found held by the caller's check but evicted
-        since (``StoreRefused`` before any block is stored) is dropped: the run stands alone."""
-        try:
-            return conn.store_keyed(root, keys, payloads, parent=parent, linked=linked, ttl_s=ttl_s)
-        except StoreRefused:
-            if not checked_parent or parent is None or conn.broken:
-                raise
-        return conn.store_keyed(root, keys, payloads, parent=None, linked=linked, ttl_s=ttl_s)
+    def unsent_keyed(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether a ``store_keyed`` need not send its block, the node holding it
+        already (an uncounted EXISTS over the stream; on the same host the STAGE answers held
+        blocks present, and none is asked): its ``held``."""
+        conn = self._dataplane("unsent_keyed")
+        root = self.root(namespace)
+        return ops.unsent_keyed(conn, root, conn.key_ids(root, keys))
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -467,120 +424,3 @@ class KVTransfer:
                 "this transfer was built without a namespace: loads and stores by tokens need "
                 "one (KVTransfer.from_url(..., namespace=...)); keyed operations name theirs"
             )
-
-    # -- loads ---------------------------------------------------------------------------
-
-    def _load_dataplane(
-        self,
-        conn: StreamClient,
-        tokens: Tokens,
-        out: Sequence[Any],
-        session_id: str | None,
-    ) -> int:
-        root = self.root(self.client.namespace)
-        ids = conn.block_hashes(root, tokens)[: len(out)]
-        if not ids:
-            return 0
-        if isinstance(conn, SameHostClient):
-            located = conn.locate(root, ids, lease_ms=self.lease_ms, session_id=session_id)
-            n = len(located.slots)
-            if n:
-                conn.load_into(located, out[:n])
-            elif located.lease is not None:
-                conn.release_checked(located)
-            return n
-        found = conn.lookup(root, ids, lease_ms=self.lease_ms, session_id=session_id)
-        if found.matched:
-            conn.load_into(found, out[: found.matched], release=True)
-        return found.matched
-
-    def _load_keyed_same_host(
-        self,
-        conn: SameHostClient,
-        root: bytes,
-        ids: list[bytes],
-        out: Sequence[Any],
-        prefix: bool,
-    ) -> list[bool]:
-        """Copy each held block from shared memory straight into its buffer. A keyed LOCATE
-        answers the held run from the first id asked: after a miss, locate again past it
-        (``prefix``: stop there). Blocks held but not placeable in shared memory now go over
-        the socket. Uncounted: the caller asked its question before."""
-        got = [False] * len(ids)
-        per = conn.limits.max_ids
-        pos = 0
-        while pos < len(ids):
-            part = ids[pos : pos + per]
-            found = conn.locate(root, part, lease_ms=self.lease_ms, keyed=True, counted=False)
-            n = found.located
-            if n:
-                conn.load_into(found, out[pos : pos + n])  # copies, then releases the lease
-                got[pos : pos + n] = [True] * n
-            elif found.lease is not None:
-                conn.release_checked(found)
-            if found.matched > n:
-                # held, but not placeable in shared memory now: the rest of the part over the
-                # socket (every held id of it, each on its own)
-                end = pos + len(part)
-                got[pos + n : end] = conn.load_into(part[n:], out[pos + n : end], each=True)
-                if prefix and not all(got[pos:end]):
-                    break
-                pos = end
-            elif n < len(part):
-                if prefix:
-                    break
-                pos += n + 1  # ids[pos + n] is not held
-            else:
-                pos += n
-        return got
-
-    @staticmethod
-    def _load_keyed_stream(
-        conn: StreamClient, ids: list[bytes], out: Sequence[Any], prefix: bool
-    ) -> list[bool]:
-        """Every held id of each request's worth, each on its own (``prefix``: no request
-        past the first miss)."""
-        got: list[bool] = []
-        per = conn.limits.max_ids
-        for first in range(0, len(ids), per):
-            part = conn.load_into(ids[first : first + per], out[first : first + per], each=True)
-            got += part
-            if prefix and not all(part):
-                break
-        return got + [False] * (len(ids) - len(got))
-
-    def _load_rest(self, tokens: Tokens, out: Sequence[Any], session_id: str | None) -> int:
-        found = self.client.lookup(tokens, session_id=session_id, lease_ms=self.lease_ms)
-        hashes = found.hashes[: len(out)]
-        try:
-            payloads = self.client.load(hashes) if hashes else []
-        finally:
-            if found.lease is not None:
-                self.client.release(found.lease.id)
-        n = 0
-        for payload, dst in zip(payloads, out, strict=False):
-            if payload is None:
-                break
-            _copy_into(dst, payload)
-            n += 1
-        return n
-
-
-def _nbytes(payload: Any) -> int:
-    """A payload's size in bytes (a device tensor's without copying it to the host)."""
-    if is_tensor(payload):
-        return int(payload.numel() * payload.element_size())
-    return as_buffer(payload, writable=False).nbytes
-
-
-def _copy_into(dst: Any, payload: bytes) -> None:
-    """Copy ``payload`` into the caller's buffer (a device tensor: on its copy stream, done
-    before this returns)."""
-    if on_device(dst):
-        with DeviceCopies() as copies:
-            copies.copy(device_bytes(dst, len(payload)), memoryview(payload))
-        return
-    view = as_buffer(dst, writable=True)
-    if view.nbytes != len(payload):
-        raise InvalidInput(f"a {len(payload)}-byte block for a {view.nbytes}-byte buffer")
-    view[:] = payload

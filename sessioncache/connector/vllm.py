@@ -25,14 +25,15 @@ why it finished (``finish_reason``: the client's ``kv_transfer_params["finish_re
 else vLLM's), with the save's STOREs, or alone (``POST /v1/sessions/{id}/finish``) when there
 is nothing to save: the node keeps the session's blocks by when it is predicted back.
 
-Worker side (``connector.paged``, which knows nothing of vLLM): loads run in
-``start_load_kv``, before the forward pass: one leased LOCATE (same host) or LOOKUP (stream)
-per request, each block copied run by run into the request's paged blocks. A block that could
+Worker side (``connector.paged``, which knows nothing of vLLM, over ``connector.ops``): loads
+run in ``start_load_kv``, before the forward pass: one leased LOCATE (same host) or LOOKUP
+(stream) per request, on behalf of its session like its lookup and its save, each block
+copied run by run into the request's paged blocks. A block that could
 not be loaded is reported by ``get_block_ids_with_load_errors``, and vLLM recomputes it. Saves
 run on a thread of their own, with their own connection: each block gathered from the paged
 cache straight into the node's staging memory (same host) or the stream's frame. A node that
-is down makes lookups miss, loads fail (recomputed) and saves drop; the engine never stops
-for it.
+is down makes lookups miss, loads fail (recomputed) and saves drop, at once for a backoff
+after a failure (``retry.NodeBackoff``); the engine never stops for it.
 
 Bytes move over the same-host path when the node is on this host, else over the block stream;
 never per-block HTTP (``paths=DATA_PLANE_PATHS``).
@@ -55,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from sessioncache.connector import ops
 from sessioncache.connector.hybrid import (
     DEFAULT_CHECKPOINT_BLOCKS,
     Checkpoint,
@@ -643,7 +645,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         objects = node.save_checkpoints(namespace, save.tokens, save.scope, checkpoints)
         session = save.scope.session_id
         if save.finish_reason is not None and session is not None:  # after the stores
-            self._saver.kv(save.scope).client.finish_session(session, save.finish_reason)
+            ops.finish_session(self._saver.kv(save.scope), session, save.finish_reason)
         log.info(
             "sessioncache save: %d of %d blocks, checkpoints at %s (%d objects held) in %.6f s",
             held,

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from sessioncache.connector import SessionCacheClient
+from sessioncache.connector import SessionCacheClient, ops
 from sessioncache.connector.samehost import SameHostClient, SameHostLookup
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.dataplane.frames import Limits
@@ -309,10 +309,11 @@ class ColdSameHost:
 def test_same_host_blocks_not_placeable_go_over_the_socket(prefix: bool):
     ids = [bytes([i]) * 16 for i in range(10)]
     conn = ColdSameHost({h for i, h in enumerate(ids) if i != 6}, {ids[2]})
-    client = SessionCacheClient("http://127.0.0.1:9", namespace=namespace("unused"))
-    with client, KVTransfer(client, path="same_host") as kv:
-        out = [np.zeros(4, np.uint8) for _ in ids]
-        got = kv._load_keyed_same_host(cast(SameHostClient, conn), b"r" * 16, ids, out, prefix)
+    out = [np.zeros(4, np.uint8) for _ in ids]
+    carrier = cast(ops.Carrier, conn)
+    got = ops.load(
+        carrier, b"r" * 16, ids, ops.Targets.buffers(out), lease_ms=1000, keyed=True, prefix=prefix
+    )
     # 0, 1 from shared memory; 2 (cold) and 3 after it over the socket; 6 is not held
     assert conn.over_the_socket == [ids[2:4]]
     want = [True] * 6 + [False] * 4 if prefix else [i != 6 for i in range(10)]
