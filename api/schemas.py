@@ -233,7 +233,7 @@ class TokensIn(Strict):
         return raw
 
 
-class LookupRequest(TokensIn):
+class PromptIn(TokensIn):
     """A prompt by its tokens (the server computes the ids) or by the ids themselves,
     ``block_ids_b64``, computed by the client from ``POST /v1/namespaces/resolve``'s root."""
 
@@ -242,6 +242,23 @@ class LookupRequest(TokensIn):
     model_config = ConfigDict(json_schema_extra=_exactly_one_of(FORMS))
 
     block_ids_b64: BlockIdsB64 | None = None
+
+    _block_ids: list[BlockHash] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _decode_block_ids(self) -> Self:
+        if self.block_ids_b64 is not None:
+            self._block_ids = decode_block_ids(self.block_ids_b64)
+        return self
+
+    def block_ids(self) -> list[BlockHash] | None:
+        """The ids of ``block_ids_b64`` (None for a prompt by tokens)."""
+        return self._block_ids
+
+
+class LookupRequest(PromptIn):
+    """A lookup of a prompt, by its tokens or its ids (``PromptIn``)."""
+
     lease_ms: PositiveJsonInt | None = Field(None, description="Pin the matched blocks this long.")
     locations: JsonBool = Field(
         False,
@@ -259,18 +276,6 @@ class LookupRequest(TokensIn):
         "tiers run-length encoded, the lease). Default: true with block_ids_b64, false with "
         "tokens or tokens_b64.",
     )
-
-    _block_ids: list[BlockHash] | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _decode_block_ids(self) -> Self:
-        if self.block_ids_b64 is not None:
-            self._block_ids = decode_block_ids(self.block_ids_b64)
-        return self
-
-    def block_ids(self) -> list[BlockHash] | None:
-        """The ids of ``block_ids_b64`` (None for a lookup by tokens)."""
-        return self._block_ids
 
     @property
     def answer_compact(self) -> bool:
@@ -334,17 +339,22 @@ class MissOut(BaseModel):
     tokens: MissTokensOut
 
 
-class LookupResponse(BaseModel):
+class _LookupAnswer(BaseModel):
+    """What a lookup's answer holds in both its forms."""
+
     block_tokens: int
     matched_blocks: int
     matched_tokens: int
-    blocks: list[BlockRef]
     lease: LeaseOut | None
     lease_cut: LeaseCut = None
     locations: list[dict[str, list[str]]] | None = Field(
         None, description="Per matched block: node id -> tiers (when asked, with a fleet)."
     )
     miss: MissOut | None = Field(None, description="Why it missed (when asked: explain).")
+
+
+class LookupResponse(_LookupAnswer):
+    blocks: list[BlockRef]
 
 
 class TierRun(BaseModel):
@@ -352,24 +362,15 @@ class TierRun(BaseModel):
     blocks: int = Field(gt=0)
 
 
-class CompactLookupResponse(BaseModel):
+class CompactLookupResponse(_LookupAnswer):
     """A lookup's answer without the per-block list (the caller already has the ids: they are
     the first ``matched_blocks`` of its own)."""
 
-    block_tokens: int
-    matched_blocks: int
-    matched_tokens: int
     tiers: list[TierRun] = Field(
         description="The fastest tier holding each matched block, run-length encoded root "
         'first: 2,000 blocks in cpu then 48 on disk are [{"tier": "cpu", "blocks": 2000}, '
         '{"tier": "disk", "blocks": 48}].'
     )
-    lease: LeaseOut | None
-    lease_cut: LeaseCut = None
-    locations: list[dict[str, list[str]]] | None = Field(
-        None, description="Per matched block: node id -> tiers (when asked, with a fleet)."
-    )
-    miss: MissOut | None = Field(None, description="Why it missed (when asked: explain).")
 
 
 class ResolveRequest(Strict):

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Self
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, Field
 
-from sessioncache.api.schemas import (
-    BlockIdsB64,
-    NamespaceIn,
-    Strict,
-    TokensIn,
-    _exactly_one_of,
-    decode_block_ids,
-)
-from sessioncache.hashing import BlockHash
+from sessioncache.api.schemas import NamespaceIn, PromptIn, Strict
 
 EngineId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
 Endpoint = Annotated[
@@ -78,31 +70,14 @@ class EnginesOut(BaseModel):
     engines: list[EngineOut]
 
 
-class RouteRequest(TokensIn):
-    """A prompt by tokens, ``tokens_b64`` or ``block_ids_b64`` (ids computed from
-    ``POST /v1/namespaces/resolve``'s root; only engines of the request's block size, and
-    with API keys not the shared ones)."""
+class RouteRequest(PromptIn):
+    """A prompt by tokens, ``tokens_b64`` or ``block_ids_b64`` (``PromptIn``; by ids, only
+    engines of the request's block size, and with API keys not the shared ones)."""
 
-    FORMS: ClassVar[tuple[str, ...]] = ("tokens", "tokens_b64", "block_ids_b64")
-
-    model_config = ConfigDict(json_schema_extra=_exactly_one_of(FORMS))
-
-    block_ids_b64: BlockIdsB64 | None = None
     session_id: None = Field(None, description="Not used by a route: null or absent.")
     engines: list[EngineId] | None = Field(
         None, max_length=1024, description="Only these engines (default: every visible one)."
     )
-
-    _block_ids: list[BlockHash] | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _checks(self) -> Self:
-        if self.block_ids_b64 is not None:
-            self._block_ids = decode_block_ids(self.block_ids_b64)
-        return self
-
-    def block_ids(self) -> list[BlockHash] | None:
-        return self._block_ids
 
 
 class EngineRouteOut(BaseModel):

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from sessioncache.api.app import create_app
+from sessioncache.attribution import Lookup
 from sessioncache.config import Settings
 from sessioncache.factory import open_node
 from sessioncache.hashing import Namespace, block_hashes_from_bytes
@@ -287,14 +288,16 @@ def attribution_costs(node: Any, ns: Namespace, tb: bytes, n: int) -> None:
     )
     part = timed(
         lambda: node.attribution.lookup(
-            root, hashes, matched, bt, len(grown) // 4, tokens=grown, session=session
+            Lookup(root, hashes, matched, bt, len(grown) // 4, grown), session=session
         ),
         n,
     )
     report("CacheNode.lookup (tokens, session turn)", whole)
     report("  of which Attribution.lookup", part)
     cold_whole = timed(lambda: lookups.lookup_tokens(node, Caller("default"), ns, cold), n)
-    cold_part = timed(lambda: node.attribution.lookup(root, cold_hashes, 0, bt, len(cold) // 4), n)
+    cold_part = timed(
+        lambda: node.attribution.lookup(Lookup(root, cold_hashes, 0, bt, len(cold) // 4)), n
+    )
     report(f"CacheNode.lookup (tokens, {len(cold_hashes)} new)", cold_whole)
     report("  of which Attribution.lookup", cold_part)
     for label, a, b in (("session turn", part, whole), ("all new", cold_part, cold_whole)):

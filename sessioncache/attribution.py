@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
 from sessioncache.hashing import HASH_BYTES, BlockHash, divergence_block
@@ -184,13 +184,36 @@ class SessionTotals:
     last_divergence: Divergence | None = None
 
 
+class Lookup(NamedTuple):
+    """A lookup as attribution sees it: what it asked for and how much of it was found."""
+
+    root: bytes
+    hashes: Sequence[BlockHash]
+    matched: int
+    """Blocks of ``hashes`` found, from the first."""
+    block_tokens: int
+    asked_tokens: int
+    """The tokens asked for: the full blocks' and any past the last full block."""
+    tokens: bytes | None = None
+    """The prompt's token bytes, when it came as tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreviousPrompt:
+    """A session's previous prompt (module docstring), what ``classify`` compares with."""
+
+    ids: bytes = b""
+    """Its block ids, concatenated."""
+    tokens: bytes | None = None
+    held: int = 0
+    """How many of its blocks the store held (or was handed to store)."""
+    budget_unpinned: bool = False
+    """Whether the pin budget has dropped the session's pins since."""
+
+
 @dataclass(slots=True)
 class _Trail:
-    prev_ids: bytes = b""
-    prev_tokens: bytes | None = None
-    held: int = 0
-    """How many blocks of the previous prompt the store held (or was handed to store)."""
-    budget_unpinned: bool = False
+    prev: PreviousPrompt = PreviousPrompt()
     totals: SessionTotals = field(default_factory=SessionTotals)
 
 
@@ -222,42 +245,18 @@ class Attribution:
 
     # -- per lookup ------------------------------------------------------------------------
 
-    def lookup(
-        self,
-        root: bytes,
-        hashes: Sequence[BlockHash],
-        matched: int,
-        block_tokens: int,
-        asked_tokens: int,
-        *,
-        tokens: bytes | None = None,
-        session: SessionKey | None = None,
-    ) -> MissReport:
+    def lookup(self, lookup: Lookup, *, session: SessionKey | None = None) -> MissReport:
         """Classify a lookup's missed tokens (``hashes[matched:]`` and the tokens past the last
         full block), add them to the totals and, for a ``session`` (tenant, id), remember the
         prompt as the session's previous one."""
         trail = None
+        prev = PreviousPrompt()
         if session is not None:
             with self._lock:
                 trail = self._trail(session)
-                prev_ids, prev_tokens, held = trail.prev_ids, trail.prev_tokens, trail.held
-                budget = trail.budget_unpinned
-        else:
-            prev_ids, prev_tokens, held, budget = b"", None, 0, False
-        report = classify(
-            self._store,
-            self.drops,
-            root,
-            hashes,
-            matched,
-            block_tokens,
-            asked_tokens,
-            tokens=tokens,
-            prev_ids=prev_ids,
-            prev_tokens=prev_tokens,
-            prev_held=held,
-            budget_unpinned=budget,
-        )
+                prev = trail.prev
+        report = classify(self._store, self.drops, lookup, prev)
+        _, hashes, matched, block_tokens, _, tokens = lookup
         with self._lock:
             for reason, count in report.tokens.items():
                 self._miss_tokens[reason] += count
@@ -274,22 +273,20 @@ class Attribution:
                     div.offset is None and last is not None and last.block == div.block
                 ):
                     totals.last_divergence = div
-                prev_n = len(trail.prev_ids) // HASH_BYTES
+                prev = trail.prev
+                prev_n = len(prev.ids) // HASH_BYTES
                 if matched and (
                     matched > prev_n
-                    or not _continues(trail.prev_ids, hashes[matched - 1], matched)
-                    or (matched == prev_n and tokens is not None and trail.prev_tokens is None)
+                    or not _continues(prev.ids, hashes[matched - 1], matched)
+                    or (matched == prev_n and tokens is not None and prev.tokens is None)
                 ):
                     # a held chain the reference does not cover: it becomes the reference
                     # (keeping the tokens of one it only extends, when this came as ids)
                     ids = b"".join(hashes[:matched])
-                    extends = prev_n and _continues(
-                        ids, BlockHash(trail.prev_ids[-HASH_BYTES:]), prev_n
-                    )
+                    extends = prev_n and _continues(ids, BlockHash(prev.ids[-HASH_BYTES:]), prev_n)
                     if tokens is None and extends:
-                        tokens = trail.prev_tokens
-                    trail.prev_ids, trail.prev_tokens = ids, tokens
-                    trail.held = matched
+                        tokens = prev.tokens
+                    trail.prev = replace(prev, ids=ids, tokens=tokens, held=matched)
         return report
 
     def each(
@@ -319,8 +316,7 @@ class Attribution:
         ids = b"".join(hashes)
         with self._lock:
             trail = self._trail(session)
-            trail.prev_ids, trail.prev_tokens, trail.held = ids, tokens, len(hashes)
-            trail.budget_unpinned = False
+            trail.prev = PreviousPrompt(ids, tokens, len(hashes))
 
     # -- session events --------------------------------------------------------------------
 
@@ -333,7 +329,7 @@ class Attribution:
                 return
             trail = self._trails.get(session)
             if trail is not None:
-                trail.budget_unpinned = cause == "pin_budget"
+                trail.prev = replace(trail.prev, budget_unpinned=cause == "pin_budget")
 
     def session_totals(self, session: SessionKey) -> SessionTotals:
         """The totals of a session (zeros when nothing is known of it)."""
@@ -375,19 +371,7 @@ def first_token_difference(a: bytes, b: bytes, start: int, end: int) -> int | No
 
 
 def classify(
-    store: StoreView,
-    drops: DropLog,
-    root: bytes,
-    hashes: Sequence[BlockHash],
-    matched: int,
-    block_tokens: int,
-    asked_tokens: int,
-    *,
-    tokens: bytes | None = None,
-    prev_ids: bytes = b"",
-    prev_tokens: bytes | None = None,
-    prev_held: int = 0,
-    budget_unpinned: bool = False,
+    store: StoreView, drops: DropLog, lookup: Lookup, prev: PreviousPrompt = PreviousPrompt()
 ) -> MissReport:
     """The reason of every missed block (module docstring), in order of precedence: past
     the divergence point and within the previous prompt: ``diverged``; remembered as dropped
@@ -395,6 +379,8 @@ def classify(
     ``evicted`` or ``expired``; held but expired: ``expired``; held (behind a hole): the
     reason of the hole; part of the previous prompt the session held: ``evicted`` beyond the
     rings' memory; else ``new``."""
+    root, hashes, matched, block_tokens, asked_tokens, tokens = lookup
+    prev_ids, prev_tokens, budget_unpinned = prev.ids, prev.tokens, prev.budget_unpinned
     n = len(hashes)
     counts: dict[Reason, int] = dict.fromkeys(REASONS, 0)
     counts["new"] = max(0, asked_tokens - n * block_tokens)  # past the last full block
@@ -416,7 +402,7 @@ def classify(
     # [d0, d1): missed blocks past the divergence, within the previous prompt: diverged
     div_start = k if k is not None else n
     d0, d1 = max(matched, div_start), (min(prev_n, n) if k is not None else 0)
-    held_lim = min(prev_n, prev_held, div_start)  # the previous prompt's blocks before k
+    held_lim = min(prev_n, prev.held, div_start)  # the previous prompt's blocks before k
     now = store.now()
     # Held blocks among the missed are rare (an expired chain not yet swept, a hole): read
     # records one by one only when the first missed block is one

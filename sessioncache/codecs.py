@@ -61,21 +61,12 @@ RAW_ID, LOSSLESS_ID, INT8_ID, FP8_ID = 0, 1, 2, 3
 CODEC_IDS: Final = {"raw": RAW_ID, "lossless": LOSSLESS_ID, "int8": INT8_ID, "fp8": FP8_ID}
 _NAMES = {v: k for k, v in CODEC_IDS.items()}
 
-_DTYPES: Final = {
-    "bf16": ("bfloat16", 2),
-    "bfloat16": ("bfloat16", 2),
-    "torch.bfloat16": ("bfloat16", 2),
-    "f16": ("float16", 2),
-    "fp16": ("float16", 2),
-    "float16": ("float16", 2),
-    "half": ("float16", 2),
-    "torch.float16": ("float16", 2),
-    "f32": ("float32", 4),
-    "fp32": ("float32", 4),
-    "float32": ("float32", 4),
-    "float": ("float32", 4),
-    "torch.float32": ("float32", 4),
+_DTYPE_NAMES: Final = {
+    ("bfloat16", 2): ("bf16", "bfloat16", "torch.bfloat16"),
+    ("float16", 2): ("f16", "fp16", "float16", "half", "torch.float16"),
+    ("float32", 4): ("f32", "fp32", "float32", "float", "torch.float32"),
 }
+_DTYPES: Final = {name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names}
 """The KV dtype names a lossy codec understands, and their torch dtype and size."""
 _DTYPE_CODES: Final = {"bfloat16": 1, "float16": 2, "float32": 3}
 _CODE_DTYPES: Final = {v: k for k, v in _DTYPE_CODES.items()}

@@ -101,10 +101,8 @@ class FleetIndex:
             raise InvalidInput(f"node id must be 1-200 characters without '#' or '|': {node_id!r}")
         if ttl_s <= 0:
             raise InvalidInput(f"ttl_s must be positive, got {ttl_s}")
-        self.link: Final = (
-            client
-            if isinstance(client, RedisLink)
-            else RedisLink(client, name="fleet index", probe_interval_s=probe_interval_s)
+        self.link: Final = RedisLink.of(
+            client, name="fleet index", probe_interval_s=probe_interval_s
         )
         self.node_id: Final = node_id
         self._prefix = prefix

@@ -176,6 +176,20 @@ class RedisLink:
         self._recoveries = 0
         self._listeners: list[Callable[[], None]] = []
 
+    @classmethod
+    def of(
+        cls,
+        client: Client | Callable[[], Client] | RedisLink,
+        *,
+        name: str,
+        probe_interval_s: float,
+    ) -> RedisLink:
+        """``client`` itself when it is a link already (shared with its other users; ``name``
+        and ``probe_interval_s`` are its own), else a new link over it."""
+        if isinstance(client, RedisLink):
+            return client
+        return cls(client, name=name, probe_interval_s=probe_interval_s)
+
     @property
     def healthy(self) -> bool:
         return self._healthy

@@ -219,14 +219,9 @@ class DiskTier:
         adopted on trust whose files the walk did not see are left in ``missing()``."""
         found: list[RecoveredBlock] = []
         seen: set[BlockHash] = set()
-        with os.scandir(self._blocks_dir) as top:
-            for d1 in sorted(top, key=lambda e: e.name):
-                if not d1.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(d1.path) as mid:
-                    for d2 in sorted(mid, key=lambda e: e.name):
-                        if d2.is_dir(follow_symlinks=False):
-                            self._scan_shard(d2.path, found, known=self._index, seen=seen)
+        for _, shards in self._shard_dirs():
+            for shard in shards:
+                self._scan_shard(shard, found, known=self._index, seen=seen)
         adopted: list[RecoveredBlock] = []
         with self._lock:
             for block in found:
@@ -257,6 +252,15 @@ class DiskTier:
             self._missing = []
         return gone
 
+    def _shard_dirs(self) -> Iterator[tuple[str, list[str]]]:
+        """Each folder under ``blocks/`` with its shard folders, in name order."""
+        with os.scandir(self._blocks_dir) as top:
+            for d1 in sorted(top, key=lambda e: e.name):
+                if d1.is_dir(follow_symlinks=False):
+                    with os.scandir(d1.path) as mid:
+                        ordered = sorted(mid, key=lambda e: e.name)
+                    yield d1.path, [d2.path for d2 in ordered if d2.is_dir(follow_symlinks=False)]
+
     def _make_base_dirs(self) -> None:
         for path in (self._root, self._blocks_dir, self._quarantine_dir):
             self._ensure_dir(path)
@@ -266,17 +270,12 @@ class DiskTier:
         start = time.perf_counter()
         found: list[RecoveredBlock] = []
         quarantined = 0
-        with os.scandir(self._blocks_dir) as top:
-            for d1 in sorted(top, key=lambda e: e.name):
-                if not d1.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(d1.path) as mid:
-                    for d2 in sorted(mid, key=lambda e: e.name):
-                        if d2.is_dir(follow_symlinks=False):
-                            quarantined += self._scan_shard(d2.path, found)
-                if self._fsync:
-                    fsync_dir(d1.path)
-                self._ready_dirs.add(d1.path)
+        for top, shards in self._shard_dirs():
+            for shard in shards:
+                quarantined += self._scan_shard(shard, found)
+            if self._fsync:
+                fsync_dir(top)
+            self._ready_dirs.add(top)
         with self._lock:
             for block in found:
                 entry = Entry(block.nbytes, block.namespace_root, block.stored_nbytes)

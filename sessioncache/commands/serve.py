@@ -142,26 +142,18 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(f"{t.name}={t.capacity_bytes}" for t in node.store.tiers),
         settings.data_dir.resolve(),
     )
+    # what is being opened, and how to do without it, for the message should it fail
+    where = f"the block stream on {settings.stream_host}:{settings.stream_port}"
+    hint = "set SESSIONCACHE_STREAM_PORT, or SESSIONCACHE_STREAM_ENABLED=false"
     try:
         # bound now, so that a taken port fails the start; started by the app's lifespan
         stream = open_stream_server(node, settings)
-    except OSError as exc:
-        node.close()
-        print(
-            f"cannot serve the block stream on {settings.stream_host}:{settings.stream_port}: "
-            f"{exc} (set SESSIONCACHE_STREAM_PORT, or SESSIONCACHE_STREAM_ENABLED=false)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
+        where = f"the same-host socket {settings.shm_socket_path()}"
+        hint = "set SESSIONCACHE_SHM_SOCKET, or SESSIONCACHE_SHM=false"
         same_host = open_samehost_server(node, settings)
     except OSError as exc:
         node.close()
-        print(
-            f"cannot serve the same-host socket {settings.shm_socket_path()}: {exc} "
-            "(set SESSIONCACHE_SHM_SOCKET, or SESSIONCACHE_SHM=false)",
-            file=sys.stderr,
-        )
+        print(f"cannot serve {where}: {exc} ({hint})", file=sys.stderr)
         return 2
     if same_host is not None:
         log.info("same-host path: shared-memory CPU tier on %s", same_host.address)

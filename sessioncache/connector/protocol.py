@@ -259,12 +259,19 @@ def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...])
     return None if body.get(name) is None else _field(body, name, kind)
 
 
+def _object(body: Mapping[str, Any], name: str, within: str = "") -> Mapping[str, Any] | None:
+    """The JSON object ``body[name]`` (None when null or absent); ``ProtocolError`` when it is
+    something else (``within``: what ``body`` is, to prefix the name with in the message)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise ProtocolError(f"{within}{name}: expected an object")
+    return value
+
+
 def _miss(body: Mapping[str, Any]) -> Miss | None:
-    miss = body.get("miss")
+    miss = _object(body, "miss")
     if miss is None:
         return None
-    if not isinstance(miss, dict):
-        raise ProtocolError("miss: expected an object")
     ago = _optional(miss, "ago_s", (int, float))
     return Miss(
         reason=_optional(miss, "reason", str),
@@ -285,14 +292,10 @@ def _reason_counts(counts: Mapping[str, Any]) -> dict[str, int]:
 
 
 def _miss_totals(body: Mapping[str, Any]) -> MissTotals | None:
-    totals = body.get("attribution")
+    totals = _object(body, "attribution")
     if totals is None:
         return None
-    if not isinstance(totals, dict):
-        raise ProtocolError("attribution: expected an object")
-    div = totals.get("last_divergence")
-    if div is not None and not isinstance(div, dict):
-        raise ProtocolError("attribution: last_divergence: expected an object")
+    div = _object(totals, "last_divergence", "attribution: ")
     return MissTotals(
         lookups=_field(totals, "lookups", int),
         hit_tokens=_field(totals, "hit_tokens", int),
@@ -308,11 +311,9 @@ def _miss_totals(body: Mapping[str, Any]) -> MissTotals | None:
 
 
 def _lease(body: Mapping[str, Any]) -> Lease | None:
-    lease_body = body.get("lease")
+    lease_body = _object(body, "lease")
     if lease_body is None:
         return None
-    if not isinstance(lease_body, dict):
-        raise ProtocolError("lease: expected an object")
     return Lease(
         id=_field(lease_body, "id", str),
         expires_at=float(_field(lease_body, "expires_at", (int, float))),

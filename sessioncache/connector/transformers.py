@@ -194,37 +194,8 @@ def kv_to_block_payloads(
     return [block_payload(pairs, i, block_tokens) for i in range(start_block, stop)]
 
 
-def block_payloads_to_kv(
-    payloads: Sequence[bytes | bytearray | memoryview],
-    config: Any,
-    block_tokens: int,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    room: int = 0,
-) -> DynamicCache:
-    """A ``DynamicCache`` holding the KV of ``len(payloads)`` consecutive blocks (from token 0),
-    ready to be passed to the model with the remaining tokens (``room`` of which are written
-    in place, see ``blocks_to_kv``). ``config`` may be the model."""
-    shape = KVShape.of(config)
-    size = shape.block_bytes(block_tokens, dtype)
-    cache = DynamicCache()
-    if not payloads:
-        return cache
-    for i, p in enumerate(payloads):
-        if len(p) != size:
-            raise PayloadSizeError(
-                f"block {i} has {len(p)} bytes, {size} expected for {shape} x {block_tokens} "
-                f"tokens of {kv_dtype_name(dtype)}"
-            )
-    raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-    return blocks_to_kv(
-        raw.view(len(payloads), size), config, block_tokens, dtype=dtype, device=device, room=room
-    )
-
-
 def blocks_to_kv(
-    blocks: torch.Tensor,
+    blocks: torch.Tensor | Sequence[bytes | bytearray | memoryview],
     config: Any,
     block_tokens: int,
     *,
@@ -232,11 +203,25 @@ def blocks_to_kv(
     dtype: torch.dtype = torch.float32,
     room: int = 0,
 ) -> DynamicCache:
-    """``block_payloads_to_kv`` of blocks already in one ``[n, block bytes]`` uint8 tensor
-    (where a data-plane load put them), on any device. Each layer is a ``RoomyLayer`` with
+    """A ``DynamicCache`` holding the KV of ``blocks``, consecutive blocks from token 0: one
+    ``[n, block bytes]`` uint8 tensor on any device (where a data-plane load put them) or a
+    sequence of payloads. ``config`` may be the model. Each layer is a ``RoomyLayer`` with
     ``room`` tokens of room past the loaded ones: the uncached suffix and the decode steps
-    that follow are written in place up to it."""
+    that follow are written in place up to it. Raises ``PayloadSizeError`` for a payload of
+    the wrong size."""
     shape = KVShape.of(config)
+    if not isinstance(blocks, torch.Tensor):
+        size = shape.block_bytes(block_tokens, dtype)
+        for i, p in enumerate(blocks):
+            if len(p) != size:
+                raise PayloadSizeError(
+                    f"block {i} has {len(p)} bytes, {size} expected for {shape} x "
+                    f"{block_tokens} tokens of {kv_dtype_name(dtype)}"
+                )
+        if not blocks:
+            return DynamicCache()
+        raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8)
+        blocks = raw.view(len(blocks), size)
     n = blocks.shape[0]
     cache = DynamicCache()
     if not n:
@@ -257,6 +242,10 @@ def blocks_to_kv(
             pair.append(store)
         cache.layers.append(RoomyLayer(pair[0], pair[1], tokens))
     return cache
+
+
+block_payloads_to_kv = blocks_to_kv
+"""``blocks_to_kv`` under the name it first had, for payloads."""
 
 
 class RoomyLayer(DynamicLayer):  # type: ignore[no-untyped-call]
@@ -431,7 +420,8 @@ class CachedPrefixRunner:
         if self.transfer is not None:  # the lookup is part of the load (one round trip)
             timings["lookup"] = 0.0
             usable = (len(ids) - 1) // self.block_tokens
-            return self._prefill_from(ids, usable, session_id, last_logits_only, timings, t0)
+            rows = self._load_rows(ids, usable, session_id)
+            return self._prefill_with(ids, rows, last_logits_only, timings, t0)
         found = self.client.lookup(ids, session_id=session_id, lease_ms=self.lease_ms)
         t1 = clock()
         timings["lookup"] = t1 - t0
@@ -446,57 +436,47 @@ class CachedPrefixRunner:
             if p is None:
                 break
             payloads.append(p)
-        cache = (
-            block_payloads_to_kv(
-                payloads,
-                self.model,
-                self.block_tokens,
-                device=self.device,
-                dtype=self.dtype,
-                room=len(ids) - len(payloads) * self.block_tokens + self.room_tokens,
-            )
-            if payloads
-            else None
-        )
-        t2 = clock()
-        timings["load"] = t2 - t1
-        cached = len(payloads) * self.block_tokens
-        suffix = torch.from_numpy(ids[cached:]).unsqueeze(0)
-        logits, cache = self.forward(suffix, cache, last_logits_only=last_logits_only)
-        timings["compute"] = clock() - t2
-        return Prefill(logits, cache, cached, len(ids) - cached, timings)
+        return self._prefill_with(ids, payloads, last_logits_only, timings, t1)
 
-    def _prefill_from(
-        self,
-        ids: npt.NDArray[np.int64],
-        usable: int,
-        session_id: str | None,
-        last_logits_only: bool,
-        timings: dict[str, float],
-        t1: float,
-    ) -> Prefill:
-        """``prefill`` loading through ``self.transfer`` into one tensor of blocks."""
+    def _load_rows(
+        self, ids: npt.NDArray[np.int64], usable: int, session_id: str | None
+    ) -> torch.Tensor:
+        """The cached blocks among the first ``usable`` of ``ids``, loaded through
+        ``self.transfer`` into one tensor of rows (``self.last_load`` tells the load)."""
         assert self.transfer is not None
         buf = self._staging_rows(usable)
         got = self.transfer.load_into(
             ids[: usable * self.block_tokens], list(buf), session_id=session_id
         )
         self.last_load = got
+        return buf[: got.blocks]
+
+    def _prefill_with(
+        self,
+        ids: npt.NDArray[np.int64],
+        blocks: torch.Tensor | list[bytes],
+        last_logits_only: bool,
+        timings: dict[str, float],
+        t1: float,
+    ) -> Prefill:
+        """``prefill`` once ``blocks`` (the first of ``ids``, loaded since ``t1``) are here: the
+        model run on the tokens past them, over their KV."""
+        n = len(blocks)
         cache = (
             blocks_to_kv(
-                buf[: got.blocks],
+                blocks,
                 self.model,
                 self.block_tokens,
                 device=self.device,
                 dtype=self.dtype,
-                room=len(ids) - got.blocks * self.block_tokens + self.room_tokens,
+                room=len(ids) - n * self.block_tokens + self.room_tokens,
             )
-            if got.blocks
+            if n
             else None
         )
         t2 = time.perf_counter()
         timings["load"] = t2 - t1
-        cached = got.blocks * self.block_tokens
+        cached = n * self.block_tokens
         suffix = torch.from_numpy(ids[cached:]).unsqueeze(0)
         logits, cache = self.forward(suffix, cache, last_logits_only=last_logits_only)
         timings["compute"] = time.perf_counter() - t2

@@ -6,6 +6,8 @@ from __future__ import annotations
 from sessioncache.attribution import (
     Attribution,
     DropLog,
+    Lookup,
+    PreviousPrompt,
     StoreView,
     classify,
     divergence_block,
@@ -47,17 +49,8 @@ def test_every_missed_block_has_one_reason_and_the_counts_add_up():
     drops.block_dropped(meta(prev[5], expires_at=30.0), "cpu", 45.0)
     # the same ids as before up to block 6, then other content, then two blocks of growth
     hashes = prev[:6] + ids(2, 6, 6)
-    report = classify(
-        view(),
-        drops,
-        ROOT,
-        hashes,
-        3,
-        BT,
-        len(hashes) * BT + 3,
-        prev_ids=b"".join(prev),
-        prev_held=10,
-    )
+    lookup = Lookup(ROOT, hashes, 3, BT, len(hashes) * BT + 3)
+    report = classify(view(), drops, lookup, PreviousPrompt(b"".join(prev), held=10))
     first = report.first
     assert first is not None and first.reason == "evicted" and first.tier == "disk"
     assert first.ago_s == 10.0 and first.pressure == "capacity"
@@ -69,7 +62,7 @@ def test_every_missed_block_has_one_reason_and_the_counts_add_up():
 def test_held_blocks_behind_a_hole_take_its_reason_and_expired_ones_say_so():
     hashes = ids(1, 6)
     held = {h: meta(h, expires_at=20.0) for h in hashes[:3]}
-    report = classify(view(held), DropLog(), ROOT, hashes, 0, BT, 6 * BT)
+    report = classify(view(held), DropLog(), Lookup(ROOT, hashes, 0, BT, 6 * BT))
     assert report.first is not None and report.first.reason == "expired"
     assert report.first.ago_s == 30.0
     assert report.tokens["expired"] == 3 * BT and report.tokens["new"] == 3 * BT
@@ -79,7 +72,7 @@ def test_another_roots_drops_are_not_reported():
     drops = DropLog()
     hashes = ids(1, 2)
     drops.block_dropped(meta(hashes[0], root=b"o" * 16), "cpu", 1.0)
-    report = classify(view(), drops, ROOT, hashes, 0, BT, 2 * BT)
+    report = classify(view(), drops, Lookup(ROOT, hashes, 0, BT, 2 * BT))
     assert report.first is not None and report.first.reason == "new"
 
 
@@ -91,7 +84,7 @@ def test_rings_and_sessions_are_bounded():
     assert drops.find(ids(1, 1)[0]) is None and drops.find(ids(1, 1, 9)[0]) is not None
     attribution = Attribution(view(), drops, max_sessions=2)
     for sid in "abc":
-        attribution.lookup(ROOT, ids(2, 2), 0, BT, 2 * BT, session=("t", sid))
+        attribution.lookup(Lookup(ROOT, ids(2, 2), 0, BT, 2 * BT), session=("t", sid))
     assert attribution.session_totals(("t", "a")).lookups == 0  # dropped, the oldest
     assert attribution.session_totals(("t", "c")).lookups == 1
     assert attribution.session_totals(("other", "c")).lookups == 0

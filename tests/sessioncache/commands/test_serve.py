@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 from pathlib import Path
 
 import httpx
@@ -83,3 +84,23 @@ def test_serve_runs_under_the_lowered_threshold(tmp_path: Path):
         assert httpx.get(f"{server.url}/healthz").status_code == 200  # the same pid serves
     finally:
         server.stop()
+
+
+def test_serve_exits_saying_why_when_the_stream_port_is_taken(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_cli(
+            "serve",
+            "--port",
+            str(free_port()),
+            "--stream-port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            timeout_s=60,
+        )
+    assert done.returncode != 0
+    assert f"cannot serve the block stream on 127.0.0.1:{port}: " in done.stderr
+    assert "(set SESSIONCACHE_STREAM_PORT, or SESSIONCACHE_STREAM_ENABLED=false)" in done.stderr

@@ -206,6 +206,43 @@ def test_parse_compact_lookup_refuses_what_does_not_add_up(body: dict[str, Any])
         protocol.parse_compact_lookup(reply(body), p)
 
 
+SESSION = {
+    "id": "s",
+    "tenant": "t",
+    "kind": "agent",
+    "ttl_s": 60,
+    "created": 1,
+    "last_seen": 2,
+    "expires_at": 62,
+    "head": None,
+    "pinned": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("attribution", "message"),
+    [
+        ([1], "attribution: expected an object"),
+        ({"last_divergence": 3}, "attribution: last_divergence: expected an object"),
+    ],
+)
+def test_parse_session_names_the_member_that_is_not_an_object(
+    attribution: Any, message: str
+) -> None:
+    assert protocol.parse_session(reply({**SESSION, "attribution": None})).attribution is None
+    with pytest.raises(ProtocolError, match=message):
+        protocol.parse_session(reply({**SESSION, "attribution": attribution}))
+
+
+@pytest.mark.parametrize(("member", "value"), [("lease", "l"), ("miss", [])])
+def test_parse_compact_lookup_names_the_member_that_is_not_an_object(
+    member: str, value: Any
+) -> None:
+    body = {**compact(1, [{"tier": "cpu", "blocks": 1}]), member: value}
+    with pytest.raises(ProtocolError, match=f"^{member}: expected an object$"):
+        protocol.parse_compact_lookup(reply(body), protocol.id_prompt(RESOLVED, toks(10)))
+
+
 def test_matched_ids_are_the_clients_own() -> None:
     p = protocol.id_prompt(RESOLVED, toks(11))
     got = protocol.parse_compact_lookup(reply(compact(2, [{"tier": "cpu", "blocks": 2}])), p)
