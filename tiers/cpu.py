@@ -29,6 +29,7 @@ import mmap
 import os
 import weakref
 from collections.abc import Iterable, Sequence
+from typing import Unpack
 
 import torch
 
@@ -36,7 +37,7 @@ from sessioncache.errors import PayloadSizeError, TierFull
 from sessioncache.hashing import BlockHash
 from sessioncache.hostpin import HostRegistration
 from sessioncache.tiers.base import SlotLocation, StagedSlot
-from sessioncache.tiers.slab import DEFAULT_CHUNK_BYTES, SlabTier, _Chunk, _Memory, _Slab, _Slot
+from sessioncache.tiers.slab import ChunkOptions, SlabTier, _Chunk, _Memory, _Slab, _Slot
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; not in fcntl
 
@@ -120,24 +121,12 @@ class CpuTier(SlabTier):
         *,
         name: str = "cpu",
         pin_memory: bool | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        spare_chunks: int = 0,
-        preallocate: bool = False,
-        grow_chunks: bool = True,
+        **chunks: Unpack[ChunkOptions],
     ) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        super().__init__(
-            name,
-            capacity_bytes,
-            torch.device("cpu"),
-            pin_memory=pin_memory,
-            chunk_bytes=chunk_bytes,
-            spare_chunks=spare_chunks,
-            preallocate=preallocate,
-            grow_chunks=grow_chunks,
-        )
-        if type(self) is CpuTier and preallocate:
+        super().__init__(name, capacity_bytes, torch.device("cpu"), pin_memory=pin_memory, **chunks)
+        if type(self) is CpuTier and chunks.get("preallocate", False):
             self._spares.fill()  # else ``make_ahead`` or the first chunk made starts it
 
 
@@ -154,25 +143,14 @@ class SharedCpuTier(CpuTier):
         capacity_bytes: int,
         *,
         name: str = "cpu",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        spare_chunks: int = 0,
-        preallocate: bool = False,
-        grow_chunks: bool = True,
         register_cuda: bool = False,
+        **chunks: Unpack[ChunkOptions],
     ) -> None:
         """``register_cuda``: register each segment with CUDA as it is made (for a node with
         a GPU tier: its copies to and from it; registering starts CUDA in the process)."""
         if not shared_memory_available():
             raise RuntimeError("a shared-memory CPU tier needs Linux (memfd_create)")
-        super().__init__(
-            capacity_bytes,
-            name=name,
-            pin_memory=False,
-            chunk_bytes=chunk_bytes,
-            spare_chunks=spare_chunks,
-            preallocate=preallocate,
-            grow_chunks=grow_chunks,
-        )
+        super().__init__(capacity_bytes, name=name, pin_memory=False, **chunks)
         self._segment_ids = itertools.count(1)
         self._fds: dict[int, int] = {}
         self._registered: dict[int, HostRegistration] = {}  # segment: its CUDA registration
@@ -181,7 +159,7 @@ class SharedCpuTier(CpuTier):
         weakref.finalize(self, _close_all, self._fds)
         weakref.finalize(self, self._spares.close)
         self._reserved: dict[SlotLocation, _Slot] = {}
-        if preallocate:
+        if chunks.get("preallocate", False):
             self._spares.fill()  # else ``make_ahead`` or the first chunk made starts it
 
     # -- segments -----------------------------------------------------------------------

@@ -54,7 +54,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import Final
+from typing import Final, TypedDict, Unpack
 
 import torch
 
@@ -102,6 +102,14 @@ _TMP_SUFFIX = ".tmp"
 _HEX_LEN = 2 * HASH_BYTES
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+
+class DiskOptions(TypedDict, total=False):
+    """``DiskTier``'s keyword arguments (and defaults), which ``DiskTier.open`` passes on."""
+
+    name: str
+    fsync: bool
+    codecs: CodecTable | None
 
 
 class DiskTier:
@@ -157,14 +165,12 @@ class DiskTier:
         root: str | os.PathLike[str],
         capacity_bytes: int,
         *,
-        name: str = "disk",
-        fsync: bool = True,
         scan: bool = True,
-        codecs: CodecTable | None = None,
+        **options: Unpack[DiskOptions],
     ) -> DiskTier:
         """Create the folders under ``root`` if needed and rebuild the index from its files
         (``scan``; else start empty: see ``adopt`` and ``scan_unindexed``)."""
-        tier = cls(root, capacity_bytes, name=name, fsync=fsync, codecs=codecs)
+        tier = cls(root, capacity_bytes, **options)
         if scan:
             tier._prepare()
         else:

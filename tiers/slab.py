@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -118,6 +118,16 @@ def _reuse_chunk_index(slab: _Slab) -> int:
             return i
     slab.chunks.append(None)
     return len(slab.chunks) - 1
+
+
+class ChunkOptions(TypedDict, total=False):
+    """How a slab tier makes its memory: ``SlabTier``'s keyword arguments of these names (and
+    defaults), which the tiers built on it pass on."""
+
+    chunk_bytes: int
+    spare_chunks: int
+    preallocate: bool
+    grow_chunks: bool
 
 
 class SlabTier:

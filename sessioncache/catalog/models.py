@@ -8,7 +8,7 @@ in step (``tests/sessioncache/catalog/test_migrations.py`` compares them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -23,6 +23,7 @@ from sqlalchemy import (
     Table,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeEngine
 
 ID_BYTES = 16
 TIER_NAME_LEN = 64
@@ -41,6 +42,14 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[type, TypeEngine[Any] | type[TypeEngine[Any]]]] = {
+        bytes: LargeBinary(ID_BYTES),
+        float: Double,
+        int: BigInteger,
+    }
+    """The portable types (the module docstring) of a column that names no other: bytes are a
+    block id or namespace root, a float is a time, an int a 64-bit count. A column is NOT NULL
+    unless its annotation admits None."""
 
 
 class NamespaceRow(Base):
@@ -48,10 +57,10 @@ class NamespaceRow(Base):
 
     __tablename__ = "namespaces"
 
-    root: Mapped[bytes] = mapped_column(LargeBinary(ID_BYTES), primary_key=True)
-    description: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    created: Mapped[float] = mapped_column(Double, nullable=False)
-    tenant: Mapped[str | None] = mapped_column(String(TENANT_LEN), nullable=True)
+    root: Mapped[bytes] = mapped_column(primary_key=True)
+    description: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created: Mapped[float]
+    tenant: Mapped[str | None] = mapped_column(String(TENANT_LEN))
     """The owning tenant (None: a root no tenant claimed, such as a shared engine's)."""
 
     __table_args__ = (Index("ix_namespaces_tenant", "tenant"),)
@@ -62,21 +71,19 @@ class BlockRow(Base):
 
     __tablename__ = "blocks"
 
-    block_id: Mapped[bytes] = mapped_column(LargeBinary(ID_BYTES), primary_key=True)
+    block_id: Mapped[bytes] = mapped_column(primary_key=True)
     tier: Mapped[str] = mapped_column(String(TIER_NAME_LEN), primary_key=True)
-    namespace_root: Mapped[bytes] = mapped_column(
-        LargeBinary(ID_BYTES), ForeignKey("namespaces.root"), nullable=False
-    )
-    parent: Mapped[bytes | None] = mapped_column(LargeBinary(ID_BYTES), nullable=True)
-    nbytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    checksum: Mapped[bytes | None] = mapped_column(LargeBinary(8), nullable=True)
+    namespace_root: Mapped[bytes] = mapped_column(ForeignKey("namespaces.root"))
+    parent: Mapped[bytes | None]
+    nbytes: Mapped[int]
+    checksum: Mapped[bytes | None] = mapped_column(LargeBinary(8))
     """The payload's XXH3-64 (8 bytes, big-endian) when known (set by reconciliation)."""
-    created: Mapped[float] = mapped_column(Double, nullable=False)
-    last_access: Mapped[float] = mapped_column(Double, nullable=False)
-    expires_at: Mapped[float] = mapped_column(Double, nullable=False)
-    ttl_s: Mapped[float] = mapped_column(Double, nullable=False)
-    hit_count: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
-    pin_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    created: Mapped[float]
+    last_access: Mapped[float]
+    expires_at: Mapped[float]
+    ttl_s: Mapped[float]
+    hit_count: Mapped[int] = mapped_column(default=0)
+    pin_count: Mapped[int] = mapped_column(Integer, default=0)
     """Pins (leases, sessions) the block had at its last recorded access."""
 
     __table_args__ = (
@@ -92,12 +99,12 @@ class SessionRow(Base):
 
     tenant: Mapped[str] = mapped_column(String(TENANT_LEN), primary_key=True)
     id: Mapped[str] = mapped_column(String(SESSION_ID_LEN), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(KIND_LEN), nullable=False)
-    ttl_s: Mapped[float] = mapped_column(Double, nullable=False)
-    created: Mapped[float] = mapped_column(Double, nullable=False)
-    last_seen: Mapped[float] = mapped_column(Double, nullable=False)
-    expires_at: Mapped[float] = mapped_column(Double, nullable=False)
-    head: Mapped[bytes | None] = mapped_column(LargeBinary(ID_BYTES), nullable=True)
+    kind: Mapped[str] = mapped_column(String(KIND_LEN))
+    ttl_s: Mapped[float]
+    created: Mapped[float]
+    last_seen: Mapped[float]
+    expires_at: Mapped[float]
+    head: Mapped[bytes | None]
 
     __table_args__ = (Index("ix_sessions_expires_at", "expires_at"),)
 
@@ -108,8 +115,8 @@ class UsageCounterRow(Base):
     __tablename__ = "usage_counters"
 
     name: Mapped[str] = mapped_column(String(COUNTER_NAME_LEN), primary_key=True)
-    bucket: Mapped[float] = mapped_column(Double, primary_key=True)
-    value: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    bucket: Mapped[float] = mapped_column(primary_key=True)
+    value: Mapped[int] = mapped_column(default=0)
 
     __table_args__ = (Index("ix_usage_counters_bucket", "bucket"),)
 

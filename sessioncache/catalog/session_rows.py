@@ -97,16 +97,10 @@ def _is(key: SessionKey) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
 
 
 def session_params(s: Session) -> dict[str, Any]:
-    return {
-        "id": s.id,
-        "tenant": s.tenant,
-        "kind": s.kind,
-        "ttl_s": s.ttl_s,
-        "created": s.created,
-        "last_seen": s.last_seen,
-        "expires_at": s.expires_at,
-        "head": bytes(s.head) if s.head is not None else None,
-    }
+    """The session's row: its value of each column of ``sessions_table``."""
+    row = {c.name: getattr(s, c.name) for c in sessions_table.columns}
+    row["head"] = bytes(s.head) if s.head is not None else None
+    return row
 
 
 def session_of(r: Any) -> Session:

@@ -5,7 +5,7 @@ policy.
 
 A *carrier* is a data-plane connection (``Carrier``: ``StreamClient`` over TCP or
 ``SameHostClient`` over the node's Unix socket, whose shared memory it reads and writes
-directly: ``SharedMemoryCarrier``). The operations:
+directly). The operations:
 
 * the carrier's own ``block_hashes`` / ``key_ids`` (ids by tokens or by 16-byte keys) and
   ``exists``; ``resolve`` (a namespace's root, once per connection), ``held`` (the held run,
@@ -18,8 +18,8 @@ directly: ``SharedMemoryCarrier``). The operations:
   (the last chunk's LOAD releases the lease), straight into the caller's buffers
   (``Targets.buffers``) or through one reused buffer that ``Targets.placed`` scatter from;
 * ``load_rest``: the same run over the REST API (lookup, batch GET, release);
-* ``store`` (a chain segment after the blocks the node holds) and ``store_keyed`` (runs of one
-  payload size, skipping what the node holds: ``unsent_keyed``);
+* ``store`` (a chain segment after the blocks the node holds) and ``unsent_keyed`` (which
+  keyed blocks a store need not send, the node holding them: ``KVTransfer.store_keyed``);
 * ``open_session`` / ``finish_session``: the session calls an engine makes besides its loads
   and stores.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -44,13 +44,8 @@ from sessioncache.connector.samehost import SameHostClient, SameHostLookup, read
 from sessioncache.connector.stream import StoreAck, StreamClient, StreamLookup
 from sessioncache.dataplane.frames import SESSION_VERSION, Limits
 from sessioncache.devices import DeviceCopies, device_bytes, is_tensor, on_device, pinned_empty
-from sessioncache.errors import (
-    InvalidInput,
-    SessionCacheError,
-    StoreRefused,
-)
+from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, Tokens
-from sessioncache.status import BlockStatus
 
 if TYPE_CHECKING:
     import torch
@@ -64,100 +59,9 @@ STREAM_CHUNK_BYTES = 32 << 20
 # -- carriers ---------------------------------------------------------------------------------
 
 
-class Carrier(Protocol):
-    """A data-plane connection: ``StreamClient`` and ``SameHostClient``."""
-
-    @property
-    def limits(self) -> Limits: ...
-
-    @property
-    def broken(self) -> bool: ...
-
-    def resolve(self, namespace: Namespace) -> bytes: ...
-
-    def block_hashes(
-        self, root: bytes, tokens: Tokens, *, parent: bytes | None = None
-    ) -> list[bytes]: ...
-
-    def key_ids(self, root: bytes, keys: Sequence[bytes]) -> list[bytes]: ...
-
-    def exists(self, root: bytes, ids: Sequence[bytes], *, counted: bool = True) -> list[bool]: ...
-
-    def lookup(
-        self,
-        root: bytes,
-        ids: Sequence[bytes],
-        *,
-        lease_ms: int | None = None,
-        keyed: bool = False,
-        session_id: str | None = None,
-        counted: bool = True,
-    ) -> StreamLookup: ...
-
-    def release(self, lease: StreamLookup | bytes) -> None: ...
-
-    def load_into(
-        self,
-        source: StreamLookup | bytes | Sequence[bytes],
-        out: Sequence[Any],
-        *,
-        start: int = 0,
-        release: bool = False,
-        each: bool = False,
-    ) -> list[bool]: ...
-
-    def store(
-        self,
-        root: bytes,
-        tokens: Tokens,
-        payloads: Sequence[Any],
-        *,
-        parent: bytes | None = None,
-        ttl_s: float | None = None,
-        session_id: str | None = None,
-        durable: bool = False,
-        finish_reason: str | None = None,
-    ) -> StoreAck: ...
-
-    def store_keyed(
-        self,
-        root: bytes,
-        keys: Sequence[bytes],
-        payloads: Sequence[Any],
-        *,
-        parent: bytes | None = None,
-        linked: bool = True,
-        ttl_s: float | None = None,
-    ) -> StoreAck: ...
-
-
-@runtime_checkable
-class SharedMemoryCarrier(Protocol):
-    """What a carrier on the node's host adds (``SameHostClient``): leased blocks located in
-    shared memory, copied from there by ``load_into`` of the ``locate`` answer, which
-    releases its lease (``LeaseLost`` when it ran out during the copies)."""
-
-    def locate(
-        self,
-        root: bytes,
-        ids: Sequence[bytes],
-        *,
-        lease_ms: int = ...,
-        keyed: bool = False,
-        session_id: str | None = None,
-        counted: bool = True,
-    ) -> SameHostLookup: ...
-
-    def release_checked(self, lease: SameHostLookup | StreamLookup | bytes) -> bool: ...
-
-    def load_into(
-        self,
-        source: SameHostLookup | StreamLookup | bytes | Sequence[bytes],
-        out: Sequence[Any],
-        *,
-        start: int = 0,
-        release: bool | None = None,
-    ) -> list[bool]: ...
+Carrier: TypeAlias = StreamClient
+"""A data-plane connection: a ``StreamClient``, or its same-host subclass ``SameHostClient``,
+whose ``locate`` leases blocks in shared memory for its ``load_into`` to copy from there."""
 
 
 class Endpoint(Protocol):
@@ -257,7 +161,7 @@ class Targets:
             self.copy_s += time.perf_counter() - start
 
     def from_shared_memory(
-        self, carrier: SharedMemoryCarrier, found: SameHostLookup, start: int, at: int
+        self, carrier: SameHostClient, found: SameHostLookup, start: int, at: int
     ) -> None:
         """Copy ``found``'s located blocks ``start ..`` into targets ``at ..``, then release
         its lease (also on failure; ``LeaseLost`` when it ran out meanwhile)."""
@@ -265,8 +169,6 @@ class Targets:
         if self.place is None:
             carrier.load_into(found, self.targets[at : at + n], start=start)
             return
-        if not isinstance(carrier, SameHostClient):
-            raise InvalidInput("placed loads out of shared memory need a SameHostClient")
         with reading(carrier, found, self.device) as views:
             self._place(self.targets[at : at + n], views[start : start + n])
 
@@ -355,7 +257,7 @@ def release(carrier: Carrier, lease: StreamLookup | SameHostLookup) -> None:
     """End a lease whose blocks were not loaded (nothing when there is none)."""
     if lease.lease is None:
         return
-    if isinstance(carrier, SharedMemoryCarrier):
+    if isinstance(carrier, SameHostClient):
         carrier.release_checked(lease)
     else:
         carrier.release(lease.lease)
@@ -405,7 +307,7 @@ def load(
         n = _leased_run(carrier, root, ids, first, targets, lease_ms, counted, session_id)
         got[:n] = [True] * n
         return got
-    shared = carrier if isinstance(carrier, SharedMemoryCarrier) else None
+    shared = carrier if isinstance(carrier, SameHostClient) else None
     per = carrier.limits.max_ids if shared is not None else targets.per(carrier.limits)
     pos = first
     while pos < len(ids):
@@ -453,7 +355,7 @@ def _leased_run(
     """Lease the chain ``ids`` in one request and load its held run from ``first`` into the
     targets; how many were loaded. The lease ends in every outcome: released by the last
     chunk's LOAD over the stream."""
-    if isinstance(carrier, SharedMemoryCarrier):
+    if isinstance(carrier, SameHostClient):
         n, _ = _located_run(
             carrier, root, ids, first, targets, 0, lease_ms, counted=counted, session=session_id
         )
@@ -484,7 +386,7 @@ def _leased_run(
 
 
 def _located_run(
-    carrier: SharedMemoryCarrier,
+    carrier: SameHostClient,
     root: bytes,
     ids: Sequence[bytes],
     first: int,
@@ -574,69 +476,9 @@ def unsent_keyed(carrier: Carrier, root: bytes, ids: Sequence[bytes]) -> list[bo
     """Which of ``ids`` a keyed store need not send, the node holding them: an uncounted
     EXISTS where the payloads would cross the socket (the stream); on the same host none is
     asked (the STAGE answers held blocks present, and nothing is copied for them)."""
-    if isinstance(carrier, SharedMemoryCarrier):
+    if isinstance(carrier, SameHostClient):
         return [False] * len(ids)
     return carrier.exists(root, ids, counted=False)
-
-
-def store_keyed(
-    carrier: Carrier,
-    root: bytes,
-    keys: Sequence[bytes],
-    payloads: Sequence[Any],
-    *,
-    parent_key: bytes | None = None,
-    linked: bool = True,
-    ttl_s: float | None = None,
-    held: Sequence[bool] | None = None,
-) -> StoreAck:
-    """Store one payload per 16-byte block key under ``root`` (``KVTransfer.store_keyed``):
-    one STORE per run of one payload size, the runs of a ``linked`` batch one chain; blocks
-    ``held`` already are answered present and neither read nor sent; ``parent_key``: the
-    block the batch continues, when the node still holds it (an uncounted probe)."""
-    if len(keys) != len(payloads):
-        raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
-    if held is not None and len(held) != len(keys):
-        raise InvalidInput(f"{len(held)} held flags for {len(keys)} keys")
-    parent: bytes | None = None
-    if parent_key is not None:
-        (parent,) = carrier.key_ids(root, [parent_key])
-        if not carrier.exists(root, [parent], counted=False)[0]:
-            parent = None
-    skip = list(held) if held is not None else [False] * len(keys)
-    ids = carrier.key_ids(root, keys) if any(skip) else []
-    hashes: list[bytes] = []
-    status: list[BlockStatus] = []
-    durable = True
-    sent = False
-    sizes = [0 if s else payload_nbytes(p) for p, s in zip(payloads, skip, strict=True)]
-    start = 0
-    while start < len(payloads):
-        if skip[start]:
-            hashes.append(ids[start])
-            status.append(BlockStatus.PRESENT)
-            parent = ids[start] if linked else None
-            start += 1
-            continue
-        end = start + 1
-        while end < len(payloads) and not skip[end] and sizes[end] == sizes[start]:
-            end += 1
-        run = keys[start:end], payloads[start:end]
-        try:
-            ack = carrier.store_keyed(root, *run, parent=parent, linked=linked, ttl_s=ttl_s)
-        except StoreRefused:
-            # a parent the caller found held but evicted since (refused before any block is
-            # stored): the run stands alone
-            if start == 0 or not skip[start - 1] or parent is None or carrier.broken:
-                raise
-            ack = carrier.store_keyed(root, *run, parent=None, linked=linked, ttl_s=ttl_s)
-        hashes += ack.hashes
-        status += ack.status
-        durable = durable and ack.durable
-        sent = True
-        parent = ack.hashes[-1] if linked and ack.held[-1] else None
-        start = end
-    return StoreAck(hashes, status, durable and sent)
 
 
 def payload_nbytes(payload: Any) -> int:

@@ -44,8 +44,9 @@ from sessioncache.connector.errors import TransportError
 from sessioncache.connector.ops import payload_nbytes
 from sessioncache.connector.payloads import as_buffer
 from sessioncache.connector.stream import StoreAck, StreamClient
-from sessioncache.errors import InvalidInput, SessionCacheError
+from sessioncache.errors import InvalidInput, SessionCacheError, StoreRefused
 from sessioncache.hashing import Namespace, Tokens, tokens_to_le_bytes
+from sessioncache.status import BlockStatus
 
 log = logging.getLogger("sessioncache.connector.transfer")
 
@@ -366,16 +367,50 @@ class KVTransfer:
         blocks are answered ``present`` and their payloads neither read nor sent (None may
         stand for them); a linked run after one hangs off it."""
         conn = self._dataplane("store_keyed")
-        return ops.store_keyed(
-            conn,
-            self.root(namespace),
-            keys,
-            payloads,
-            parent_key=parent_key,
-            linked=linked,
-            ttl_s=ttl_s,
-            held=held,
-        )
+        root = self.root(namespace)
+        if len(keys) != len(payloads):
+            raise InvalidInput(f"{len(keys)} keys for {len(payloads)} payloads")
+        if held is not None and len(held) != len(keys):
+            raise InvalidInput(f"{len(held)} held flags for {len(keys)} keys")
+        parent: bytes | None = None
+        if parent_key is not None:
+            (parent,) = conn.key_ids(root, [parent_key])
+            if not conn.exists(root, [parent], counted=False)[0]:
+                parent = None
+        skip = list(held) if held is not None else [False] * len(keys)
+        ids = conn.key_ids(root, keys) if any(skip) else []
+        hashes: list[bytes] = []
+        status: list[BlockStatus] = []
+        durable = True
+        sent = False
+        sizes = [0 if s else payload_nbytes(p) for p, s in zip(payloads, skip, strict=True)]
+        start = 0
+        while start < len(payloads):
+            if skip[start]:
+                hashes.append(ids[start])
+                status.append(BlockStatus.PRESENT)
+                parent = ids[start] if linked else None
+                start += 1
+                continue
+            end = start + 1
+            while end < len(payloads) and not skip[end] and sizes[end] == sizes[start]:
+                end += 1
+            run = keys[start:end], payloads[start:end]
+            try:
+                ack = conn.store_keyed(root, *run, parent=parent, linked=linked, ttl_s=ttl_s)
+            except StoreRefused:
+                # a parent the caller found held but evicted since (refused before any block
+                # is stored): the run stands alone
+                if start == 0 or not skip[start - 1] or parent is None or conn.broken:
+                    raise
+                ack = conn.store_keyed(root, *run, parent=None, linked=linked, ttl_s=ttl_s)
+            hashes += ack.hashes
+            status += ack.status
+            durable = durable and ack.durable
+            sent = True
+            parent = ack.hashes[-1] if linked and ack.held[-1] else None
+            start = end
+        return StoreAck(hashes, status, durable and sent)
 
     def unsent_keyed(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether a ``store_keyed`` need not send its block, the node holding it

@@ -37,6 +37,7 @@ from sessioncache.dataplane.server import (
     StreamServer,
     lookup_request,
     store_request,
+    stream_limits,
 )
 from sessioncache.dataplane.staging import (
     DEFAULT_CHUNK_BYTES,
@@ -315,11 +316,7 @@ def open_samehost_server(node: CacheNode, settings: Settings) -> SameHostServer 
         node,
         listener,
         trusted=settings.shm_trusted_tenants,
-        limits=Limits(
-            max_ids=settings.stream_max_ids,
-            max_block_bytes=settings.max_body_bytes,
-            max_tokens=settings.max_tokens,
-        ),
+        limits=stream_limits(settings),
         timeout_s=settings.stream_timeout_s,
         max_connections=settings.stream_max_connections,
     )

@@ -662,6 +662,16 @@ class StreamServer:
                 self._unauthenticated.pop(key, None)
 
 
+def stream_limits(settings: Settings) -> Limits:
+    """What one request may carry on the data plane the settings describe (the stream and
+    the same-host socket alike)."""
+    return Limits(
+        max_ids=settings.stream_max_ids,
+        max_block_bytes=settings.max_body_bytes,
+        max_tokens=settings.max_tokens,
+    )
+
+
 def open_stream_server(
     node: CacheNode, settings: Settings, *, listen: Callable[[str, int], Listener] = TcpListener
 ) -> StreamServer | None:
@@ -672,11 +682,7 @@ def open_stream_server(
     return StreamServer(
         node,
         listener,
-        limits=Limits(
-            max_ids=settings.stream_max_ids,
-            max_block_bytes=settings.max_body_bytes,
-            max_tokens=settings.max_tokens,
-        ),
+        limits=stream_limits(settings),
         timeout_s=settings.stream_timeout_s,
         idle_timeout_s=settings.stream_idle_timeout_s or None,
         max_connections=settings.stream_max_connections,

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Protocol, TypeAlias
+from typing import Final, Protocol, TypeAlias
 
 from sessioncache.errors import FrameError, StreamClosed
 
@@ -91,22 +91,14 @@ class SocketTransport:
             for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
                 if hasattr(socket, name):  # Linux: a dead peer is noticed within ~2 minutes
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-            peer = sock.getpeername()
-            self._peer = f"{peer[0]}:{peer[1]}"
-            self._local = is_loopback(str(peer[0]))
+            host, port = sock.getpeername()[:2]
+            peer, local = f"{host}:{port}", is_loopback(str(host))
         else:
-            self._peer = f"unix:{sock.getsockname() or '?'}"
-            self._local = True
+            peer, local = f"unix:{sock.getsockname() or '?'}", True
+        self.peer: Final = peer
+        self.local: Final = local
         self._timeout: float | None = sock.gettimeout()
         self._deadline: float | None = None
-
-    @property
-    def peer(self) -> str:
-        return self._peer
-
-    @property
-    def local(self) -> bool:
-        return self._local
 
     @property
     def socket(self) -> socket.socket:
@@ -117,16 +109,16 @@ class SocketTransport:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StreamClosed(f"{self._peer}: the frame did not arrive in time")
+                raise StreamClosed(f"{self.peer}: the frame did not arrive in time")
             self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
         try:
             return self._sock.recv_into(view)
         except TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
-                raise StreamClosed(f"{self._peer}: the frame did not arrive in time") from None
-            raise StreamClosed(f"{self._peer}: no data for {self._timeout} s") from None
+                raise StreamClosed(f"{self.peer}: the frame did not arrive in time") from None
+            raise StreamClosed(f"{self.peer}: no data for {self._timeout} s") from None
         except OSError as exc:
-            raise StreamClosed(f"{self._peer}: {exc}") from exc
+            raise StreamClosed(f"{self.peer}: {exc}") from exc
 
     def send(self, parts: Sequence[Buffer]) -> None:
         if self._deadline is not None:
@@ -138,10 +130,10 @@ class SocketTransport:
             self._sendmsg_all(parts)
         except TimeoutError:
             raise StreamClosed(
-                f"{self._peer}: the peer took nothing for {self._timeout} s"
+                f"{self.peer}: the peer took nothing for {self._timeout} s"
             ) from None
         except OSError as exc:
-            raise StreamClosed(f"{self._peer}: {exc}") from exc
+            raise StreamClosed(f"{self.peer}: {exc}") from exc
 
     def _sendmsg_all(self, parts: Sequence[Buffer]) -> None:
         pending = [memoryview(p).cast("B") for p in parts if len(p)]

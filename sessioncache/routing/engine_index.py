@@ -20,7 +20,7 @@ import sys
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
 
@@ -149,19 +149,7 @@ class EngineIndex:
         """A copy of the engine's counters and of how many blocks it holds per medium."""
         with self._lock:
             view = self._views[engine_id]
-            c = view.counts
-            return (
-                EngineCounts(
-                    c.batches,
-                    c.events,
-                    c.blocks_stored,
-                    c.blocks_removed,
-                    c.cleared,
-                    c.skipped_blocks,
-                    c.unknown_events,
-                ),
-                dict(view.held),
-            )
+            return replace(view.counts), dict(view.held)
 
     def indexed_blocks(self) -> int:
         """Distinct ids held by at least one engine."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import cache
+from typing import Generic, Self, TypeVar, overload
 
 from sessioncache.hashing import BlockHash
 from sessioncache.store.table import F_CHECKSUM, F_PARENT, BlockFields, BlockTable
@@ -27,6 +28,39 @@ def tier_mask(tiers: Iterable[int]) -> int:
     for tier in tiers:
         mask |= 1 << tier
     return mask
+
+
+_V = TypeVar("_V", int, float)
+
+
+class _Field(Generic[_V]):
+    """A read-only field of ``BlockMeta``: the item of the table's column ``column`` at the
+    handle's slot."""
+
+    __slots__ = ("column",)
+
+    def __init__(self, column: str) -> None:
+        self.column = column
+
+    @overload
+    def __get__(self, meta: None, owner: type[BlockMeta]) -> Self: ...
+    @overload
+    def __get__(self, meta: BlockMeta, owner: type[BlockMeta]) -> _V: ...
+    def __get__(self, meta: BlockMeta | None, owner: type[BlockMeta]) -> _V | Self:
+        if meta is None:
+            return self
+        items: memoryview[_V] = getattr(meta._table, self.column)
+        return items[meta.slot]
+
+
+class _MutableField(_Field[_V]):
+    """A field of ``BlockMeta`` that is also written in place."""
+
+    __slots__ = ()
+
+    def __set__(self, meta: BlockMeta, value: _V) -> None:
+        items: memoryview[_V] = getattr(meta._table, self.column)
+        items[meta.slot] = value
 
 
 class BlockMeta:
@@ -95,46 +129,13 @@ class BlockMeta:
     def namespace_root(self) -> bytes:
         return self._table.namespace_root(self.slot)
 
-    @property
-    def nbytes(self) -> int:
-        return self._table.nbytes[self.slot]
-
-    @property
-    def ttl_s(self) -> float:
-        return self._table.ttl[self.slot]
-
-    @ttl_s.setter
-    def ttl_s(self, value: float) -> None:
-        self._table.ttl[self.slot] = value
-
-    @property
-    def created(self) -> float:
-        return self._table.created[self.slot]
-
-    @property
-    def last_access(self) -> float:
-        return self._table.last[self.slot]
-
-    @last_access.setter
-    def last_access(self, value: float) -> None:
-        self._table.last[self.slot] = value
-
-    @property
-    def next_use(self) -> float:
-        """When the block is predicted to be read again (``sessioncache.store.forecast``)."""
-        return self._table.nxt[self.slot]
-
-    @next_use.setter
-    def next_use(self, value: float) -> None:
-        self._table.nxt[self.slot] = value
-
-    @property
-    def expires_at(self) -> float:
-        return self._table.expires[self.slot]
-
-    @expires_at.setter
-    def expires_at(self, value: float) -> None:
-        self._table.expires[self.slot] = value
+    nbytes: _Field[int] = _Field("nbytes")
+    ttl_s: _MutableField[float] = _MutableField("ttl")
+    created: _Field[float] = _Field("created")
+    last_access: _MutableField[float] = _MutableField("last")
+    next_use: _MutableField[float] = _MutableField("nxt")
+    """When the block is predicted to be read again (``sessioncache.store.forecast``)."""
+    expires_at: _MutableField[float] = _MutableField("expires")
 
     @property
     def mask(self) -> int:
@@ -145,29 +146,9 @@ class BlockMeta:
     def mask(self, value: int) -> None:
         self._table.mask[self.slot] = value
 
-    @property
-    def ref_cnt(self) -> int:
-        return self._table.ref[self.slot]
-
-    @ref_cnt.setter
-    def ref_cnt(self, value: int) -> None:
-        self._table.ref[self.slot] = value
-
-    @property
-    def pins(self) -> int:
-        return self._table.pins[self.slot]
-
-    @pins.setter
-    def pins(self, value: int) -> None:
-        self._table.pins[self.slot] = value
-
-    @property
-    def children_held(self) -> int:
-        return self._table.held[self.slot]
-
-    @children_held.setter
-    def children_held(self, value: int) -> None:
-        self._table.held[self.slot] = value
+    ref_cnt: _MutableField[int] = _MutableField("ref")
+    pins: _MutableField[int] = _MutableField("pins")
+    children_held: _MutableField[int] = _MutableField("held")
 
     @property
     def children_in(self) -> tuple[int, ...]:
@@ -177,29 +158,9 @@ class BlockMeta:
     def children_in(self, values: Iterable[int]) -> None:
         self._table.set_children_in(self.slot, values)
 
-    @property
-    def hit_count(self) -> int:
-        return self._table.hits[self.slot]
-
-    @hit_count.setter
-    def hit_count(self, value: int) -> None:
-        self._table.hits[self.slot] = value
-
-    @property
-    def touch_order(self) -> int:
-        return self._table.order[self.slot]
-
-    @touch_order.setter
-    def touch_order(self, value: int) -> None:
-        self._table.order[self.slot] = value
-
-    @property
-    def touched_by_op(self) -> int:
-        return self._table.op[self.slot]
-
-    @touched_by_op.setter
-    def touched_by_op(self, value: int) -> None:
-        self._table.op[self.slot] = value
+    hit_count: _MutableField[int] = _MutableField("hits")
+    touch_order: _MutableField[int] = _MutableField("order")
+    touched_by_op: _MutableField[int] = _MutableField("op")
 
     @property
     def checksum(self) -> int | None:

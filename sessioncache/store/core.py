@@ -620,3 +620,11 @@ class StoreCore:
             with self.lock:
                 self.promoting.pop(block_hash, None)
             event.set()
+
+
+class StorePart:
+    """One of a ``TieredStore``'s parts (its reads, writes or recovery): operations over the
+    ``StoreCore`` that the parts share."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core

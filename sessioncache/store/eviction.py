@@ -145,7 +145,8 @@ def candidacy(meta: BlockMeta, tier: int, *, last: bool = False) -> tuple[bool, 
 
 def lru_key(meta: BlockMeta) -> tuple[float, int, int]:
     """Sort key of LRU order: older first; of one operation's blocks, the deepest first."""
-    return (meta.last_access, meta.touched_by_op, -meta.touch_order)
+    last_access, _, op, neg_seq, _ = meta.order_keys()
+    return (last_access, op, neg_seq)
 
 
 class EvictionPolicy:
@@ -245,8 +246,9 @@ class EvictionPolicy:
                     evictable(meta, tier, last=last) if by_expiry else spare_copy(meta, tier)
                 ):
                     continue  # no longer a candidate there: a stale entry
-                time = meta.expires_at if by_expiry else meta.last_access
-                current = (time, meta.touched_by_op, -meta.touch_order, meta.block_hash)
+                last_access, expires_at, op, neg_seq, _ = meta.order_keys()
+                time = expires_at if by_expiry else last_access
+                current = (time, op, neg_seq, meta.block_hash)
                 if current == entry:
                     return meta
                 heapq.heappush(heap, current)  # touched since: back in line, later
@@ -328,11 +330,13 @@ class EvictionPolicy:
 
 
 def _by_last(meta: BlockMeta) -> _Entry:
-    return (meta.last_access, meta.touched_by_op, -meta.touch_order, meta.block_hash)
+    last_access, _, op, neg_seq, _ = meta.order_keys()
+    return (last_access, op, neg_seq, meta.block_hash)
 
 
 def _by_next_use(meta: BlockMeta) -> _Entry:
-    return (-meta.next_use, meta.touched_by_op, -meta.touch_order, meta.block_hash)
+    _, _, op, neg_seq, next_use = meta.order_keys()
+    return (-next_use, op, neg_seq, meta.block_hash)
 
 
 def _colder(a: BlockMeta, b: BlockMeta) -> bool:

@@ -15,7 +15,7 @@ from sessioncache.errors import (
 from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.quotas import PinBudget, Sizes
 from sessioncache.store.blocks import BlockMeta
-from sessioncache.store.core import StoreCore
+from sessioncache.store.core import StorePart
 from sessioncache.store.index import Run, file_forecast, pin_sizes
 from sessioncache.store.results import (
     LocatedSlot,
@@ -25,9 +25,9 @@ from sessioncache.store.results import (
 from sessioncache.tiers.payload import as_memoryview
 
 
-class StoreReads:
-    def __init__(self, core: StoreCore) -> None:
-        self._core = core
+class StoreReads(StorePart):
+    """The store's reads (``TieredStore.reads``): lookups and leases, touches, pins, presence,
+    payloads and same-host locates."""
 
     def lookup(
         self,

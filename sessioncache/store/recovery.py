@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from sessioncache.hashing import BlockHash
-from sessioncache.store.core import StoreCore
+from sessioncache.store.core import StorePart
 from sessioncache.tiers.base import (
     BatchRecoverableTier,
     RecoverableTier,
@@ -20,9 +20,9 @@ log = logging.getLogger("sessioncache.store")
 _ADOPT_CHUNK = 65536  # blocks found on start, indexed a batch at a time
 
 
-class StoreRecovery:
-    def __init__(self, core: StoreCore) -> None:
-        self._core = core
+class StoreRecovery(StorePart):
+    """What durable tiers found (``TieredStore.recovery``): indexed on start, adopted or
+    forgotten while the store serves."""
 
     def adopt_found(self, tier_name: str, found: Sequence[RecoveredBlock]) -> int:
         """Index blocks a durable tier found while the store serves (the background pass of

@@ -16,7 +16,7 @@ from sessioncache.errors import (
 from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.status import BlockStatus
 from sessioncache.store.blocks import BlockMeta
-from sessioncache.store.core import StoreCore
+from sessioncache.store.core import StorePart
 from sessioncache.store.results import (
     _PLACE_ATTEMPTS,
     Sync,
@@ -30,9 +30,8 @@ from sessioncache.tiers.base import (
 from sessioncache.tiers.payload import Payload, as_memoryview, payload_nbytes
 
 
-class StoreWrites:
-    def __init__(self, core: StoreCore) -> None:
-        self._core = core
+class StoreWrites(StorePart):
+    """The store's one write path (``TieredStore.writes``), deletion and the expiry sweep."""
 
     def put(
         self,

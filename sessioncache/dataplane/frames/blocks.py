@@ -28,6 +28,8 @@ from sessioncache.dataplane.frames.header import (
     encode_header,
     finish_code,
     finish_reason,
+    fixed_part,
+    frame,
     join_ids,
     split_ids,
 )
@@ -75,9 +77,7 @@ def decode_lookup(
     data: bytes, limits: Limits, flags: int = 0, session_id: str | None = None
 ) -> Lookup:
     """A LOOKUP's body (after its session section, whose id the server read already)."""
-    if len(data) < _LOOKUP.size:
-        raise FrameError("LOOKUP: body shorter than its fixed part")
-    root, lease_ms, count = _LOOKUP.unpack_from(data)
+    root, lease_ms, count = fixed_part(_LOOKUP, data, "LOOKUP")
     ids = split_ids(data, _LOOKUP.size, count)
     _check_count(count, limits, "LOOKUP")
     return Lookup(
@@ -105,7 +105,7 @@ class Exists(NamedTuple):
 def encode_exists(request_id: int, *, exists: Exists) -> bytes:
     body = _LOOKUP.pack(exists.root, 0, len(exists.ids)) + join_ids(exists.ids)
     flags = 0 if exists.counted else F_UNCOUNTED
-    return encode_header(Op.EXISTS, request_id, len(body), flags) + body
+    return frame(Op.EXISTS, request_id, body, flags)
 
 
 def decode_exists(data: bytes, limits: Limits, flags: int = 0) -> Exists:
@@ -116,13 +116,11 @@ def decode_exists(data: bytes, limits: Limits, flags: int = 0) -> Exists:
 def encode_exists_ok(request_id: int, held: Sequence[bool]) -> bytes:
     """EXISTS_OK (``count:u32 held[u8 x count]``): 1 for each id held under the root."""
     body = _COUNT.pack(len(held)) + bytes(1 if h else 0 for h in held)
-    return encode_header(Op.EXISTS_OK, request_id, len(body)) + body
+    return frame(Op.EXISTS_OK, request_id, body)
 
 
 def decode_exists_ok(data: bytes) -> list[bool]:
-    if len(data) < _COUNT.size:
-        raise FrameError("EXISTS_OK: body shorter than its count")
-    (count,) = _COUNT.unpack_from(data)
+    (count,) = fixed_part(_COUNT, data, "EXISTS_OK", "count")
     if len(data) != _COUNT.size + count:
         raise FrameError(f"EXISTS_OK: {len(data)} bytes of body for {count} ids")
     return [b != 0 for b in data[_COUNT.size :]]
@@ -206,14 +204,11 @@ def encode_lookup_ok(request_id: int, ok: LookupOk) -> bytes:
     ]
     if ok.miss is not None:
         parts.append(_encode_miss(ok.miss))
-    body = b"".join(parts)
-    return encode_header(Op.LOOKUP_OK, request_id, len(body)) + body
+    return frame(Op.LOOKUP_OK, request_id, b"".join(parts))
 
 
 def decode_lookup_ok(data: bytes) -> LookupOk:
-    if len(data) < _LOOKUP_OK.size:
-        raise FrameError("LOOKUP_OK: body shorter than its fixed part")
-    lease, lease_ms, n = _LOOKUP_OK.unpack_from(data)
+    lease, lease_ms, n = fixed_part(_LOOKUP_OK, data, "LOOKUP_OK")
     end = _LOOKUP_OK.size + 9 * n
     if len(data) not in (end, end + _MISS.size):
         raise FrameError(f"LOOKUP_OK: {len(data)} bytes of body for {n} blocks")
@@ -270,9 +265,7 @@ def decode_load(
         lease, start, count = _LOAD_LEASE.unpack(data)
         _check_count(count, limits, "LOAD")
         return LoadLease(lease, start, count, bool(flags & F_LOAD_RELEASE), session_id)
-    if len(data) < _COUNT.size:
-        raise FrameError("LOAD: body shorter than its count")
-    (count,) = _COUNT.unpack_from(data)
+    (count,) = fixed_part(_COUNT, data, "LOAD", "count")
     ids = split_ids(data, _COUNT.size, count)
     _check_count(count, limits, "LOAD")
     return LoadIds(ids, bool(flags & F_LOAD_EACH), session_id)
@@ -459,13 +452,11 @@ def _statuses(data: bytes, what: str) -> list[BlockStatus]:
 
 def encode_store_ok(request_id: int, ok: StoreOk) -> bytes:
     body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + _status_bytes(ok.status)
-    return encode_header(Op.STORE_OK, request_id, len(body)) + body
+    return frame(Op.STORE_OK, request_id, body)
 
 
 def decode_store_ok(data: bytes) -> StoreOk:
-    if len(data) < _STORE_OK.size:
-        raise FrameError("STORE_OK: body shorter than its fixed part")
-    n, durable = _STORE_OK.unpack_from(data)
+    n, durable = fixed_part(_STORE_OK, data, "STORE_OK")
     end = _STORE_OK.size + HASH_BYTES * n
     if len(data) != end + n:
         raise FrameError(f"STORE_OK: {len(data)} bytes of body for {n} blocks")

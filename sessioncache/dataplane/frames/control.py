@@ -17,7 +17,8 @@ from sessioncache.dataplane.frames.header import (
     Limits,
     Op,
     VersionError,
-    encode_header,
+    fixed_part,
+    frame,
 )
 from sessioncache.errors import FrameError, InvalidInput
 from sessioncache.hashing import HASH_BYTES, Namespace, check_client_namespace
@@ -39,7 +40,7 @@ def _json_body(data: bytes, what: str) -> dict[str, Any]:
 
 def _json_frame(opcode: Op, request_id: int, body: dict[str, Any]) -> bytes:
     data = json.dumps(body, separators=(",", ":")).encode()
-    return encode_header(opcode, request_id, len(data)) + data
+    return frame(opcode, request_id, data)
 
 
 class Hello(NamedTuple):
@@ -141,7 +142,7 @@ def decode_resolve(data: bytes) -> Namespace:
 
 def encode_resolve_ok(request_id: int, root: bytes) -> bytes:
     """RESOLVE_OK: the 16-byte root."""
-    return encode_header(Op.RESOLVE_OK, request_id, len(root)) + root
+    return frame(Op.RESOLVE_OK, request_id, root)
 
 
 def decode_resolve_ok(data: bytes) -> bytes:
@@ -160,7 +161,7 @@ def encode_release(request_id: int, lease: bytes, *, check: bool = False) -> byt
     if len(lease) != HASH_BYTES:
         raise InvalidInput(f"a lease id is {HASH_BYTES} bytes")
     flags = F_RELEASE_CHECK if check else 0
-    return encode_header(Op.RELEASE, request_id, HASH_BYTES, flags) + lease
+    return frame(Op.RELEASE, request_id, lease, flags)
 
 
 def decode_release(data: bytes) -> bytes:
@@ -170,7 +171,7 @@ def decode_release(data: bytes) -> bytes:
 
 
 def encode_release_ok(request_id: int, *, live: bool = False) -> bytes:
-    return encode_header(Op.RELEASE_OK, request_id, 0, F_RELEASE_LIVE if live else 0)
+    return frame(Op.RELEASE_OK, request_id, b"", F_RELEASE_LIVE if live else 0)
 
 
 _ERROR = struct.Struct("<H")
@@ -191,12 +192,10 @@ def encode_error(request_id: int, error: ErrorFrame, *, version: int = FRAME_VER
     message = error.message.encode("utf-8", "replace")[:MAX_MESSAGE]
     body = _ERROR.pack(error.code) + message
     flags = F_ERROR_CLOSING if error.closing else 0
-    return encode_header(Op.ERROR, request_id, len(body), flags, version=version) + body
+    return frame(Op.ERROR, request_id, body, flags, version=version)
 
 
 def decode_error(data: bytes, flags: int) -> ErrorFrame:
-    if len(data) < _ERROR.size:
-        raise FrameError("ERROR: body shorter than its code")
-    (code,) = _ERROR.unpack_from(data)
+    (code,) = fixed_part(_ERROR, data, "ERROR", "code")
     message = bytes(data[_ERROR.size :]).decode("utf-8", "replace")
     return ErrorFrame(code, message, bool(flags & F_ERROR_CLOSING))

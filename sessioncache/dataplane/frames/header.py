@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sessioncache.errors import FrameError, InvalidInput
 from sessioncache.hashing import HASH_BYTES
@@ -197,6 +197,23 @@ def encode_header(
     opcode: Op, request_id: int, body_len: int, flags: int = 0, *, version: int = FRAME_VERSION
 ) -> bytes:
     return HEADER.pack(MAGIC, version, opcode, flags, request_id, body_len)
+
+
+def frame(
+    opcode: Op, request_id: int, body: bytes, flags: int = 0, *, version: int = FRAME_VERSION
+) -> bytes:
+    """A whole frame without a session section: its header, then ``body``."""
+    return encode_header(opcode, request_id, len(body), flags, version=version) + body
+
+
+def fixed_part(
+    layout: struct.Struct, data: bytes, what: str, part: str = "fixed part"
+) -> tuple[Any, ...]:
+    """The fields of the ``layout`` at the start of a ``what`` body; ``FrameError`` when the
+    body is shorter (``part`` names what it lacks)."""
+    if len(data) < layout.size:
+        raise FrameError(f"{what}: body shorter than its {part}")
+    return layout.unpack_from(data)
 
 
 class VersionError(FrameError):

@@ -30,7 +30,8 @@ from sessioncache.dataplane.frames.header import (
     Op,
     _check_count,
     _with_session,
-    encode_header,
+    fixed_part,
+    frame,
     join_ids,
     split_ids,
 )
@@ -65,13 +66,11 @@ def encode_segments(request_id: int, wanted: Sequence[int]) -> bytes:
     if len(wanted) > MAX_SEGMENTS:
         raise InvalidInput(f"{len(wanted)} segments asked; at most {MAX_SEGMENTS}")
     body = _COUNT.pack(len(wanted)) + struct.pack(f"<{len(wanted)}I", *wanted)
-    return encode_header(Op.SEGMENTS, request_id, len(body)) + body
+    return frame(Op.SEGMENTS, request_id, body)
 
 
 def decode_segments(data: bytes) -> list[int]:
-    if len(data) < _COUNT.size:
-        raise FrameError("SEGMENTS: body shorter than its count")
-    (count,) = _COUNT.unpack_from(data)
+    (count,) = fixed_part(_COUNT, data, "SEGMENTS", "count")
     if len(data) != _COUNT.size + 4 * count:
         raise FrameError(f"SEGMENTS: {len(data)} bytes of body for {count} segments")
     return list(struct.unpack_from(f"<{count}I", data, _COUNT.size))
@@ -90,13 +89,11 @@ class SegmentsOk(NamedTuple):
 def encode_segments_ok(request_id: int, ok: SegmentsOk) -> bytes:
     ids = [*ok.live, *ok.sent]
     body = _SEGMENTS_OK.pack(len(ok.live), len(ok.sent)) + struct.pack(f"<{len(ids)}I", *ids)
-    return encode_header(Op.SEGMENTS_OK, request_id, len(body)) + body
+    return frame(Op.SEGMENTS_OK, request_id, body)
 
 
 def decode_segments_ok(data: bytes) -> SegmentsOk:
-    if len(data) < _SEGMENTS_OK.size:
-        raise FrameError("SEGMENTS_OK: body shorter than its fixed part")
-    live, sent = _SEGMENTS_OK.unpack_from(data)
+    live, sent = fixed_part(_SEGMENTS_OK, data, "SEGMENTS_OK")
     if len(data) != _SEGMENTS_OK.size + 4 * (live + sent):
         raise FrameError(f"SEGMENTS_OK: {len(data)} bytes of body for {live} + {sent} ids")
     ids = list(struct.unpack_from(f"<{live + sent}I", data, _SEGMENTS_OK.size))
@@ -146,14 +143,11 @@ class LocateOk(NamedTuple):
 def encode_locate_ok(request_id: int, ok: LocateOk) -> bytes:
     parts = [_LOCATE_OK.pack(ok.lease or _NO_LEASE, ok.lease_ms, ok.matched, len(ok.slots))]
     parts += [_SLOT.pack(s.segment, 0, s.offset, s.nbytes, s.checksum) for s in ok.slots]
-    body = b"".join(parts)
-    return encode_header(Op.LOCATE_OK, request_id, len(body)) + body
+    return frame(Op.LOCATE_OK, request_id, b"".join(parts))
 
 
 def decode_locate_ok(data: bytes) -> LocateOk:
-    if len(data) < _LOCATE_OK.size:
-        raise FrameError("LOCATE_OK: body shorter than its fixed part")
-    lease, lease_ms, matched, n = _LOCATE_OK.unpack_from(data)
+    lease, lease_ms, matched, n = fixed_part(_LOCATE_OK, data, "LOCATE_OK")
     if len(data) != _LOCATE_OK.size + _SLOT.size * n or n > matched:
         raise FrameError(f"LOCATE_OK: {len(data)} bytes of body for {n} of {matched} blocks")
     slots = []
@@ -212,14 +206,11 @@ def encode_stage_ok(request_id: int, ok: StageOk) -> bytes:
             if slot is not None
             else _STAGED.pack(status.code, 0, 0)
         )
-    body = b"".join(parts)
-    return encode_header(Op.STAGE_OK, request_id, len(body)) + body
+    return frame(Op.STAGE_OK, request_id, b"".join(parts))
 
 
 def decode_stage_ok(data: bytes, block_nbytes: int) -> StageOk:
-    if len(data) < _STAGE_OK.size:
-        raise FrameError("STAGE_OK: body shorter than its fixed part")
-    staging, n, durable = _STAGE_OK.unpack_from(data)
+    staging, n, durable = fixed_part(_STAGE_OK, data, "STAGE_OK")
     end = _STAGE_OK.size + HASH_BYTES * n
     if len(data) != end + _STAGED.size * n:
         raise FrameError(f"STAGE_OK: {len(data)} bytes of body for {n} blocks")
@@ -256,14 +247,11 @@ def encode_commit(request_id: int, commit: Commit) -> bytes:
     parts += [
         _COMMIT_BLOCK.pack(k, c) for k, c in zip(commit.nbytes, commit.checksums, strict=True)
     ]
-    body = b"".join(parts)
-    return encode_header(Op.COMMIT, request_id, len(body)) + body
+    return frame(Op.COMMIT, request_id, b"".join(parts))
 
 
 def decode_commit(data: bytes, limits: Limits) -> Commit:
-    if len(data) < _COMMIT.size:
-        raise FrameError("COMMIT: body shorter than its fixed part")
-    staging, start, n = _COMMIT.unpack_from(data)
+    staging, start, n = fixed_part(_COMMIT, data, "COMMIT")
     if len(data) != _COMMIT.size + _COMMIT_BLOCK.size * n:
         raise FrameError(f"COMMIT: {len(data)} bytes of body for {n} blocks")
     _check_count(n, limits, "COMMIT")
@@ -277,7 +265,7 @@ def encode_commit_ok(request_id: int, ok: StoreOk) -> bytes:
     """COMMIT_OK: a STORE_OK's body; status ``REJECTED`` for a slot whose bytes did not
     match (the blocks after it are ``DROPPED``)."""
     body = _STORE_OK.pack(len(ok.ids), ok.durable) + join_ids(ok.ids) + _status_bytes(ok.status)
-    return encode_header(Op.COMMIT_OK, request_id, len(body)) + body
+    return frame(Op.COMMIT_OK, request_id, body)
 
 
 def decode_commit_ok(data: bytes) -> StoreOk:
@@ -291,7 +279,7 @@ def encode_abort(request_id: int, staging: bytes) -> bytes:
     """ABORT (``staging[16]``): free the staging's slots; answered by an empty ABORT_OK."""
     if len(staging) != HASH_BYTES:
         raise InvalidInput(f"a staging id is {HASH_BYTES} bytes")
-    return encode_header(Op.ABORT, request_id, HASH_BYTES) + staging
+    return frame(Op.ABORT, request_id, staging)
 
 
 def decode_abort(data: bytes) -> bytes:
@@ -301,4 +289,4 @@ def decode_abort(data: bytes) -> bytes:
 
 
 def encode_abort_ok(request_id: int) -> bytes:
-    return encode_header(Op.ABORT_OK, request_id, 0)
+    return frame(Op.ABORT_OK, request_id, b"")

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from sessioncache.dataplane.frames.control import _json_body
-from sessioncache.dataplane.frames.header import SESSION_VERSION, Op, encode_header
+from sessioncache.dataplane.frames.header import SESSION_VERSION, Op, frame
 from sessioncache.errors import InvalidInput
 
 VERBS = ("open", "get", "extend", "finish", "close")
@@ -41,7 +41,7 @@ _TEXT = ("session_id", "kind", "parent", "finish_reason")
 
 def _frame(opcode: Op, request_id: int, body: Mapping[str, Any]) -> bytes:
     data = json.dumps(body, separators=(",", ":")).encode()
-    return encode_header(opcode, request_id, len(data), version=SESSION_VERSION) + data
+    return frame(opcode, request_id, data, version=SESSION_VERSION)
 
 
 def encode_session_call(request_id: int, call: SessionCall) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import numpy as np
@@ -275,12 +275,14 @@ def test_a_transfer_without_a_namespace_moves_keyed_blocks_only(node: Server):
         kv.load_into(list(range(16)), buffers(1))
 
 
-class ColdSameHost:
-    """A same-host connection to a node holding ``held``, of which the ``cold`` blocks cannot
-    be placed in shared memory now: a LOCATE leases them past its located run."""
+class ColdSameHost(SameHostClient):
+    """A same-host connection (no socket: its calls answered here) to a node holding
+    ``held``, of which the ``cold`` blocks cannot be placed in shared memory now: a LOCATE
+    leases them past its located run."""
+
+    limits = Limits(max_ids=MAX_IDS)
 
     def __init__(self, held: set[bytes], cold: set[bytes]) -> None:
-        self.limits = Limits(max_ids=MAX_IDS)
         self.held, self.cold = held, cold
         self.over_the_socket: list[list[bytes]] = []
 
@@ -310,9 +312,8 @@ def test_same_host_blocks_not_placeable_go_over_the_socket(prefix: bool):
     ids = [bytes([i]) * 16 for i in range(10)]
     conn = ColdSameHost({h for i, h in enumerate(ids) if i != 6}, {ids[2]})
     out = [np.zeros(4, np.uint8) for _ in ids]
-    carrier = cast(ops.Carrier, conn)
     got = ops.load(
-        carrier, b"r" * 16, ids, ops.Targets.buffers(out), lease_ms=1000, keyed=True, prefix=prefix
+        conn, b"r" * 16, ids, ops.Targets.buffers(out), lease_ms=1000, keyed=True, prefix=prefix
     )
     # 0, 1 from shared memory; 2 (cold) and 3 after it over the socket; 6 is not held
     assert conn.over_the_socket == [ids[2:4]]
