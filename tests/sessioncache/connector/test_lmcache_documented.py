@@ -42,6 +42,9 @@ def port_free(port: int) -> bool:
 def test_the_documented_ports_do_not_collide():
     block = documented_commands()
     assert "--http-port 8090" in block
+    # sized for a small host: LMCache's L1 (resident at once) beside the node's 4 GiB tier
+    (l1,) = re.findall(r"--l1-size-gb (\d+)", block)
+    assert int(l1) <= 4
     assert '"url": "http://127.0.0.1:8080"' in block
 
 
@@ -56,8 +59,6 @@ def test_the_pair_starts_with_the_documented_commands(tmp_path: Path):
         PYTHONPATH=str(ROOT_DIR),
         LMCACHE_DISABLE_BANNER="1",
         LMCACHE_TRACK_USAGE="false",
-        # the node's 4 GiB tier made as stores need it, beside LMCache's 20 GB L1 on a CI host
-        SESSIONCACHE_CPU_PREALLOCATE="off",
     )
     log_path = tmp_path / "pair.log"
     with log_path.open("w+") as log:
