@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +12,7 @@ import pytest
 import yaml
 
 from sessioncache.config import Settings
+from tests.support.servers import spawn_server, wait_ready
 
 ROOT = Path(__file__).parents[1]
 
@@ -61,3 +65,19 @@ def test_service_ports_match_the_servers():
 def test_dockerfile_installs_the_cpu_torch_and_serves():
     text = (ROOT / "Dockerfile").read_text()
     assert "torch==2.13.0" in text and "sessioncache" in text and "serve" in text
+
+
+def test_readmes_first_example_stores_then_hits(tmp_path: Path):
+    """README's Python example, run as written against a node on README's defaults (its port
+    replaced by a free one): a miss, a store, then the whole prompt and a longer one hit."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (example,) = [b for b in blocks if "SessionCacheClient" in b and "client.store" in b]
+    server = wait_ready(spawn_server(tmp_path / "data"))
+    try:
+        script = example.replace("http://127.0.0.1:8080", server.url)
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.split()
+    finally:
+        server.stop()
+    assert out == ["0", "64", "64"]
