@@ -95,14 +95,15 @@ def _match(
     session_id: str | None,
     lease_s: float | None,
     budget: PinBudget | None,
+    counted: bool,
 ) -> Match:
     """The store's lookup, on behalf of a session when one is named (its TTL, pins, head),
-    its lease admitted against ``budget``."""
+    its lease admitted against ``budget``; ``counted`` in the store's lookup counters."""
     if session_id is not None:
         return node.sessions.lookup(
-            session_id, hashes, tenant=tenant, lease_s=lease_s, budget=budget
+            session_id, hashes, tenant=tenant, lease_s=lease_s, budget=budget, counted=counted
         )
-    return node.store.reads.lookup(hashes, lease_s=lease_s, budget=budget)
+    return node.store.reads.lookup(hashes, lease_s=lease_s, budget=budget, counted=counted)
 
 
 def _keep_lease(caller: Caller, match: Match) -> bytes | None:
@@ -121,7 +122,8 @@ def lookup(
 ) -> LookupResult:
     """The longest held prefix of ``request.ids`` the caller may read, leased on request (as
     far as the caller's share admits; ``locate``: the leased blocks are then copied into the
-    shared-memory tier), on behalf of its session; counted in the token totals and attributed
+    shared-memory tier), on behalf of its session; a ``counted`` one (a question an engine
+    asks) is counted in the store's lookup counters and the token totals, and attributed
     (module docstring)."""
     root = request.root
     namespace = caller.namespace(root)
@@ -145,6 +147,7 @@ def lookup(
         session_id=request.session_id,
         lease_s=request.lease_s,
         budget=budget,
+        counted=request.counted,
     )
     key = _keep_lease(caller, match)
     nbytes = 0
@@ -216,10 +219,11 @@ def exists(
 ) -> list[bool]:
     """Which of ``ids`` the node holds under ``root`` (resolved by the caller), each on its
     own, chained or keyed; nothing is touched nor leased. A ``counted`` one is a prompt's
-    question (an LMCache lookup is one): its held ids count as hit tokens, the others as miss
-    tokens. Blocks only in the fleet's shared tier are not asked for (a lookup adopts them)."""
+    question (an LMCache lookup is one): one lookup in the store's counters, its held ids
+    hit tokens and the others miss tokens. Blocks only in the fleet's shared tier are not
+    asked for (a lookup adopts them)."""
     namespace = caller.namespace(root)
-    held = node.store.reads.held_under(root, ids)
+    held = node.store.reads.held_under(root, ids, counted=counted and bool(ids))
     if counted and ids:
         bt = namespace.block_tokens
         node.accounting.count(sum(held) * bt, len(ids) * bt, root=root)
@@ -407,7 +411,7 @@ def _leased_run(
         screened.append(verdict)
     if not ids:
         return [], None
-    match = node.store.reads.lookup(ids, lease_s=lease_s, budget=budget)
+    match = node.store.reads.lookup(ids, lease_s=lease_s, budget=budget, counted=False)
     metas = screened[: match.num_blocks]
     for i in range(len(metas), match.num_blocks):
         verdict = _readable(node, caller, match.hashes[i])
@@ -418,7 +422,9 @@ def _leased_run(
                 node.store.reads.release(match.lease.id)
             if not i:
                 return [], None
-            again = node.store.reads.lookup(match.hashes[:i], lease_s=lease_s, budget=budget)
+            again = node.store.reads.lookup(
+                match.hashes[:i], lease_s=lease_s, budget=budget, counted=False
+            )
             return metas[: again.num_blocks], again.lease
         metas.append(verdict)
     return metas, match.lease
@@ -435,7 +441,11 @@ def _plan_each(
     while they are sent (as far as ``budget`` admits); the others answer missing."""
     readable = [isinstance(_readable(node, caller, h), BlockMeta) for h in ids]
     wanted = [h for h, ok in zip(ids, readable, strict=True) if ok]
-    match = node.store.reads.lookup(wanted, lease_s=lease_s, budget=budget) if wanted else None
+    match = (
+        node.store.reads.lookup(wanted, lease_s=lease_s, budget=budget, counted=False)
+        if wanted
+        else None
+    )
     leased = set(match.hashes) if match is not None else set()
     # ids after a block that went away since the screening are not leased: missing too
     plan: list[BlockHash | None] = [h if h in leased else None for h in ids]

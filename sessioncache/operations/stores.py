@@ -81,7 +81,8 @@ def plan_upload(
     hashes = node.hashes(tenant, namespace, token_bytes)
     if session_id is not None:
         ttl_s = max(ttl_s or 0.0, node.sessions.get(session_id, tenant=tenant).ttl_s)
-    match = node.store.reads.lookup(hashes, ttl_s=ttl_s)
+    # The node's own probe, not an engine's question: counted in no lookup counter.
+    match = node.store.reads.lookup(hashes, ttl_s=ttl_s, counted=False)
     # The match is a prefix; past it, blocks may still be held beyond a hole: one pass under
     # the store's lock instead of a lock round per block.
     start = match.num_blocks

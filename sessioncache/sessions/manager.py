@@ -294,11 +294,14 @@ class SessionManager:
         tenant: str = DEFAULT_TENANT,
         lease_s: float | None = None,
         budget: PinBudget | None = None,
+        counted: bool = True,
     ) -> Match:
         """``reads.lookup`` on behalf of a session: TTLs at least the session's, chain pinned;
-        ``budget``: its lease's (``reads.lookup``)."""
+        ``budget``: its lease's, ``counted``: whether the store counts it (``reads.lookup``)."""
         session, ttl = self._begin(session_id, tenant)
-        match = self._store.reads.lookup(hashes, lease_s=lease_s, ttl_s=ttl, budget=budget)
+        match = self._store.reads.lookup(
+            hashes, lease_s=lease_s, ttl_s=ttl, budget=budget, counted=counted
+        )
         self._end(session, match.hashes)
         return match
 

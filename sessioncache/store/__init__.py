@@ -5,7 +5,8 @@ Data flow (``docs/architecture.md`` has the pictures):
 * ``reads.lookup(hashes)`` walks the chain from its root and stops at the first block that is not
   held or has expired; it touches the matched prefix (sliding TTL, LRU order) and optionally
   leases it, so that it cannot be evicted between the lookup and the load. Counted in the
-  ``lookups`` and ``hit_blocks`` counters: it is what engines ask. ``reads.touch(hashes)`` touches
+  ``lookups`` and ``hit_blocks`` counters, which count what engines ask (the node's own
+  lookups pass ``counted=False``: a store's plan, a load). ``reads.touch(hashes)`` touches
   the same prefix without counting (a session noting activity on blocks already looked up).
 * ``writes.put(hashes, payloads, parent=...)`` stores a chain segment into the first tier (or the
   one named). A full tier makes room by evicting victims chosen by the ``EvictionPolicy``;

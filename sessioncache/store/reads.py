@@ -36,13 +36,16 @@ class StoreReads(StorePart):
         lease_s: float | None = None,
         ttl_s: float | None = None,
         budget: PinBudget | None = None,
+        counted: bool = True,
     ) -> Match:
         """The longest held, unexpired prefix of ``hashes``; touches it and optionally leases it.
 
         ``ttl_s`` raises the TTL of the matched blocks to at least that (a session's TTL).
         ``budget``: a lease is admitted against it (``quotas.PinBudget``): the match is cut to
         the prefix that fits (``Match.cut`` says so), and ``QuotaExceeded`` when not one block
-        does.
+        does. ``counted``: a question an engine asks, counted in the ``lookups``,
+        ``hit_blocks`` and ``miss_blocks`` counters; False for the node's own probes (a
+        store's plan) and for fetches of blocks a counted question already asked for (loads).
         """
         if lease_s is not None and not 0 < lease_s <= self._core.max_lease_s:
             raise InvalidInput(f"lease_s must be in (0, {self._core.max_lease_s}], got {lease_s}")
@@ -54,15 +57,14 @@ class StoreReads(StorePart):
             matched = self._core.index.held_run(hashes, now)
             short = len(matched) < len(hashes) and self._core.shared is not None
             if not short:
-                return self._finish_lookup(hashes, matched, now, lease_s, ttl_s, budget)
+                return self._finish_lookup(hashes, matched, now, lease_s, ttl_s, budget, counted)
         # Local tiers stop short: the fleet's shared tier may hold the rest of the chain,
         # stored by another node. One round trip, outside the lock.
         self._adopt_shared(hashes, len(matched), now)
         with self._core.lock:
             now = self._core.clock.now()
-            return self._finish_lookup(
-                hashes, self._core.index.held_run(hashes, now), now, lease_s, ttl_s, budget
-            )
+            matched = self._core.index.held_run(hashes, now)
+            return self._finish_lookup(hashes, matched, now, lease_s, ttl_s, budget, counted)
 
     def touch(self, hashes: Sequence[BlockHash], ttl_s: float | None = None) -> int:
         """Touch the held, unexpired prefix of ``hashes`` as a lookup does (sliding TTL, raised
@@ -87,17 +89,18 @@ class StoreReads(StorePart):
         lease_s: float | None,
         ttl_s: float | None,
         budget: PinBudget | None,
+        counted: bool,
     ) -> Match:
-        """Count, touch and lease a lookup's match, cut to what ``budget`` admits (lock held)."""
+        """Count (when ``counted``), touch and lease a lookup's match, cut to what ``budget``
+        admits (lock held)."""
         cut = None
         if lease_s is not None and budget is not None and len(matched):
             fits = self._admitted(budget, matched)
             if fits < len(matched):
                 matched, cut = matched.prefix(fits), "pin_share"
         n = len(matched)
-        self._core.counters.lookups += 1
-        self._core.counters.hit_blocks += n
-        self._core.counters.miss_blocks += len(hashes) - n
+        if counted:
+            self._count(n, len(hashes) - n)
         self._core.index.touch_run(matched, now, ttl_s)
         self._core.notify_touched(matched, hashes)
         lease = None
@@ -111,6 +114,13 @@ class StoreReads(StorePart):
             lease,
             cut,
         )
+
+    def _count(self, hit: int, miss: int) -> None:
+        """One lookup an engine asked, of ``hit`` blocks held and ``miss`` not (lock held)."""
+        counters = self._core.counters
+        counters.lookups += 1
+        counters.hit_blocks += hit
+        counters.miss_blocks += miss
 
     def _admitted(self, budget: PinBudget, run: Run, *, refuse: bool = True) -> int:
         """How many blocks of ``run``, from the first, ``budget`` admits a lasting pin of (lock
@@ -256,15 +266,22 @@ class StoreReads(StorePart):
             now = self._core.clock.now()
             return [self._core.index.held(block_hash, now) is not None for block_hash in hashes]
 
-    def held_under(self, namespace_root: bytes, hashes: Sequence[BlockHash]) -> list[bool]:
+    def held_under(
+        self, namespace_root: bytes, hashes: Sequence[BlockHash], *, counted: bool = False
+    ) -> list[bool]:
         """For each id, whether a tier holds it unexpired under ``namespace_root`` (one pass
-        under the lock; nothing touched): the presence test of keyed blocks."""
+        under the lock; nothing touched): the presence test of keyed blocks. ``counted``: a
+        question an engine asks (an exists), counted as one lookup as ``lookup`` counts one,
+        its held ids as hit blocks and the others as miss blocks."""
         with self._core.lock:
             now = self._core.clock.now()
             out = []
             for block_hash in hashes:
                 meta = self._core.index.held(block_hash, now)
                 out.append(meta is not None and meta.namespace_root == namespace_root)
+            if counted:
+                hit = sum(out)
+                self._count(hit, len(out) - hit)
             return out
 
     def where(self, block_hash: BlockHash) -> list[str]:
