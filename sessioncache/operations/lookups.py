@@ -51,13 +51,15 @@ def chain_prefix(node: CacheNode, root: bytes, hashes: Sequence[BlockHash]) -> i
     of the one before it. A block's root and parent never change (its id is their digest), so
     linkage to the caller's block 0 proves the whole run is the caller's.
 
-    Cheap for the lookups clients make (a held run followed by blocks not held): two record
-    reads, a binary search for the end of the held run, and one ``chain_to`` walk compared
-    with the ids. Only a run with a hole or a foreign id reads the records one by one, up to
-    the first that does not fit."""
+    With a fleet's shared tier, the blocks past the run held here that it holds are adopted
+    first (one round trip when the run stops short). Cheap for the lookups clients make (a
+    held run followed by blocks not held): two record reads, a binary search for the end of
+    the held run, and one ``chain_to`` walk compared with the ids. Only a run with a hole or
+    a foreign id reads the records one by one, up to the first that does not fit."""
     store = node.store
     if not hashes:
         return 0
+    store.reads.adopt_shared(hashes)  # a fleet's shared tier may hold what this node lacks
     first = store.reads.meta(hashes[0])
     if first is None or first.parent is not None or first.namespace_root != root:
         return 0

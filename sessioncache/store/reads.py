@@ -137,6 +137,20 @@ class StoreReads(StorePart):
         capacity = [t.capacity_bytes for t in self._core.tiers]
         return budget.room(self._core.index.root_pinned, capacity), capacity
 
+    def adopt_shared(self, hashes: Sequence[BlockHash]) -> int:
+        """Index what the fleet's shared tier holds of ``hashes`` past the run held here, as
+        ``lookup`` does when its local run stops short: for questions by ids, which are
+        proved against the index afterwards (a node that has not seen a chain another node
+        stored finds it). How many were adopted; nothing without a shared tier."""
+        if self._core.shared is None or not hashes:
+            return 0
+        with self._core.lock:
+            now = self._core.clock.now()
+            held = len(self._core.index.held_run(hashes, now))
+        if held == len(hashes):
+            return 0
+        return self._adopt_shared(hashes, held, now)
+
     def _adopt_shared(self, hashes: Sequence[BlockHash], start: int, now: float) -> int:
         """Index the blocks of ``hashes[start:]`` that the shared tier holds, as far as they
         continue the chain; returns how many were adopted."""
