@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,38 @@ from tests.support.servers import spawn_server, wait_ready
 ROOT = Path(__file__).parents[1]
 
 
-def compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def interpolate(text: str, variables: Mapping[str, str]) -> str:
+    """``text`` with compose's interpolation applied: ``${NAME}``, ``${NAME:-default}`` (the
+    default when NAME is unset or empty), ``${NAME-default}`` (when unset) and ``$$``."""
+
+    def value(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, default = m.group(1), m.group(2)
+        got = variables.get(name)
+        if default is None:
+            return got or ""
+        if got is None or (got == "" and ":-" in m.group(0)):
+            return default
+        return got
+
+    return _VARIABLE.sub(value, text)
+
+
+def compose(variables: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """docker-compose.yml as compose reads it, its variables taken from ``variables`` (none set:
+    every default)."""
+    text = interpolate((ROOT / "docker-compose.yml").read_text(), variables or {})
+    data: dict[str, Any] = yaml.safe_load(text)
     return data
+
+
+def node_environment(name: str, variables: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment compose gives the node service ``name``."""
+    return {k: str(v) for k, v in compose(variables)["services"][name]["environment"].items()}
 
 
 def test_compose_runs_redis_postgres_and_two_nodes():
@@ -36,7 +66,7 @@ def test_every_node_variable_is_a_setting_and_parses(monkeypatch: pytest.MonkeyP
     fields = {f"SESSIONCACHE_{name.upper()}" for name in Settings.model_fields}
     node_ids = set()
     for name in ("node-a", "node-b"):
-        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        env = node_environment(name)
         unknown = {k for k in env if k.startswith("SESSIONCACHE_")} - fields
         assert not unknown, f"{name} sets variables the service does not read: {unknown}"
         with monkeypatch.context() as m:
@@ -47,15 +77,57 @@ def test_every_node_variable_is_a_setting_and_parses(monkeypatch: pytest.MonkeyP
         assert settings.database_url and "@postgres:5432/" in settings.database_url
         assert settings.api_keys, "a multi-node deployment binds 0.0.0.0: keys are required"
         node_ids.add(settings.node_id)
-        container_port = int(services[name]["ports"][0].split(":")[1])
-        assert container_port == settings.port
+        container_ports = {int(p.split(":")[1]) for p in services[name]["ports"]}
+        assert container_ports == {settings.port, settings.stream_port}
+        assert settings.stream_enabled and settings.stream_host == "0.0.0.0"
+        # what the node advertises names the node itself, never the address it binds
+        assert settings.node_url == f"http://{name}:{settings.port}"
+        assert settings.stream_advertise == f"{name}:{settings.stream_port}"
     assert len(node_ids) == 2
+
+
+def test_advertised_addresses_and_shared_services_are_variables() -> None:
+    """On real hosts each node advertises the address the other hosts reach, and the nodes
+    reach Redis and PostgreSQL where they run: compose variables set them."""
+    variables = {
+        "REDIS_URL": "redis://10.0.0.5:6379/0",
+        "DATABASE_URL": "postgresql+psycopg://sessioncache@10.0.0.5:5432/sessioncache",
+        "NODE_A_URL": "http://10.0.0.11:18080",
+        "NODE_A_STREAM": "10.0.0.11:18081",
+        "NODE_B_URL": "http://10.0.0.12:18082",
+        "NODE_B_STREAM": "10.0.0.12:18083",
+    }
+    for name, host in (("node-a", "10.0.0.11"), ("node-b", "10.0.0.12")):
+        env = node_environment(name, variables)
+        assert env["SESSIONCACHE_REDIS_URL"] == variables["REDIS_URL"]
+        assert env["SESSIONCACHE_DATABASE_URL"] == variables["DATABASE_URL"]
+        assert env["SESSIONCACHE_NODE_URL"].startswith(f"http://{host}:")
+        assert env["SESSIONCACHE_STREAM_ADVERTISE"].startswith(f"{host}:")
+
+
+def test_interpolation_follows_compose() -> None:
+    assert interpolate("${A:-x} ${A-y} ${B} $$Z", {}) == "x y  $Z"
+    assert interpolate("${A:-x} ${A-y}", {"A": ""}) == "x "
+    assert interpolate("${A:-x} ${A-y} ${A}", {"A": "v"}) == "v v v"
+
+
+def test_published_ports_collide_with_no_local_service() -> None:
+    """Redis and PostgreSQL are reached inside the compose network only; the nodes' host ports
+    are neither a node's default REST and stream ports nor PostgreSQL's or Redis'."""
+    services = compose()["services"]
+    assert "ports" not in services["redis"] and "ports" not in services["postgres"]
+    host_ports = [
+        int(p.split(":")[0]) for name in ("node-a", "node-b") for p in services[name]["ports"]
+    ]
+    assert len(set(host_ports)) == len(host_ports) == 4
+    assert not set(host_ports) & {8080, 8081, 5432, 6379}
 
 
 def test_service_ports_match_the_servers():
     services = compose()["services"]
-    assert services["redis"]["ports"] == ["6379:6379"]
-    assert services["postgres"]["ports"] == ["5432:5432"]
+    assert services["node-a"]["environment"]["SESSIONCACHE_REDIS_URL"] == (
+        "redis://redis:6379/0"  # redis:7 listens on its default port
+    )
     db = services["postgres"]["environment"]["POSTGRES_DB"]
     user = services["postgres"]["environment"]["POSTGRES_USER"]
     url = services["node-a"]["environment"]["SESSIONCACHE_DATABASE_URL"]
