@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import subprocess
 import sys
 import time
@@ -17,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sessioncache.connector.lmcache import Completion, SessionCacheL2, parse_key
+from sessioncache.connector.lmcache import SessionCacheL2, parse_key
 from sessioncache.errors import InvalidInput
 from tests.sessioncache.connector.conftest import received_bytes
+from tests.support.adapters import wait_for
 from tests.support.servers import Server, free_port, start_server
 
 LMCACHE = [sys.executable, "-c", "from lmcache.cli.main import main; main()"]
@@ -132,19 +132,6 @@ def test_lmcache_server_boots_with_the_adapter(node: Server, tmp_path: Path):
 
 
 # -- the native interface directly ----------------------------------------------------------------
-
-
-def wait_for(adapter: SessionCacheL2, future: int, timeout_s: float = 30.0) -> Completion:
-    """What LMCache's demux thread does: poll the eventfd, drain, match the future id."""
-    deadline = time.monotonic() + timeout_s
-    pending: list[Completion] = []
-    while time.monotonic() < deadline:
-        for done in pending:
-            if done[0] == future:
-                return done
-        select.select([adapter.event_fd()], [], [], 0.5)
-        pending += adapter.drain_completions()
-    raise AssertionError(f"future {future} never completed")
 
 
 def key(chunk: int, *, rank: int = 0, salt: str | None = None, model: str = "m/x") -> str:

@@ -10,7 +10,6 @@ and loads."""
 from __future__ import annotations
 
 import json
-import select
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from sessioncache.connector import ops
-from sessioncache.connector.lmcache import Completion, SessionCacheL2
+from sessioncache.connector.lmcache import SessionCacheL2
 from sessioncache.connector.paged import EngineNode, NodeSettings, PagedLayout, Scope, Transfer
 from sessioncache.connector.retry import REQUEST_ERRORS, NodeBackoff, NodeDown
 from sessioncache.connector.samehost import SameHostClient
@@ -29,6 +28,7 @@ from sessioncache.connector.stream import StreamClient
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.errors import SessionCacheError
 from sessioncache.hashing import Namespace, block_key
+from tests.support.adapters import hicache_config, wait_for
 from tests.support.servers import Server, free_port, spawn_server, wait_ready
 
 PATHS = ["same_host", "stream"]
@@ -273,22 +273,10 @@ def test_sglang_misses_while_the_node_is_down_then_reconnects(
     node: Node, kill_at_load: Callable[[], None], path: str
 ) -> None:
     pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
     from sessioncache.connector.sglang import SessionCacheHiCacheStorage
 
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="ops-sglang",
-        extra_config={"url": node.url, "api_key": "sk-ops", "path": path, "timeout_s": 5},
+    config = hicache_config(
+        {"url": node.url, "api_key": "sk-ops", "path": path, "timeout_s": 5}, model="ops-sglang"
     )
     clock = Clock()
     keys = [f"ops-{path}-{i}" for i in range(6)]
@@ -329,18 +317,6 @@ def test_sglang_misses_while_the_node_is_down_then_reconnects(
 
 
 # -- LMCache's L2 adapter -----------------------------------------------------------------------
-
-
-def wait_for(adapter: SessionCacheL2, future: int, timeout_s: float = 30.0) -> Completion:
-    deadline = time.monotonic() + timeout_s
-    pending: list[Completion] = []
-    while time.monotonic() < deadline:
-        for done in pending:
-            if done[0] == future:
-                return done
-        select.select([adapter.event_fd()], [], [], 0.5)
-        pending += adapter.drain_completions()
-    raise AssertionError(f"future {future} never completed")
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -37,6 +37,7 @@ from sessioncache.connector.sglang import (  # noqa: E402
 from sessioncache.errors import InvalidInput  # noqa: E402
 from sessioncache.hashing import block_key  # noqa: E402
 from tests.sessioncache.connector.conftest import received_bytes  # noqa: E402
+from tests.support.adapters import hicache_config  # noqa: E402
 from tests.support.servers import Server, start_server  # noqa: E402
 
 MODULE = "sessioncache.connector.sglang"
@@ -115,19 +116,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def storage_config(extra: dict[str, Any], *, model: str, tp_rank: int = 0) -> Any:
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=2,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name=model,
-        extra_config=extra,
-    )
+    return hicache_config(extra, model=model, tp_rank=tp_rank, tp_size=2)
 
 
 def create(node: Server, model: str, **extra: Any) -> Any:
