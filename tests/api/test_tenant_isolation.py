@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import select
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Protocol
@@ -25,11 +23,12 @@ import numpy as np
 import pytest
 
 from sessioncache.connector import StreamClient, discover
-from sessioncache.connector.lmcache import Completion, SessionCacheL2
+from sessioncache.connector.lmcache import SessionCacheL2
 from sessioncache.connector.samehost import SameHostClient
 from sessioncache.connector.stream import discover_same_host
 from sessioncache.hashing import Namespace, block_key
 from tests.api.conftest import KEYS, METRICS, METRICS_TOKEN
+from tests.support.adapters import hicache_config, wait_for
 from tests.support.servers import Server, free_port, start_server
 
 NS = Namespace("isolation-model", block_tokens=4, kv_dtype="bf16", kv_layout="x")
@@ -323,19 +322,6 @@ def test_tenants_never_see_each_other(server: Server, name: str, seed: int) -> N
 # -- the adapters: LMCache's L2 adapter, SGLang's HiCache backend ----------------------------
 
 
-def lmcache_wait(adapter: SessionCacheL2, future: int) -> Completion:
-    """What LMCache's demux thread does: poll the eventfd, drain, match the future id."""
-    deadline = time.monotonic() + 30
-    pending: list[Completion] = []
-    while time.monotonic() < deadline:
-        for done in pending:
-            if done[0] == future:
-                return done
-        select.select([adapter.event_fd()], [], [], 0.5)
-        pending += adapter.drain_completions()
-    raise AssertionError(f"future {future} never completed")
-
-
 @pytest.mark.parametrize("data_path", ["stream", "same_host"])
 def test_lmcache_tenants_never_read_each_other(server: Server, data_path: str) -> None:
     size = 4096
@@ -346,19 +332,19 @@ def test_lmcache_tenants_never_read_each_other(server: Server, data_path: str) -
     try:
         assert a.data_path == g.data_path == data_path
         mine = [memoryview(bytes([i + 1]) * size) for i in range(3)]
-        assert lmcache_wait(a, a.submit_batch_set(chunks, mine))[1:3] == (True, "")
+        assert wait_for(a, a.submit_batch_set(chunks, mine))[1:3] == (True, "")
         # the same keys from the other tenant: neither there nor readable, as unknown keys
         for asked in (chunks, unknown):
-            assert lmcache_wait(g, g.submit_batch_exists(asked))[1:] == (True, "", [False] * 3)
+            assert wait_for(g, g.submit_batch_exists(asked))[1:] == (True, "", [False] * 3)
             out = [bytearray(size) for _ in asked]
-            got = lmcache_wait(g, g.submit_batch_get(asked, [memoryview(b) for b in out]))
+            got = wait_for(g, g.submit_batch_get(asked, [memoryview(b) for b in out]))
             assert got[1:] == (True, "", [False] * 3)
             assert out == [bytearray(size)] * 3  # nothing copied in
         # the other stores the same keys: its own blocks, and the first tenant's stay intact
         theirs = [memoryview(b"\xee" * size) for _ in range(3)]
-        assert lmcache_wait(g, g.submit_batch_set(chunks, theirs))[1:3] == (True, "")
+        assert wait_for(g, g.submit_batch_set(chunks, theirs))[1:3] == (True, "")
         out = [bytearray(size) for _ in chunks]
-        got = lmcache_wait(a, a.submit_batch_get(chunks, [memoryview(b) for b in out]))
+        got = wait_for(a, a.submit_batch_get(chunks, [memoryview(b) for b in out]))
         assert got[1:] == (True, "", [True] * 3) and out == [bytearray(m) for m in mine]
     finally:
         a.close()
@@ -368,23 +354,11 @@ def test_lmcache_tenants_never_read_each_other(server: Server, data_path: str) -
 def test_sglang_tenants_never_read_each_other(server: Server) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
     from sessioncache.connector.sglang import SessionCacheHiCacheStorage
 
     def backend(key: str, path: str) -> SessionCacheHiCacheStorage:
-        config = HiCacheStorageConfig(
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            pp_size=1,
-            attn_cp_rank=0,
-            attn_cp_size=1,
-            is_mla_model=False,
-            enable_storage_metrics=False,
-            is_page_first_layout=True,
-            model_name="iso-sglang",
-            extra_config={"url": server.url, "api_key": key, "path": path},
+        config = hicache_config(
+            {"url": server.url, "api_key": key, "path": path}, model="iso-sglang"
         )
         return SessionCacheHiCacheStorage(config)
 
