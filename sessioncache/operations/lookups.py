@@ -51,15 +51,14 @@ def chain_prefix(node: CacheNode, root: bytes, hashes: Sequence[BlockHash]) -> i
     of the one before it. A block's root and parent never change (its id is their digest), so
     linkage to the caller's block 0 proves the whole run is the caller's.
 
-    With a fleet's shared tier, the blocks past the run held here that it holds are adopted
-    first (one round trip when the run stops short). Cheap for the lookups clients make (a
-    held run followed by blocks not held): two record reads, a binary search for the end of
-    the held run, and one ``chain_to`` walk compared with the ids. Only a run with a hole or
-    a foreign id reads the records one by one, up to the first that does not fit."""
+    Reads the index only (a lookup by ids adopts what a fleet's shared tier holds first).
+    Cheap for the lookups clients make (a held run followed by blocks not held): two record
+    reads, a binary search for the end of the held run, and one ``chain_to`` walk compared
+    with the ids. Only a run with a hole or a foreign id reads the records one by one, up to
+    the first that does not fit."""
     store = node.store
     if not hashes:
         return 0
-    store.reads.adopt_shared(hashes)  # a fleet's shared tier may hold what this node lacks
     first = store.reads.meta(hashes[0])
     if first is None or first.parent is not None or first.namespace_root != root:
         return 0
@@ -141,6 +140,7 @@ def lookup(
     elif request.tokens is not None:
         own = len(ids)  # derived by the node from the caller's own tokens
     else:
+        node.store.reads.adopt_shared(ids)  # a fleet's shared tier may hold what is not here
         own = chain_prefix(node, root, ids)
     match = _match(
         node,
