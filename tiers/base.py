@@ -214,6 +214,12 @@ class LazyStartTier(Protocol):
 
     def scan_unindexed(self) -> list[RecoveredBlock]: ...
 
+    @property
+    def unscanned(self) -> bool:
+        """Opened without its scan, and ``scan_unindexed`` not done yet."""
+
+    def find_unindexed(self, hashes: Sequence[BlockHash]) -> list[RecoveredBlock]: ...
+
     def missing(self) -> list[BlockHash]: ...
 
 

@@ -156,6 +156,7 @@ class DiskTier:
         self._opened_at = time.time()
         self._missing: list[BlockHash] = []
         self._trusted: dict[tuple[int, bytes], TrustedEntry] = {}
+        self._unscanned = False  # opened without its scan, and scan_unindexed not yet done
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -175,6 +176,7 @@ class DiskTier:
             tier._prepare()
         else:
             tier._make_base_dirs()
+            tier._unscanned = True
         return tier
 
     def adopt(self, blocks: Iterable[RecoveredBlock]) -> None:
@@ -242,7 +244,42 @@ class DiskTier:
                 for block_hash, entry in self._index.items()
                 if type(entry) is TrustedEntry and block_hash not in seen
             ]
+            self._unscanned = False
         return adopted
+
+    @property
+    def unscanned(self) -> bool:
+        """Opened without its scan, and ``scan_unindexed`` not done yet."""
+        return self._unscanned
+
+    def find_unindexed(self, hashes: Sequence[BlockHash]) -> list[RecoveredBlock]:
+        """Until ``scan_unindexed`` has walked the folders: index the files of ``hashes``, in
+        order, that the index does not know, as far as they run unbroken (reading their
+        headers; a bad one is quarantined and ends the run), and return them. What a
+        lookup asks for is served before the walk reaches it. Nothing once the walk is done."""
+        found: list[RecoveredBlock] = []
+        if not self._unscanned:
+            return found
+        for block_hash in hashes:
+            if block_hash in self._index:
+                continue
+            path = self._path(block_hash)
+            try:
+                block = read_header_of(path, block_hash)
+            except InvalidBlock as exc:
+                self._quarantine_file(path, block_hash, str(exc))
+                break
+            except OSError:
+                break
+            with self._lock:
+                if block_hash in self._inflight:
+                    break
+                if block_hash not in self._index:
+                    entry = Entry(block.nbytes, block.namespace_root, block.stored_nbytes)
+                    self._index[block_hash] = entry
+                    self._bytes.add(entry)
+                    found.append(block)
+        return found
 
     def missing(self) -> list[BlockHash]:
         """The ids adopted on trust whose files the last ``scan_unindexed`` did not find;

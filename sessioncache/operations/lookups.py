@@ -140,7 +140,7 @@ def lookup(
     elif request.tokens is not None:
         own = len(ids)  # derived by the node from the caller's own tokens
     else:
-        node.store.reads.adopt_shared(ids)  # a fleet's shared tier may hold what is not here
+        node.store.reads.adopt_elsewhere(ids)  # a restart's disk, the fleet's shared tier
         own = chain_prefix(node, root, ids)
     match = _match(
         node,

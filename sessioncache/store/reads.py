@@ -15,8 +15,9 @@ from sessioncache.errors import (
 from sessioncache.hashing import BlockHash, payload_checksum
 from sessioncache.quotas import PinBudget, Sizes
 from sessioncache.store.blocks import BlockMeta
-from sessioncache.store.core import StorePart
+from sessioncache.store.core import StoreCore, StorePart
 from sessioncache.store.index import Run, file_forecast, pin_sizes
+from sessioncache.store.recovery import StoreRecovery
 from sessioncache.store.results import (
     LocatedSlot,
     Match,
@@ -28,6 +29,10 @@ from sessioncache.tiers.payload import as_memoryview
 class StoreReads(StorePart):
     """The store's reads (``TieredStore.reads``): lookups and leases, touches, pins, presence,
     payloads and same-host locates."""
+
+    def __init__(self, core: StoreCore, recovery: StoreRecovery) -> None:
+        super().__init__(core)
+        self._recovery = recovery
 
     def lookup(
         self,
@@ -55,12 +60,11 @@ class StoreReads(StorePart):
             now = self._core.clock.now()
             self._core.index.leases.reap(now)
             matched = self._core.index.held_run(hashes, now)
-            short = len(matched) < len(hashes) and self._core.shared is not None
-            if not short:
+            short = len(matched) < len(hashes)
+            if not (short and (self._core.shared is not None or self._recovery.scanning())):
                 return self._finish_lookup(hashes, matched, now, lease_s, ttl_s, budget, counted)
-        # Local tiers stop short: the fleet's shared tier may hold the rest of the chain,
-        # stored by another node. One round trip, outside the lock.
-        self._adopt_shared(hashes, len(matched), now)
+        # The run indexed here stops short: the rest may be held elsewhere (outside the lock).
+        self._adopt_elsewhere(hashes, len(matched), now)
         with self._core.lock:
             now = self._core.clock.now()
             matched = self._core.index.held_run(hashes, now)
@@ -137,19 +141,32 @@ class StoreReads(StorePart):
         capacity = [t.capacity_bytes for t in self._core.tiers]
         return budget.room(self._core.index.root_pinned, capacity), capacity
 
-    def adopt_shared(self, hashes: Sequence[BlockHash]) -> int:
-        """Index what the fleet's shared tier holds of ``hashes`` past the run held here, as
-        ``lookup`` does when its local run stops short: for questions by ids, which are
-        proved against the index afterwards (a node that has not seen a chain another node
-        stored finds it). How many were adopted; nothing without a shared tier."""
-        if self._core.shared is None or not hashes:
+    def adopt_elsewhere(self, hashes: Sequence[BlockHash]) -> int:
+        """Index what is held of ``hashes`` past the run indexed here, as ``lookup`` does
+        when its run stops short: for questions by ids, which are proved against the index
+        afterwards. How many were adopted."""
+        if not hashes:
             return 0
         with self._core.lock:
             now = self._core.clock.now()
             held = len(self._core.index.held_run(hashes, now))
         if held == len(hashes):
             return 0
-        return self._adopt_shared(hashes, held, now)
+        return self._adopt_elsewhere(hashes, held, now)
+
+    def _adopt_elsewhere(self, hashes: Sequence[BlockHash], start: int, now: float) -> int:
+        """Where the run indexed here stops short: a durable tier still walking its folders
+        after a fast restart (files the catalog lacked), then the fleet's shared tier (a chain
+        another node stored: one round trip), outside the lock. How many were adopted."""
+        adopted = self._recovery.adopt_unscanned(hashes[start:])
+        if self._core.shared is not None:
+            if adopted:
+                with self._core.lock:
+                    now = self._core.clock.now()
+                    start = len(self._core.index.held_run(hashes, now))
+            if start < len(hashes):
+                adopted += self._adopt_shared(hashes, start, now)
+        return adopted
 
     def _adopt_shared(self, hashes: Sequence[BlockHash], start: int, now: float) -> int:
         """Index the blocks of ``hashes[start:]`` that the shared tier holds, as far as they

@@ -11,6 +11,7 @@ from sessioncache.hashing import BlockHash
 from sessioncache.store.core import StorePart
 from sessioncache.tiers.base import (
     BatchRecoverableTier,
+    LazyStartTier,
     RecoverableTier,
     RecoveredBatch,
     RecoveredBlock,
@@ -51,6 +52,26 @@ class StoreRecovery(StorePart):
                 self._core.add_to_tier(meta, index)
                 adopted += 1
         return adopted
+
+    def adopt_unscanned(self, hashes: Sequence[BlockHash]) -> int:
+        """Index the files of ``hashes`` that a durable tier still walking its folders (a
+        fast restart's background pass) holds and has not indexed yet, as far as they run:
+        what a lookup asks for is served before the walk reaches it. How many were new."""
+        adopted = 0
+        for tier in self._core.tiers:
+            if tier.durable and isinstance(tier, LazyStartTier) and tier.unscanned:
+                found = tier.find_unindexed(hashes)
+                if found:
+                    adopted += self.adopt_found(tier.name, found)
+        return adopted
+
+    def scanning(self) -> bool:
+        """Whether a durable tier is still walking its folders for files it has not indexed
+        (``adopt_unscanned`` may then find some)."""
+        return any(
+            tier.durable and isinstance(tier, LazyStartTier) and tier.unscanned
+            for tier in self._core.tiers
+        )
 
     def forget_copies(self, tier_name: str, hashes: Sequence[BlockHash]) -> int:
         """Forget the copies in ``tier_name`` of blocks that tier no longer holds (their files

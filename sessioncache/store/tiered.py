@@ -49,13 +49,13 @@ class TieredStore:
                 owner=self._core.write_behind_owner,
                 tenant_share=self._core.write_behind_share,
             )
-        self.reads = StoreReads(self._core)
+        self.recovery = StoreRecovery(self._core)
+        """What durable tiers found, on start and while serving."""
+        self.reads = StoreReads(self._core, self.recovery)
         """Lookups, leases, touches, pins, presence, payloads and same-host locates."""
         self.writes = StoreWrites(self._core)
         """The one write path (prepare, fill, reserve, commit, abort; put, stage), deletion and
         the expiry sweep."""
-        self.recovery = StoreRecovery(self._core)
-        """What durable tiers found, on start and while serving."""
         try:
             self.recovery.adopt_recovered()
         except BaseException:

@@ -4,6 +4,7 @@ and a file gone since is a miss whose row is dropped."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from sessioncache.errors import BlockNotFound
 from sessioncache.factory import open_node
 from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
-from sessioncache.tiers.base import PutItem
+from sessioncache.tiers.base import PutItem, RecoveredBlock
 from sessioncache.tiers.disk import DiskTier
 
 NS = b"fast-restart-ns!"
@@ -100,5 +101,48 @@ def test_readyz_reports_the_background_pass_while_it_runs(tmp_path: Path):
         assert problems == [] or problems[0].startswith("reconciling"), problems
         wait_served(node)
         assert all(node.store.reads.contains_many([bid(i) for i in range(1, 40)]))
+    finally:
+        node.close()
+
+
+def test_a_lookup_during_the_background_pass_finds_the_files_the_catalog_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A node killed before its catalog heard of a chain restarts, and an engine asks for
+    that chain before the background walk gets to it: the lookup reads the files it asks
+    for, so every acknowledged block is served at once."""
+    data = tmp_path / "data"
+    chain = [bid(i) for i in range(1, 9)]
+    disk = DiskTier.open(data / "blocks", 8 << 20)
+    parent = None
+    for i, block in enumerate(chain):
+        disk.put(PutItem(block, bytes([i]) * SIZE, NS, parent=parent))
+        parent = block
+    disk.close()
+    Path(disk._path(chain[6])).write_bytes(b"torn")  # a damaged file ends the run it finds
+    walk = threading.Event()
+    scan = DiskTier.scan_unindexed
+
+    def held_scan(tier: DiskTier) -> list[RecoveredBlock]:
+        walk.wait(30)
+        return scan(tier)
+
+    monkeypatch.setattr(DiskTier, "scan_unindexed", held_scan)
+    node = open_node(settings(data))
+    try:
+        assert node.health_problems()[0].startswith("reconciling")
+        match = node.store.reads.lookup(chain)
+        assert match.hashes == chain[:6]
+        assert node.store.reads.get_bytes(chain[5]) == bytes([5]) * SIZE
+        assert node.store.reads.chain_to(chain[5]) == chain[:6]
+        walk.set()
+        wait_served(node)
+        assert node.store.reads.lookup(chain).hashes == chain[:6]
+    finally:
+        walk.set()
+        node.close()
+    node = open_node(settings(data))  # the rows the lookup's adoption wrote
+    try:
+        assert node.store.reads.contains_many(chain[:6]) == [True] * 6
     finally:
         node.close()
