@@ -214,9 +214,9 @@ class LazyStartTier(Protocol):
 
     def scan_unindexed(self) -> list[RecoveredBlock]: ...
 
-    @property
-    def unscanned(self) -> bool:
-        """Opened without its scan, and ``scan_unindexed`` not done yet."""
+    unscanned: bool
+    """Opened without its scan, and ``scan_unindexed`` not done yet (``find_unindexed``
+    reads the files a caller asks for meanwhile)."""
 
     def find_unindexed(self, hashes: Sequence[BlockHash]) -> list[RecoveredBlock]: ...
 

@@ -52,6 +52,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from itertools import repeat
 from pathlib import Path
 from typing import Final, TypedDict, Unpack
@@ -156,7 +157,9 @@ class DiskTier:
         self._opened_at = time.time()
         self._missing: list[BlockHash] = []
         self._trusted: dict[tuple[int, bytes], TrustedEntry] = {}
-        self._unscanned = False  # opened without its scan, and scan_unindexed not yet done
+        self.unscanned = False
+        """Opened without its scan, and ``scan_unindexed`` not done yet."""
+        self._unlink_quiet = partial(unlink_quiet, who=f"disk tier {name!r}")
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -176,7 +179,7 @@ class DiskTier:
             tier._prepare()
         else:
             tier._make_base_dirs()
-            tier._unscanned = True
+            tier.unscanned = True
         return tier
 
     def adopt(self, blocks: Iterable[RecoveredBlock]) -> None:
@@ -244,13 +247,8 @@ class DiskTier:
                 for block_hash, entry in self._index.items()
                 if type(entry) is TrustedEntry and block_hash not in seen
             ]
-            self._unscanned = False
+            self.unscanned = False
         return adopted
-
-    @property
-    def unscanned(self) -> bool:
-        """Opened without its scan, and ``scan_unindexed`` not done yet."""
-        return self._unscanned
 
     def find_unindexed(self, hashes: Sequence[BlockHash]) -> list[RecoveredBlock]:
         """Until ``scan_unindexed`` has walked the folders: index the files of ``hashes``, in
@@ -258,7 +256,7 @@ class DiskTier:
         headers; a bad one is quarantined and ends the run), and return them. What a
         lookup asks for is served before the walk reaches it. Nothing once the walk is done."""
         found: list[RecoveredBlock] = []
-        if not self._unscanned:
+        if not self.unscanned:
             return found
         for block_hash in hashes:
             if block_hash in self._index:
@@ -653,10 +651,12 @@ class DiskTier:
         )
         quarantine(path, dest, f"disk tier {self.name!r}", block_hash, why, self._unlink_quiet)
 
-    def _unlink_quiet(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.error("disk tier %r: cannot remove %s: %s", self.name, path, exc)
+
+def unlink_quiet(path: str, who: str) -> None:
+    """Remove ``path``: gone already is fine, another failure is logged."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.error("%s: cannot remove %s: %s", who, path, exc)
