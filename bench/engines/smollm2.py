@@ -26,6 +26,7 @@ def gguf_file() -> Path:
 def convert(out: Path) -> Path:
     if (out / "config.json").exists():
         return out
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = gguf_file()
@@ -37,7 +38,8 @@ def convert(out: Path) -> Path:
     # not save_pretrained: it refuses a model loaded from GGUF
     tied = bool(model.config.tie_word_embeddings)
     state = {
-        name: tensor.detach().contiguous().clone()
+        # in the dtype the config names (the engine would cast each tensor at every start)
+        name: tensor.detach().to(torch.bfloat16).contiguous()
         for name, tensor in model.state_dict().items()
         if not (tied and name == "lm_head.weight")
     }
@@ -45,6 +47,7 @@ def convert(out: Path) -> Path:
     tokenizer.save_pretrained(out)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
     config["dtype"] = config["torch_dtype"] = "bfloat16"  # the KV an engine keeps: 23 KiB a token
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

@@ -22,8 +22,9 @@ blocks past those the node held and keeps vLLM from freeing them until the save 
 starts (``EngineNode.unsent``: after this engine's earlier saves, and also for a prompt vLLM's
 own cache answered, which asks the node no lookup). A request of a session tells the node
 why it finished (``finish_reason``: the client's ``kv_transfer_params["finish_reason"]``,
-else vLLM's), with the save's STOREs, or alone (``POST /v1/sessions/{id}/finish``) when there
-is nothing to save: the node keeps the session's blocks by when it is predicted back.
+else vLLM's), with the save's STOREs, or alone (a ``SESSION`` finish on the worker's data-plane
+connection, ``ops.finish_session``) when there is nothing to save: the node keeps the
+session's blocks by when it is predicted back.
 
 Worker side (``connector.paged``, which knows nothing of vLLM, over ``connector.ops``): loads
 run in ``start_load_kv``, before the forward pass: one leased LOCATE (same host) or LOOKUP

