@@ -164,11 +164,12 @@ def test_a_gap_is_filled_from_the_replay_socket(client: httpx.Client, fleet: Fle
     ns = unique_ns()
     a, e = fleet.start(ns)
     e.cache(prompt(1, 64))
+    before = fleet.sync(a)["replays"]  # the connect's own replay, on a loaded host
     e.cache(prompt(2, 64), send=False)  # lost on the way: the next one shows the gap
     e.remove(e.cache(prompt(3, 96), send=False)[2:3], send=False)
     e.cache(prompt(4, 32))
     status = fleet.sync(a)
-    assert (status["gaps"], status["replays"], status["views_dropped"]) == (1, 1, 0)
+    assert (status["gaps"], status["replays"] - before, status["views_dropped"]) == (1, 1, 0)
     for seed, n in ((1, 64), (2, 64), (3, 96), (4, 32)):
         check_route(client, fleet, ns, prompt(seed, n))
     assert route(client, ns, prompt(3, 96))["engines"][0]["matched_blocks"] == 2
@@ -201,14 +202,15 @@ def test_a_gap_the_replay_cannot_fill_drops_the_view(
     ns = unique_ns()
     a, e = fleet.start(ns, replay=replay, buffer_steps=2)
     e.cache(prompt(1, 64))
-    fleet.sync(a)
+    # the connect's own replay counts once if it ran after the first batch (a loaded host)
+    before = fleet.sync(a)["replays"]
     for seed in (2, 3, 4):  # three lost batches, two left in the engine's buffer
         e.cache(prompt(seed, 64), send=False)
     e.cache(prompt(1, 64) + prompt(5, 32))  # its parent was in the dropped view
     e.cache(prompt(6, 48))
     status = fleet.sync(a)
     assert status["gaps"] == 1 and status["views_dropped"] == 1
-    assert status["replays"] == (1 if replay else 0)
+    assert status["replays"] - before == (1 if replay else 0)
     # rebuilt from the events that followed: only what they said is known
     assert route(client, ns, prompt(1, 64))["engines"][0]["matched_blocks"] == 0
     assert route(client, ns, prompt(2, 64))["engines"][0]["matched_blocks"] == 0
