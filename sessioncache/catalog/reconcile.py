@@ -343,7 +343,7 @@ class BackgroundReconcile:
         if self.running():
             return (
                 "reconciling: indexing disk files the catalog lacks "
-                f"({time.monotonic() - self._started:.1f}s so far); they miss until then"
+                f"({time.monotonic() - self._started:.1f}s so far); lookups read those they ask for"
             )
         if self.error is not None:
             return f"reconciling failed: {self.error}"
