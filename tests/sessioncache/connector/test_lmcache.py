@@ -34,6 +34,15 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def native_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The native interface's own node: nothing LMCache's bench or server left on ``node``
+    (their connections' stages, their blocks) is in its counts."""
+    server = start_server(tmp_path_factory.mktemp("lmcache-native") / "data")
+    yield server
+    server.stop()
+
+
 def adapter_json(node: Server, **params: object) -> str:
     return json.dumps(
         {
@@ -140,7 +149,8 @@ def key(chunk: int, *, rank: int = 0, salt: str | None = None, model: str = "m/x
 
 
 @pytest.mark.parametrize("data_path", ["stream", "same_host"])
-def test_native_interface_round_trip(node: Server, data_path: str):
+def test_native_interface_round_trip(native_node: Server, data_path: str):
+    node = native_node
     adapter = SessionCacheL2(node.url, data_path=data_path, kv_layout=f"native-{data_path}")  # type: ignore[arg-type]
     try:
         assert adapter.data_path == data_path
@@ -178,9 +188,10 @@ def prompt_tokens(node: Server) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("data_path", ["stream", "same_host"])
-def test_a_set_sends_only_the_blocks_the_node_lacks(node: Server, data_path: str):
+def test_a_set_sends_only_the_blocks_the_node_lacks(native_node: Server, data_path: str):
     """Held keys' payloads never reach the node (its received payload bytes say so), and the
     check is not a prompt's question (no hit or miss tokens)."""
+    node = native_node
     adapter = SessionCacheL2(node.url, data_path=data_path, kv_layout=f"resend-{data_path}")  # type: ignore[arg-type]
     try:
         size = 256 << 10
