@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,17 +94,19 @@ def load_trace(
     seed: int = 0,
     block_tokens: int | None = None,
     half: str | None = None,
+    only: Collection[str] | None = None,
 ) -> Trace:
     """Load a Mooncake JSONL file or a folder of agentic session files (module docstring).
 
     ``span_days`` and ``seed`` place the sessions of a folder; a JSONL file keeps its own
     times. ``block_tokens`` overrides the block size (JSONL: 512 unless given). ``half``
-    (``even`` or ``odd``): a folder's even- or odd-numbered files only, by name.
+    (``even`` or ``odd``): a folder's even- or odd-numbered files only, by name; ``only``: the
+    files of a folder with these names (without ``.json``: a fold of a cross-validation).
     """
     path = Path(path)
     if path.is_dir():
-        return load_session_folder(path, span_days=span_days, seed=seed, half=half)
-    if half is not None:
+        return load_session_folder(path, span_days=span_days, seed=seed, half=half, only=only)
+    if half is not None or only is not None:
         raise InvalidInput("--half picks files of a session folder; a JSONL trace has none")
     if not path.is_file():
         raise InvalidInput(f"no trace at {path}: give a JSONL file or a folder of sessions")
@@ -135,10 +137,16 @@ HALVES = ("even", "odd")
 
 
 def load_session_folder(
-    path: Path, *, span_days: float = 3.0, seed: int = 0, half: str | None = None
+    path: Path,
+    *,
+    span_days: float = 3.0,
+    seed: int = 0,
+    half: str | None = None,
+    only: Collection[str] | None = None,
 ) -> Trace:
     """A folder of agentic session files spread over ``span_days`` (module docstring); with
-    ``half``, its even- or odd-numbered files only (by name, from 0)."""
+    ``half``, its even- or odd-numbered files only (by name, from 0); with ``only``, the files
+    of these names (stems) only."""
     if span_days < 0:
         raise InvalidInput(f"span_days must be >= 0, got {span_days}")
     files = sorted(p for p in path.glob("*.json") if p.is_file())
@@ -146,6 +154,9 @@ def load_session_folder(
         if half not in HALVES:
             raise InvalidInput(f"half is one of {HALVES}, got {half!r}")
         files = files[HALVES.index(half) :: 2]
+    if only is not None:
+        keep = set(only)
+        files = [f for f in files if f.stem in keep]
     if not files:
         raise InvalidInput(f"no *.json session files in {path}")
     rng = random.Random(seed)

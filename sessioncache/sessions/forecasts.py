@@ -20,7 +20,7 @@ from typing import Protocol
 
 from sessioncache.clock import Clock
 from sessioncache.hashing import BlockHash, divergence_block
-from sessioncache.store.forecast import Forecast, Rhythm, eviction_value
+from sessioncache.store.forecast import Forecast, Rhythm
 
 SessionKey = tuple[str, str]
 FURTHEST_OF = 64
@@ -61,43 +61,53 @@ class SessionForecasts:
         return rhythm.parent if rhythm is not None else None
 
     def next_use(self, key: SessionKey, finish: str | None = None) -> float | None:
-        """When the session is expected back, were its request arriving now (``finish`` None)
-        or finishing now for that class: the forecast of the blocks a store on its behalf
-        makes. None under plain LRU."""
+        """The eviction key (``forecast``: minus the cold date) of the blocks a store on the
+        session's behalf makes, were its request arriving now (``finish`` None) or finishing
+        now for that class. None under plain LRU."""
         if self.forecast is None:
             return None
         with self._lock:
             now = self._clock.now()
             rhythm = self._rhythms.get(key) or Rhythm()
-            return rhythm.next_use_if(finish, self.forecast, now)
+            return rhythm.key_if(finish, self.forecast, now)
 
     def current(self, key: SessionKey) -> tuple[float, str | None] | None:
-        """When the session is expected back now and its latest finish class; None under
-        plain LRU or before its first request here."""
+        """When the session is expected back (``Rhythm.expected_back``) and its latest finish
+        class; None under plain LRU or before its first request here."""
         rhythm = self._rhythms.get(key)
         if self.forecast is None or rhythm is None:
             return None
-        return rhythm.next_use(self.forecast, self._clock.now()), rhythm.finish
+        return rhythm.expected_back(self.forecast, self._clock.now()), rhythm.finish
 
-    def seen(self, key: SessionKey, finish: str | None, chain: Sequence[BlockHash]) -> None:
+    def seen(
+        self,
+        key: SessionKey,
+        finish: str | None,
+        chain: Sequence[BlockHash],
+        shared: Sequence[BlockHash] = (),
+    ) -> None:
         """A request of the session arrived (``finish`` None) or finished for that class;
-        ``chain`` (its held prefix counts) is filed under the forecast that follows."""
+        ``chain`` (its held prefix counts) is filed under the forecast that follows, but for
+        the prefix it shares with ``shared`` (a subagent's parent's chain, whose forecast it
+        keeps)."""
         if self.forecast is None:
             return
+        if shared:
+            chain = chain[common_prefix(chain, shared) :]
         now = self._clock.now()
         rhythm = self._rhythm(key)
         if finish is None:
             rhythm.arrive(now)
         else:
             rhythm.finished_with(finish, now)
-        self._reads.forecast(chain, rhythm.next_use(self.forecast, now))
+        self._reads.forecast(chain, rhythm.key(self.forecast, now))
 
     def refile(self, key: SessionKey, chain: Sequence[BlockHash]) -> None:
         """Blocks of the session's chain that arrived since (uploaded one by one): its
         current forecast."""
         rhythm = self._rhythms.get(key)
         if self.forecast is not None and rhythm is not None:
-            self._reads.forecast(chain, rhythm.next_use(self.forecast, self._clock.now()))
+            self._reads.forecast(chain, rhythm.key(self.forecast, self._clock.now()))
 
     def left(self, old: Sequence[BlockHash], chain: Sequence[BlockHash]) -> None:
         """The session's prompt is now ``chain``, which left ``old``: the blocks of ``old``
@@ -107,7 +117,7 @@ class SessionForecasts:
         dead = self.forecast.dead_branch_s
         self._reads.forecast(
             old[common_prefix(old, chain) :],
-            None if dead is None else self._clock.now() + dead,
+            None if dead is None else self.forecast.dead_branch_key(self._clock.now()),
             past_forks=True,
         )
 
@@ -120,28 +130,28 @@ class SessionForecasts:
             self._reads.forecast(chain[common_prefix(chain, parent_chain) :], None)
 
     def furthest(self, keys: Iterable[SessionKey]) -> SessionKey:
-        """Of ``keys`` (least recently active first), the session expected back last, by the
-        eviction value of its forecast (``forecast.eviction_value``), among the first
-        ``FURTHEST_OF`` (a bounded cost per unpin); the first under LRU."""
+        """Of ``keys`` (least recently active first), the session whose chain goes cold first
+        (the smallest cold date: ``forecast``), among the first ``FURTHEST_OF`` (a bounded
+        cost per unpin); the first under LRU."""
         order = iter(keys)
         first = next(order)
         if self.forecast is None:
             return first
-        now, overdue = self._clock.now(), self.forecast.overdue
-        best, top = first, self._value(first, now, overdue)
+        now = self._clock.now()
+        best, top = first, self._value(first, now)
         for key in itertools.islice(order, FURTHEST_OF - 1):
-            value = self._value(key, now, overdue)
+            value = self._value(key, now)
             if value > top:
                 best, top = key, value
         return best
 
-    def _value(self, key: SessionKey, now: float, overdue: float) -> float:
+    def _value(self, key: SessionKey, now: float) -> float:
         rhythm = self._rhythms.get(key)
         if rhythm is None or self.forecast is None:
             return -math.inf
         last = rhythm.finished if rhythm.finished is not None else rhythm.arrived
-        return eviction_value(
-            rhythm.next_use(self.forecast, now), now if last is None else last, now, overdue
+        return self.forecast.value(
+            rhythm.key(self.forecast, now), now if last is None else last, now
         )
 
     def forget(self, key: SessionKey) -> None:

@@ -401,7 +401,9 @@ class SessionManager:
             if not chain:  # a finish files the session's chain; an arrival what it pins
                 pinned = self._pins.get(session.key) or ()
                 chain = pinned if finish is None else _chain(self._pins, self._store, session)
-            self.forecasts.seen(session.key, finish, chain)
+            parent = self.forecasts.parent(session.key)  # a subagent spares its parent's
+            shared = _chain(self._pins, self._store, self._sessions.get(parent)) if parent else ()
+            self.forecasts.seen(session.key, finish, chain, shared)
 
     # -- internals (lock held) ----------------------------------------------------------
 

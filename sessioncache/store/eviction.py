@@ -19,13 +19,16 @@ Victim order, per tier:
 4. Then spare copies: below the first tier, a block also held in a faster tier, tail or
    not, least recently used first; dropping it loses nothing, so the tiers hold distinct
    blocks whenever room is short. Session pins keep a block, not its spare copies.
-5. Then, with a ``Forecast`` (the default), the tail whose predicted next use lies furthest
-   ahead (``sessioncache.store.forecast``: Belady's rule with predictions, a value per block that
-   is the larger of its forecast and how overdue it is); without one (``lru``, the setting
-   ``SESSIONCACHE_EVICTION_POLICY=lru``), least recently used first. Blocks touched at the
-   same instant are ordered by the operation that touched them (earlier first) and, within
-   one operation (a lookup walking a chain), deepest first, so a chain is eaten from its
-   tail.
+5. Then, with a ``Forecast`` (the default), by the block's forecast
+   (``sessioncache.store.forecast``: each block's key, from its session's return distribution,
+   against its last access): in the ``next_use`` mode the tail whose predicted next use lies
+   furthest ahead (Belady's rule with predictions: the larger of the key and how overdue it
+   is), in the ``value`` mode the tail that went cold first (the key where there is one, LRU's
+   date otherwise); without one (``lru``, the setting ``SESSIONCACHE_EVICTION_POLICY=lru``),
+   least recently used first. Blocks no session forecasts keep LRU's order among themselves.
+   Blocks touched at the same instant are ordered by the operation that touched them (earlier
+   first) and, within one operation (a lookup walking a chain), deepest first, so a chain is
+   eaten from its tail.
 
 Where a victim goes (``demotes``): into the next tier (which may evict in turn), unless it is
 expired, the tier is the last, or another tier holds it too; then it is dropped from the tier.
@@ -45,6 +48,10 @@ tier's next victim unless the victim is unexpired and either
   the victim only when its chain is expected back after every other tail there, and the
   child is read no sooner than the parent, so the child goes lower, or in the last tier
   nowhere (Belady's bypass: a store cut short, answered dropped).
+
+The first tier's turnover (``forecast.Horizon``, the ``value`` mode's horizon) is counted from
+the victims that leave it (``demotes``, asked once per victim), against its capacity, which
+the store sets (``capacity``).
 
 The victim orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
 whole chain) costs no heap operation: a touch only moves a block's keys later. A forecast that
@@ -73,7 +80,7 @@ import numpy.typing as npt
 
 from sessioncache.hashing import BlockHash
 from sessioncache.store.blocks import BlockMeta
-from sessioncache.store.forecast import Forecast, eviction_value
+from sessioncache.store.forecast import NO_FORECAST, ORPHAN_BASE, Forecast
 
 _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
 POLICIES = ("forecast", "lru")
@@ -156,7 +163,8 @@ class EvictionPolicy:
     def __init__(self, num_tiers: int, forecast: Forecast | None = None) -> None:
         self._last = num_tiers - 1
         self.forecast = forecast
-        self._overdue = forecast.overdue if forecast is not None else 1.0
+        self.capacity = 0
+        """The first tier's capacity in bytes (the store sets it): its horizon's measure."""
         self._expiry: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._lru: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._spare: list[list[_Entry]] = [[] for _ in range(num_tiers)]
@@ -218,6 +226,9 @@ class EvictionPolicy:
                 elif not evictable(meta, tier, last=last):
                     continue
                 seen.add(block_hash)
+                if kind == 3 and not meta.next_use > NO_FORECAST:
+                    heapq.heappush(self._lru[tier], _by_last(meta))  # LRU's order now
+                    continue
                 # A forecast may have moved either way: file it by its current one.
                 kept.append(_by_next_use(meta) if kind == 3 else entry)
             heapq.heapify(kept)
@@ -253,20 +264,34 @@ class EvictionPolicy:
                     return meta
                 heapq.heappush(heap, current)  # touched since: back in line, later
         lru = self._lru[tier]
-        oldest = self._top(lru, tier, lookup, _by_last)
-        if oldest is None or self.forecast is None:
+        forecast = self.forecast
+        if forecast is None:
+            oldest = self._top(lru, tier, lookup, _by_last)
             if oldest is not None:
                 heapq.heappop(lru)
             return oldest
+        # Two heaps serve the value exactly (``forecast.eviction_value``): blocks with a key
+        # by key, the others by last access; the larger value of the two tops goes.
         ahead = self._ahead[tier]
-        furthest = self._top(ahead, tier, lookup, _by_next_use)
-        if furthest is not None and eviction_value(
-            furthest.next_use, furthest.last_access, now, self._overdue
-        ) > eviction_value(oldest.next_use, oldest.last_access, now, self._overdue):
+        served = None if forecast.mode == "next_use" else False  # value: keyless ones only
+        oldest = self._top(lru, tier, lookup, _by_last, forecast=served)
+        coldest = self._top(
+            ahead, tier, lookup, _by_next_use, forecast=None if served is None else True
+        )
+        if coldest is None and oldest is None:
+            return None
+        if oldest is None or (
+            coldest is not None
+            and forecast.value(coldest.next_use, coldest.last_access, now)
+            > forecast.value(oldest.next_use, oldest.last_access, now)
+        ):
+            assert coldest is not None
             heapq.heappop(ahead)
-            return furthest
-        heapq.heappop(lru)
-        return oldest
+            victim = coldest
+        else:
+            heapq.heappop(lru)
+            victim = oldest
+        return victim
 
     def _top(
         self,
@@ -274,15 +299,25 @@ class EvictionPolicy:
         tier: int,
         lookup: Callable[[BlockHash], BlockMeta | None],
         key: Callable[[BlockMeta], _Entry],
+        *,
+        forecast: bool | None = None,
     ) -> BlockMeta | None:
         """The candidate at the top of ``heap``, left there, once the stale entries above it
-        are dropped and the re-keyed ones put back in line."""
+        are dropped and the re-keyed ones put back in line. Under a forecast, ``forecast``
+        says which blocks the heap serves: those with a key (True) or without (False); a
+        block that lost its key (touched) moves to the other heap, one that gained one is
+        served by the other heap already (a key is filed there: ``track``)."""
         last = tier == self._last
         while heap:
             entry = heap[0]
             meta = lookup(entry[3])
             if meta is None or not evictable(meta, tier, last=last):
                 heapq.heappop(heap)  # no longer a candidate there: a stale entry
+                continue
+            if forecast is not None and (meta.next_use > NO_FORECAST) != forecast:
+                heapq.heappop(heap)
+                if forecast:  # touched since it was filed: LRU's order now
+                    heapq.heappush(self._lru[tier], _by_last(meta))
                 continue
             current = key(meta)
             if current == entry:
@@ -306,7 +341,13 @@ class EvictionPolicy:
 
     def demotes(self, victim: BlockMeta, tier: int, now: float) -> bool:
         """Whether ``victim``, leaving ``tier``, is copied into the next tier first (else it
-        is dropped): unless it is expired, ``tier`` is the last, or another tier holds it."""
+        is dropped): unless it is expired, ``tier`` is the last, or another tier holds it.
+        (Asked once per victim that leaves: the first tier's turnover is counted here.)"""
+        if tier == 0 and self.forecast is not None:
+            key = victim.next_use
+            dead = key >= ORPHAN_BASE / 2  # says nothing of the level
+            early = -key - now if key > NO_FORECAST and not dead else None
+            self.forecast.horizon.evicted(victim.nbytes, now, self.capacity, early)
         return tier < self._last and not victim.expired(now) and len(victim.tiers) == 1
 
     def queued(self, tier: int) -> int:

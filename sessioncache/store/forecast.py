@@ -1,49 +1,67 @@
-"""When a session comes back: the next-use forecast behind session-aware eviction.
+"""When a session comes back: the return distribution behind session-aware eviction.
 
-The eviction order (``sessioncache.store.eviction``) is Belady's with predictions: of the evictable
-chain tails, the one whose predicted next use lies furthest ahead leaves first. This module
-holds the prediction and the priority, as pure functions over a few numbers per block; the
-heaps that serve them are the policy's.
+Think times are heavy-tailed (a tool call comes back in seconds, a user in minutes, hours or
+never), so a single gap per finish reason is wrong for the tail. The forecast is a distribution
+instead: per finish class, and per session, the time from a request's finish (or, while it
+runs, its arrival) to the session's next request is
 
-A block keeps two times: ``last`` (its last access) and ``next_use`` (when it is predicted to
-be read again, set by whoever touched it last). Its eviction value at ``now`` is
+    P(the session comes back at all) = p;  given it does, log(gap) ~ Normal(mu, sigma)
 
-    value = max(next_use, now + overdue * (now - last))
+(``Gap``: a log-normal with a mass at "never"). The class priors, one set for top-level
+sessions and one for subagents, are fitted offline (``fit_gap``; ``python -m bench.forecast
+--fit``); each session's own gaps move its parameters online, shrunk toward its class prior
+with ``Forecast.shrink`` pseudo-observations (``Rhythm``).
 
-the larger, the sooner it goes. The first term is the forecast; the second is what is left of
-it once a forecast has passed without the session coming back: think times are heavy-tailed,
-so the longer a session has been silent, the longer it is expected to stay so (LRU's rule,
-which is this term alone). A max of a fixed key and a key that is monotone in ``last`` is
-served exactly by two heaps (one on ``next_use``, one on ``last``): the larger of their two
-tops is the victim.
+Each block carries one number, its *key* (the index's ``next_use`` column; the larger, the
+sooner it goes), set when its session's event is filed, and its last access. Two ways of
+turning the distribution into a key, both served exactly by two heaps (one on the key, one on
+last access), ``Forecast.mode``:
 
-What a forecast is made of (``Forecast``), per session, from what the node sees online:
+* ``next_use`` (Belady's rule on the distribution): the key is the date by which the session
+  is back with probability ``quantile`` (none, and the block is dead, when it is less likely
+  than that ever to come back), and the value at ``now`` is
 
-* a lookup or store of the session: a request has arrived; its answer is not known yet, so the
-  session is expected back after a request's duration and an unknown gap (``in_flight_s``);
-* the request's finish reason, where the engine or agent passes it (``finish_reason`` on a
-  session's store, or ``SessionManager.record``): after a tool call the agent comes back in
-  seconds, with the tool's result; after a turn that ended for the user, in minutes or days
-  (``gaps``, seconds per finish class);
-* its own rhythm: the gaps this session has shown after each finish class, blended in once it
-  has shown a few (``Rhythm``);
-* close, and a prompt that diverged from the session's previous one: the blocks no live chain
-  of the session reaches any more are dead (``next_use = ORPHAN_BASE - last``) and leave
-  first, oldest first, up to the last fork (blocks before it are another branch's too); a
-  subagent's close spares the prefix it shares with its parent session.
+      value = max(key, now + overdue x (now - last))
 
-Two kinds of block have no forecast of their own. A touch without a session leaves an
-*unknown* one (``NO_FORECAST``: the value is the overdue term alone), so blocks no session
-names are ordered among themselves exactly as LRU orders them. A block being stored starts
-with its writer session's forecast, else its parent's: in the last tier, a store whose own
-chain is expected back after every other tail there is cut short (the parent rule of
-``EvictionPolicy.admits``: Belady's bypass), where LRU would have evicted another's.
+  the second term taking over once that date has passed without the session (think times
+  are heavy-tailed: the longer it has been silent, the longer it is expected to stay so).
+* ``value`` (the expected value within the horizon): a block's worth ``s`` seconds after its
+  session's last event is ``q(s) = P(return within H | silent s)``, ``H`` the first tier's
+  turnover time (``Horizon``), times the tokens it saves per byte (equal for every block of a
+  namespace). ``q`` changes as time passes, which a heap cannot follow, so each block gets a
+  date when its event is filed: its *cold date* ``T = origin + s*``, ``s*`` the last silence
+  at which ``q`` is at least the level an average block of age ``H`` has (the pooled prior's
+  ``q(H)``, times ``threshold``). The key is ``-T``; a block no session names is cold at
+  ``last + lru_horizons x H``. Exact while the ``q`` curves are shifts of one another; it is
+  not when they cross (a tool loop is hotter than a finished turn for its first minutes,
+  colder after), which is where it loses (docs/sessions.md).
+
+Either way blocks no session names keep LRU's order among themselves, a dead block's key is
+``ORPHAN_BASE - last`` (above every other: dead blocks leave first, the oldest first), and a
+new block starts with its parent's key. The default is the mode and settings chosen by
+cross-validation (``bench.forecast --cv``).
+
+What the forecast is made of, per session, from what the node sees online:
+
+* a lookup or store of the session: a request has arrived (class ``flight``: the gap from one
+  arrival to the next, its finish not known yet);
+* the request's finish reason, where the engine or agent passes it (``tool``, ``stop``,
+  ``length``, ``abort``): the gap from that finish to the next arrival;
+* the session's own gaps of each class (``Rhythm``);
+* whether it is a subagent (opened with a ``parent``): subagents have priors of their own (a
+  subagent whose turn ended almost never comes back), and its filings spare the prefix it
+  shares with its parent;
+* close, and a prompt that left the previous one's chain: the blocks no live chain of the
+  session reaches any more are dead, or valued as a return ``dead_branch_s`` away.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from statistics import NormalDist
 
 from sessioncache.errors import InvalidInput
 
@@ -68,12 +86,24 @@ each forecasts by."""
 FINISH_REASON_PATTERN = "^(" + "|".join(sorted(FINISH_CLASSES)) + ")$"
 """The same as a JSON-schema pattern."""
 
+FLIGHT = "flight"
+"""The class of a session whose request is running (arrived, finish not known yet)."""
+POOLED = "pooled"
+"""Every gap of every class: the reference an average block is measured by."""
+CLASSES = ("tool", "stop", "length", "abort", FLIGHT)
+"""The classes a session's gap is forecast by."""
+
 NO_FORECAST = float("-inf")
-"""``next_use`` of a block nobody forecast (session-less, or touched and not filed yet)."""
+"""``next_use`` (the key) of a block nobody forecast (session-less, or touched and not filed
+yet): it is cold ``lru_horizons`` horizons after its last access, as under LRU."""
 
 ORPHAN_BASE = 1e15
-"""``next_use`` of a block with no forecast: ``ORPHAN_BASE - last`` (any real time is far
-below it), so that such blocks leave before every forecast one, the oldest first."""
+"""The key of a block with no forecast at all, dead: ``ORPHAN_BASE - last`` (any real key is
+far below it), so that such blocks leave before every other, the oldest first."""
+
+MIN_GAP_S = 0.5
+"""Gaps below this (a request arriving before the previous one's answer was read: parallel
+tool calls) count as this, so that their logarithm stays finite."""
 
 
 def finish_class(reason: str) -> str:
@@ -86,58 +116,290 @@ def finish_class(reason: str) -> str:
     return cls
 
 
-def eviction_value(next_use: float, last: float, now: float, overdue: float) -> float:
-    """A block's eviction value at ``now`` (module docstring): the larger, the sooner it goes."""
-    return max(next_use, now + overdue * (now - last))
+_SQRT2 = math.sqrt(2.0)
+_NORMAL = NormalDist()
+MODES = ("value", "next_use")
 
 
-DEFAULT_GAPS: Mapping[str, float] = {
-    "tool": 15.0,
-    "stop": 600.0,
-    "length": 60.0,
-    "abort": 600.0,
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """The time to a session's next request: it comes back at all with probability ``p``,
+    then after ``exp(Normal(mu, sigma))`` seconds."""
+
+    p: float
+    mu: float
+    sigma: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.p <= 1 and self.sigma > 0 and math.isfinite(self.mu)):
+            raise InvalidInput(f"a gap needs 0 < p <= 1, sigma > 0 and a finite mu: {self}")
+
+    def survival(self, x: float) -> float:
+        """P(no return within ``x`` seconds)."""
+        if x <= 0:
+            return 1.0
+        z = (math.log(x) - self.mu) / self.sigma
+        return 1.0 - self.p + self.p * 0.5 * math.erfc(z / _SQRT2)
+
+    def returns_within(self, silent: float, horizon: float) -> float:
+        """P(return within ``horizon`` more seconds | no return in the first ``silent``)."""
+        alive = self.survival(silent)
+        if alive <= 0:
+            return 0.0
+        return max(0.0, alive - self.survival(silent + horizon)) / alive
+
+    def quantile(self, q: float) -> float | None:
+        """The gap by which the session is back with probability ``q``; None when it is
+        less likely to come back at all."""
+        if self.p <= q:
+            return None
+        z = _NORMAL.inv_cdf(q / self.p)
+        return math.exp(self.mu + self.sigma * z)
+
+    def median(self) -> float:
+        """The median gap of the sessions that do come back."""
+        return math.exp(self.mu)
+
+
+def fit_gap(gaps: Sequence[float], events: int, *, like: Gap | None = None) -> Gap:
+    """The maximum-likelihood ``Gap`` of ``gaps`` (seconds; each at least ``MIN_GAP_S``) seen
+    after ``events`` events of a class, the others never followed by a request; ``p`` is
+    smoothed (half an event each way), so that a class never followed keeps a small one and
+    takes its log-normal from ``like``."""
+    if events < len(gaps) or not (gaps or like is not None):
+        raise InvalidInput("fit_gap needs no more gaps than events, and gaps or a like")
+    p = (len(gaps) + 0.5) / (events + 1)
+    if not gaps:
+        assert like is not None
+        return Gap(p, like.mu, like.sigma)
+    logs = [math.log(max(MIN_GAP_S, g)) for g in gaps]
+    mu = sum(logs) / len(logs)
+    var = sum((x - mu) ** 2 for x in logs) / len(logs)
+    return Gap(p, mu, max(0.1, math.sqrt(var)))
+
+
+# Fitted on all 301 sessions of ../shared/traces/agent-sessions-more (``python -m
+# bench.forecast --fit``): (p, mu, sigma) per class, for top-level sessions and subagents.
+DEFAULT_PRIORS: Mapping[str, Gap] = {
+    "tool": Gap(0.9926, 2.5208, 1.2527),
+    "stop": Gap(0.8751, 5.3794, 2.2901),
+    "length": Gap(0.9851, 2.6829, 1.4881),
+    "abort": Gap(0.9851, 2.6829, 1.4881),
+    FLIGHT: Gap(0.9855, 3.2399, 1.2392),
+    POOLED: Gap(0.9851, 2.6829, 1.4881),
 }
+"""The class priors of a top-level session (``length`` and ``abort``, never seen in the
+sample, take the pooled gap)."""
+DEFAULT_SUBAGENT_PRIORS: Mapping[str, Gap] = {
+    "tool": Gap(0.9983, 1.6147, 0.8364),
+    "stop": Gap(0.0172, 1.6147, 0.8364),
+    "length": Gap(0.9134, 1.6147, 0.8364),
+    "abort": Gap(0.9134, 1.6147, 0.8364),
+    FLIGHT: Gap(0.9134, 2.1597, 0.6733),
+    POOLED: Gap(0.9134, 1.6147, 0.8364),
+}
+"""The same for subagents: one whose turn ended almost never comes back."""
+
+
+class Horizon:
+    """The first tier's turnover, as its evictions show it (the policy feeds it each one):
+
+    * ``seconds``: how long the tier keeps a block at its current eviction rate: its capacity
+      over the bytes evicted per second, measured over each sixteenth of the capacity evicted
+      and smoothed (Little's law; not the victims' own ages, which the policy chooses);
+    * ``level``: the return probability (within ``seconds``) at which blocks are evicted now.
+      A victim taken before its cold date says the tier evicts hotter blocks than ``level``,
+      one taken after it colder ones: ``level`` moves up or down by a factor ``1 + step``
+      until victims leave at their cold dates (with ``adapt`` off it stays where it started).
+    """
+
+    __slots__ = ("_bytes", "_since", "adapt", "level", "seconds", "step")
+
+    def __init__(self, start: float, level: float = 0.0, *, step: float = 0.01) -> None:
+        self.seconds = start
+        self.level = level
+        self.step = step
+        self.adapt = True
+        self._bytes = 0
+        self._since: float | None = None
+
+    def evicted(self, nbytes: int, now: float, capacity: int, early: float | None) -> None:
+        """A victim of ``nbytes`` left a tier of ``capacity`` bytes at ``now``; ``early``:
+        seconds before its cold date it left (negative: after), for a victim a session
+        forecast."""
+        if self._since is None:
+            self._since = now
+        self._bytes += nbytes
+        span = now - self._since
+        if capacity > 0 and self._bytes * 16 >= capacity and span > 0:  # time has passed
+            sample = span * capacity / self._bytes
+            self.seconds += 0.25 * (max(1.0, sample) - self.seconds)
+            self._bytes, self._since = 0, now
+        if early is not None and self.adapt and early != 0:
+            factor = math.exp(self.step if early > 0 else -self.step)
+            self.level = min(0.99, max(1e-4, self.level * factor))
 
 
 @dataclass(frozen=True, slots=True)
 class Forecast:
-    """The forecast's settings (module docstring); tuned on half of the shared agentic
-    sessions (docs/sessions.md)."""
+    """The forecast's settings (module docstring); chosen by cross-validation on the 301
+    sessions of ``../shared/traces/agent-sessions-more`` (docs/sessions.md)."""
 
-    gaps: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_GAPS))
-    """Seconds from a request's finish to the session's next request, per finish class."""
-    in_flight_s: float = 40.0
-    """Seconds from a request's arrival to the session's next one, the finish not known yet
-    (a request's duration plus a gap)."""
+    priors: Mapping[str, Gap] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
+    """Per class (``CLASSES`` and ``POOLED``), the prior of a top-level session's gap."""
+    subagent_priors: Mapping[str, Gap] = field(
+        default_factory=lambda: dict(DEFAULT_SUBAGENT_PRIORS)
+    )
+    """The same for a subagent (a session opened with a ``parent``)."""
+    shrink: float = math.inf
+    """Pseudo-observations of the class prior against a session's own gaps of that class
+    (inf: the class priors alone; cross-validation found a session's own gaps to hurt)."""
+    mode: str = "next_use"
+    """How the distribution becomes a key (module docstring, ``MODES``): ``next_use``
+    (Belady's rule on its ``quantile``) or ``value`` (the cold date of the expected value
+    within the horizon)."""
+    quantile: float = 0.8
+    """``next_use``: the quantile of the gap a session is expected back at (none when it is
+    less likely than that ever to come back: dead)."""
     overdue: float = 4.0
-    """How fast an expected return that did not come recedes (module docstring)."""
+    """``next_use``: how fast an expected return that did not come recedes: a block is valued
+    at least ``now + overdue x (now - last access)``."""
     dead_branch_s: float | None = 3600.0
-    """The forecast of a previous prompt's blocks that the session's new prompt left: that
-    many seconds ahead (a session may go back to an older branch), or None for none at all
-    (they leave first). A closed session's chain has none either way."""
-    rhythm_weight: float = 0.0
-    """How much a session's own median gap (per finish class) counts against ``gaps`` once it
-    has shown ``rhythm_after`` of them; 0 ignores rhythm."""
-    rhythm_after: int = 3
+    """The blocks a session's new prompt left behind: valued as a return that many seconds
+    from then (``next_use``; ``value``: cold then), since sessions do go back to an older
+    branch; None: dead, they leave before everything. A closed session's chain is dead
+    either way."""
+    threshold: float = 1.0
+    """``value``: a block is cold once its return within the horizon is less likely than
+    ``threshold`` times an average block's of the horizon's age: where the level starts, and
+    where it stays without ``adapt``."""
+    adapt: bool = False
+    """``value``: whether the level follows the tier's victims (``Horizon``)."""
+    lru_horizons: float = 1.0
+    """``value``: a block no session forecasts is cold that many horizons after its last
+    access."""
+    horizon_s: float = 600.0
+    """``value``: the horizon before the first tier has evicted anything."""
+    horizon: Horizon = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    """The live horizon of the first tier (the policy updates it: not a setting)."""
 
     def __post_init__(self) -> None:
-        if not self.in_flight_s > 0 or not self.overdue > 0:
-            raise InvalidInput("a forecast's in_flight_s and overdue must be positive")
-        if set(self.gaps) != set(DEFAULT_GAPS) or any(not g > 0 for g in self.gaps.values()):
-            raise InvalidInput(f"a forecast needs a positive gap for each of {set(DEFAULT_GAPS)}")
-        if self.dead_branch_s is not None and not self.dead_branch_s > 0:
-            raise InvalidInput("dead_branch_s must be positive")
-        if not 0 <= self.rhythm_weight <= 1:
-            raise InvalidInput("rhythm_weight must be within [0, 1]")
+        for name, priors in (("priors", self.priors), ("subagent_priors", self.subagent_priors)):
+            missing = {*CLASSES, POOLED} - set(priors)
+            if missing:
+                raise InvalidInput(f"a forecast's {name} need a gap for {sorted(missing)}")
+        if not (self.shrink >= 0 and self.threshold > 0 and self.lru_horizons > 0):
+            raise InvalidInput("shrink must be >= 0, threshold and lru_horizons positive")
+        if not self.horizon_s > 0:
+            raise InvalidInput("horizon_s must be positive")
+        if self.dead_branch_s is not None and not self.dead_branch_s >= 0:
+            raise InvalidInput("dead_branch_s must be >= 0")
+        if self.mode not in MODES or not (0 < self.quantile < 1 and self.overdue > 0):
+            raise InvalidInput(f"mode is one of {MODES}, 0 < quantile < 1, overdue > 0")
+        if self.horizon is None:
+            h = self.horizon_s
+            level = min(0.99, self.threshold * self.priors[POOLED].returns_within(h, h))
+            object.__setattr__(self, "horizon", Horizon(h, max(1e-4, level)))
+            self.horizon.adapt = self.adapt
+
+    def level(self) -> float:
+        """The return probability below which a block is cold now (``Horizon.level``)."""
+        return self.horizon.level
+
+    def cold_key(self, gap: Gap, origin: float) -> float:
+        """The key (module docstring) of a block whose session's last event, at ``origin``,
+        forecasts ``gap``: ``-T`` (``value``), or the predicted next use (``next_use``)."""
+        if self.mode == "next_use":
+            back = gap.quantile(self.quantile)
+            return ORPHAN_BASE - origin if back is None else origin + back
+        return -(origin + cold_after(gap, self.horizon.seconds, self.level()))
+
+    @property
+    def gaps(self) -> dict[str, float]:
+        """``next_use`` mode: seconds from a finish of each class to a new top-level session's
+        predicted return (its prior's ``quantile``; the ``ORPHAN_BASE`` offset if none)."""
+        return {cls: self.ahead(self.priors[cls]) for cls in CLASSES if cls != FLIGHT}
+
+    @property
+    def in_flight_s(self) -> float:
+        """The same from a request's arrival, its finish not known yet."""
+        return self.ahead(self.priors[FLIGHT])
+
+    def ahead(self, gap: Gap) -> float:
+        back = gap.quantile(self.quantile)
+        return ORPHAN_BASE if back is None else back
+
+    def dead_branch_key(self, now: float) -> float:
+        """The key of a branch the session left at ``now`` (``dead_branch_s``)."""
+        assert self.dead_branch_s is not None
+        if self.mode == "next_use":
+            return now + self.dead_branch_s
+        return -(now + self.dead_branch_s)
+
+    def value(self, key: float, last: float, now: float) -> float:
+        """A block's eviction value at ``now``: the larger, the sooner it goes."""
+        if self.mode == "next_use":
+            return max(key, now + self.overdue * (now - last))
+        return eviction_value(key, last, self)
+
+    def lru_cold(self, last_access: float) -> float:
+        """The cold date of a block no session forecasts."""
+        return last_access + self.lru_horizons * self.horizon.seconds
 
 
-_RHYTHM_KEEP = 16
+def cold_after(gap: Gap, horizon: float, level: float) -> float:
+    """Seconds of silence after which ``gap.returns_within(silence, horizon)`` stays below
+    ``level`` (the last crossing; 0 when it never reaches it: then less, down to ``-horizon``
+    for a session that never comes back, so that the coldest go first)."""
+    return _cold_after(gap.p, gap.mu, gap.sigma, _round(horizon), _round(level))
+
+
+def _round(x: float) -> float:
+    """``x`` to 2 significant digits: the horizon and the level drift; cold dates need not
+    follow every step (and so are mostly cached)."""
+    if x <= 0:
+        return 0.0
+    return float(f"{x:.2g}")
+
+
+_GRID: tuple[float, ...] = (0.0, *(float(2.0 ** (k / 2)) for k in range(-2, 48)))  # 0 .. 137 d
+
+
+@lru_cache(maxsize=65536)
+def _cold_after(p: float, mu: float, sigma: float, horizon: float, level: float) -> float:
+    gap = Gap(p, mu, sigma)
+    q = [gap.returns_within(s, horizon) for s in _GRID]
+    above = [i for i, v in enumerate(q) if v >= level]
+    if not above:
+        return -horizon * (1.0 - (q[0] / level if level > 0 else 0.0))
+    i = above[-1]
+    if i == len(_GRID) - 1:
+        return _GRID[-1]
+    lo, hi = _GRID[i], _GRID[i + 1]
+    for _ in range(24):  # q(lo) >= level > q(hi)
+        mid = 0.5 * (lo + hi)
+        if gap.returns_within(mid, horizon) >= level:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def eviction_value(key: float, last: float, forecast: Forecast) -> float:
+    """A block's eviction value (the larger, the sooner it goes): its key, or for a block no
+    session forecasts, minus its LRU cold date."""
+    if key > NO_FORECAST:
+        return key
+    return -forecast.lru_cold(last)
+
+
+_KEEP = 16
 
 
 @dataclass(slots=True)
 class Rhythm:
     """What a session has shown so far: when its last request arrived and finished, how, and
-    the gaps it left after each finish class (the last few)."""
+    the gaps it left after each class (the last few, as logarithms)."""
 
     arrived: float | None = None
     finished: float | None = None
@@ -149,37 +411,58 @@ class Rhythm:
 
     def arrive(self, now: float) -> None:
         """A lookup or store: a request has arrived (its finish not known yet)."""
+        if self.arrived is not None:
+            self._saw(FLIGHT, now - self.arrived)
         if self.finish is not None and self.finished is not None:
-            seen = self.gaps.setdefault(self.finish, [])
-            seen.append(max(0.0, now - self.finished))
-            del seen[:-_RHYTHM_KEEP]
+            self._saw(self.finish, now - self.finished)
         self.arrived = now
         self.finish = None
         self.finished = None
+
+    def _saw(self, cls: str, gap: float) -> None:
+        seen = self.gaps.setdefault(cls, [])
+        seen.append(math.log(max(MIN_GAP_S, gap)))
+        del seen[:-_KEEP]
 
     def finished_with(self, cls: str, now: float) -> None:
         self.finish = cls
         self.finished = now
 
-    def next_use_if(self, finish: str | None, forecast: Forecast, now: float) -> float:
-        """``next_use`` as it would be were a request arriving now (``finish`` None) or
-        finishing now for that class."""
-        if finish is None:
-            return now + forecast.in_flight_s
-        return now + self._gap(forecast, finish)
+    def gap(self, forecast: Forecast, cls: str) -> Gap:
+        """The session's distribution after an event of class ``cls``: the class prior (the
+        subagents' for a subagent) moved by its own gaps of that class."""
+        priors = forecast.subagent_priors if self.parent is not None else forecast.priors
+        prior = priors[cls]
+        seen = self.gaps.get(cls)
+        if not seen or forecast.shrink == float("inf"):
+            return prior
+        n, k = len(seen), forecast.shrink
+        mu = (k * prior.mu + sum(seen)) / (k + n)
+        ss = sum((x - mu) ** 2 for x in seen)
+        sigma = math.sqrt((k * (prior.sigma**2 + (prior.mu - mu) ** 2) + ss) / (k + n))
+        p = (k * prior.p + n) / (k + n)
+        return Gap(min(1.0, p), mu, max(0.1, sigma))
 
-    def next_use(self, forecast: Forecast, now: float) -> float:
-        """When the session is expected back, seen at ``now``."""
-        if self.finish is None or self.finished is None:
-            return (self.arrived if self.arrived is not None else now) + forecast.in_flight_s
-        return self.finished + self._gap(forecast, self.finish)
+    def key_if(self, finish: str | None, forecast: Forecast, now: float) -> float:
+        """The key (module docstring) as it would be were a request arriving now (``finish``
+        None) or finishing now for that class."""
+        return forecast.cold_key(self.gap(forecast, finish or FLIGHT), now)
 
-    def _gap(self, forecast: Forecast, finish: str) -> float:
-        """The gap after a finish of class ``finish``: the setting's, blended with the
-        session's own median once it has shown enough of them."""
-        gap = forecast.gaps[finish]
-        seen = self.gaps.get(finish)
-        if forecast.rhythm_weight and seen and len(seen) >= forecast.rhythm_after:
-            own = sorted(seen)[len(seen) // 2]
-            gap = forecast.rhythm_weight * own + (1 - forecast.rhythm_weight) * gap
-        return gap
+    def expected_back(self, forecast: Forecast, now: float) -> float:
+        """When the session is expected back: its last event plus its gap's ``quantile`` (the
+        date its blocks are evicted by, in the ``next_use`` mode), or the median of those who
+        come back where there is none (or in the ``value`` mode)."""
+        if self.finish is not None and self.finished is not None:
+            origin, gap = self.finished, self.gap(forecast, self.finish)
+        else:
+            origin = self.arrived if self.arrived is not None else now
+            gap = self.gap(forecast, FLIGHT)
+        back = gap.quantile(forecast.quantile) if forecast.mode == "next_use" else None
+        return origin + (gap.median() if back is None else back)
+
+    def key(self, forecast: Forecast, now: float) -> float:
+        """The key of the session's chain, as of its last event (``now`` before any)."""
+        if self.finish is not None and self.finished is not None:
+            return forecast.cold_key(self.gap(forecast, self.finish), self.finished)
+        origin = self.arrived if self.arrived is not None else now
+        return forecast.cold_key(self.gap(forecast, FLIGHT), origin)

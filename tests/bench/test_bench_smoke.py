@@ -35,10 +35,12 @@ CASES: dict[str, tuple[list[str], str]] = {
     "bench.forecast": (
         [
             *("--trace", str(ROOT / "tests" / "fixtures" / "traces" / "agent-sessions")),
-            *("--fracs", "0.01,0.5", "--seeds", "0", "--halves", "all", "--jobs", "1"),
+            *("--check-trace", str(ROOT / "tests" / "fixtures" / "traces" / "agent-sessions")),
+            *("--cv", "--check", "--k", "3", "--fracs", "0.01,0.05", "--seeds", "0"),
+            *("--settings", "next_use q=0.7,value"),
         ],
-        r"(?m)^default, every file\n(?s:.*)^  targets: >= 0.5 at 1%, 5%: \d+ of \d+ cells; "
-        r"no worse than lru_tail_first: \d+ of \d+ cells$",
+        r"(?m)^chosen: .*\n(?s:.*)^  worst fold beyond lru_tail_first: .*\n"
+        r"(?s:.*)agent-sessions \(value; default priors\): gap saved per seed\n",
     ),
     "bench.dataplane": (
         [

@@ -3,6 +3,8 @@ signals sessions feed it (two tenants sharing one tier)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -13,11 +15,18 @@ from sessioncache.sessions.manager import SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.store.forecast import (
+    FLIGHT,
+    NO_FORECAST,
     ORPHAN_BASE,
+    POOLED,
     Forecast,
+    Gap,
+    Horizon,
     Rhythm,
+    cold_after,
     eviction_value,
     finish_class,
+    fit_gap,
 )
 from sessioncache.tiers.cpu import CpuTier
 from tests.support.session_store import put_in_session
@@ -81,13 +90,86 @@ def clock() -> ManualClock:
 # -- the pure parts ------------------------------------------------------------------------
 
 
-def test_the_value_is_the_forecast_until_it_is_overdue():
-    assert eviction_value(130.0, 100.0, 110.0, 2.0) == 130.0  # expected back at 130
-    assert eviction_value(130.0, 100.0, 140.0, 2.0) == 220.0  # 40 s silent: receding
-    # Without forecasts (equal offsets) the order is LRU's.
-    older, newer = eviction_value(25.0, 0.0, 50.0, 2.0), eviction_value(35.0, 10.0, 50.0, 2.0)
-    assert older > newer
-    assert ORPHAN_BASE - 2e9 > 1e14  # a dead branch's value: above any forecast
+def test_a_gap_is_a_log_normal_with_a_mass_at_never():
+    g = Gap(0.8, math.log(10.0), 1.0)
+    assert g.survival(0.0) == 1.0
+    assert g.survival(10.0) == pytest.approx(1 - 0.8 * 0.5)  # half of those who return
+    assert g.survival(1e9) == pytest.approx(0.2)  # those who never do
+    assert g.median() == pytest.approx(10.0)
+    # Conditional on silence, the return within a horizon falls once past the bulk.
+    assert g.returns_within(0.0, 60.0) > g.returns_within(300.0, 60.0) > 0
+    assert g.returns_within(1e7, 60.0) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(InvalidInput):
+        Gap(0.0, 1.0, 1.0)
+
+
+def test_fit_gap_recovers_the_parameters():
+    rng = np.random.default_rng(0)
+    gaps = list(np.exp(rng.normal(3.0, 1.5, 4000)))
+    g = fit_gap(gaps, 5000)  # a fifth never came back
+    assert g.p == pytest.approx(0.8, abs=1e-3)
+    assert g.mu == pytest.approx(3.0, abs=0.1)
+    assert g.sigma == pytest.approx(1.5, abs=0.1)
+
+
+def test_a_rhythm_shrinks_its_own_gaps_toward_the_class_prior():
+    f = Forecast(shrink=4.0)
+    r = Rhythm()
+    r.arrive(100.0)
+    assert r.gap(f, FLIGHT) == f.priors[FLIGHT]  # nothing of its own yet
+    for t in (200.0, 300.0, 400.0, 500.0):  # four 1-second tool round trips
+        r.finished_with("tool", t)
+        r.arrive(t + 1.0)
+    own = r.gap(f, "tool")
+    prior = f.priors["tool"]
+    assert own.mu == pytest.approx((4 * prior.mu + 4 * math.log(1.0)) / 8)  # halfway
+    assert Rhythm(parent=("t", "p")).gap(f, "stop") == f.subagent_priors["stop"]
+    assert Rhythm().gap(Forecast(shrink=math.inf), "tool") == prior
+
+
+def test_cold_dates_order_classes_and_reduce_to_lru_for_the_pooled_prior():
+    f = Forecast(mode="value")
+    tool, stop = f.cold_key(f.priors["tool"], 0.0), f.cold_key(f.priors["stop"], 0.0)
+    assert tool != stop
+    h = f.horizon.seconds
+    # A session no better known than the average block is cold at about the horizon's age,
+    # as a block no session names (LRU) is.
+    pooled = -f.cold_key(f.priors[POOLED], 0.0)
+    assert pooled == pytest.approx(f.lru_cold(0.0), rel=0.05)
+    assert f.lru_cold(0.0) == pytest.approx(h)
+    never = Gap(0.01, 3.0, 1.0)  # all but never back: cold at once
+    assert cold_after(never, h, f.level()) <= 0
+    # The value: a key where there is one, else the LRU cold date (the larger goes first).
+    assert eviction_value(-50.0, 0.0, f) == -50.0
+    assert eviction_value(NO_FORECAST, 10.0, f) > eviction_value(NO_FORECAST, 20.0, f)
+    assert ORPHAN_BASE - 2e9 > 1e14  # a dead branch's key: above any forecast
+
+
+def test_a_quantile_is_a_next_use_and_a_session_unlikely_back_has_none():
+    g = Gap(0.8, math.log(10.0), 1.0)
+    assert g.quantile(0.4) == pytest.approx(10.0)  # half of the 80% who return
+    assert Gap(0.4, 1.0, 1.0).quantile(0.5) is None  # more likely never back
+    f = Forecast(mode="next_use", quantile=0.5)
+    assert f.cold_key(f.priors["tool"], 100.0) == pytest.approx(100.0 + f.gaps["tool"])
+    assert f.cold_key(Gap(0.1, 1.0, 1.0), 100.0) == ORPHAN_BASE - 100.0  # dead
+    # The value recedes once the return is overdue (LRU's order without forecasts).
+    assert f.value(130.0, 100.0, 105.0) == 130.0
+    assert f.value(130.0, 100.0, 140.0) == 140.0 + f.overdue * 40.0
+    assert f.value(NO_FORECAST, 0.0, 50.0) > f.value(NO_FORECAST, 10.0, 50.0)
+
+
+def test_the_horizon_is_the_tiers_turnover():
+    h = Horizon(600.0, level=0.5)
+    for t in range(1, 11):  # a 16,000-byte tier loses 100 bytes a second
+        h.evicted(100, float(t), 16_000, None)
+    # A sixteenth of the tier went in 9 s: the whole of it goes in 144 s (smoothed).
+    assert h.seconds == pytest.approx(600.0 + 0.25 * (144.0 - 600.0))
+    h.evicted(100, 11.0, 16_000, early=5.0)  # a victim taken before its cold date
+    assert h.level > 0.5
+    with pytest.raises(InvalidInput):
+        Forecast(threshold=0.0)
+    with pytest.raises(InvalidInput):
+        Forecast(priors={"tool": Gap(1.0, 1.0, 1.0)})
 
 
 def test_finish_reasons_of_each_vocabulary_and_a_bad_one():
@@ -98,26 +180,6 @@ def test_finish_reasons_of_each_vocabulary_and_a_bad_one():
         finish_class("whatever")
     with pytest.raises(InvalidInput):
         finish_class(3)  # type: ignore[arg-type]
-
-
-def test_a_rhythm_forecasts_from_arrivals_finishes_and_its_own_gaps():
-    f = Forecast(rhythm_weight=1.0, rhythm_after=3)
-    r = Rhythm()
-    r.arrive(100.0)
-    assert r.next_use(f, 100.0) == 100.0 + f.in_flight_s  # running: finish unknown
-    r.finished_with("tool", 110.0)
-    assert r.next_use(f, 110.0) == 110.0 + f.gaps["tool"]
-    r.finished_with("stop", 110.0)
-    assert r.next_use(f, 110.0) == 110.0 + f.gaps["stop"]
-    for t in (200.0, 300.0, 400.0):  # three 4-second tool round trips
-        r.finished_with("tool", t)
-        r.arrive(t + 4.0)
-    r.finished_with("tool", 500.0)
-    assert r.next_use(f, 500.0) == 504.0  # its own rhythm, once it has shown it
-    with pytest.raises(InvalidInput):
-        Forecast(in_flight_s=0.0)
-    with pytest.raises(InvalidInput):
-        Forecast(gaps={"tool": 1.0})
 
 
 # -- the policy under a forecast -----------------------------------------------------------
@@ -164,10 +226,13 @@ def test_a_finish_moves_a_forecast_further_and_the_tail_is_refiled(clock: Manual
     clock.advance(1)
     turn(sm, "a", a)
     before = store.reads.meta(b[-1])
-    assert before is not None and before.next_use == 1000.0 + FORECAST.in_flight_s
-    sm.record("b", finish_reason="end_turn")  # b's turn ended: minutes away
+    f = store.forecast
+    assert f is not None
+    assert before is not None and before.next_use == f.cold_key(f.priors[FLIGHT], 1000.0)
+    sm.record("b", finish_reason="end_turn")  # b's turn ended: minutes away, if ever
     after = store.reads.meta(b[-1])
-    assert after is not None and after.next_use == 1001.0 + FORECAST.gaps["stop"]
+    assert after is not None and after.next_use == f.cold_key(f.priors["stop"], 1001.0)
+    assert after.next_use > before.next_use  # colder sooner than a running request
     clock.advance(1)
     more = chain(3, 2)
     store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
@@ -183,12 +248,12 @@ def test_a_prompt_that_left_its_previous_chain_gives_up_the_old_branch_first(
     base, branch = chain(1, 3), chain(2, 3)
     turn(sm, "s", base + branch, finish="tool_use")
     clock.advance(1)
-    turn(sm, "t", chain(5, 4), finish="end_turn")  # expected back late, but live
+    turn(sm, "t", chain(5, 4))  # running, older than s's last turn
     clock.advance(1)
     turn(sm, "s", base + chain(3, 2), finish="tool_use")  # edited history: branch is dead
     assert held(store, branch) == 3
     meta = store.reads.meta(branch[-1])  # back in an hour, if ever: after the live sessions
-    assert meta is not None and meta.next_use == clock.now() + FORECAST.dead_branch_s
+    assert meta is not None and meta.next_use == FORECAST.dead_branch_key(clock.now())
     clock.advance(1)
     more = chain(4, 3)
     store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
@@ -260,11 +325,12 @@ def test_a_dead_branch_is_filed_at_every_tail_it_has_in_a_tier(clock: ManualCloc
     store.reads.get(c)
     store.reads.forecast([a, b, c], None)  # a dead branch: before anything with a forecast
     core = store._core
-    order = [
-        v.block_hash
-        for _ in range(3)
-        if (v := core.policy.next_victim(0, clock.now(), core.index.get)) is not None
-    ]
+    order: list[BlockHash] = []
+    while len(order) < 3:  # nothing leaves here: a block's other entries come up again
+        victim = core.policy.next_victim(0, clock.now(), core.index.get)
+        assert victim is not None
+        if victim.block_hash not in order:
+            order.append(victim.block_hash)
     assert set(order[:2]) == {a, c} and order[2] == x[0]
 
 
@@ -276,7 +342,7 @@ def test_a_dead_branch_spares_what_another_branch_forks_from(clock: ManualClock)
     turn(sm, "s", base + old)
     turn(sm, "t", base + old[:1] + other)  # t forks off s's branch after its first block
     turn(sm, "s", base + chain(4, 2))  # s leaves its branch
-    dead = clock.now() + FORECAST.dead_branch_s
+    dead = FORECAST.dead_branch_key(clock.now())
     assert next_uses(store, old[1:]) == [dead, dead]  # only s's own, past t's fork
     assert dead not in next_uses(store, base + old[:1] + other)
 
@@ -284,3 +350,21 @@ def test_a_dead_branch_spares_what_another_branch_forks_from(clock: ManualClock)
 def next_uses(store: TieredStore, hashes: list[BlockHash]) -> list[float]:
     metas = [store.reads.meta(h) for h in hashes]
     return [m.next_use for m in metas if m is not None]
+
+
+def test_the_value_mode_evicts_the_block_cold_first_and_keyless_ones_by_lru(clock: ManualClock):
+    f = Forecast(mode="value")
+    store = TieredStore([CpuTier(8 * SIZE)], EvictionPolicy(1, f), clock=clock, default_ttl_s=1e5)
+    sm = SessionManager(store, pin_share=0.0)
+    sm.open("done")
+    done = chain(2, 4)
+    turn(sm, "done", done, finish="end_turn")  # cold within seconds at this horizon
+    plain = chain(5, 4)
+    store.writes.put(plain, [data(h) for h in plain], namespace_root=ROOT)  # no session: LRU
+    meta = store.reads.meta(done[-1])
+    assert meta is not None and meta.next_use == f.cold_key(f.priors["stop"], clock.now())
+    clock.advance(f.horizon.seconds / 2)
+    more = chain(4, 4)
+    store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
+    # the finished turn is cold before an LRU block of its age: its tail went first
+    assert held(store, plain) == 4 and held(store, done) == 0
