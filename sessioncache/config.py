@@ -141,9 +141,10 @@ class Settings(BaseSettings):
     sweep_interval_s: PositiveFloat = 60.0
     """period of the background sweep"""
     eviction_policy: Literal["forecast", "lru"] = "forecast"
-    """`forecast`: the tail predicted to be read again last leaves first (sessions' finish reasons
-    and rhythm, docs/sessions.md); `lru`: least recently used tail first (the policy before
-    forecasts, for comparison and fallback)"""
+    """`forecast`: the tail whose session is predicted back last leaves first (the time its
+    session is back with probability 0.8, from return times fitted per finish class,
+    docs/sessions.md); `lru`: least recently used tail first (the policy before forecasts,
+    for comparison and fallback)"""
     attribution_ring_blocks: PositiveInt = 65_536
     """miss attribution: ids remembered per tier after their last copy left"""
     attribution_sessions: PositiveInt = 10_000
