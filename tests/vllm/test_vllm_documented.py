@@ -214,6 +214,10 @@ def test_the_documented_session_hits_on_the_node(smollm2: Path, tmp_path: Path) 
             time.sleep(0.2)
         second = answer(shell.run(as_here(second_turn)), vllm_log)
         assert second["usage"]["prompt_tokens"] > prompt, (first, second)
+        deadline = time.monotonic() + 60  # its save, with its finish, follows the answer
+        while httpx.get(session_url, headers=headers, timeout=10).json()["last_finish"] is None:
+            assert time.monotonic() < deadline, f"no finish: {vllm_log.read_text()[-5000:]}"
+            time.sleep(0.2)
 
         # 5. The session, read with the tenant's key.
         info = answer(shell.run(as_here(block(f"/v1/sessions/{SESSION}"))), node_log)
