@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -115,3 +117,15 @@ def start_server(
     data_dir: Path, env: dict[str, str] | None = None, *, nofile: int | None = None
 ) -> Server:
     return wait_ready(spawn_server(data_dir, env, nofile=nofile))
+
+
+def stop_group(process: subprocess.Popen[Any]) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything it started:
+    SIGTERM to its group, SIGKILL after 30 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

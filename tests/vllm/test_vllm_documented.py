@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.servers import free_port
+from tests.support.servers import free_port, stop_group
 from tests.vllm.conftest import ROOT_DIR, VLLM_PYTHON
 
 DOC = ROOT_DIR / "docs" / "vllm.md"
@@ -106,7 +105,7 @@ class Shell:
         return "".join(lines)
 
     def close(self) -> None:
-        stop(self.process)
+        stop_group(self.process)
 
 
 def start(commands: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -120,16 +119,6 @@ def start(commands: str, cwd: Path, env: dict[str, str], log: Path) -> subproces
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-
-
-def stop(process: subprocess.Popen[Any]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def wait_for(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
@@ -224,8 +213,8 @@ def test_the_documented_session_hits_on_the_node(smollm2: Path, tmp_path: Path) 
     finally:
         shell.close()
         if engine is not None:
-            stop(engine)
-        stop(node)
+            stop_group(engine)
+        stop_group(node)
 
     whole = prompt // BLOCK * BLOCK
     assert whole >= 8 * BLOCK, prompt  # a prompt of several blocks, or nothing to see

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.support.servers import stop_group
 
 ROOT_DIR = Path(__file__).resolve().parents[3]
 DOC = ROOT_DIR / "docs" / "lmcache.md"
@@ -86,9 +87,4 @@ def test_the_pair_starts_with_the_documented_commands(tmp_path: Path):
             assert int(plane["same_host_connections"]) >= 1, plane
             assert not port_free(8090)  # LMCache's HTTP API is up on its documented port
         finally:
-            os.killpg(pair.pid, signal.SIGTERM)
-            try:
-                pair.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(pair.pid, signal.SIGKILL)
-                pair.wait()
+            stop_group(pair)
