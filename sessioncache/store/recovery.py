@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from itertools import islice
 
 from sessioncache.hashing import BlockHash
-from sessioncache.store.core import StorePart
+from sessioncache.store.core import StoreCore, StorePart
 from sessioncache.tiers.base import (
     BatchRecoverableTier,
     LazyStartTier,
@@ -24,6 +24,14 @@ _ADOPT_CHUNK = 65536  # blocks found on start, indexed a batch at a time
 class StoreRecovery(StorePart):
     """What durable tiers found (``TieredStore.recovery``): indexed on start, adopted or
     forgotten while the store serves."""
+
+    def __init__(self, core: StoreCore) -> None:
+        super().__init__(core)
+        # the durable tiers that may start unscanned, found once (a protocol check per
+        # lookup would cost more than the lookup's own work)
+        self._lazy: list[tuple[str, LazyStartTier]] = [
+            (t.name, t) for t in core.tiers if t.durable and isinstance(t, LazyStartTier)
+        ]
 
     def adopt_found(self, tier_name: str, found: Sequence[RecoveredBlock]) -> int:
         """Index blocks a durable tier found while the store serves (the background pass of
@@ -58,20 +66,17 @@ class StoreRecovery(StorePart):
         fast restart's background pass) holds and has not indexed yet, as far as they run:
         what a lookup asks for is served before the walk reaches it. How many were new."""
         adopted = 0
-        for tier in self._core.tiers:
-            if tier.durable and isinstance(tier, LazyStartTier) and tier.unscanned:
+        for name, tier in self._lazy:
+            if tier.unscanned:
                 found = tier.find_unindexed(hashes)
                 if found:
-                    adopted += self.adopt_found(tier.name, found)
+                    adopted += self.adopt_found(name, found)
         return adopted
 
     def scanning(self) -> bool:
         """Whether a durable tier is still walking its folders for files it has not indexed
         (``adopt_unscanned`` may then find some)."""
-        return any(
-            tier.durable and isinstance(tier, LazyStartTier) and tier.unscanned
-            for tier in self._core.tiers
-        )
+        return any(tier.unscanned for _, tier in self._lazy)
 
     def forget_copies(self, tier_name: str, hashes: Sequence[BlockHash]) -> int:
         """Forget the copies in ``tier_name`` of blocks that tier no longer holds (their files
