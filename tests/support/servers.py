@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import resource
 import signal
 import socket
@@ -15,11 +16,31 @@ from typing import Any
 
 import httpx
 
+_EPHEMERAL = tuple(
+    int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+)
+_handed: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port no socket holds now, from below the kernel's ephemeral range: a port the kernel
+    picked (bind to 0) is also the next one it may give an outgoing connection, and the
+    parallel suite's other worker makes thousands of those (a replay socket once lost its
+    port to one between this call and its bind). Random per call, never the same twice in
+    one process."""
+    rng = random.SystemRandom()
+    high = min(_EPHEMERAL[0], 65536)
+    while True:
+        port = rng.randrange(max(1024, high - 22_000), high)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
 
 
 @dataclass

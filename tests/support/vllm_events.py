@@ -153,12 +153,18 @@ class Publisher:
         # that a test waits for the node's instead of sleeping (a PUB drops what it sends
         # before a subscription arrives)
         self._pub = self._ctx.socket(zmq.XPUB)
-        self._pub.bind(endpoint)
         self._subscribed = threading.Event()
         self._replay: zmq.Socket[bytes] | None = None
-        if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay_endpoint)
+        try:
+            self._pub.bind(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            # an open socket left to the collector hangs its context's term() in whichever
+            # later test collects it
+            self._ctx.destroy(linger=0)
+            raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue[tuple[Any, bool] | None] = queue.Queue()
         self._seq = 0
