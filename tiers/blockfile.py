@@ -27,7 +27,7 @@ logger = logging.getLogger("sessioncache.tiers.disk")
 MAGIC = b"SCBLK\x00\x01\x00"
 HEADERS = HeaderCodec(MAGIC)
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -136,9 +136,20 @@ def encode_item(item: PutItem, codecs: CodecTable, tier: str, capacity: int) -> 
     return Encoded(used, stored, view.nbytes, payload_checksum(stored))
 
 
+def open_block(path: str) -> int:
+    """A block file opened for reading; a symbolic link in its place is never followed: it
+    is an ``InvalidBlock`` (quarantined as a damaged file is)."""
+    try:
+        return os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidBlock("a symbolic link, not a block file") from None
+        raise
+
+
 def read_header_of(path: str, block_hash: BlockHash) -> RecoveredBlock:
     """What a block file's header says of it (its size checked); ``InvalidBlock``."""
-    fd = os.open(path, _READ_FLAGS)
+    fd = open_block(path)
     try:
         raw = os.pread(fd, HEADER_SIZE, 0)
         size = os.fstat(fd)
@@ -197,7 +208,7 @@ def _read_file(path: str, nbytes: int) -> tuple[Header, npt.NDArray[np.uint8], i
     # in a fresh 32 MiB buffer ~3x cheaper here.
     payload = np.empty(nbytes, dtype=np.uint8)
     extra = bytearray(1)  # catches a file longer than it should be
-    fd = os.open(path, _READ_FLAGS)
+    fd = open_block(path)
     try:
         got = read_full(fd, [memoryview(header), payload.data, memoryview(extra)])
     finally:

@@ -6,6 +6,10 @@ Layout under ``root``::
     root/blocks/<hex[0:2]>/<hex[2:4]>/.<hex>.<random>.tmp
                                                     a put in progress (removed on open)
     root/quarantine/<hex>.<ns-time>.blk             files that failed validation, kept for study
+    root/quarantine/<name>.<ns-time>.link           links planted in place of a folder or file
+
+Every folder below ``root`` is one the tier made or found as a folder, never a link
+(``tiers/folders.py``).
 
 A block file is the 88-byte block header of ``tiers/header.py`` (block id, namespace root,
 parent, payload length, payload and header checksums) with magic ``b"SCBLK\\x00\\x01\\x00"``,
@@ -85,6 +89,7 @@ from sessioncache.tiers.fileio import (
     write_all,
     write_with_writeback,
 )
+from sessioncache.tiers.folders import BLOCK_SUFFIX, BlockFolders
 from sessioncache.tiers.header import (
     HEADER,
     HEADER_SIZE,
@@ -98,11 +103,16 @@ logger = logging.getLogger("sessioncache.tiers.disk")
 
 encode_header = HEADERS.encode
 decode_header = HEADERS.decode
-_BLOCK_SUFFIX = ".blk"
 _TMP_SUFFIX = ".tmp"
 _HEX_LEN = 2 * HASH_BYTES
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_WRITE_FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+)
 
 
 class DiskOptions(TypedDict, total=False):
@@ -140,9 +150,6 @@ class DiskTier:
             raise InvalidInput(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if not isinstance(name, str) or not name:
             raise InvalidInput("name must be a non-empty string")
-        self._root = os.fspath(root)
-        self._blocks_dir = os.path.join(self._root, "blocks")
-        self._quarantine_dir = os.path.join(self._root, "quarantine")
         self.capacity_bytes: Final = capacity_bytes
         self.name: Final = name
         self._fsync = fsync
@@ -152,7 +159,6 @@ class DiskTier:
         self._inflight: dict[BlockHash, threading.Event] = {}
         self._bytes = RootBytes()  # what the blocks count, in all and per namespace root
         self._reserved = 0
-        self._ready_dirs: set[str] = set()  # shard folders known to exist durably
         self._recovered: list[RecoveredBlock] = []
         self._opened_at = time.time()
         self._missing: list[BlockHash] = []
@@ -160,6 +166,9 @@ class DiskTier:
         self.unscanned = False
         """Opened without its scan, and ``scan_unindexed`` not done yet."""
         self._unlink_quiet = partial(unlink_quiet, who=f"disk tier {name!r}")
+        self.folders = BlockFolders(
+            os.fspath(root), f"disk tier {name!r}", fsync=fsync, unlink=self._unlink_quiet
+        )
 
     # ----------------------------------------------------------------------------- start-up
 
@@ -178,7 +187,7 @@ class DiskTier:
         if scan:
             tier._prepare()
         else:
-            tier._make_base_dirs()
+            tier.folders.make_base()
             tier.unscanned = True
         return tier
 
@@ -230,7 +239,7 @@ class DiskTier:
         adopted on trust whose files the walk did not see are left in ``missing()``."""
         found: list[RecoveredBlock] = []
         seen: set[BlockHash] = set()
-        for _, shards in self._shard_dirs():
+        for _, shards in self.folders.shards():
             for shard in shards:
                 self._scan_shard(shard, found, known=self._index, seen=seen)
         adopted: list[RecoveredBlock] = []
@@ -261,8 +270,8 @@ class DiskTier:
         for block_hash in hashes:
             if block_hash in self._index:
                 continue
-            path = self._path(block_hash)
             try:
+                path = self.folders.checked_path(block_hash)
                 block = read_header_of(path, block_hash)
             except InvalidBlock as exc:
                 self._quarantine_file(path, block_hash, str(exc))
@@ -293,30 +302,17 @@ class DiskTier:
             self._missing = []
         return gone
 
-    def _shard_dirs(self) -> Iterator[tuple[str, list[str]]]:
-        """Each folder under ``blocks/`` with its shard folders, in name order."""
-        with os.scandir(self._blocks_dir) as top:
-            for d1 in sorted(top, key=lambda e: e.name):
-                if d1.is_dir(follow_symlinks=False):
-                    with os.scandir(d1.path) as mid:
-                        ordered = sorted(mid, key=lambda e: e.name)
-                    yield d1.path, [d2.path for d2 in ordered if d2.is_dir(follow_symlinks=False)]
-
-    def _make_base_dirs(self) -> None:
-        for path in (self._root, self._blocks_dir, self._quarantine_dir):
-            self._ensure_dir(path)
-
     def _prepare(self) -> None:
-        self._make_base_dirs()
+        self.folders.make_base()
         start = time.perf_counter()
         found: list[RecoveredBlock] = []
         quarantined = 0
-        for top, shards in self._shard_dirs():
+        for top, shards in self.folders.shards():
             for shard in shards:
                 quarantined += self._scan_shard(shard, found)
             if self._fsync:
                 fsync_dir(top)
-            self._ready_dirs.add(top)
+            self.folders.ready.add(top)
         with self._lock:
             for block in found:
                 entry = Entry(block.nbytes, block.namespace_root, block.stored_nbytes)
@@ -326,7 +322,7 @@ class DiskTier:
         logger.info(
             "disk tier %r at %s: recovered %d blocks (%d bytes of %d), quarantined %d, %.3fs",
             self.name,
-            self._root,
+            self.folders.root,
             len(found),
             self._bytes.used,
             self.capacity_bytes,
@@ -361,9 +357,9 @@ class DiskTier:
                     if known is None or mtime(entry.path) < self._opened_at:
                         self._unlink_quiet(entry.path)
                     continue
-                if not fname.endswith(_BLOCK_SUFFIX):
+                if not fname.endswith(BLOCK_SUFFIX):
                     continue
-                stem = fname[: -len(_BLOCK_SUFFIX)]
+                stem = fname[: -len(BLOCK_SUFFIX)]
                 try:
                     block_hash = BlockHash(bytes.fromhex(stem))
                 except ValueError:
@@ -392,7 +388,7 @@ class DiskTier:
                     quarantined += 1
         if self._fsync:
             fsync_dir(shard)
-        self._ready_dirs.add(shard)
+        self.folders.ready.add(shard)
         return quarantined
 
     def stored_by_root(self) -> dict[bytes, tuple[int, int]]:
@@ -410,7 +406,7 @@ class DiskTier:
 
     @property
     def root(self) -> Path:
-        return Path(self._root)
+        return Path(self.folders.root)
 
     def fits(self, nbytes: int) -> bool:
         with self._lock:
@@ -479,7 +475,7 @@ class DiskTier:
                 results[pending[i][0]] = os_error(self.name, error)
             for i, f in enumerate(files):
                 if i not in failed:
-                    self._ready_dirs.update(f.new_dirs)
+                    self.folders.ready.update(f.new_dirs)
         finally:
             with self._lock:
                 for i, block_hash, _, nbytes in claimed:
@@ -524,17 +520,8 @@ class DiskTier:
         """Write the block's temp file, its device write started; left open for its sync."""
         block_hash, view = item.block_hash, coded.stored
         hexid = block_hash.hex()
-        top = os.path.join(self._blocks_dir, hexid[0:2])
-        shard = os.path.join(top, hexid[2:4])
-        new_dirs: list[str] = []
-        if shard not in self._ready_dirs:
-            if self._blocks_dir not in self._ready_dirs:
-                self._make_base_dirs()  # a tier built without ``open``
-            os.makedirs(shard, exist_ok=True)
-            new_dirs.append(shard)
-            if top not in self._ready_dirs:
-                new_dirs.append(top)
-        final = os.path.join(shard, hexid + _BLOCK_SUFFIX)
+        shard, new_dirs = self.folders.shard_for_put(hexid)
+        final = os.path.join(shard, hexid + BLOCK_SUFFIX)
         tmp = os.path.join(shard, f".{hexid}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
         header = encode_header(
             block_hash,
@@ -557,24 +544,14 @@ class DiskTier:
             raise
         return PendingFile(fd, tmp, final, new_dirs)
 
-    def _ensure_dir(self, path: str) -> None:
-        """Create ``path`` if needed and make it and its entry in the parent durable."""
-        if path in self._ready_dirs:
-            return
-        os.makedirs(path, exist_ok=True)
-        if self._fsync:
-            fsync_dir(path)
-            fsync_dir(os.path.dirname(os.path.abspath(path)))
-        self._ready_dirs.add(path)
-
     # ------------------------------------------------------------------------------------ get
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
         entry = self._index.get(block_hash)
         if entry is None:
             return None
-        path = self._path(block_hash)
         try:
+            path = self.folders.checked_path(block_hash)
             raw, stored = read_block(
                 path, block_hash, entry.namespace_root, entry.nbytes, entry.stored
             )
@@ -610,7 +587,7 @@ class DiskTier:
             done = threading.Event()
             self._inflight[block_hash] = done
         try:
-            self._unlink_quiet(self._path(block_hash))
+            self._unlink_quiet(self.folders.path(block_hash))
         finally:
             with self._lock:
                 del self._inflight[block_hash]
@@ -618,10 +595,6 @@ class DiskTier:
         return entry.nbytes
 
     # -------------------------------------------------------------------------------- helpers
-
-    def _path(self, block_hash: bytes) -> str:
-        hexid = block_hash.hex()
-        return os.path.join(self._blocks_dir, hexid[0:2], hexid[2:4], hexid + _BLOCK_SUFFIX)
 
     def _drop(self, block_hash: BlockHash, entry: Entry, path: str | None, why: str) -> None:
         """Forget a block whose file is bad (quarantining ``path``) or gone (``path`` None).
@@ -646,9 +619,7 @@ class DiskTier:
             done.set()
 
     def _quarantine_file(self, path: str, block_hash: bytes, why: str) -> None:
-        dest = os.path.join(
-            self._quarantine_dir, f"{block_hash.hex()}.{time.time_ns()}{_BLOCK_SUFFIX}"
-        )
+        dest = self.folders.quarantine_name(block_hash)
         quarantine(path, dest, f"disk tier {self.name!r}", block_hash, why, self._unlink_quiet)
 
 

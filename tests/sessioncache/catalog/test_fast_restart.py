@@ -59,7 +59,7 @@ def test_restart_serves_catalog_rows_and_adopts_files_it_lacks(tmp_path: Path):
         parent = block
     disk.close()
     # A file with a row, deleted behind the node's back.
-    gone = disk._path(chain[-1])
+    gone = disk.folders.path(chain[-1])
     Path(gone).unlink()
 
     node = open_node(settings(data))
@@ -119,7 +119,7 @@ def test_a_lookup_during_the_background_pass_finds_the_files_the_catalog_lacks(
         disk.put(PutItem(block, bytes([i]) * SIZE, NS, parent=parent))
         parent = block
     disk.close()
-    Path(disk._path(chain[6])).write_bytes(b"torn")  # a damaged file ends the run it finds
+    Path(disk.folders.path(chain[6])).write_bytes(b"torn")  # a damaged file ends the run it finds
     walk = threading.Event()
     scan = DiskTier.scan_unindexed
 
