@@ -3,6 +3,8 @@ the body ``{"error": <class name>, "detail": <message>}``."""
 
 from __future__ import annotations
 
+import math
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -20,9 +22,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(SessionCacheError)
     async def _sessioncache_error(request: Request, exc: SessionCacheError) -> JSONResponse:
         status = http_status(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+        if exc.retry_after is not None:  # when to ask again (an unavailable dependency)
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
         return JSONResponse(
-            error_body(type(exc).__name__, str(exc)), status_code=status, headers=headers
+            error_body(type(exc).__name__, str(exc)), status_code=status, headers=headers or None
         )
 
     @app.exception_handler(RequestValidationError)

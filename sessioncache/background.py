@@ -3,7 +3,8 @@ write-behind flush, the shared tier's expiry refresh, the fleet index's heartbea
 
 ``BackgroundLoop(name, step, interval_s)`` calls ``step()`` every ``interval_s`` seconds once
 started; ``wake()`` runs the next step now; ``stop()`` ends the loop and joins the thread. A
-step that raises is logged and, with ``max_backoff_s``, retried after a doubling delay.
+step that raises is logged and, with ``max_backoff_s``, retried after a doubling delay; an
+``Unavailable`` error (a dependency down, which reports itself) is not logged.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+
+from sessioncache.errors import Unavailable
 
 log = logging.getLogger("sessioncache.background")
 
@@ -73,7 +76,10 @@ class BackgroundLoop:
             try:
                 self._step()
                 delay = self._interval
-            except Exception:
+            except Exception as exc:
                 if self._max_backoff is not None:
                     delay = min(max(delay, self._interval) * 2, self._max_backoff)
+                if isinstance(exc, Unavailable):  # what it needs is down, and says so itself
+                    log.debug("%s: step failed (%s); next try in %.1fs", self._name, exc, delay)
+                    continue
                 log.exception("%s: step failed; next try in %.1fs", self._name, delay)

@@ -34,6 +34,7 @@ A client's exception carries the answer it came from: ``status`` (the HTTP statu
        -   413  BodyTooLarge
        -   429  RateLimited
        -   503  Unavailable          (also 502 and 504)
+       -   503  CatalogUnavailable   the catalog's database is down, locked or read-only
        -   401  AdminAuthRequired;  403 AdminRequired, AdminForbidden
 """
 
@@ -51,7 +52,8 @@ class SessionCacheError(Exception):
     code: ErrorCode | None = None
     """The block-stream code of the answer this error was raised for (None: raised locally)."""
     retry_after: float | None = None
-    """Seconds from a ``Retry-After`` header, when the server sent one."""
+    """Seconds from a ``Retry-After`` header, when the server sent one; on the node, when to
+    ask again (answered as ``Retry-After``)."""
 
     @property
     def detail(self) -> str:
@@ -214,6 +216,11 @@ class Unavailable(SessionCacheError):
     """The node, or a proxy in front of it, cannot serve now (retried by the REST client)."""
 
 
+class CatalogUnavailable(Unavailable):
+    """The catalog cannot be used now (its database down, locked or read-only): answered 503
+    with ``Retry-After``; blocks are still served and stored."""
+
+
 class Busy(Unavailable):
     """The node already serves its maximum number of connections."""
 
@@ -302,6 +309,7 @@ TABLE: tuple[Row, ...] = (
     Row(QuotaExceeded, 429, _C.QUOTA),
     Row(Unavailable, 503, None),
     Row(Busy, 503, _C.BUSY),
+    Row(CatalogUnavailable, 503, None),
     Row(NoRoom, 507, _C.NO_ROOM),
     Row(DurableStoreFailed, 507, _C.STORAGE_FULL),
 )

@@ -157,6 +157,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             migrate=settings.migrate_on_start,
             flush_interval_s=settings.catalog_flush_interval_s,
             clock=clock,
+            wait_s=settings.catalog_wait_s,
         )
         undo.callback(catalog.close)
         codecs = codec_table(settings)
@@ -279,6 +280,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             owners=owners,
             usage=catalog,
             checks=[background] if background is not None else [],
+            catalog=catalog.health,
             codecs=codecs,
             quotas=quotas,
             pins=pins,

@@ -139,6 +139,7 @@ class CacheNode:
         usage: UsageRecorder | None = None,
         history: StatsHistory | None = None,
         checks: Sequence[HealthCheck] = (),
+        catalog: HealthCheck | None = None,
         codecs: CodecTable | None = None,
         quotas: Quotas | None = None,
         pins: TenantPins | None = None,
@@ -189,6 +190,7 @@ class CacheNode:
         self.accounting = TokenAccounting(usage)
         self.history = history
         self._checks = list(checks)
+        self._catalog = catalog  # the catalog's health (``catalog.health.CatalogHealth``)
         self._shared_tier = any(isinstance(t, SharedTier) for t in store.tiers)
         drops = DropLog(settings.attribution_ring_blocks)
         store.observe(drops)
@@ -312,7 +314,7 @@ class CacheNode:
                 problem = tier.problem()
                 if problem:
                     problems.append(f"{tier.name}: {problem}")
-        for check in self._checks:
+        for check in [*self._checks, *([self._catalog] if self._catalog else [])]:
             problem = check.problem()
             if problem:
                 problems.append(problem)
@@ -323,6 +325,18 @@ class CacheNode:
                 "disk for 10 s or more (the disk is slower than the stores)"
             )
         return problems
+
+    def dependencies(self) -> dict[str, str]:
+        """What the node stands on outside its memory, each ``ok`` or why it fails now: the
+        catalog, the durable and shared tiers (by name), the fleet index."""
+        out = {"catalog": (self._catalog.problem() if self._catalog else None) or "ok"}
+        for tier in self.store.tiers:
+            if tier.durable or isinstance(tier, SharedTier):
+                problem = tier.problem() if isinstance(tier, CheckedTier) else None
+                out[tier.name] = problem or "ok"
+        if self.fleet is not None:
+            out["fleet index"] = self.fleet.problem() or "ok"
+        return out
 
     def locations(self, hashes: Sequence[BlockHash]) -> list[dict[str, list[str]]] | None:
         """For each id, which nodes of the fleet hold it and in which tiers (None without a

@@ -70,12 +70,27 @@ class NamespaceOwners:
                 return
             if self._admit is not None:
                 self._admit(tenant, len(self._roots_of.get(tenant, ())))
+            before = self._owners.get(root), self._namespaces.get(root)
             self._own(root, tenant)
             self._namespaces[root] = asdict(namespace)
         if self._repository is not None:
-            self._repository.register_namespace(
-                root, {"tenant": tenant, "namespace": asdict(namespace)}
-            )
+            try:
+                self._repository.register_namespace(
+                    root, {"tenant": tenant, "namespace": asdict(namespace)}
+                )
+            except BaseException:  # not recorded (the catalog unavailable): not claimed
+                with self._lock:
+                    self._roots_of[tenant].discard(root)
+                    owner, described = before
+                    if owner is None:
+                        self._owners.pop(root, None)
+                    else:
+                        self._own(root, owner)
+                    if described is None:
+                        self._namespaces.pop(root, None)
+                    else:
+                        self._namespaces[root] = described
+                raise
 
     def _own(self, root: bytes, tenant: str) -> None:
         """``root`` belongs to ``tenant`` now (called with the lock held)."""

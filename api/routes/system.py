@@ -59,9 +59,16 @@ def readyz(node: NodeDep, strict: bool = False) -> JSONResponse:
     from its local tiers, so it answers 200 with ``status: degraded`` and the reasons: a
     Redis outage hits every node at once, and failing readiness would take the whole fleet
     out of its load balancer. ``?strict=true`` answers 503 while degraded, for probes that
-    want to know (alerts, a balancer preferring fully healthy nodes)."""
+    want to know (alerts, a balancer preferring fully healthy nodes), and while the catalog
+    cannot be used (down, locked, read-only). ``dependencies`` names each thing the node
+    stands on (the catalog, the disk and Redis tiers, the fleet index) with ``ok`` or why it
+    fails now."""
     problems = node.health_problems()
-    body = {"status": "degraded" if problems else "ready", "problems": problems}
+    body = {
+        "status": "degraded" if problems else "ready",
+        "problems": problems,
+        "dependencies": node.dependencies(),
+    }
     return JSONResponse(body, status_code=503 if strict and problems else 200)
 
 

@@ -8,6 +8,7 @@ Alembic's version table all live there (the tests give every test its own schema
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -53,10 +54,18 @@ def check_schema(schema: str) -> str:
     return schema
 
 
-def make_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> Engine:
+def make_engine(
+    url: str | URL,
+    *,
+    schema: str | None = None,
+    wait_s: float = SQLITE_BUSY_TIMEOUT_S,
+    **kwargs: Any,
+) -> Engine:
     """An engine for the catalog at ``url`` (see the module docstring).
 
     ``schema`` (PostgreSQL only) confines every connection to that schema via ``search_path``.
+    ``wait_s`` bounds what a call waits for the database: SQLite's lock (its busy timeout),
+    PostgreSQL's connect (at least 2 s: libpq's least), a connection of the pool.
     Extra keyword arguments go to ``sqlalchemy.create_engine``.
     """
     parsed = make_url(url)
@@ -68,8 +77,9 @@ def make_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> 
         database = parsed.database
         if database and database != ":memory:" and not database.startswith("file:"):
             Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            kwargs.setdefault("pool_timeout", wait_s)  # a file's pool (memory's has none)
         connect_args.setdefault("check_same_thread", False)
-        connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_S)
+        connect_args.setdefault("timeout", wait_s)
         engine = create_engine(parsed, connect_args=connect_args, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
         return engine
@@ -77,6 +87,8 @@ def make_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> 
         if schema is not None:
             options = connect_args.get("options", "")
             connect_args["options"] = f"{options} -csearch_path={check_schema(schema)}".strip()
+        connect_args.setdefault("connect_timeout", max(2, math.ceil(wait_s)))
+        kwargs.setdefault("pool_timeout", wait_s)
         kwargs.setdefault("pool_pre_ping", True)
         return create_engine(parsed, connect_args=connect_args, **kwargs)
     if schema is not None:

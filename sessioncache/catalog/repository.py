@@ -39,10 +39,17 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import SQLAlchemyError
 
 from sessioncache.background import BackgroundLoop
 from sessioncache.catalog import bulk
-from sessioncache.catalog.db import make_engine
+from sessioncache.catalog.db import SQLITE_BUSY_TIMEOUT_S, make_engine
+from sessioncache.catalog.health import (
+    CatalogHealth,
+    CatalogWriter,
+    answered,
+    unavailable_reason,
+)
 from sessioncache.catalog.models import (
     blocks_table,
     namespaces_table,
@@ -52,7 +59,7 @@ from sessioncache.catalog.retry import retried_on_disconnect
 from sessioncache.catalog.session_rows import SessionRows
 from sessioncache.catalog.statements import Statements
 from sessioncache.clock import Clock, SystemClock
-from sessioncache.errors import CatalogError, CatalogNotMigrated
+from sessioncache.errors import CatalogError, CatalogNotMigrated, CatalogUnavailable
 from sessioncache.hashing import BlockHash
 from sessioncache.sessions.manager import Session, SessionKey
 from sessioncache.store.blocks import BlockMeta
@@ -161,6 +168,7 @@ class Catalog:
         usage_bucket_s: float = DEFAULT_USAGE_BUCKET_S,
         clock: Clock | None = None,
         owns_engine: bool = False,
+        wait_s: float = SQLITE_BUSY_TIMEOUT_S,
     ) -> None:
         if not flush_interval_s > 0:
             raise CatalogError("flush_interval_s must be positive")
@@ -175,14 +183,16 @@ class Catalog:
         self._bucket_s = float(usage_bucket_s)
         self._clock: Clock = clock or SystemClock()
         self._qlock = threading.Lock()  # guards the pending maps only: held for dict ops
-        self._write_lock = threading.Lock()  # one SQL writer at a time, batches in order
+        self.health: Final = CatalogHealth(label(engine.url), wait_s=wait_s)
+        """Whether the catalog can be used now (``/readyz``; see ``catalog/health.py``)."""
+        self._writer = CatalogWriter(engine, self.health)  # one SQL writer, batches in order
         self._state_lock = threading.Lock()
         self._pending = _Batch()
         self._durable_indices: frozenset[int] | None = None
         self._tier_counters: dict[str, tuple[str, str, str]] = {}
         self._flusher = BackgroundLoop(
             "sessioncache-catalog-flusher",
-            self.flush,
+            self._flush_behind,
             flush_interval_s,
             max_backoff_s=MAX_RETRY_DELAY_S,
         )
@@ -203,24 +213,40 @@ class Catalog:
         *,
         schema: str | None = None,
         migrate: bool = False,
+        wait_s: float = SQLITE_BUSY_TIMEOUT_S,
         **kwargs: Any,
     ) -> Catalog:
         """A catalog on a new engine for ``url``; ``migrate`` runs the migrations first,
-        otherwise the database must already be at the newest revision."""
+        otherwise the database must already be at the newest revision. A catalog that cannot
+        be opened or written is a ``CatalogError`` naming it. ``wait_s``: how long a call
+        waits for the database (``make_engine``) or for the writer."""
         from sessioncache.catalog import migrate as migrations
 
-        engine = make_engine(url, schema=schema)
+        engine = make_engine(url, schema=schema, wait_s=wait_s)
         try:
-            if migrate:
-                migrations.upgrade(engine, schema=schema)
-            else:
-                at, head = migrations.current(engine, schema=schema), migrations.head()
-                if at != head:
-                    raise CatalogNotMigrated(
-                        f"the catalog is at revision {at}, not {head}: "
-                        "run `sessioncache db upgrade`"
-                    )
-            return cls(engine, owns_engine=True, **kwargs)
+            try:
+                if migrate:
+                    migrations.upgrade(engine, schema=schema)
+                else:
+                    at, head = migrations.current(engine, schema=schema), migrations.head()
+                    if at != head:
+                        raise CatalogNotMigrated(
+                            f"the catalog is at revision {at}, not {head}: "
+                            "run `sessioncache db upgrade`"
+                        )
+            except SQLAlchemyError as exc:
+                raise CatalogError(
+                    f"cannot open the catalog {label(engine.url)}: {_reason(exc)}"
+                ) from None
+            catalog = cls(engine, owns_engine=True, wait_s=wait_s, **kwargs)
+            try:
+                catalog._writer.probe()
+            except CatalogUnavailable as exc:
+                reason = catalog.health.reason or str(exc)
+                raise CatalogError(
+                    f"the catalog {catalog.health.label} cannot be written: {reason}"
+                ) from None
+            return catalog
         except BaseException:
             engine.dispose()
             raise
@@ -304,6 +330,7 @@ class Catalog:
             usage = self._pending.usage
             usage[key] = usage.get(key, 0) + int(amount)
 
+    @answered
     @retried_on_disconnect
     def usage(
         self,
@@ -326,6 +353,7 @@ class Catalog:
 
     # -- block rows (synchronous: reconciliation, tools, tests) -------------------------
 
+    @answered
     @retried_on_disconnect
     def block_records(self, tier: str | None = None) -> list[BlockRecord]:
         """The stored block rows (of one tier), as written so far (no flush)."""
@@ -361,6 +389,7 @@ class Catalog:
             for (block_id,) in result:
                 yield BlockHash(bytes(block_id))
 
+    @answered
     @retried_on_disconnect
     def lookup_blocks(
         self, tier: str, block_ids: Sequence[BlockHash]
@@ -377,6 +406,7 @@ class Catalog:
                     found[record.block_id] = record
         return found
 
+    @answered
     @retried_on_disconnect
     def count_blocks(self, tier: str | None = None) -> int:
         query = select(func.count()).select_from(blocks_table)
@@ -390,7 +420,7 @@ class Catalog:
         batch = _Batch(blocks={(r.block_id, r.tier): r for r in records})
         if not batch.blocks:
             return 0
-        with self._write_lock, self.engine.begin() as conn:
+        with self._writer.transaction() as conn:
             return self._write(conn, batch)
 
     def delete_blocks(self, tier: str, block_ids: Iterable[BlockHash]) -> int:
@@ -398,7 +428,7 @@ class Catalog:
         batch = _Batch(blocks={(bytes(b), tier): None for b in block_ids})
         if not batch.blocks:
             return 0
-        with self._write_lock, self.engine.begin() as conn:
+        with self._writer.transaction() as conn:
             return self._write(conn, batch)
 
     def register_namespace(self, root: bytes, description: dict[str, Any] | None = None) -> None:
@@ -410,9 +440,10 @@ class Catalog:
             "created": self._clock.now(),
             "tenant": tenant if isinstance(tenant, str) else None,
         }
-        with self._write_lock, self.engine.begin() as conn:
+        with self._writer.transaction() as conn:
             conn.execute(self._stmts.upsert_namespace_description, [params])
 
+    @answered
     @retried_on_disconnect
     def namespaces(self) -> dict[bytes, dict[str, Any] | None]:
         t = namespaces_table
@@ -435,16 +466,17 @@ class Catalog:
     def flush(self) -> int:
         """Write everything queued, now, in one transaction; returns the rows written.
 
-        On failure the changes go back to the queue and the error is raised.
+        On failure the changes go back to the queue and the error is raised
+        (``CatalogUnavailable`` when the catalog is).
         """
-        with self._write_lock:
+        with self._writer.turn():
             with self._qlock:
                 batch, self._pending = self._pending, _Batch()
             if not len(batch):
                 return 0
             try:
-                with self.engine.begin() as conn:
-                    written = self._write(conn, batch)
+                with self.health.answering():
+                    written = _commit(self, batch)
             except BaseException as exc:
                 self._requeue(batch)
                 self._errors += 1
@@ -453,6 +485,19 @@ class Catalog:
             self._flushes += 1
             self._rows_written += written
             return written
+
+    def _flush_behind(self) -> None:
+        """The flusher's step: ``flush``, quiet while the catalog is unavailable (its health
+        logs the change, the changes stay queued), once a ``RETRY_S`` then; with nothing
+        queued, a write that changes nothing finds the catalog back."""
+        health = self.health
+        if not health.due():
+            return
+        try:
+            if not self.flush() and health.problem() is not None:
+                self._writer.probe()
+        except CatalogUnavailable:
+            pass
 
     def start(self) -> None:
         """Start the flusher thread (idempotent)."""
@@ -564,6 +609,26 @@ class Catalog:
                 ],
             )
         return written
+
+
+@retried_on_disconnect
+def _commit(catalog: Catalog, batch: _Batch) -> int:
+    """Write ``batch`` in one transaction (again on a new connection when its own turns out
+    dead, like the reads: a transaction cut off is rolled back)."""
+    with catalog.engine.begin() as conn:
+        return catalog._write(conn, batch)
+
+
+def label(url: URL) -> str:
+    """The catalog in messages: SQLite's file, else the URL without its password."""
+    if url.get_backend_name() == "sqlite" and url.database:
+        return url.database
+    return url.render_as_string(hide_password=True)
+
+
+def _reason(exc: SQLAlchemyError) -> str:
+    reason = unavailable_reason(exc)
+    return reason if reason is not None else str(exc).strip().splitlines()[0]
 
 
 def _execute(conn: Connection, stmt: Executable, params: list[dict[str, Any]]) -> int:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import ColumnElement, delete, func, or_, select
 
+from sessioncache.catalog.health import CatalogHealth, answered
 from sessioncache.catalog.models import sessions_table
 from sessioncache.catalog.retry import retried_on_disconnect
 from sessioncache.hashing import BlockHash
@@ -22,13 +23,18 @@ class SessionRows:
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog
 
+    @property
+    def health(self) -> CatalogHealth:
+        return self._catalog.health
+
+    @answered
     @retried_on_disconnect
     def create_session(self, session: Session) -> None:
         """Insert (or overwrite) the session's row; durable when this returns."""
         with self._catalog._qlock:
             self._catalog._pending.sessions.pop(session.key, None)
         params = session_params(session)
-        with self._catalog._write_lock, self._catalog.engine.begin() as conn:
+        with self._catalog._writer.transaction() as conn:
             conn.execute(self._catalog._stmts.upsert_session, [params])
 
     def save_session(self, session: Session) -> None:
@@ -39,14 +45,16 @@ class SessionRows:
         if size >= self._catalog._max_pending:
             self._catalog._flusher.wake()
 
+    @answered
     @retried_on_disconnect
     def delete_session(self, key: SessionKey) -> None:
         """Delete the session's row; durable when this returns."""
         with self._catalog._qlock:
             self._catalog._pending.sessions.pop(key, None)
-        with self._catalog._write_lock, self._catalog.engine.begin() as conn:
+        with self._catalog._writer.transaction() as conn:
             conn.execute(delete(sessions_table).where(*_is(key)))
 
+    @answered
     @retried_on_disconnect
     def load_sessions(self) -> list[Session]:
         """Every stored session (pending saves are flushed first)."""
@@ -56,6 +64,7 @@ class SessionRows:
             rows = conn.execute(select(t).order_by(t.c.created, t.c.tenant, t.c.id)).all()
         return [session_of(r) for r in rows]
 
+    @answered
     @retried_on_disconnect
     def load_session(self, key: SessionKey) -> Session | None:
         """One stored session, e.g. opened through another node sharing this catalog."""
@@ -63,6 +72,7 @@ class SessionRows:
             row = conn.execute(select(sessions_table).where(*_is(key))).first()
         return session_of(row) if row is not None else None
 
+    @answered
     @retried_on_disconnect
     def query_sessions(self, query: SessionQuery, *, now: float) -> SessionPage:
         """One page of the unexpired sessions, searched and sorted in SQL (``SessionSearch``;

@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from sessioncache.config import Settings
     from sessioncache.dataplane.samehost_server import open_samehost_server
     from sessioncache.dataplane.server import open_stream_server
+    from sessioncache.errors import CatalogError
     from sessioncache.factory import open_node
 
     overrides: dict[str, Any] = {}
@@ -135,7 +136,11 @@ def run(args: argparse.Namespace) -> int:
             settings.host,
         )
     widen_body_window()
-    node = open_node(settings)
+    try:
+        node = open_node(settings)
+    except CatalogError as exc:  # not there, not migrated, read-only: the message names it
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        return 2
     log.info("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", ""))
     log.info(
         "tiers: %s; data dir %s",

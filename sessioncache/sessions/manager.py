@@ -228,10 +228,10 @@ class SessionManager:
                 last_seen=now,
                 expires_at=now + ttl,
             )
+            if self._repo is not None:  # first: a session the catalog refuses is not opened
+                self._repo.create_session(replace(session))
             self._held(session)
             self.forecasts.opened(session.key, (tenant, parent) if parent is not None else None)
-            if self._repo is not None:
-                self._repo.create_session(replace(session))
             return replace(session)
 
     def get(self, session_id: str, *, tenant: str = DEFAULT_TENANT) -> Session:

@@ -18,6 +18,9 @@ def test_a_degraded_node_is_ready_but_not_strictly_ready(tmp_path: Path):
             plain = c.get("/readyz")
             assert plain.status_code == 200, plain.text
             assert plain.json()["status"] == "degraded" and plain.json()["problems"]
+            needs = plain.json()["dependencies"]
+            assert needs["catalog"] == "ok" and needs["disk"] == "ok", needs
+            assert needs["redis"] != "ok" and needs["fleet index"] != "ok", needs
             strict = c.get("/readyz", params={"strict": "true"})
             assert strict.status_code == 503, strict.text
             assert strict.json()["status"] == "degraded"
@@ -31,7 +34,12 @@ def test_a_healthy_node_is_strictly_ready(tmp_path: Path):
         with httpx.Client(base_url=server.url, timeout=10) as c:
             for params in ({}, {"strict": "true"}):
                 r = c.get("/readyz", params=params)
-                assert r.status_code == 200 and r.json() == {"status": "ready", "problems": []}
+                assert r.status_code == 200, r.text
+                assert r.json() == {
+                    "status": "ready",
+                    "problems": [],
+                    "dependencies": {"catalog": "ok", "disk": "ok"},
+                }
             assert c.get("/readyz", params={"strict": "maybe"}).status_code == 422
     finally:
         server.stop()
