@@ -73,6 +73,7 @@ class StoreCollector(Collector):
             "loaded_bytes",
             "evictions",
             "demotions",
+            "demotions_refused",
             "promotions",
             "expirations",
             "stored_blocks",
@@ -93,14 +94,18 @@ class StoreCollector(Collector):
         yield received
         used = GaugeMetricFamily("sessioncache_tier_used_bytes", "Bytes held", labels=["tier"])
         cap = GaugeMetricFamily("sessioncache_tier_capacity_bytes", "Capacity", labels=["tier"])
+        room = GaugeMetricFamily(
+            "sessioncache_tier_room_bytes", "What it could hold now", labels=["tier"]
+        )
         pinned = GaugeMetricFamily("sessioncache_tier_pinned_bytes", "Pinned", labels=["tier"])
         blocks = GaugeMetricFamily("sessioncache_tier_blocks", "Blocks held", labels=["tier"])
         for tier in store.stats_tiers():
             used.add_metric([tier.name], tier.used_bytes)
             cap.add_metric([tier.name], tier.capacity_bytes)
+            room.add_metric([tier.name], tier.room_bytes)
             pinned.add_metric([tier.name], tier.pinned_bytes)
             blocks.add_metric([tier.name], tier.blocks)
-        yield from (used, cap, pinned, blocks)
+        yield from (used, cap, room, pinned, blocks)
         sessions = GaugeMetricFamily("sessioncache_sessions", "Open sessions")
         sessions.add_metric([], node.sessions.count())
         yield sessions

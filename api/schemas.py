@@ -503,6 +503,9 @@ class WhoAmI(BaseModel):
 class TierStatsOut(BaseModel):
     name: str
     capacity_bytes: int
+    room_bytes: int
+    """What it could hold now: ``capacity_bytes``, or less where its filesystem has less
+    room (the disk tier's files share it: it evicts by policy within this)."""
     used_bytes: int
     pinned_bytes: int
     blocks: int

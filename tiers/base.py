@@ -31,6 +31,8 @@ Optional abilities, each its own small protocol:
                          (without moving payloads), ``set_expiry_many`` raises their expiry
     ``CodedTier``        ``stored_by_root()``: per namespace root, the raw bytes held and the
                          bytes stored for them (a block codec's saving)
+    ``RoomBoundTier``    ``room_bytes()``: what it could hold now, its capacity or less where
+                         what it stands on has less room (a filesystem shared or smaller)
     ``SharedMemoryTier`` a host tier whose memory other processes on the host may map: where
                          a block lies (``locate``), the segments' descriptors, and slots a
                          writer fills in place before they are published as blocks
@@ -237,6 +239,14 @@ class CodedTier(Protocol):
     """A tier that may store blocks encoded (``sessioncache.codecs``)."""
 
     def stored_by_root(self) -> dict[bytes, tuple[int, int]]: ...
+
+
+@runtime_checkable
+class RoomBoundTier(Protocol):
+    """A tier whose room is bounded by what it stands on as well as by its capacity: ``fits``
+    answers against both, so that a full filesystem evicts by policy as a full budget does."""
+
+    def room_bytes(self) -> int: ...
 
 
 @runtime_checkable

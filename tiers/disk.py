@@ -21,6 +21,11 @@ Codecs (``sessioncache.codecs``, as ``codecs.for_root`` says): the header record
 and raw length, the checksum covers the stored bytes, ``get`` decodes (``tiers.blockfile``).
 The capacity counts stored bytes; a block adopted on the catalog's word, its raw length.
 
+Room: ``fits`` (and a put) asks the filesystem as well as the capacity. Where the filesystem
+has less room left than the budget (a smaller or shared disk), the tier's room is what it
+holds plus what ``statvfs`` says is free, less ``FS_MARGIN`` (``room_bytes``): the store then
+evicts by policy to make room, as for a full budget, instead of failing writes with ENOSPC.
+
 Durability of ``put``: the header and payload go to a temp file in the block's shard folder
 (no copy of the payload is made), the file is ``fdatasync``-ed, renamed over its final name and
 the shard folder is ``fsync``-ed (and, the first time this process uses a folder, its parents).
@@ -113,6 +118,12 @@ _WRITE_FLAGS = (
     | getattr(os, "O_CLOEXEC", 0)
     | getattr(os, "O_NOFOLLOW", 0)
 )
+
+
+FS_MARGIN = 1 << 20
+"""Room the tier leaves free on its filesystem (folders, the catalog beside it)."""
+_FILE_SLACK = 8 << 10
+"""What a block's file takes beyond its payload: its header, the last page, its entry."""
 
 
 class DiskOptions(TypedDict, total=False):
@@ -409,8 +420,29 @@ class DiskTier:
         return Path(self.folders.root)
 
     def fits(self, nbytes: int) -> bool:
+        free = self._fs_free()
         with self._lock:
-            return nbytes > 0 and self._bytes.used + self._reserved + nbytes <= self.capacity_bytes
+            return (
+                nbytes > 0
+                and self._bytes.used + self._reserved + nbytes <= self.capacity_bytes
+                and self._reserved + nbytes + _FILE_SLACK <= free
+            )
+
+    def room_bytes(self) -> int:
+        """The bytes of blocks the tier could hold now: its capacity, or what it holds and
+        what its filesystem has left (less a margin) where that is less."""
+        free = self._fs_free()
+        with self._lock:
+            return max(0, min(self.capacity_bytes, self._bytes.used + free - self._reserved))
+
+    def _fs_free(self) -> int:
+        """The bytes its filesystem lets it write now, less ``FS_MARGIN`` (no limit where the
+        folders are not made yet)."""
+        try:
+            st = os.statvfs(self.folders.blocks)
+        except OSError:
+            return 1 << 62
+        return st.f_bavail * st.f_frsize - FS_MARGIN
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index
@@ -500,6 +532,7 @@ class DiskTier:
                 f"{self.capacity_bytes}"
             )
         while True:
+            free = self._fs_free()
             with self._lock:
                 if block_hash in self._index:
                     return None
@@ -510,6 +543,8 @@ class DiskTier:
                             f"{self.name} tier: {nbytes} bytes do not fit "
                             f"({self._bytes.used + self._reserved} of {self.capacity_bytes} in use)"
                         )
+                    if self._reserved + nbytes + _FILE_SLACK > free:
+                        raise TierFull(f"{self.name} tier: filesystem full ({free} bytes left)")
                     self._reserved += nbytes
                     done = threading.Event()
                     self._inflight[block_hash] = done

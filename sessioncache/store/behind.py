@@ -30,6 +30,12 @@ empty, the tier's room coming from its copies).
 A busy node thus copies its stores first and writes them to disk right after, rather than
 making both compete for the same cores.
 
+A block whose copy fails for want of room (a full filesystem with nothing the tier may evict)
+stays in memory: no eviction drops it (``StoreCore._evict``: a victim that cannot be demoted
+stays, and the store that needed the room is refused), and the thread offers it again every
+``RETRY_S`` while the queue is idle and the durable tier has room for it: what was written
+behind drains once space returns. ``write_behind_failed`` counts each such block once.
+
 A queued block is not pinned: if its tier evicts it first, the eviction demotes it to the
 disk (a copy the queue then finds done). While the thread copies a block it holds it in
 flight (``StoreCore.flush_begin``), so its slot is not reused under the copy; a store that
@@ -64,6 +70,7 @@ DEFAULT_BATCH_BYTES = 64 << 20
 IDLE_S = 0.05
 DEGRADED_SHARE = 0.8
 DEGRADED_AFTER_S = 10.0
+RETRY_S = 1.0
 
 
 def _one_tenant(root: bytes) -> str:
@@ -117,6 +124,10 @@ class WriteBehind:
         self._above_since: float | None = None
         self.written = 0
         self.failed = 0
+        self._unwritten: dict[BlockHash, BlockMeta] = {}
+        """(condition) Blocks whose copies failed for want of room, held above only."""
+        self._batch_bytes = batch_bytes
+        self._retry_at = 0.0
         self._thread = threading.Thread(
             target=self._run, name="sessioncache-write-behind", daemon=True
         )
@@ -230,6 +241,7 @@ class WriteBehind:
         The thread writes at once meanwhile (``hurry``): someone waits."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
+            self._retry()  # and what could not be written so far, where it fits now
             if self._bytes and not self._hurried:
                 self._hurried = True
                 self._cond.notify_all()
@@ -256,7 +268,12 @@ class WriteBehind:
                 while not self._closed:
                     if not self._queue:
                         self._hurried = False
-                        self._cond.wait()
+                        if not self._unwritten:
+                            self._cond.wait()
+                        elif (left := self._retry_at - time.monotonic()) > 0:
+                            self._cond.wait(left)
+                        else:
+                            self._retry()
                         continue
                     idle = time.monotonic() - self._last_submit
                     if self._urgent or self._hurried or self._bytes > self.bound_bytes / 2:
@@ -286,15 +303,37 @@ class WriteBehind:
                     self._note_level()
                     self._cond.notify_all()
 
+    def _retry(self) -> None:
+        """(condition held) Queue again the blocks whose copies failed, as far as the durable
+        tier has room for them now (a batch at most); next try in ``RETRY_S``."""
+        self._retry_at = time.monotonic() + RETRY_S
+        tier = self._core.tiers[self.durable]
+        room = 0
+        for meta in self._unwritten.values():
+            if meta.block_hash in self._queued:
+                continue
+            if room + meta.nbytes > self._batch_bytes or not tier.fits(room + meta.nbytes):
+                break
+            room += meta.nbytes
+            tenant = self.owner(meta.namespace_root)
+            self._queue.push(tenant, _Queued(meta, Ticket(meta.nbytes, tenant)), meta.nbytes)
+            self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
+            self._bytes += meta.nbytes
+            self.tenants.add(tenant, meta.nbytes)
+
     def _write(self, batch: list[_Queued]) -> None:
         """Copy a batch's blocks to the durable tier with one round of syncs."""
         core, d = self._core, self.durable
         tier = core.tiers[d]
         todo: list[tuple[_Queued, BlockMeta]] = []
         held: list[tuple[BlockMeta, tuple[int, ...]]] = []
+        settled: list[BlockHash] = []  # no longer to be written
+        failed: list[BlockMeta] = []  # could not be written for want of room
         with core.lock:
             for queued in batch:
                 meta = core.index.get(queued.meta.block_hash)
+                if meta is None or not meta.tiers or d in meta.tiers:
+                    settled.append(queued.meta.block_hash)
                 if meta is None or not meta.tiers:
                     continue  # dropped or expired meanwhile: nothing to keep
                 if d in meta.tiers:
@@ -334,6 +373,9 @@ class WriteBehind:
                 if isinstance(error, TierFull):
                     # the room went to another writer, or the tier commits one by one: alone
                     ok = core.place(meta, items[k].payload, d, stop=d + 1, wait=False) is not None
+                    if not ok and meta.live:
+                        failed.append(meta)  # held above: written once there is room
+                        continue
                 elif error is None:
                     with core.lock:
                         if meta.live:
@@ -348,10 +390,20 @@ class WriteBehind:
                 queued.ticket.ok = ok
                 if ok:
                     self.written += 1
+                    settled.append(meta.block_hash)
                 else:
                     self.failed += 1
         finally:
             core.flush_end(held)
+            with self._cond:
+                for block_hash in settled:
+                    self._unwritten.pop(block_hash, None)
+                for meta in failed:
+                    if meta.block_hash not in self._unwritten:
+                        self.failed += 1  # once per block, however often it is retried
+                        self._unwritten[meta.block_hash] = meta
+                if failed:
+                    self._retry_at = time.monotonic() + RETRY_S
 
     def _note_level(self) -> None:
         """(condition held) Track how long the backlog has stayed above 80% of its bound."""

@@ -65,6 +65,13 @@ class _Evicted(enum.Enum):
     """The policy keeps the victim over the incoming block."""
     BEHIND = enum.auto()
     """The victim waits for the write-behind, whose copy would make room (kept in place)."""
+    STUCK = enum.auto()
+    """The victims tried could not be demoted (the tier below had no room it could make, or
+    failed): kept in place, since each is the only copy of a block a store was answered for."""
+
+
+_STUCK_TRIES = 8
+"""Victims an eviction tries past those that cannot be demoted, before it gives up."""
 
 
 class _Line:
@@ -355,7 +362,26 @@ class StoreCore:
 
     def _evict(self, tier: int, incoming: BlockMeta, *, demote: bool = True) -> _Evicted:
         """``evict_one``; ``demote=False``: a victim that would be copied to the durable tier
-        while it is queued for the write-behind stays (``BEHIND``)."""
+        while it is queued for the write-behind stays (``BEHIND``). A victim whose demotion
+        fails stays too, held until the end of this call so that the next one is tried, up
+        to ``_STUCK_TRIES`` (``STUCK``): a block is never dropped for want of room below."""
+        stuck: list[BlockMeta] = []
+        try:
+            while True:
+                outcome = self._evict_once(tier, incoming, demote, stuck)
+                if outcome is not _Evicted.STUCK or len(stuck) >= _STUCK_TRIES:
+                    return outcome
+        finally:
+            if stuck:
+                with self.lock:
+                    for victim in stuck:
+                        self.index.unref(victim, in_flight=True)  # a candidate again
+
+    def _evict_once(
+        self, tier: int, incoming: BlockMeta, demote: bool, stuck: list[BlockMeta]
+    ) -> _Evicted:
+        """One victim of ``_evict``; one that cannot be demoted is added to ``stuck``, still
+        held in flight."""
         behind = self.behind
         queued = not demote and behind is not None and tier + 1 == behind.durable
         with self.lock:
@@ -380,21 +406,29 @@ class StoreCore:
                 return _Evicted.DONE
             # in flight: no other thread may pick or drop it (no tenant's pin share pays)
             self.index.ref(victim, in_flight=True)
+        kept = False
         try:
             data = self.tiers[tier].get(victim.block_hash)
-            if data is not None and self.place(victim, data, tier + 1) is not None:
-                with self.lock:
-                    self.counters.demotions += 1
+            if data is not None:
+                kept = self.place(victim, data, tier + 1) is None
+                if not kept:
+                    with self.lock:
+                        self.counters.demotions += 1
         finally:
             with self.lock:
-                # Keep the copy of a block someone pinned meanwhile (a lease taken while it
-                # was in flight may be reading it), even when it found room below.
-                if victim.ref_cnt == 1:
-                    self.drop_from_tier(victim, tier)
-                self.index.unref(victim, in_flight=True)
-                if not victim.tiers:
-                    self.index.forget(victim)
-        return _Evicted.DONE
+                if kept:
+                    self.counters.evictions -= 1
+                    self.counters.demotions_refused += 1
+                    stuck.append(victim)
+                else:
+                    # Keep the copy of a block someone pinned meanwhile (a lease taken while
+                    # it was in flight may be reading it), even when it found room below.
+                    if victim.ref_cnt == 1:
+                        self.drop_from_tier(victim, tier)
+                    self.index.unref(victim, in_flight=True)
+                    if not victim.tiers:
+                        self.index.forget(victim)
+        return _Evicted.STUCK if kept else _Evicted.DONE
 
     def claim(
         self, write: Write, start: int, room: int, nbytes: int, stop: int | None = None

@@ -183,6 +183,8 @@ class TierStats:
     blocks: int
     durable: bool
     pinned_bytes: int
+    room_bytes: int
+    """What it could hold now: its capacity, or less where its filesystem has less room."""
 
 
 @dataclass(slots=True)
@@ -195,6 +197,8 @@ class Counters:
     dropped_blocks: int = 0
     evictions: int = 0
     demotions: int = 0
+    demotions_refused: int = 0
+    """Victims kept in their tier: the tier below could not take them."""
     promotions: int = 0
     expirations: int = 0
     corrupt_reads: int = 0

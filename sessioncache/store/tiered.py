@@ -25,6 +25,7 @@ from sessioncache.store.results import (
 )
 from sessioncache.store.writes import StoreWrites
 from sessioncache.tiers.base import (
+    RoomBoundTier,
     SharedMemoryTier,
     Tier,
 )
@@ -97,13 +98,18 @@ class TieredStore:
 
     def stats_tiers(self) -> list[TierStats]:
         """Per-tier figures only: cheap enough for every request."""
+        rooms = [
+            t.room_bytes() if isinstance(t, RoomBoundTier) else t.capacity_bytes
+            for t in self._core.tiers
+        ]
         with self._core.lock:
             return [
-                TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable, pinned)
-                for t, n, pinned in zip(
+                TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable, pinned, room)
+                for t, n, pinned, room in zip(
                     self._core.tiers,
                     self._core.index.tier_blocks,
                     self._core.index.pinned_bytes,
+                    rooms,
                     strict=True,
                 )
             ]
