@@ -92,6 +92,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?m)^(\(unset\)|'.*') +[\d.]+ +[\d.]+ +[\d.]+\n"
         r"'glibc\.cpu\.x86_non_temporal_threshold=0x100000' +[\d.]+ +[\d.]+ +[\d.]+$",
     ),
+    "bench.peers": (
+        [
+            *("--systems", "lmcache", "vllm", "--regimes", "fresh", "--no-sharing"),
+            *("--keys", "2", "--sizes-kb", "64", "--rounds", "1"),
+        ],  # the vLLM row needs the vLLM environment (.venv-vllm), else it says so
+        r"(?m)^ +64k fresh +sessioncache L2 adapter( +[\d.]+){6}\n"
+        r"(?s:.*)^ +64k fresh +lmcache resp \(redis\)( +[\d.]+){6}\n"
+        r" +64k fresh +vllm tiering fs ",
+    ),
     "bench.paged": (
         ["--blocks", "8", "--rounds", "2"],
         r"(?m)^ +8 memcpy \(reference\)( +[\d.]+){4}\n(?s:.*)^ +8 save( +[\d.]+){4}$",
