@@ -64,6 +64,9 @@ class CatalogHealth:
         self._reason: str | None = None
         self._since = 0.0
         self._tried = 0.0
+        self.failures = 0
+        """How many calls found the catalog unavailable (a writer waiting for its turn looks
+        whether one did meanwhile)."""
 
     @property
     def reason(self) -> str | None:
@@ -105,10 +108,13 @@ class CatalogHealth:
                     reason,
                 )
             self._reason = reason
+            self.failures += 1
             return self._error(reason)
 
     def succeeded(self) -> None:
-        """A call used the catalog: it is available (logged when it was not)."""
+        """A call wrote to the catalog: it is available (logged when it was not). A read
+        that succeeds says nothing of writes (SQLite serves reads while another process
+        holds its write lock)."""
         if self._reason is None:
             return
         with self._lock:
@@ -131,16 +137,22 @@ class CatalogHealth:
         exc.retry_after = self.retry_s
         return exc
 
+    def refusal(self) -> CatalogUnavailable:
+        """The error of a call refused because the catalog is unavailable."""
+        return self._error(self._reason or "unavailable")
+
     @contextmanager
-    def answering(self) -> Iterator[None]:
+    def answering(self, *, write: bool = False) -> Iterator[None]:
         """Around a use of the database: its errors that say the catalog is unavailable are
-        raised as ``CatalogUnavailable`` (see the module docstring). Within another on the
-        same thread it does nothing: the outer one answers for both."""
+        raised as ``CatalogUnavailable`` (see the module docstring); a ``write`` that
+        succeeds makes it available. Within another on the same thread it only notes a
+        write: the outer one answers for both."""
         if getattr(_inside, "call", False):
+            _inside.wrote = _inside.wrote or write
             yield
             return
         self.admit()
-        _inside.call = True
+        _inside.call, _inside.wrote = True, write
         try:
             yield
         except SQLAlchemyError as exc:
@@ -150,7 +162,8 @@ class CatalogHealth:
             raise self.failed(reason) from None
         finally:
             _inside.call = False
-        self.succeeded()
+        if _inside.wrote:
+            self.succeeded()
 
 
 _inside = threading.local()
@@ -167,9 +180,16 @@ class CatalogWriter:
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """Hold the writer (``CatalogUnavailable`` after ``wait_s``)."""
-        if not self._lock.acquire(timeout=self._health.wait_s):
-            raise self._health.busy()
+        """Hold the writer (``CatalogUnavailable`` after ``wait_s``, or at once when the
+        writer before found the catalog unavailable meanwhile: the wait is ``wait_s`` in all,
+        not one per writer queued)."""
+        health = self._health
+        failures = health.failures
+        if not self._lock.acquire(timeout=health.wait_s):
+            raise health.busy()
+        if health.failures != failures:
+            self._lock.release()
+            raise health.refusal()
         try:
             yield
         finally:
@@ -178,14 +198,14 @@ class CatalogWriter:
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """A transaction of the writer, committed on exit; its errors answered."""
-        with self._health.answering(), self.turn(), self._engine.begin() as conn:
+        with self._health.answering(write=True), self.turn(), self._engine.begin() as conn:
             yield conn
 
     def probe(self) -> None:
         """Whether the catalog takes writes now: a write that changes nothing (it still takes
         SQLite's write lock, and PostgreSQL checks it may write), rolled back."""
         t = sessions_table
-        with self._health.answering(), self.turn(), self._engine.connect() as conn:
+        with self._health.answering(write=True), self.turn(), self._engine.connect() as conn:
             conn.execute(update(t).where(false()).values(ttl_s=t.c.ttl_s))
             conn.rollback()
 

@@ -475,7 +475,7 @@ class Catalog:
             if not len(batch):
                 return 0
             try:
-                with self.health.answering():
+                with self.health.answering(write=True):
                     written = _commit(self, batch)
             except BaseException as exc:
                 self._requeue(batch)

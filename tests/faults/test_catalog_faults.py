@@ -86,6 +86,10 @@ def back(c: httpx.Client, server: Server, offset: int) -> None:
     print(f"{len(lines)} log lines (besides access lines) over the fault:", *lines, sep="\n  ")
     assert len(lines) < 20, lines
     assert not any("Traceback" in line for line in lines), lines
+    changes = [
+        line for line in lines if re.search(r"catalog .* (unavailable|available again)", line)
+    ]
+    assert len(changes) == 2 and "available again" in changes[1], changes
 
 
 @pytest.fixture
@@ -159,6 +163,12 @@ def test_a_locked_sqlite_catalog_is_answered_503_within_the_wait(tmp_path: Path)
             for i in range(3):
                 refused_in_time(c, f"during-{i}")
             store_chain(c, 2)
+            # a read goes through a locked SQLite: it does not make the catalog available
+            reads = time.monotonic()
+            while time.monotonic() - reads < 1.5:
+                assert c.get("/v1/sessions/nobody").status_code in (404, 503)
+                time.sleep(0.05)
+            refused_in_time(c, "during-3")
             assert "locked" in unready(c)
             assert locker.stdin is not None
             locker.stdin.close()
