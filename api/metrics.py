@@ -122,18 +122,19 @@ class StoreCollector(Collector):
         yield degraded
         behind = store.write_behind
         if behind is not None:
-            bound = GaugeMetricFamily(
-                "sessioncache_write_behind_bound_bytes", "The write-behind queue's bound"
-            )
-            bound.add_metric([], behind.bound_bytes)
-            yield bound
-            for name, value, what in (
+            yield from _queue_metrics(
+                ("write_behind_bound_bytes", "The write-behind queue's bound", behind.bound_bytes),
                 ("written", behind.written, "Blocks the write-behind queue copied to disk"),
                 ("failed", behind.failed, "Blocks the write-behind queue could not copy"),
-            ):
-                family = CounterMetricFamily(f"sessioncache_write_behind_{name}", what)
-                family.add_metric([], value)
-                yield family
+            )
+        republisher = store.republisher
+        if republisher is not None:
+            yield from _queue_metrics(
+                ("shared_unpublished_blocks", "Missed by the shared tier", republisher.pending),
+                ("published", republisher.published, "Published once the shared tier answered"),
+                ("dropped", republisher.dropped, "Past a tenant's share: kept on this node"),
+                prefix="shared_republish",
+            )
         if node.fleet is not None:
             pending = GaugeMetricFamily("sessioncache_fleet_pending", "Queued fleet updates")
             pending.add_metric([], node.fleet.pending)
@@ -144,6 +145,19 @@ class StoreCollector(Collector):
                 )
                 live.add_metric([], len(node.fleet.nodes()))
                 yield live
+
+
+def _queue_metrics(
+    level: tuple[str, str, int], *counts: tuple[str, int, str], prefix: str = "write_behind"
+) -> Iterator[Metric]:
+    """A queue's gauge, then its counters (``sessioncache_<prefix>_<name>``)."""
+    gauge = GaugeMetricFamily(f"sessioncache_{level[0]}", level[1])
+    gauge.add_metric([], level[2])
+    yield gauge
+    for name, value, what in counts:
+        family = CounterMetricFamily(f"sessioncache_{prefix}_{name}", what)
+        family.add_metric([], value)
+        yield family
 
 
 LOOKUP_ROUTES = ("/v1/lookup",)

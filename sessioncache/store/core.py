@@ -198,6 +198,9 @@ class StoreCore:
         self.behind: WriteBehind | None = None
         """The write-behind queue to the first durable tier below the first (``TieredStore``
         makes it)."""
+        self.shared_missed: Callable[[BlockMeta], None] | None = None
+        """Told of each block whose write-through copy to the shared tier failed
+        (``store.republish``, which ``TieredStore`` makes)."""
         if room_wait_s < 0:
             raise InvalidInput("room_wait_s >= 0")
         self.room_wait_s = room_wait_s

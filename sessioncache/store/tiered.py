@@ -17,6 +17,7 @@ from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.store.forecast import Forecast
 from sessioncache.store.reads import StoreReads
 from sessioncache.store.recovery import StoreRecovery
+from sessioncache.store.republish import Republisher
 from sessioncache.store.results import (
     Counters,
     NamespaceUsage,
@@ -50,6 +51,14 @@ class TieredStore:
                 owner=self._core.write_behind_owner,
                 tenant_share=self._core.write_behind_share,
             )
+        self.republisher: Republisher | None = None
+        """What the fleet's shared tier missed while unreachable, published once it answers."""
+        shared = self._core.shared
+        if shared is not None and shared[0] in self._core.write_through_tiers:
+            self.republisher = Republisher(
+                self._core, shared[0], self._core.write_behind_owner or (lambda root: "")
+            )
+            self._core.shared_missed = self.republisher.note
         self.recovery = StoreRecovery(self._core)
         """What durable tiers found, on start and while serving."""
         self.reads = StoreReads(self._core, self.recovery)
@@ -149,6 +158,8 @@ class TieredStore:
         return self._core.behind
 
     def close(self) -> None:
+        if self.republisher is not None:
+            self.republisher.close()
         if self._core.behind is not None:
             self._core.behind.close()  # what is queued is written first
         for tier in self._core.tiers:

@@ -236,8 +236,11 @@ class StoreWrites(StorePart):
                 sync.add(meta.block_hash, ticket)
         elif durable is not None and durable not in (placed, *also):
             also.append(durable)
+        shared = self._core.shared[0] if self._core.shared is not None else -1
         for extra in also:
-            self._core.place(meta, payload, extra, stop=extra + 1)
+            placed_there = self._core.place(meta, payload, extra, stop=extra + 1)
+            if placed_there is None and extra == shared and self._core.shared_missed is not None:
+                self._core.shared_missed(meta)  # published once the shared tier answers
         return queued or durable is None or durable in meta.tiers
 
     def _ensure_durable(self, sync: Sync, block_hash: BlockHash) -> None:

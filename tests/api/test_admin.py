@@ -214,7 +214,13 @@ def test_stats_watch_redraws(server: Server):
 
 
 ROOT = Path(__file__).resolve().parents[2]
-NO_FLEET = {"sessioncache_fleet_pending", "sessioncache_fleet_nodes"}  # with Redis only
+NO_FLEET = {  # with Redis only
+    "sessioncache_fleet_pending",
+    "sessioncache_fleet_nodes",
+    "sessioncache_shared_unpublished_blocks",
+    "sessioncache_shared_republish_published_total",
+    "sessioncache_shared_republish_dropped_total",
+}
 
 
 def test_metrics_docs_and_grafana_agree_with_a_scrape(server: Server):

@@ -107,3 +107,53 @@ def test_redis_killed_and_restarted_under_load(tmp_path: Path, redis_port: int) 
         server.stop()
         redis.kill()
         redis.wait(10)
+
+
+def test_chains_stored_while_redis_was_down_reach_the_other_nodes_once_it_is_back(
+    tmp_path: Path, redis_port: int
+) -> None:
+    """Two nodes on one private Redis (the shared tier). Redis dies (and comes back empty:
+    no persistence); node A stores 5 chains meanwhile, each answered 2xx and held by A alone.
+    Once Redis is back, A publishes them in the background: node B finds all 5 within 30 s."""
+    redis = start_redis(redis_port, tmp_path)
+    env = {"SESSIONCACHE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
+    a = start_server(tmp_path / "a", env)
+    b = start_server(tmp_path / "b", env)
+    rng = np.random.default_rng(11)
+    chains = [[int(t) for t in rng.integers(0, 999, 16)] for _ in range(5)]
+    try:
+        redis.send_signal(signal.SIGKILL)
+        redis.wait(10)
+        with httpx.Client(base_url=a.url, timeout=30) as c:
+            for toks in chains:
+                plan = c.post("/v1/store", json={"namespace": NS, "tokens": toks})
+                assert plan.status_code == 200, plan.text
+                for h in plan.json()["missing"]:
+                    r = c.put(f"/v1/blocks/{h}", content=bytes.fromhex(h) * 16)
+                    assert r.status_code == 200, r.text
+        redis = start_redis(redis_port, tmp_path)
+        back = time.monotonic()
+        seen: list[int] = []
+        with httpx.Client(base_url=b.url, timeout=30) as c:
+            while time.monotonic() - back < 30:
+                seen = [
+                    c.post("/v1/lookup", json={"namespace": NS, "tokens": toks}).json()[
+                        "matched_blocks"
+                    ]
+                    for toks in chains
+                ]
+                if seen == [4] * 5:
+                    break
+                time.sleep(0.5)
+            print(f"B sees {seen} after {time.monotonic() - back:.1f} s")
+            assert seen == [4] * 5, seen
+            for toks in chains:  # and reads them, byte-exact
+                plan = c.post("/v1/lookup", json={"namespace": NS, "tokens": toks}).json()
+                for block in plan["blocks"]:
+                    h = block["hash"]
+                    assert c.get(f"/v1/blocks/{h}").content == bytes.fromhex(h) * 16
+    finally:
+        a.stop()
+        b.stop()
+        redis.kill()
+        redis.wait(10)
