@@ -116,10 +116,17 @@ class StoreCollector(Collector):
             up.add_metric([t.name], 0 if isinstance(t, CheckedTier) and t.problem() else 1)
         yield up
         degraded = GaugeMetricFamily(
-            "sessioncache_degraded", "1 while a shared tier or the fleet index is unreachable"
+            "sessioncache_degraded",
+            "1 while a shared tier or the fleet index is unreachable, or the catalog unavailable",
         )
         degraded.add_metric([], 1 if node.health_problems() else 0)
         yield degraded
+        catalog = GaugeMetricFamily(
+            "sessioncache_catalog_up",
+            "1 while the catalog takes writes (0: down, locked, read-only)",
+        )
+        catalog.add_metric([], 1 if node.dependencies()["catalog"] == "ok" else 0)
+        yield catalog
         behind = store.write_behind
         if behind is not None:
             yield from _queue_metrics(

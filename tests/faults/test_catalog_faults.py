@@ -122,8 +122,10 @@ def test_a_stopped_postgres_catalog_is_answered_503_and_reported(
             acked += store_chain(c, 2)
             assert c.get("/v1/sessions/before").status_code == 200
             unready(c)
+            assert "\nsessioncache_catalog_up 0.0" in c.get("/metrics").text
             private_pg.start()
             back(c, server, offset)
+            assert "\nsessioncache_catalog_up 1.0" in c.get("/metrics").text
     finally:
         server.stop()  # flushes the write-behind catalog
     admin = create_engine(private_pg.url)
