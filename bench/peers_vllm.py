@@ -5,11 +5,12 @@ alone: no connector, ``SessionCacheConnector`` (a node on README's defaults),
 (``LMCacheConnectorV1``, a local CPU backend).
 
 The sessions are the first ``--sessions`` of ``--trace`` (``../shared/traces/
-agent-sessions-more/``), their first four requests each. A request's prompt is its
-``hash_ids``: each trace block (64 tokens) becomes ``64 x --length-scale`` token ids derived
-from the session and the id, so equal prefixes stay equal and sessions do not share by
-accident; prompts are cut to ``--max-tokens``. Before each request the engine waits the
-trace's think time x ``--think-scale``. Per configuration, three engine processes in turn:
+agent-sessions-more/``), their first four requests each (their own, not their subagents'). A
+request's prompt is its ``hash_ids``: each trace block (64 tokens) becomes
+``64 x --length-scale`` token ids derived from the session and the id, so equal prefixes stay
+equal and sessions do not share by accident; prompts are cut to ``--max-tokens``. Before each
+request the engine waits the trace's think time x ``--think-scale``. Per configuration,
+three engine processes in turn:
 
 - engine A serves each session's request 1 (``first``) and request 2 (``same engine``);
 - engine B, a second process, serves request 3 (``other engine``);
@@ -68,7 +69,8 @@ def session_prompts(
     trace = json.loads(path.read_text())
     per_block = max(1, round(TRACE_BLOCK * scale))
     out = []
-    for request in trace["requests"][: len(CLASSES)]:
+    own = [r for r in trace["requests"] if "hash_ids" in r]  # not its subagents' entries
+    for request in own[: len(CLASSES)]:
         tokens: list[int] = []
         for block in request["hash_ids"]:
             seed = hashlib.blake2b(f"{index}/{block}".encode(), digest_size=8).digest()

@@ -11,7 +11,10 @@ from bench import peers_vllm
 
 def trace(tmp_path: Path, requests: list[list[int]]) -> Path:
     path = tmp_path / "trace_0001.json"
-    rows = [{"hash_ids": ids, "think_time": 2.0 * i} for i, ids in enumerate(requests)]
+    rows: list[dict[str, object]] = [
+        {"hash_ids": ids, "think_time": 2.0 * i} for i, ids in enumerate(requests)
+    ]
+    rows.insert(1, {"type": "subagent", "requests": []})  # left out
     path.write_text(json.dumps({"requests": rows}))
     return path
 
