@@ -148,9 +148,17 @@ class _Batch:
     touches: dict[bytes, _Touch] = field(default_factory=dict)
     sessions: dict[SessionKey, Session] = field(default_factory=dict)
     usage: dict[tuple[str, float], int] = field(default_factory=dict)
+    namespaces: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+    """Namespace rows registered while the catalog was unavailable (``register_namespace``)."""
 
     def __len__(self) -> int:
-        return len(self.blocks) + len(self.touches) + len(self.sessions) + len(self.usage)
+        return (
+            len(self.blocks)
+            + len(self.touches)
+            + len(self.sessions)
+            + len(self.usage)
+            + len(self.namespaces)
+        )
 
 
 class Catalog:
@@ -432,7 +440,9 @@ class Catalog:
             return self._write(conn, batch)
 
     def register_namespace(self, root: bytes, description: dict[str, Any] | None = None) -> None:
-        """Record a namespace (its root digest and, say, the ``Namespace`` fields) now."""
+        """Record a namespace (its root digest and, say, the ``Namespace`` fields) now; while
+        the catalog is unavailable, with the next batch written (before any block row of the
+        root, which can only come later), so that a tenant's new namespace is served."""
         tenant = description.get("tenant") if isinstance(description, dict) else None
         params = {
             "root": bytes(root),
@@ -440,8 +450,12 @@ class Catalog:
             "created": self._clock.now(),
             "tenant": tenant if isinstance(tenant, str) else None,
         }
-        with self._writer.transaction() as conn:
-            conn.execute(self._stmts.upsert_namespace_description, [params])
+        try:
+            with self._writer.transaction() as conn:
+                conn.execute(self._stmts.upsert_namespace_description, [params])
+        except CatalogUnavailable:
+            with self._qlock:
+                self._pending.namespaces[bytes(root)] = params
 
     @answered
     @retried_on_disconnect
@@ -549,10 +563,16 @@ class Catalog:
                 pending.sessions.setdefault(skey, session)
             for ukey, amount in batch.usage.items():
                 pending.usage[ukey] = pending.usage.get(ukey, 0) + amount
+            for root, params in batch.namespaces.items():
+                pending.namespaces.setdefault(root, params)
 
     def _write(self, conn: Connection, batch: _Batch) -> int:
         stmts = self._stmts
         written = 0
+        if batch.namespaces:
+            written += _execute(
+                conn, stmts.upsert_namespace_description, list(batch.namespaces.values())
+            )
         upserts = [r for r in batch.blocks.values() if r is not None]
         deletes = [{"b_id": k[0], "b_tier": k[1]} for k, r in batch.blocks.items() if r is None]
         if upserts:

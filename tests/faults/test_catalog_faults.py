@@ -34,14 +34,14 @@ machine."""
 _ACCESS = re.compile(r'^INFO: +\d+\.\d+\.\d+\.\d+:\d+ - "')
 
 
-def store_chain(c: httpx.Client, seed: int) -> list[str]:
+def store_chain(c: httpx.Client, seed: int, ns: dict[str, object] = NS) -> list[str]:
     toks = [int(t) for t in np.random.default_rng(seed).integers(0, 9999, 8)]
-    plan = c.post("/v1/store", json={"namespace": NS, "tokens": toks})
+    plan = c.post("/v1/store", json={"namespace": ns, "tokens": toks})
     assert plan.status_code == 200, plan.text
     for h in plan.json()["missing"]:
         put = c.put(f"/v1/blocks/{h}", content=bytes.fromhex(h) * 8)
         assert put.status_code == 200, put.text
-    hit = c.post("/v1/lookup", json={"namespace": NS, "tokens": toks})
+    hit = c.post("/v1/lookup", json={"namespace": ns, "tokens": toks})
     assert hit.status_code == 200 and hit.json()["matched_tokens"] == 8, hit.text
     return list(plan.json()["missing"])
 
@@ -118,8 +118,10 @@ def test_a_stopped_postgres_catalog_is_answered_503_and_reported(
             private_pg.stop()
             for i in range(4):
                 refused_in_time(c, f"during-{i}")
-            # the block path goes on: durable stores are answered and read back
+            # the block path goes on: durable stores are answered and read back, in a
+            # namespace the node knew and in one it did not (recorded once the catalog is back)
             acked += store_chain(c, 2)
+            acked += store_chain(c, 3, {**NS, "model": "first-seen-during-the-outage"})
             assert c.get("/v1/sessions/before").status_code == 200
             unready(c)
             assert "\nsessioncache_catalog_up 0.0" in c.get("/metrics").text
@@ -133,10 +135,13 @@ def test_a_stopped_postgres_catalog_is_answered_503_and_reported(
         with admin.connect() as conn:
             sessions = {r[0] for r in conn.execute(text("select id from sessions")).all()}
             held = {bytes(r[0]).hex() for r in conn.execute(text("select block_id from blocks"))}
+            described = [r[0] for r in conn.execute(text("select description from namespaces"))]
     finally:
         admin.dispose()
     assert {"before", "after"} <= sessions and not any(s.startswith("during") for s in sessions)
     assert set(acked) <= held, sorted(set(acked) - held)
+    models = {d["namespace"]["model"] for d in described if d}
+    assert {NS["model"], "first-seen-during-the-outage"} <= models, described
 
 
 def test_a_locked_sqlite_catalog_is_answered_503_within_the_wait(tmp_path: Path) -> None:
