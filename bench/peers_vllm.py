@@ -141,9 +141,13 @@ def engine_main(spec: dict[str, Any]) -> None:
     time.sleep(spec.get("linger_s", 0))  # the last saves finish before the engine ends
 
 
-def run_engine(python: Path, spec: dict[str, Any], env: dict[str, str]) -> list[dict[str, Any]]:
+def run_engine(
+    python: Path, spec: dict[str, Any], env: dict[str, str], work: Path
+) -> list[dict[str, Any]]:
+    path = work / "engine.json"  # prompts past what one argument may hold
+    path.write_text(json.dumps(spec))
     run = subprocess.run(
-        [str(python), "-m", "bench.peers_vllm", "--engine", json.dumps(spec)],
+        [str(python), "-m", "bench.peers_vllm", "--engine", str(path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -204,7 +208,7 @@ def run_config(
                 "prompts": prompts,
                 "linger_s": 3 if transfer else 0,
             }
-            results = iter(run_engine(python, spec, env))
+            results = iter(run_engine(python, spec, env, work))
             for _ in sessions:
                 for i in served:
                     by_class[CLASSES[i]].append(next(results))
@@ -248,7 +252,7 @@ def main() -> None:
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
-        engine_main(json.loads(args.engine))
+        engine_main(json.loads(Path(args.engine).read_text()))
         return
 
     python = Path(args.vllm_python)
