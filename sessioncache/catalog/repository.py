@@ -502,14 +502,16 @@ class Catalog:
 
     def _flush_behind(self) -> None:
         """The flusher's step: ``flush``, quiet while the catalog is unavailable (its health
-        logs the change, the changes stay queued), once a ``RETRY_S`` then; with nothing
-        queued, a write that changes nothing finds the catalog back."""
+        logs the change, the changes stay queued), once a ``RETRY_S`` then, after a write
+        that changes nothing: the catalog is found back at once, before the backlog of the
+        outage is written."""
         health = self.health
         if not health.due():
             return
         try:
-            if not self.flush() and health.problem() is not None:
+            if health.problem() is not None:
                 self._writer.probe()
+            self.flush()
         except CatalogUnavailable:
             pass
 
