@@ -20,7 +20,7 @@ from sessioncache.accounting import TokenAccounting, TokenCounts
 from sessioncache.attribution import Attribution, DropLog, StoreView
 from sessioncache.codecs import CodecTable
 from sessioncache.config import Settings
-from sessioncache.errors import InvalidInput
+from sessioncache.errors import InvalidInput, Unavailable
 from sessioncache.fleet import FleetIndex
 from sessioncache.hashing import (
     BlockHash,
@@ -351,6 +351,8 @@ class CacheNode:
         for hook in self._on_close:
             try:
                 hook()
+            except Unavailable as exc:  # the catalog down: what it queued is not written
+                log.warning("while closing: %s", exc)
             except Exception:
                 log.exception("error while closing")
         self.store.close()

@@ -116,7 +116,7 @@ def test_a_stopped_postgres_catalog_is_answered_503_and_reported(
             assert strictly(c).json()["dependencies"]["catalog"] == "ok"
             offset = server.log.stat().st_size
             private_pg.stop()
-            for i in range(4):
+            for i in range(2):
                 refused_in_time(c, f"during-{i}")
             # the block path goes on: durable stores are answered and read back, in a
             # namespace the node knew and in one it did not (recorded once the catalog is back)
@@ -144,6 +144,26 @@ def test_a_stopped_postgres_catalog_is_answered_503_and_reported(
     assert {NS["model"], "first-seen-during-the-outage"} <= models, described
 
 
+def lock(catalog: Path) -> subprocess.Popen[bytes]:
+    """Another process holding SQLite's ``BEGIN EXCLUSIVE`` on ``catalog`` until its stdin
+    closes."""
+    locker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys\n"
+            f"c = sqlite3.connect({str(catalog)!r}, isolation_level=None)\n"
+            "c.execute('BEGIN EXCLUSIVE')\n"
+            "print('locked', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert locker.stdout is not None and locker.stdout.readline() == b"locked\n"
+    return locker
+
+
 def test_a_locked_sqlite_catalog_is_answered_503_within_the_wait(tmp_path: Path) -> None:
     server = start_server(tmp_path / "data", WAIT)
     catalog = tmp_path / "data" / "catalog.db"
@@ -153,21 +173,8 @@ def test_a_locked_sqlite_catalog_is_answered_503_within_the_wait(tmp_path: Path)
             assert c.post("/v1/sessions", json={"session_id": "before"}).status_code == 201
             store_chain(c, 1)
             offset = server.log.stat().st_size
-            locker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "import sqlite3, sys\n"
-                    f"c = sqlite3.connect({str(catalog)!r}, isolation_level=None)\n"
-                    "c.execute('BEGIN EXCLUSIVE')\n"
-                    "print('locked', flush=True)\n"
-                    "sys.stdin.read()\n",
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-            )
-            assert locker.stdout is not None and locker.stdout.readline() == b"locked\n"
-            for i in range(3):
+            locker = lock(catalog)
+            for i in range(2):
                 refused_in_time(c, f"during-{i}")
             store_chain(c, 2)
             # a read goes through a locked SQLite: it does not make the catalog available
@@ -181,6 +188,14 @@ def test_a_locked_sqlite_catalog_is_answered_503_within_the_wait(tmp_path: Path)
             locker.stdin.close()
             locker.wait(10)
             back(c, server, offset)
+            # stopped while the catalog is locked: a line says what is not written
+            locker = lock(catalog)
+            offset = server.log.stat().st_size
+            refused_in_time(c, "last")
+            store_chain(c, 4)  # rows the catalog cannot take now
+        server.stop()
+        lines = server.log.read_bytes()[offset:].decode(errors="replace")
+        assert "Traceback" not in lines and "while closing: " in lines, lines
     finally:
         if locker is not None and locker.poll() is None:
             locker.kill()
