@@ -28,7 +28,8 @@ Run on a GPU host with vLLM (CUDA) and LMCache installed in one environment:
 ``python -m bench.peers_vllm --vllm-python PY --model meta-llama/Llama-3.1-8B-Instruct
 --block-size 16 --length-scale 1 --max-tokens 32000 --think-scale 0.01 --sessions 16``; on
 this machine (vLLM's CPU build, ``.venv-vllm``) it converts SmolLM2-135M-Instruct as
-``bench.vllm`` does: ``python -m bench.peers_vllm``. ``--configs`` picks configurations.
+``bench.vllm`` does: ``python -m bench.peers_vllm`` (its defaults are sized for 2 CPU cores:
+2 sessions, lengths x 0.05, cut at 512 tokens). ``--configs`` picks configurations.
 """
 
 from __future__ import annotations
@@ -236,9 +237,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--length-scale", type=float, default=0.125, help="x 64 tokens a block")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="prompts cut to this")
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--length-scale", type=float, default=0.05, help="x 64 tokens a block")
+    parser.add_argument("--max-tokens", type=int, default=512, help="prompts cut to this")
     parser.add_argument("--think-scale", type=float, default=0.0, help="x the trace's waits")
     parser.add_argument("--block-size", type=int, default=32, help="vLLM's KV block, tokens")
     parser.add_argument("--model", help="default: SmolLM2-135M-Instruct, converted here")
