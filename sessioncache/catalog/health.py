@@ -202,12 +202,18 @@ class CatalogWriter:
             yield conn
 
     def probe(self) -> None:
-        """Whether the catalog takes writes now: a write that changes nothing (it still takes
-        SQLite's write lock, and PostgreSQL checks it may write), rolled back."""
-        t = sessions_table
-        with self._health.answering(write=True), self.turn(), self._engine.connect() as conn:
-            conn.execute(update(t).where(false()).values(ttl_s=t.c.ttl_s))
-            conn.rollback()
+        """Whether the catalog takes writes now (``write_nothing``)."""
+        with self._health.answering(write=True), self.turn():
+            write_nothing(self._engine)
+
+
+def write_nothing(engine: Engine) -> None:
+    """A write that changes nothing, rolled back: it still takes SQLite's write lock, and
+    PostgreSQL checks that it may write (raises the database's error when it cannot)."""
+    t = sessions_table
+    with engine.connect() as conn:
+        conn.execute(update(t).where(false()).values(ttl_s=t.c.ttl_s))
+        conn.rollback()
 
 
 class Guarded(Protocol):

@@ -49,6 +49,7 @@ from sessioncache.catalog.health import (
     CatalogWriter,
     answered,
     unavailable_reason,
+    write_nothing,
 )
 from sessioncache.catalog.models import (
     blocks_table,
@@ -246,15 +247,13 @@ class Catalog:
                 raise CatalogError(
                     f"cannot open the catalog {label(engine.url)}: {_reason(exc)}"
                 ) from None
-            catalog = cls(engine, owns_engine=True, wait_s=wait_s, **kwargs)
             try:
-                catalog._writer.probe()
-            except CatalogUnavailable as exc:
-                reason = catalog.health.reason or str(exc)
+                write_nothing(engine)
+            except SQLAlchemyError as exc:
                 raise CatalogError(
-                    f"the catalog {catalog.health.label} cannot be written: {reason}"
+                    f"the catalog {label(engine.url)} cannot be written: {_reason(exc)}"
                 ) from None
-            return catalog
+            return cls(engine, owns_engine=True, wait_s=wait_s, **kwargs)
         except BaseException:
             engine.dispose()
             raise

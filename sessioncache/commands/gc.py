@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,17 @@ from typing import Any
 
 def run(args: argparse.Namespace) -> int:
     from sessioncache.config import Settings
+    from sessioncache.errors import CatalogError
     from sessioncache.factory import open_node
 
     overrides: dict[str, Any] = {}
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
-    node = open_node(Settings(**overrides), start=False)
+    try:
+        node = open_node(Settings(**overrides), start=False)
+    except CatalogError as exc:  # not there, not migrated, read-only: the message names it
+        print(f"cannot sweep: {exc}", file=sys.stderr)
+        return 2
     try:
         before = {t.name: t.used_bytes for t in node.store.stats_tiers()}
         report = node.sessions.sweep()

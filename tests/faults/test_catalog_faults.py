@@ -236,5 +236,24 @@ def test_a_read_only_catalog_is_refused_at_start(read_only_catalog: Path) -> Non
     print(f"exit {rc} after {time.monotonic() - start:.2f} s")
     out = server.log.read_text()
     assert rc != 0, out
-    assert str(read_only_catalog) in out, out
-    assert "Traceback" not in out, out
+    assert str(read_only_catalog) in out and "cannot be written" in out, out
+    assert "Traceback" not in out and "answered 503" not in out, out
+
+
+def test_a_sweep_by_hand_refuses_a_read_only_catalog(read_only_catalog: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sessioncache.cli",
+            "gc",
+            "--data-dir",
+            str(read_only_catalog.parent),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert str(read_only_catalog) in done.stderr and "Traceback" not in done.stderr, done.stderr
