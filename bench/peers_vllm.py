@@ -2,7 +2,7 @@
 alone: no connector, ``SessionCacheConnector`` (a node on README's defaults),
 ``OffloadingConnector`` with its CPU tier and with its CPU and filesystem tiers
 (``TieringOffloadingSpec``, ``secondary_tiers: [{"type": "fs"}]``), and LMCache
-(``LMCacheConnectorV1``, a local CPU backend).
+(``LMCacheConnectorV1``, its configuration from ``LMCACHE_*`` variables).
 
 The sessions are the first ``--sessions`` of ``--trace`` (``../shared/traces/
 agent-sessions-more/``), their first four requests each (their own, not their subagents'). A
