@@ -365,9 +365,11 @@ class StoreCore:
 
     def _evict(self, tier: int, incoming: BlockMeta, *, demote: bool = True) -> _Evicted:
         """``evict_one``; ``demote=False``: a victim that would be copied to the durable tier
-        while it is queued for the write-behind stays (``BEHIND``). A victim whose demotion
-        fails stays too, held until the end of this call so that the next one is tried, up
-        to ``_STUCK_TRIES`` (``STUCK``): a block is never dropped for want of room below."""
+        while it is queued for the write-behind stays (``BEHIND``). A victim in memory whose
+        demotion to the durable tier fails stays too, held until the end of this call so that
+        the next one is tried, up to ``_STUCK_TRIES`` (``STUCK``): a block is never dropped for
+        want of room on disk (a victim of a durable tier is dropped when the tier below, the
+        shared one, cannot take it: it was held, and leaves by policy)."""
         stuck: list[BlockMeta] = []
         try:
             while True:
@@ -413,8 +415,11 @@ class StoreCore:
         try:
             data = self.tiers[tier].get(victim.block_hash)
             if data is not None:
-                kept = self.place(victim, data, tier + 1) is None
-                if not kept:
+                placed = self.place(victim, data, tier + 1) is not None
+                # Only a copy in memory that the durable tier could not take stays: a block
+                # that reached it has been held, and leaves it by policy as from a full budget.
+                kept = not placed and self.tiers[tier + 1].durable and not self.tiers[tier].durable
+                if placed:
                     with self.lock:
                         self.counters.demotions += 1
         finally:

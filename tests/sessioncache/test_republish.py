@@ -4,11 +4,17 @@ two nodes, is tests/faults/test_redis_restart.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sessioncache.clock import ManualClock
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.redis_link import make_client
 from sessioncache.store import TieredStore
 from sessioncache.store.republish import Republisher
 from sessioncache.tiers.cpu import CpuTier
+from sessioncache.tiers.disk import DiskTier
+from sessioncache.tiers.redis import RedisTier
+from tests.support.servers import free_port
 
 ALICE = Namespace("republish", 4, "u8", "alice")
 BOB = Namespace("republish", 4, "u8", "bob")
@@ -43,4 +49,33 @@ def test_a_tenant_flooding_the_record_keeps_to_its_share_and_the_other_is_taken_
         assert republisher.pending == 0
     finally:
         republisher.close()
+        store.close()
+
+
+def test_a_full_disk_still_evicts_by_policy_while_the_shared_tier_below_it_is_down(
+    tmp_path: Path,
+) -> None:
+    """The tier below the disk is the shared one (Redis, here a server that is not there): a
+    disk victim it cannot take was held on disk and leaves it by policy, as from a full
+    budget; only a copy in memory that the disk cannot take stays. Stores go on, every one
+    held on a tier of this node, and what the shared tier missed is recorded for later."""
+    redis = RedisTier(make_client(f"redis://127.0.0.1:{free_port()}/0"), 1 << 30, prefix="down")
+    store = TieredStore(
+        [CpuTier(4 * SIZE, chunk_bytes=4 * SIZE), DiskTier(tmp_path, 8 * SIZE), redis],
+        clock=ManualClock(),
+        write_through=["redis"],
+        write_behind_bytes=1 << 20,
+        write_behind_owner=owner,
+    )
+    try:
+        for i in range(10):
+            ns = Namespace("republish", 4, "u8", f"chain-{i}")
+            hashes = block_hashes(ns, list(range(2 * ns.block_tokens)))
+            result = store.writes.put(
+                hashes, [bytes(h) * (SIZE // 16) for h in hashes], namespace_root=ns.root()
+            )
+            assert not result.dropped, (i, result)
+        assert store.write_behind is not None and store.write_behind.flush(30)
+        assert store.republisher is not None and store.republisher.pending == 20
+    finally:
         store.close()
