@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from sessioncache.connector import StreamClient, discover
+from sessioncache.connector.samehost import SameHostClient
 from sessioncache.errors import DurableStoreFailed
 from sessioncache.hashing import Namespace
 from tests.support.servers import start_server
@@ -125,6 +126,20 @@ def test_a_disk_full_of_other_files_refuses_what_it_cannot_hold_and_drains_after
         assert refused.json()["error"] == "NoRoom", refused.text
         assert len(acked) >= 4
         assert metric(url, "sessioncache_demotions_refused_total") > 0
+        # the stream and the same host: the same refusal (answered dropped, none stored)
+        where = httpx.get(f"{url}/v1/dataplane").json()["same_host"]
+        for n, connect in enumerate(
+            (
+                lambda: StreamClient.connect(discover(url), timeout=30),
+                lambda: SameHostClient.connect(where),
+            )
+        ):
+            with connect() as client:
+                root = client.resolve(NS_STREAM)
+                toks = np.arange(100 + 8 * n, 108 + 8 * n, dtype=np.uint32)
+                ids = client.block_hashes(root, toks)
+                ack = client.store(root, toks, [np.full(BLOCK, 9, np.uint8) for _ in ids])
+                assert ack.stored == 0 and ack.tally("dropped") == len(ids), ack
         for h in acked:  # every acknowledged block is held
             r = httpx.get(f"{url}/v1/blocks/{h}")
             assert r.status_code == 200 and r.content == payload(h), h
