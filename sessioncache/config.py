@@ -161,9 +161,10 @@ class Settings(BaseSettings):
     """run catalog migrations when the service starts"""
     catalog_flush_interval_s: PositiveFloat = 0.2
     """period of the catalog's write-behind flush"""
-    catalog_wait_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    catalog_wait_s: Annotated[float, Field(gt=0, le=60)] = 1.5
     """longest a call waits for the catalog (a lock, a connection) before its request is
-    answered 503 with `Retry-After`"""
+    answered 503 with `Retry-After`, so that the answer comes within 2 s (a PostgreSQL that is
+    stopped refuses at once)"""
     reconcile_verify: bool = True
     """on start, read back disk files the catalog lacks"""
 
