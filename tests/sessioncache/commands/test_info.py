@@ -31,6 +31,7 @@ def tier(name: str, used: int, blocks: int, capacity: int, durable: bool) -> dic
         "blocks": blocks,
         "durable": durable,
         "pinned_bytes": 0,
+        "room_bytes": capacity,  # a tmp filesystem with room beyond the tier's capacity
     }
 
 
