@@ -50,9 +50,9 @@ class BlockFolders:
         shard = os.path.join(top, hexid[2:4])
         if hexid[0:4] not in self._seen:
             for folder in (top, shard):
-                if stat.S_ISLNK(os.lstat(folder).st_mode):
+                if not stat.S_ISDIR(os.lstat(folder).st_mode):
                     self._quarantine_planted(folder)
-                    raise FileNotFoundError(errno.ENOENT, "a link in place of a folder", folder)
+                    raise FileNotFoundError(errno.ENOENT, "not a folder of the tier", folder)
             self._seen.add(hexid[0:4])
         return os.path.join(shard, hexid + BLOCK_SUFFIX)
 

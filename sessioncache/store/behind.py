@@ -258,6 +258,9 @@ class WriteBehind:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            left = len(self._unwritten)
+        if left:
+            log.warning("write-behind: %d blocks held in memory only could not be written", left)
         self._thread.join(timeout_s)
 
     # -- the thread ------------------------------------------------------------------------
@@ -304,17 +307,20 @@ class WriteBehind:
                     self._cond.notify_all()
 
     def _retry(self) -> None:
-        """(condition held) Queue again the blocks whose copies failed, as far as the durable
-        tier has room for them now (a batch at most); next try in ``RETRY_S``."""
+        """(condition held) Queue again the blocks whose copies failed (a batch at most; the
+        write makes room as for any batch); next try in ``RETRY_S``. Records of blocks gone
+        meanwhile, or on the durable tier already, are dropped."""
         self._retry_at = time.monotonic() + RETRY_S
-        tier = self._core.tiers[self.durable]
-        room = 0
-        for meta in self._unwritten.values():
-            if meta.block_hash in self._queued:
+        size = 0
+        for block_hash, meta in list(self._unwritten.items()):
+            if not meta.live or self.durable in meta.tiers:
+                del self._unwritten[block_hash]
                 continue
-            if room + meta.nbytes > self._batch_bytes or not tier.fits(room + meta.nbytes):
+            if block_hash in self._queued:
+                continue
+            if size + meta.nbytes > self._batch_bytes:
                 break
-            room += meta.nbytes
+            size += meta.nbytes
             tenant = self.owner(meta.namespace_root)
             self._queue.push(tenant, _Queued(meta, Ticket(meta.nbytes, tenant)), meta.nbytes)
             self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
@@ -360,8 +366,14 @@ class WriteBehind:
                     )
                 )
                 kept.append((queued, meta))
-            need = sum(m.nbytes for _, m in kept)
-            while kept and not tier.fits(need):
+            # room for as much of the batch as the tier could hold, evicting there: never
+            # more (a filesystem full of other files would empty the tier for nothing)
+            room, need = core.room_of(d), 0
+            for _, meta in kept:
+                if need + meta.nbytes > room:
+                    break
+                need += meta.nbytes
+            while need and not tier.fits(need):
                 if not core.evict_one(d, kept[0][1]):
                     break
             if isinstance(tier, GroupCommitTier):

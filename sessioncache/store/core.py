@@ -42,6 +42,7 @@ from sessioncache.store.results import (
 from sessioncache.tiers.base import (
     CheckedTier,
     PutItem,
+    RoomBoundTier,
     SharedMemoryTier,
     SharedTier,
     Tier,
@@ -184,6 +185,9 @@ class StoreCore:
             ((i, t) for i, t in enumerate(self.tiers) if isinstance(t, SharedMemoryTier)), None
         )
         self.write_through_tiers = sorted({self.tier_by_name(name) for name in write_through})
+        self._rooms: list[Callable[[], int] | None] = [
+            t.room_bytes if isinstance(t, RoomBoundTier) else None for t in self.tiers
+        ]
         # The name of the fastest tier in each tier mask (``BlockMeta.mask``).
         self.fastest_name = [
             names[(mask & -mask).bit_length() - 1] if mask else ""
@@ -227,8 +231,8 @@ class StoreCore:
         for tier in range(start, end):
             if tier in meta.tiers:
                 return tier
-            if meta.nbytes > self.tiers[tier].capacity_bytes:
-                continue
+            if meta.nbytes > self.room_of(tier):
+                continue  # evicting all it holds would not make room
             for _ in range(_PLACE_ATTEMPTS):
                 if self.tiers[tier].fits(meta.nbytes):
                     try:
@@ -381,6 +385,8 @@ class StoreCore:
                 with self.lock:
                     for victim in stuck:
                         self.index.unref(victim, in_flight=True)  # a candidate again
+                        if not victim.tiers:
+                            self.index.forget(victim)
 
     def _evict_once(
         self, tier: int, incoming: BlockMeta, demote: bool, stuck: list[BlockMeta]
@@ -407,18 +413,22 @@ class StoreCore:
                 # Expired, last tier, or held in another tier too: nothing to copy.
                 if victim.expired(now):
                     self.counters.expirations += 1
+                self.policy.left(victim, tier, now)
                 self.drop_from_tier(victim, tier)
                 return _Evicted.DONE
             # in flight: no other thread may pick or drop it (no tenant's pin share pays)
             self.index.ref(victim, in_flight=True)
+        # A copy in memory goes no lower than the durable tier below it (never to the shared
+        # tier past a full disk), and stays when it cannot get there: a block that reached the
+        # durable tier has been held, and leaves it by policy as from a full budget.
+        durable = None if self.tiers[tier].durable else self.first_durable(tier + 1)
         kept = False
         try:
             data = self.tiers[tier].get(victim.block_hash)
             if data is not None:
-                placed = self.place(victim, data, tier + 1) is not None
-                # Only a copy in memory that the durable tier could not take stays: a block
-                # that reached it has been held, and leaves it by policy as from a full budget.
-                kept = not placed and self.tiers[tier + 1].durable and not self.tiers[tier].durable
+                stop = None if durable is None else durable + 1
+                placed = self.place(victim, data, tier + 1, stop=stop) is not None
+                kept = not placed and durable is not None
                 if placed:
                     with self.lock:
                         self.counters.demotions += 1
@@ -429,6 +439,7 @@ class StoreCore:
                     self.counters.demotions_refused += 1
                     stuck.append(victim)
                 else:
+                    self.policy.left(victim, tier, now)
                     # Keep the copy of a block someone pinned meanwhile (a lease taken while
                     # it was in flight may be reading it), even when it found room below.
                     if victim.ref_cnt == 1:
@@ -560,6 +571,12 @@ class StoreCore:
             raise UnknownTier(
                 f"no tier named {name!r}; tiers are {list(self.tier_index)}"
             ) from None
+
+    def room_of(self, tier: int) -> int:
+        """The most ``tier`` could hold now, all it holds evicted: its capacity, or less where
+        what it stands on has less room (``RoomBoundTier``)."""
+        room = self._rooms[tier]
+        return room() if room is not None else self.tiers[tier].capacity_bytes
 
     def first_durable(self, start: int) -> int | None:
         return next((i for i in range(start, len(self.tiers)) if self.tiers[i].durable), None)

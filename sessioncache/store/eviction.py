@@ -341,14 +341,17 @@ class EvictionPolicy:
 
     def demotes(self, victim: BlockMeta, tier: int, now: float) -> bool:
         """Whether ``victim``, leaving ``tier``, is copied into the next tier first (else it
-        is dropped): unless it is expired, ``tier`` is the last, or another tier holds it.
-        (Asked once per victim that leaves: the first tier's turnover is counted here.)"""
+        is dropped): unless it is expired, ``tier`` is the last, or another tier holds it."""
+        return tier < self._last and not victim.expired(now) and len(victim.tiers) == 1
+
+    def left(self, victim: BlockMeta, tier: int, now: float) -> None:
+        """``victim`` left ``tier`` (dropped or demoted; not one kept back): the first tier's
+        turnover is counted here, once per victim."""
         if tier == 0 and self.forecast is not None:
             key = victim.next_use
             dead = key >= ORPHAN_BASE / 2  # says nothing of the level
             early = -key - now if key > NO_FORECAST and not dead else None
             self.forecast.horizon.evicted(victim.nbytes, now, self.capacity, early)
-        return tier < self._last and not victim.expired(now) and len(victim.tiers) == 1
 
     def queued(self, tier: int) -> int:
         """Heap entries held for ``tier``, stale ones included."""

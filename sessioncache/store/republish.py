@@ -6,10 +6,12 @@ write path records it (``note``), and once the shared tier answers again a backg
 copies what is still held here to it, a batch per step, so that other nodes see it too.
 
 Bounded and fair: each tenant (the owner of a block's namespace root) keeps at most
-``tenant_share`` of ``bound_blocks`` records, its oldest forgotten first past that
-(``dropped``: those stay local); a step takes the tenants in turn, a block each, so that one
-tenant's backlog never delays another's. A block no longer held here, or held there already,
-is skipped. A step ends at the first copy that fails (the tier is down again).
+``tenant_share`` of ``bound_blocks`` records, its oldest forgotten first past that, and past
+``bound_blocks`` in all the tenant holding the most loses its oldest (``dropped``: those stay
+local); a step takes the tenants in turn, a block each, so that one tenant's backlog never
+delays another's. A block no longer held here, or held there already, is skipped. A step ends
+at the first copy that fails (the tier is down again, or full): that block and the rest of
+the step's are put back at the head of their tenants' lines.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ class Republisher:
         self._core = core
         self._shared = shared
         self._owner = owner
+        self._bound = bound_blocks
         self._tenant_cap = max(1, int(bound_blocks * tenant_share))
+        self._count = 0
         self._missed: dict[str, OrderedDict[BlockHash, None]] = {}
         self.published = 0
         self.dropped = 0
@@ -59,17 +63,28 @@ class Republisher:
 
     @property
     def pending(self) -> int:
-        with self._core.lock:
-            return sum(len(m) for m in self._missed.values())
+        return self._count
 
     def note(self, meta: BlockMeta) -> None:
         """The write-through copy of ``meta`` to the shared tier failed."""
-        tenant = self._owner(meta.namespace_root)
+        self._record(self._owner(meta.namespace_root), [meta.block_hash], front=False)
+
+    def _record(self, tenant: str, hashes: list[BlockHash], *, front: bool) -> None:
         with self._core.lock:
             missed = self._missed.setdefault(tenant, OrderedDict())
-            missed[meta.block_hash] = None
-            if len(missed) > self._tenant_cap:
+            for block_hash in hashes:
+                self._count += block_hash not in missed
+                missed[block_hash] = None
+                if front:
+                    missed.move_to_end(block_hash, last=False)
+            while len(missed) > self._tenant_cap:
                 missed.popitem(last=False)
+                self._count -= 1
+                self.dropped += 1
+            while self._count > self._bound:
+                largest = max(self._missed.values(), key=len)
+                largest.popitem(last=False)
+                self._count -= 1
                 self.dropped += 1
 
     def step(self) -> None:
@@ -79,16 +94,16 @@ class Republisher:
         tier = self._core.tiers[self._shared]
         if isinstance(tier, CheckedTier) and tier.problem() is not None:
             return
-        for block_hash in self._take(BATCH_BLOCKS):
+        taken = self._take(BATCH_BLOCKS)
+        for i, (_, block_hash) in enumerate(taken):
             if not self._publish(block_hash):
-                meta = self._core.index.get(block_hash)
-                if meta is not None:
-                    self.note(meta)  # again, at the end of its tenant's line
+                for back in reversed(taken[i:]):  # at the head of their lines, in order
+                    self._record(back[0], [back[1]], front=True)
                 return
 
-    def _take(self, count: int) -> list[BlockHash]:
-        """Up to ``count`` records, the tenants in turn, removed."""
-        taken: list[BlockHash] = []
+    def _take(self, count: int) -> list[tuple[str, BlockHash]]:
+        """Up to ``count`` records (tenant, id), the tenants in turn, removed."""
+        taken: list[tuple[str, BlockHash]] = []
         with self._core.lock:
             for tenant in cycle(list(self._missed)):
                 if len(taken) >= count or not self._missed:
@@ -96,7 +111,8 @@ class Republisher:
                 missed = self._missed.get(tenant)
                 if missed is None:
                     continue
-                taken.append(missed.popitem(last=False)[0])
+                taken.append((tenant, missed.popitem(last=False)[0]))
+                self._count -= 1
                 if not missed:
                     del self._missed[tenant]
         return taken

@@ -125,3 +125,26 @@ def test_links_in_place_of_block_files_and_folders_are_quarantined_by_the_walk(
     quarantined = sorted(p.name for p in (tmp_path / "tier" / "quarantine").iterdir())
     assert len(quarantined) == 2, quarantined
     assert not victim.exists() and not top.is_symlink()
+
+
+def test_a_file_in_place_of_a_folder_is_a_miss_on_a_read(tmp_path: Path) -> None:
+    """A fast restart trusts the catalog's rows (no walk yet): the read of a block whose top
+    folder was replaced by a plain file is a miss, the file quarantined, not an error."""
+    namespace = Namespace(**NS)  # type: ignore[arg-type]
+    ids = block_hashes(namespace, list(range(4 * 8)))
+    tier = DiskTier.open(tmp_path / "tier", 1 << 30, fsync=False)
+    for h in ids:
+        tier.put(PutItem(h, payload(h), namespace.root()))
+    known = list(DiskTier.open(tmp_path / "tier", 1 << 30, fsync=False).recovered())
+    top = Path(tier.folders.path(ids[0])).parent.parent
+    shutil.rmtree(top)
+    top.write_bytes(b"planted")
+    restarted = DiskTier.open(tmp_path / "tier", 1 << 30, fsync=False, scan=False)
+    restarted.adopt(known)
+    assert restarted.get(ids[0]) is None
+    assert not top.exists()
+    (planted,) = (tmp_path / "tier" / "quarantine").iterdir()
+    assert planted.name.endswith(".link")
+    other = next(h for h in ids if h.hex()[:2] != ids[0].hex()[:2])
+    got = restarted.get(other)
+    assert got is not None and bytes(got.numpy()) == payload(other)

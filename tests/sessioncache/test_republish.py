@@ -43,9 +43,9 @@ def test_a_tenant_flooding_the_record_keeps_to_its_share_and_the_other_is_taken_
             assert meta is not None
             republisher.note(meta)
         assert (republisher.pending, republisher.dropped) == (7, 15)  # alice keeps her last 5
-        taken = republisher._take(4)
+        taken = [h for _, h in republisher._take(4)]
         assert taken == [alice[15], bob[0], alice[16], bob[1]]
-        assert republisher._take(10) == alice[17:]
+        assert [h for _, h in republisher._take(10)] == alice[17:]
         assert republisher.pending == 0
     finally:
         republisher.close()
@@ -78,4 +78,28 @@ def test_a_full_disk_still_evicts_by_policy_while_the_shared_tier_below_it_is_do
         assert store.write_behind is not None and store.write_behind.flush(30)
         assert store.republisher is not None and store.republisher.pending == 20
     finally:
+        store.close()
+
+
+def test_the_record_is_bounded_in_all_and_a_failed_step_puts_its_blocks_back_first() -> None:
+    carol_ns = Namespace("republish", 4, "u8", "carol")
+    owners = {ALICE.root(): "alice", BOB.root(): "bob", carol_ns.root(): "carol"}
+    store = TieredStore([CpuTier(64 * SIZE, chunk_bytes=16 * SIZE)], clock=ManualClock())
+    alice, bob, carol = (stored(store, ns, 5) for ns in (ALICE, BOB, carol_ns))
+    core = store._core
+    republisher = Republisher(core, 0, lambda root: owners[root], bound_blocks=10, interval_s=3600)
+    try:
+        for h in alice + bob + carol[:1]:
+            meta = core.index.get(h)
+            assert meta is not None
+            republisher.note(meta)
+        # 11 records past a bound of 10: the tenant holding the most loses its oldest
+        assert (republisher.pending, republisher.dropped) == (10, 1)
+        taken = republisher._take(3)
+        assert [h for _, h in taken] == [alice[1], bob[0], carol[0]]
+        for tenant, h in reversed(taken):  # as a failed step puts them back
+            republisher._record(tenant, [h], front=True)
+        assert [h for _, h in republisher._take(3)] == [alice[1], bob[0], carol[0]]
+    finally:
+        republisher.close()
         store.close()

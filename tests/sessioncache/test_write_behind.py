@@ -513,3 +513,40 @@ def test_stores_waiting_for_room_take_turns_tenant_by_tenant(tmp_path: Path) -> 
     assert granted[:1] == ["a1"]
     assert "b" not in granted or granted.index("b") == 1, granted
     store.close()
+
+
+def test_a_disk_that_takes_nothing_keeps_every_block_in_memory_above_it(tmp_path: Path) -> None:
+    """Two memory tiers over a disk that fails every write (room the filesystem has not):
+    blocks fill both memory tiers and stay; a store that would need a victim of either is
+    dropped, never one stored before (the faster tier's victim included, whose next tier is
+    memory). Once the disk takes writes again, what was held drains to it."""
+    disk = CountingDisk(tmp_path / "disk", 1 << 30)
+    disk.fail = True
+    store = TieredStore(
+        [
+            CpuTier(2 * SIZE, name="fast", chunk_bytes=2 * SIZE),
+            CpuTier(2 * SIZE, name="cpu", chunk_bytes=2 * SIZE),
+            disk,
+        ],
+        clock=ManualClock(),
+        write_behind_bytes=1 << 20,
+        room_wait_s=0.2,
+    )
+    try:
+        held: list[BlockHash] = []
+        for seed in range(6):
+            (h,) = chain(40 + seed, 1)
+            result = store.writes.put([h], [data(h)], namespace_root=ROOT)
+            assert store.write_behind is not None and store.write_behind.flush(10)
+            held += result.stored
+        assert len(held) == 4  # the two memory tiers' room; the rest dropped
+        assert store.counters().demotions_refused > 0
+        for h in held:
+            got = store.reads.get(h)
+            assert got is not None and bytes(got.numpy()) == data(h), h.hex()
+        disk.fail = False
+        assert store.write_behind.flush(10)
+        metas = [store.reads.meta(h) for h in held]
+        assert [m is not None and 2 in m.tiers for m in metas] == [True] * 4  # on disk
+    finally:
+        store.close()
