@@ -477,13 +477,14 @@ class DiskTier:
         results: list[Exception | None] = [None] * len(items)
         claimed: list[tuple[int, BlockHash, threading.Event, int]] = []
         encoded: dict[int, Encoded] = {}
+        free = self._fs_free()  # once per group: its own claims are counted in ``_reserved``
         try:
             for i, item in enumerate(items):
                 try:
                     if item.block_hash in self._index:
                         continue  # held: nothing to encode
                     coded = encode_item(item, self._codecs, self.name, self.capacity_bytes)
-                    claim = self._claim(item, coded.stored.nbytes)
+                    claim = self._claim(item, coded.stored.nbytes, free)
                 except (TierFull, InvalidInput, PayloadSizeError) as exc:
                     results[i] = exc
                     continue
@@ -523,8 +524,9 @@ class DiskTier:
                 done.set()
         return results
 
-    def _claim(self, item: PutItem, nbytes: int) -> tuple[threading.Event, int] | None:
-        """Reserve ``nbytes`` for the item and mark its id in flight; None when it is held."""
+    def _claim(self, item: PutItem, nbytes: int, free: int) -> tuple[threading.Event, int] | None:
+        """Reserve ``nbytes`` for the item and mark its id in flight; None when it is held.
+        ``free``: what the filesystem had left (``_fs_free``) before the group's claims."""
         block_hash = item.block_hash
         if nbytes > self.capacity_bytes:
             raise PayloadSizeError(
@@ -532,7 +534,6 @@ class DiskTier:
                 f"{self.capacity_bytes}"
             )
         while True:
-            free = self._fs_free()
             with self._lock:
                 if block_hash in self._index:
                     return None

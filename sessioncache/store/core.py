@@ -231,8 +231,8 @@ class StoreCore:
         for tier in range(start, end):
             if tier in meta.tiers:
                 return tier
-            if meta.nbytes > self.room_of(tier):
-                continue  # evicting all it holds would not make room
+            if meta.nbytes > self.tiers[tier].capacity_bytes:
+                continue
             for _ in range(_PLACE_ATTEMPTS):
                 if self.tiers[tier].fits(meta.nbytes):
                     try:
@@ -253,6 +253,8 @@ class StoreCore:
                             return None
                         self.add_to_tier(meta, tier)
                     return tier
+                if meta.nbytes > self.room_of(tier):
+                    break  # evicting all it holds would not make room
                 if not self.make_room(tier, meta, wait=wait):
                     break
         return None
@@ -408,9 +410,9 @@ class StoreCore:
             if queued and demote and on_the_way:
                 self.policy.track(victim, tier)  # its copy is on the way: back in line
                 return _Evicted.BEHIND
-            self.counters.evictions += 1
             if not demote:
                 # Expired, last tier, or held in another tier too: nothing to copy.
+                self.counters.evictions += 1
                 if victim.expired(now):
                     self.counters.expirations += 1
                 self.policy.left(victim, tier, now)
@@ -435,10 +437,10 @@ class StoreCore:
         finally:
             with self.lock:
                 if kept:
-                    self.counters.evictions -= 1
                     self.counters.demotions_refused += 1
                     stuck.append(victim)
                 else:
+                    self.counters.evictions += 1
                     self.policy.left(victim, tier, now)
                     # Keep the copy of a block someone pinned meanwhile (a lease taken while
                     # it was in flight may be reading it), even when it found room below.

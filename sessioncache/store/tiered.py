@@ -26,7 +26,6 @@ from sessioncache.store.results import (
 )
 from sessioncache.store.writes import StoreWrites
 from sessioncache.tiers.base import (
-    RoomBoundTier,
     SharedMemoryTier,
     Tier,
 )
@@ -107,10 +106,7 @@ class TieredStore:
 
     def stats_tiers(self) -> list[TierStats]:
         """Per-tier figures only: cheap enough for every request."""
-        rooms = [
-            t.room_bytes() if isinstance(t, RoomBoundTier) else t.capacity_bytes
-            for t in self._core.tiers
-        ]
+        rooms = [self._core.room_of(i) for i in range(len(self._core.tiers))]
         with self._core.lock:
             return [
                 TierStats(t.name, t.capacity_bytes, t.used_bytes, n, t.durable, pinned, room)
