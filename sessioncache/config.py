@@ -145,6 +145,14 @@ class Settings(BaseSettings):
     session is back with probability 0.8, from return times fitted per finish class,
     docs/sessions.md); `lru`: least recently used tail first (the policy before forecasts,
     for comparison and fallback)"""
+    prefetch_forecast: bool = True
+    """move a session's chain up into the CPU tier ahead of its forecast return (its predicted
+    next use less the time its bytes take at the disk's measured speed), into free room or
+    room held by blocks forecast back later, never evicting a pinned block or a sooner return
+    (docs/sessions.md); false: only explicit prefetches (`POST /v1/sessions/{id}/prefetch`)"""
+    prefetch_hold_s: PositiveFloat = 300.0
+    """how long an explicit prefetch keeps the session's chain leased in the CPU tier (admitted
+    against the tenant's `tenant_pin_share`, as a lease is), waiting for its lookup"""
     attribution_ring_blocks: PositiveInt = 65_536
     """miss attribution: ids remembered per tier after their last copy left"""
     attribution_sessions: PositiveInt = 10_000

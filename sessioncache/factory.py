@@ -14,7 +14,7 @@ from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
 from sessioncache.fleet import FleetIndex, FleetObserver
 from sessioncache.history import StatsHistory
-from sessioncache.node import CacheNode, TenantPins, tenant_defaults
+from sessioncache.node import CacheNode, TenantPins, make_prefetcher, tenant_defaults
 from sessioncache.quotas import Counts, Quotas
 from sessioncache.redis_link import client_factory
 from sessioncache.sessions.manager import SessionManager
@@ -284,6 +284,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             codecs=codecs,
             quotas=quotas,
             pins=pins,
+            prefetch=make_prefetcher(settings, store, sessions, pins),
         )
         # the dashboard's charts: the node stops it when it closes
         node.history = StatsHistory(
@@ -292,6 +293,8 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
         if start:
             undo.callback(node.history.stop)
             node.history.start()
+            undo.callback(node.prefetch.stop)
+            node.prefetch.start()
         undo.pop_all()
     return node
 

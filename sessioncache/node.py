@@ -31,6 +31,7 @@ from sessioncache.hashing import (
 from sessioncache.history import Sample, StatsHistory, TierSample
 from sessioncache.quotas import Counts, PinBudget, Quotas, TenantLimits
 from sessioncache.sessions.manager import SessionKey, SessionManager
+from sessioncache.sessions.prefetch import Prefetcher
 from sessioncache.store import TieredStore
 from sessioncache.store.events import UsageRecorder
 from sessioncache.store.uploads import UploadSlots
@@ -77,7 +78,7 @@ class TenantPins:
         staged: Counts | None = None,
     ) -> None:
         self._store = store
-        self._owners = owners
+        self.owners = owners
         self._quotas = quotas
         self.staged = staged if staged is not None else Counts()
         """Bytes of same-host staging each tenant holds: counted with its pins."""
@@ -85,7 +86,7 @@ class TenantPins:
     def of(self, tenant: str) -> list[int]:
         """Per tier, the bytes the tenant's pins (leases, sessions) and stagings hold."""
         store = self._store
-        pinned = store.reads.pinned_under(self._owners.roots(tenant))
+        pinned = store.reads.pinned_under(self.owners.roots(tenant))
         shm = store.shared_memory_tier_name
         if shm is not None:
             pinned[store.tier_names().index(shm)] += self.staged.get(tenant)
@@ -95,7 +96,7 @@ class TenantPins:
         """Per tenant owning blocks, the largest share of a tier its pinned blocks hold."""
         tiers = self._store.tiers
         out: dict[str, float] = {}
-        for tenant in self._owners.per_tenant():
+        for tenant in self.owners.per_tenant():
             share = max(
                 (
                     n / t.capacity_bytes
@@ -117,11 +118,25 @@ class TenantPins:
         tier = store.tier_names().index(shm) if shm is not None else None
         return self._quotas.pins(
             tenant,
-            self._owners.roots(tenant),
+            self.owners.roots(tenant),
             staged=self.staged,
             staged_tier=tier,
             into=tier if locate else None,
         )
+
+
+def make_prefetcher(
+    settings: Settings, store: TieredStore, sessions: SessionManager, pins: TenantPins
+) -> Prefetcher:
+    """The node's prefetch engine, its grants admitted against ``pins``' budgets."""
+    return Prefetcher(
+        store,
+        sessions,
+        budget=pins.budget,
+        tenant_of=pins.owners.tenant_of,
+        forecast=settings.prefetch_forecast,
+        hold_s=min(settings.prefetch_hold_s, settings.max_lease_s),
+    )
 
 
 class CacheNode:
@@ -143,12 +158,14 @@ class CacheNode:
         codecs: CodecTable | None = None,
         quotas: Quotas | None = None,
         pins: TenantPins | None = None,
+        prefetch: Prefetcher | None = None,
     ) -> None:
         """``quotas``, ``owners`` and ``pins`` are the ones ``sessions``, the namespace owners
         and the store's write-behind were built with (``factory.open_node``), so that every
         bound is in force from the start; left out, the node makes its own from ``settings``
         (which bound only what the node itself grants: parts built without them are
-        unbounded)."""
+        unbounded). ``prefetch``: the prefetch engine (``factory.open_node`` starts it);
+        left out, one is made here, unstarted (its moves run by ``drain``)."""
         self.settings = settings
         self.codecs = codecs if codecs is not None else CodecTable()
         """How the lower tiers store each namespace's blocks (``sessioncache.codecs``)."""
@@ -169,6 +186,9 @@ class CacheNode:
         self.pins = pins or TenantPins(store, self.owners, quotas)
         """What each tenant pins, and the budget of its next pin."""
         self.staged = self.pins.staged
+        self.prefetch = prefetch or make_prefetcher(settings, store, sessions, self.pins)
+        """Moves sessions' chains up into the CPU tier ahead of their return
+        (``sessions.prefetch``)."""
         """Bytes of same-host staging each tenant holds: counted with its pins."""
         quotas.count("namespaces", self.owners.per_tenant)
         quotas.count("sessions", sessions.tenants.snapshot)
@@ -346,6 +366,7 @@ class CacheNode:
         return self.fleet.locations(hashes)
 
     def close(self) -> None:
+        self.prefetch.stop()
         if self.history is not None:
             self.history.stop()
         for hook in self._on_close:

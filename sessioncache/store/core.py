@@ -71,6 +71,10 @@ class _Evicted(enum.Enum):
     failed): kept in place, since each is the only copy of a block a store was answered for."""
 
 
+Admits = Callable[[BlockMeta, BlockMeta, int, float], bool]
+"""Whether ``incoming`` may enter a tier at the cost of ``victim`` (``EvictionPolicy.admits``'s
+signature: victim, incoming, tier, now), called with the store's lock held."""
+
 _STUCK_TRIES = 8
 """Victims an eviction tries past those that cannot be demoted, before it gives up."""
 
@@ -223,10 +227,13 @@ class StoreCore:
         *,
         stop: int | None = None,
         wait: bool = True,
+        admits: Admits | None = None,
     ) -> int | None:
         """Write ``payload`` into the first tier at or after ``start`` (before ``stop``) that
         can make room, evicting there as needed (``make_room``: ``wait`` for blocks being
-        written behind); returns that tier's index or None. Call without the store's lock."""
+        written behind); returns that tier's index or None. ``admits``: who may be evicted
+        for it, instead of the policy's ``admits`` (a prefetch's rule; no waiting then).
+        Call without the store's lock."""
         end = len(self.tiers) if stop is None else stop
         for tier in range(start, end):
             if tier in meta.tiers:
@@ -255,7 +262,10 @@ class StoreCore:
                     return tier
                 if meta.nbytes > self.room_of(tier):
                     break  # evicting all it holds would not make room
-                if not self.make_room(tier, meta, wait=wait):
+                if admits is not None:
+                    if self._evict(tier, meta, admits=admits) is not _Evicted.DONE:
+                        break
+                elif not self.make_room(tier, meta, wait=wait):
                     break
         return None
 
@@ -369,7 +379,9 @@ class StoreCore:
             self._flushes += 1
             self._room.notify_all()
 
-    def _evict(self, tier: int, incoming: BlockMeta, *, demote: bool = True) -> _Evicted:
+    def _evict(
+        self, tier: int, incoming: BlockMeta, *, demote: bool = True, admits: Admits | None = None
+    ) -> _Evicted:
         """``evict_one``; ``demote=False``: a victim that would be copied to the durable tier
         while it is queued for the write-behind stays (``BEHIND``). A victim in memory whose
         demotion to the durable tier fails stays too, held until the end of this call so that
@@ -379,7 +391,7 @@ class StoreCore:
         stuck: list[BlockMeta] = []
         try:
             while True:
-                outcome = self._evict_once(tier, incoming, demote, stuck)
+                outcome = self._evict_once(tier, incoming, demote, stuck, admits)
                 if outcome is not _Evicted.STUCK or len(stuck) >= _STUCK_TRIES:
                     return outcome
         finally:
@@ -391,7 +403,12 @@ class StoreCore:
                             self.index.forget(victim)
 
     def _evict_once(
-        self, tier: int, incoming: BlockMeta, demote: bool, stuck: list[BlockMeta]
+        self,
+        tier: int,
+        incoming: BlockMeta,
+        demote: bool,
+        stuck: list[BlockMeta],
+        admits: Admits | None = None,
     ) -> _Evicted:
         """One victim of ``_evict``; one that cannot be demoted is added to ``stuck``, still
         held in flight."""
@@ -402,7 +419,7 @@ class StoreCore:
             victim = self.policy.next_victim(tier, now, self.index.get)
             if victim is None:
                 return _Evicted.NONE
-            if not self.policy.admits(victim, incoming, tier, now):
+            if not (admits or self.policy.admits)(victim, incoming, tier, now):
                 self.policy.track(victim, tier)  # not evicted: back in line
                 return _Evicted.REFUSED
             demote = self.policy.demotes(victim, tier, now)
@@ -653,9 +670,10 @@ class StoreCore:
                     event.set()
         return data
 
-    def copy_into(self, meta: BlockMeta, target: int) -> bool:
+    def copy_into(self, meta: BlockMeta, target: int, admits: Admits | None = None) -> bool:
         """Copy a (pinned) block held in other tiers into tier ``target``, once however many
-        callers ask at the same time (the others wait for the first); True when it is there."""
+        callers ask at the same time (the others wait for the first); True when it is there.
+        ``admits``: who may be evicted for it (``place``)."""
         block_hash = meta.block_hash
         while True:
             with self.lock:
@@ -673,7 +691,7 @@ class StoreCore:
             data = self.tiers[sources[0]].get(block_hash)
             if data is None:
                 return False  # that tier lost it (or is down): a later read forgets the copy
-            placed = self.place(meta, data, target, stop=target + 1, wait=False)
+            placed = self.place(meta, data, target, stop=target + 1, wait=False, admits=admits)
             if placed is not None:
                 with self.lock:
                     self.counters.promotions += 1

@@ -15,6 +15,7 @@ from sessioncache.store.core import StoreCore, StoreOptions
 from sessioncache.store.events import DropObserver, StoreObserver
 from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.store.forecast import Forecast
+from sessioncache.store.prefetch import StorePrefetch
 from sessioncache.store.reads import StoreReads
 from sessioncache.store.recovery import StoreRecovery
 from sessioncache.store.republish import Republisher
@@ -65,6 +66,8 @@ class TieredStore:
         self.writes = StoreWrites(self._core)
         """The one write path (prepare, fill, reserve, commit, abort; put, stage), deletion and
         the expiry sweep."""
+        self.prefetch = StorePrefetch(self._core)
+        """Chain moves into the first tier ahead of their reads (``store.prefetch``)."""
         try:
             self.recovery.adopt_recovered()
         except BaseException:
