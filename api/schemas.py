@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, ClassVar, Literal, Self, cast
+from typing import Annotated, Any, ClassVar, Literal, Self, cast
 
 import numpy as np
 from pydantic import (
@@ -448,6 +448,60 @@ class SessionFinish(Strict):
     finish_reason: FinishReason
 
 
+class SessionHints(BaseModel):
+    """An agent hint in any of the field's formats (docs/sessions.md, "Agent hints"): a body
+    as an engine's ``kv_transfer_params`` or ``SamplingParams.extra_args`` hold it. Other
+    fields (a router forwarding a request's whole ``kv_transfer_params``) are left alone."""
+
+    model_config = ConfigDict(extra="allow")
+
+    agent_hint: dict[str, Any] | None = Field(
+        None,
+        description="uni-agent's (schema_version 1: trajectory_id, kv_priority, lease_until, "
+        "tools_available) or vLLM's agent hint (session_id, parent_session_id, "
+        "cache_control.ttl, edits evict/offload/prefetch over block_start..block_end).",
+    )
+    agent_hints: dict[str, Any] | None = Field(
+        None,
+        description="SGLang's: cache_ttl_ms, reuse_hint (keep, neutral, discard), "
+        "expected_tool_duration_ms, workflow_id, agent_id, step_id, parent_step_id, prefetch.",
+    )
+    retention_directives: list[Any] | None = Field(
+        None,
+        description="vLLM's retention directives: [{start, end (null: to the end), priority "
+        "0-100, duration (s)}] over token positions, priority non-increasing with position.",
+    )
+    retention_scope: str | None = None
+    block_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="The engine's tokens per block: maps retention directives' token "
+        "positions onto blocks of the session's chain (without it they rank it as a whole).",
+    )
+
+
+class SessionHintOut(BaseModel):
+    """A session's agent hints as they stand."""
+
+    ttl_s: float | None = Field(
+        description="The soft TTL: its chain stays pinned this long past its last activity "
+        "(capped at 3600 s and the session's TTL; the pin budget still breaks it)."
+    )
+    priority: int | None = Field(description="0-100 (50: neutral; keep 100, discard 0).")
+    final: bool = Field(description="The session said it is done: its requests pin nothing.")
+    back_at: float | None = Field(
+        description="When a hint said it comes back (unix seconds; a tool's duration, a lease)."
+    )
+
+
+class PrefetchOut(BaseModel):
+    """What became of a prefetch of a session's chain into the first tier."""
+
+    outcome: Literal["accepted", "deferred", "rejected"]
+    reason: str
+    blocks: int
+
+
 class DivergenceOut(BaseModel):
     """Where a prompt of the session first differed from its previous prompt."""
 
@@ -488,6 +542,17 @@ class SessionOut(BaseModel):
     )
     attribution: SessionAttributionOut | None = Field(
         None, description="Its lookups' tokens, hit and missed by reason (GET of one session)."
+    )
+    hint: SessionHintOut | None = Field(
+        None, description="Its agent hints as they stand (null: none; docs/sessions.md)."
+    )
+    resident: dict[str, int] | None = Field(
+        None,
+        description='Blocks of its chain per tier, e.g. {"cpu": 12, "disk": 4} (GET of '
+        "one session).",
+    )
+    prefetch: PrefetchOut | None = Field(
+        None, description="The prefetch its hint asked for (POST .../hints only)."
     )
 
 

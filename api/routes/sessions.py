@@ -1,4 +1,4 @@
-"""Sessions: create, get, extend, finish, close, list (``/v1/sessions``), through the session
+"""Sessions: create, get, extend, finish, hint, close, list (``/v1/sessions``), through the session
 operations (``sessioncache.operations.sessions``) the data plane's SESSION calls too."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from sessioncache.api.schemas import (
     SessionCreate,
     SessionExtend,
     SessionFinish,
+    SessionHints,
     SessionList,
     SessionOut,
 )
@@ -64,6 +65,20 @@ def finish_session(
     with the store)."""
     request = messages.SessionFinish(session_id, body.finish_reason)
     return session_out(ops.finish_session(node, Caller(tenant), request))
+
+
+@router.post("/{session_id}/hints", response_model=SessionOut, responses=ERRORS)
+def hint_session(
+    session_id: SessionIdPath, body: SessionHints, node: NodeDep, tenant: TenantDep
+) -> SessionOut:
+    """An agent hint in any of the field's formats (``agent_hint``: uni-agent's or vLLM's;
+    ``agent_hints``: SGLang's; ``retention_directives``: vLLM's), as engines and routers
+    carry them: a soft TTL, a priority, an expected return, a parent, ``final`` (docs/
+    sessions.md, "Agent hints"). A malformed hint is a 422 saying what is wrong."""
+    fields = body.model_dump()
+    block_tokens = fields.pop("block_tokens", None)
+    request = messages.SessionHint(session_id, fields, block_tokens)
+    return session_out(ops.hint_session(node, Caller(tenant), request))
 
 
 @router.delete("/{session_id}", status_code=204, responses=ERRORS)

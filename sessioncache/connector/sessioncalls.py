@@ -1,5 +1,5 @@
 """Sessions over the data plane: ``StreamClient`` and ``SameHostClient`` open, read, extend,
-finish and close sessions with SESSION requests on their own connection, no REST call. Each
+finish, hint and close sessions with SESSION requests on their own connection, no REST call. Each
 answers what the REST client's method of the same name answers (``results.Session``; None
 for ``close_session``) and raises the same errors (``SessionNotFound`` for a session that is
 not open or is another tenant's).
@@ -11,8 +11,8 @@ version the methods raise ``ProtocolError`` before sending anything (docs/datapl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 from sessioncache.connector import protocol
 from sessioncache.connector.results import Session
@@ -63,6 +63,17 @@ class SessionCalls(Generic[C]):
         """The session's latest request finished, for ``finish_reason`` (``tool_use``: the
         agent is expected back in seconds; ``end_turn``, ``stop``: later)."""
         return self._session(SessionCall("finish", session_id, finish_reason=finish_reason))
+
+    def hint_session(
+        self, session_id: str, hint: Mapping[str, Any], *, block_tokens: int | None = None
+    ) -> Session:
+        """An agent hint for the session, in any of the field's formats: ``hint`` holds
+        ``agent_hint`` (uni-agent's or vLLM's), ``agent_hints`` (SGLang's) or
+        ``retention_directives`` (vLLM's), as an engine's ``kv_transfer_params`` or
+        ``extra_args`` do; ``block_tokens``: the engine's tokens per block (maps token
+        positions onto blocks). ``InvalidInput`` for a malformed hint."""
+        call = SessionCall("hint", session_id, hint=dict(hint), block_tokens=block_tokens)
+        return self._session(call)
 
     def close_session(self, session_id: str) -> None:
         """Close the session: its pins go, its blocks age out by TTL."""

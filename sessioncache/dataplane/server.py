@@ -57,6 +57,7 @@ from sessioncache.operations.messages import (
     LookupRequest,
     SessionExtend,
     SessionFinish,
+    SessionHint,
     SessionOpen,
     SessionResult,
     StoreRequest,
@@ -122,6 +123,12 @@ def session_call(node: CacheNode, caller: Caller, call: frames.SessionCall) -> S
         if call.finish_reason is None:
             raise InvalidInput("SESSION finish: a finish_reason is required")
         return sessions.finish_session(node, caller, SessionFinish(sid, call.finish_reason))
+    if call.verb == "hint":
+        if call.hint is None:
+            raise InvalidInput("SESSION hint: a hint is required")
+        return sessions.hint_session(node, caller, SessionHint(sid, call.hint, call.block_tokens))
+    if call.verb != "close":
+        raise InvalidInput(f"SESSION: unknown verb {call.verb!r}")
     sessions.close_session(node, caller, sid)
     return None
 

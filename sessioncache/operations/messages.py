@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from sessioncache.attribution import MissReport, SessionTotals
 from sessioncache.hashing import BlockHash
+from sessioncache.sessions.hints import HintState
 from sessioncache.sessions.manager import Session
 from sessioncache.store import Match
 
@@ -92,6 +93,26 @@ class SessionFinish(NamedTuple):
     finish_reason: str
 
 
+class SessionHint(NamedTuple):
+    """An agent hint for a session, in any of the field's formats (``sessions.hints``: the
+    body holds ``agent_hint``, ``agent_hints`` or ``retention_directives``); ``block_tokens``:
+    the engine's tokens per block, which maps token positions onto blocks."""
+
+    session_id: str
+    body: Mapping[str, Any]
+    block_tokens: int | None = None
+
+
+class PrefetchResult(NamedTuple):
+    """What became of a prefetch request: ``outcome`` is ``accepted`` (the chain is being
+    moved into the first tier), ``deferred`` or ``rejected``, ``reason`` says why, ``blocks``
+    how many blocks it moves."""
+
+    outcome: str
+    reason: str
+    blocks: int
+
+
 class SessionResult(NamedTuple):
     """A session as an operation answers it."""
 
@@ -102,3 +123,9 @@ class SessionResult(NamedTuple):
     """The class of its latest request's finish, once told."""
     totals: SessionTotals | None = None
     """Its lookups' tokens hit and missed by reason (a ``get`` only)."""
+    hint: HintState | None = None
+    """Its agent hints as they stand (None: none)."""
+    resident: Mapping[str, int] | None = None
+    """Blocks of its chain per tier (a ``get`` only, where the node can tell)."""
+    prefetch: PrefetchResult | None = None
+    """The prefetch a hint asked for (a ``hint`` only)."""

@@ -1,4 +1,4 @@
-"""Sessions as operations: open, get, extend, finish, close and list the sessions of the
+"""Sessions as operations: open, get, extend, finish, hint, close and list the sessions of the
 caller's tenant, one implementation under every carrier (REST's ``/v1/sessions``, the data
 plane's SESSION request on the stream and the same-host socket).
 
@@ -27,9 +27,11 @@ from sessioncache.operations.caller import Caller
 from sessioncache.operations.messages import (
     SessionExtend,
     SessionFinish,
+    SessionHint,
     SessionOpen,
     SessionResult,
 )
+from sessioncache.sessions.hints import parse_hints
 from sessioncache.sessions.manager import Session
 from sessioncache.status import BlockStatus
 from sessioncache.store import Write
@@ -71,6 +73,16 @@ def finish_session(node: CacheNode, caller: Caller, request: SessionFinish) -> S
     return _result(node, session)
 
 
+def hint_session(node: CacheNode, caller: Caller, request: SessionHint) -> SessionResult:
+    """Take an agent hint, in any of the field's formats (``sessions.hints``), for the
+    caller's session (``InvalidInput`` for a malformed one, ``SessionNotFound`` for a session
+    not open or another tenant's)."""
+    node.sessions.get(request.session_id, tenant=caller.tenant)  # not found before malformed
+    hint = parse_hints(request.body, node.sessions.store.clock.now(), request.block_tokens)
+    session = node.sessions.hint(request.session_id, hint, tenant=caller.tenant)
+    return _result(node, session)
+
+
 def close_session(node: CacheNode, caller: Caller, session_id: str) -> None:
     """Close the caller's session: its pins go, its blocks age out by TTL."""
     node.sessions.close(session_id, tenant=caller.tenant)
@@ -98,6 +110,9 @@ def as_json(result: SessionResult) -> dict[str, Any]:
         "expected_back": result.expected_back,
         "last_finish": result.last_finish,
         "attribution": _totals(result.totals) if result.totals is not None else None,
+        "hint": result.hint.as_json() if result.hint is not None else None,
+        "resident": dict(result.resident) if result.resident is not None else None,
+        "prefetch": result.prefetch._asdict() if result.prefetch is not None else None,
     }
 
 
@@ -128,6 +143,7 @@ def _result(
         rhythm[0] if rhythm is not None else None,
         rhythm[1] if rhythm is not None else None,
         totals,
+        node.sessions.hint_of(session.key),
     )
 
 

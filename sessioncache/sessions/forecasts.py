@@ -6,6 +6,11 @@ the session's ``Rhythm`` and files the chain under the forecast that follows
 (``StoreReads.forecast``: ``sessioncache.store.forecast`` has the model). Under plain LRU (no
 ``Forecast``) it keeps nothing and files nothing.
 
+A session's hints (``hints.HintState``: a priority, an expected return, priorities of parts
+of its chain, ``final``) steer the key its chain is filed under (``steered``): an expected
+return is the date of its next use, a priority scales how far ahead that lies (``scale``), a
+final session's chain is dead.
+
 Called with the manager's lock held (it calls the store: the lock order is sessions, then
 store); ``next_use``, called without it, takes it.
 """
@@ -14,17 +19,23 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 from sessioncache.clock import Clock
 from sessioncache.hashing import BlockHash, divergence_block
-from sessioncache.store.forecast import Forecast, Rhythm
+from sessioncache.sessions.hints import NEUTRAL, HintState
+from sessioncache.store.forecast import MIN_GAP_S, ORPHAN_BASE, POOLED, Forecast, Gap, Rhythm
 
 SessionKey = tuple[str, str]
 FURTHEST_OF = 64
 """How many of the least recently active pinned sessions the pin budget compares."""
+PRIORITY_STEP = 12.5
+"""A priority this much above ``NEUTRAL`` halves how far ahead its session's next use lies
+(100: a sixteenth; 0: sixteen times as far)."""
+BACK_SIGMA = 0.25
+"""``value`` mode: the spread (log) of a return a hint dates."""
 
 
 class ForecastReads(Protocol):
@@ -44,8 +55,11 @@ class SessionForecasts:
         forecast: Forecast | None,
         clock: Clock,
         lock: AbstractContextManager[object],
+        hinted: Callable[[SessionKey], HintState | None] = lambda key: None,
     ) -> None:
+        """``hinted``: a session's hints, if it has any (the manager's)."""
         self._reads = reads
+        self._hinted = hinted
         self.forecast = forecast
         self._clock = clock
         self._lock = lock  # the manager's: ``next_use`` takes it, the rest run under it
@@ -69,15 +83,21 @@ class SessionForecasts:
         with self._lock:
             now = self._clock.now()
             rhythm = self._rhythms.get(key) or Rhythm()
-            return rhythm.key_if(finish, self.forecast, now)
+            return self.steered(key, rhythm.key_if(finish, self.forecast, now), now, now)
 
     def current(self, key: SessionKey) -> tuple[float, str | None] | None:
         """When the session is expected back (``Rhythm.expected_back``) and its latest finish
         class; None under plain LRU or before its first request here."""
         rhythm = self._rhythms.get(key)
-        if self.forecast is None or rhythm is None:
+        hint = self._hinted(key)
+        now = self._clock.now()
+        back = hint.expected_at(now) if hint is not None else None
+        if self.forecast is None or (rhythm is None and back is None):
             return None
-        return rhythm.expected_back(self.forecast, self._clock.now()), rhythm.finish
+        if back is None:
+            assert rhythm is not None
+            back = rhythm.expected_back(self.forecast, now)
+        return back, rhythm.finish if rhythm is not None else None
 
     def seen(
         self,
@@ -92,22 +112,82 @@ class SessionForecasts:
         keeps)."""
         if self.forecast is None:
             return
-        if shared:
-            chain = chain[common_prefix(chain, shared) :]
         now = self._clock.now()
         rhythm = self._rhythm(key)
         if finish is None:
             rhythm.arrive(now)
         else:
             rhythm.finished_with(finish, now)
-        self._reads.forecast(chain, rhythm.key(self.forecast, now))
+        self._file(key, rhythm, chain, now, common_prefix(chain, shared) if shared else 0)
 
     def refile(self, key: SessionKey, chain: Sequence[BlockHash]) -> None:
         """Blocks of the session's chain that arrived since (uploaded one by one): its
         current forecast."""
         rhythm = self._rhythms.get(key)
         if self.forecast is not None and rhythm is not None:
-            self._reads.forecast(chain, rhythm.key(self.forecast, self._clock.now()))
+            self._reads.forecast(chain, self._key(key, rhythm, self._clock.now()))
+
+    def hinted(
+        self, key: SessionKey, chain: Sequence[BlockHash], shared: Sequence[BlockHash] = ()
+    ) -> None:
+        """The session's hints changed: its chain (``chain``, the whole of it) is filed
+        again under what they say, but for the prefix it shares with ``shared`` (its
+        parent's chain)."""
+        if self.forecast is None:
+            return
+        skip = common_prefix(chain, shared) if shared else 0
+        self._file(key, self._rhythm(key), chain, self._clock.now(), skip)
+
+    def steered(self, key: SessionKey, k: float, origin: float, now: float) -> float:
+        """The key ``k`` (of an event at ``origin``) as the session's hints have it: an
+        expected return dates its next use, its priority scales how far ahead that lies, a
+        final session's chain is dead."""
+        hint = self._hinted(key)
+        if hint is None or self.forecast is None:
+            return k
+        if hint.final:
+            return ORPHAN_BASE - origin
+        back = hint.expected_at(now)
+        if back is not None:
+            k = self._dated(back, now)
+            origin = now
+        return k if hint.priority is None else scale(self.forecast, k, origin, hint.priority)
+
+    def _dated(self, back: float, now: float) -> float:
+        """The key of a chain whose session is expected back at ``back``."""
+        assert self.forecast is not None
+        if self.forecast.mode == "next_use":
+            return back
+        gap = Gap(0.999, math.log(max(MIN_GAP_S, back - now)), BACK_SIGMA)
+        return self.forecast.cold_key(gap, now)
+
+    def _key(self, key: SessionKey, rhythm: Rhythm, now: float) -> float:
+        assert self.forecast is not None
+        return self.steered(key, rhythm.key(self.forecast, now), _origin(rhythm, now), now)
+
+    def _file(
+        self,
+        key: SessionKey,
+        rhythm: Rhythm,
+        chain: Sequence[BlockHash],
+        now: float,
+        skip: int,
+    ) -> None:
+        """File ``chain`` (but its first ``skip`` blocks: its parent's) under the session's
+        key, and the parts of it a hint ranks under their own priority."""
+        assert self.forecast is not None
+        self._reads.forecast(chain[skip:], self._key(key, rhythm, now))
+        hint = self._hinted(key)
+        if hint is None or not hint.spans or hint.final:
+            return
+        origin = _origin(rhythm, now)
+        back = hint.expected_at(now)
+        base = rhythm.key(self.forecast, now) if back is None else self._dated(back, now)
+        origin = origin if back is None else now
+        for span in hint.spans:
+            part = chain[max(skip, span.start) : span.end]
+            if part:
+                self._reads.forecast(part, scale(self.forecast, base, origin, span.priority))
 
     def left(self, old: Sequence[BlockHash], chain: Sequence[BlockHash]) -> None:
         """The session's prompt is now ``chain``, which left ``old``: the blocks of ``old``
@@ -150,9 +230,7 @@ class SessionForecasts:
         if rhythm is None or self.forecast is None:
             return -math.inf
         last = rhythm.finished if rhythm.finished is not None else rhythm.arrived
-        return self.forecast.value(
-            rhythm.key(self.forecast, now), now if last is None else last, now
-        )
+        return self.forecast.value(self._key(key, rhythm, now), now if last is None else last, now)
 
     def forget(self, key: SessionKey) -> None:
         self._rhythms.pop(key, None)
@@ -162,6 +240,33 @@ class SessionForecasts:
         if rhythm is None:
             rhythm = self._rhythms[key] = Rhythm()
         return rhythm
+
+
+def scale(forecast: Forecast, k: float, origin: float, priority: int) -> float:
+    """The key ``k`` of an event at ``origin`` for a priority (``NEUTRAL``: ``k``): the lead
+    of the next use (``next_use`` mode) or of the cold date (``value``) over ``origin``
+    shrinks by half for each ``PRIORITY_STEP`` above neutral and doubles for each below. A
+    dead chain (no return expected) ranked above neutral is valued as an average session's
+    next return."""
+    if priority == NEUTRAL:
+        return k
+    factor = math.pow(2.0, (NEUTRAL - priority) / PRIORITY_STEP)
+    if forecast.mode == "next_use":
+        if k >= ORPHAN_BASE / 2:  # dead
+            if priority <= NEUTRAL:
+                return k
+            k = origin + forecast.ahead(forecast.priors[POOLED])
+        return origin + (k - origin) * factor
+    cold = -k  # value mode: the key is minus the cold date, later for a higher priority
+    lead = cold - origin
+    return -(origin + (lead / factor if lead > 0 else lead * factor))
+
+
+def _origin(rhythm: Rhythm, now: float) -> float:
+    """When the session's last event was (``now`` before any)."""
+    if rhythm.finish is not None and rhythm.finished is not None:
+        return rhythm.finished
+    return rhythm.arrived if rhythm.arrived is not None else now
 
 
 def common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:

@@ -30,6 +30,16 @@ pins can never make the cache refuse work.
 ``sweep`` (run by a background thread in the service, or ``sessioncache gc`` by hand) expires
 sessions and blocks.
 
+A session's agent hints (``hint``; ``sessioncache.sessions.hints`` maps the field's formats
+onto one ``Hint``) steer it: a soft TTL holds its pins that long past its last activity instead
+of the idle timeout (at most ``max_hint_ttl_s`` and the session's own TTL; still admitted
+against the tenant's pin share and broken by the pin budget, so it never refuses work); a
+priority, an expected return and ranked parts of its chain change the key its chain is filed
+under (``SessionForecasts.steered``); ``final`` and ``discard`` unpin it now, and a final
+session's requests pin nothing until a hint says otherwise; ``evict`` edits unpin it and file
+those blocks to leave first; a parent makes it a subagent of that session. Hints are soft
+state too.
+
 Thread-safe. The manager's lock guards the sessions and their pins, and is never held across
 a store call that may wait on I/O: a lookup that misses locally asks the fleet's shared tier
 (a network round trip), a record touches its chain. Such a call runs between two short holds of the
@@ -54,7 +64,8 @@ from typing import Protocol
 from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.hashing import BlockHash
 from sessioncache.quotas import Counts, PinBudget
-from sessioncache.sessions.forecasts import SessionForecasts
+from sessioncache.sessions.forecasts import SessionForecasts, common_prefix
+from sessioncache.sessions.hints import Hint, HintState
 from sessioncache.sessions.query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, TieredStore, TierStats
 from sessioncache.store.expiry import ExpiryIndex
@@ -65,6 +76,7 @@ DAY_S = 86400.0
 DEFAULT_KIND_TTLS: Mapping[str, float] = {"agent": 3 * DAY_S, "chat": 7 * DAY_S}
 DEFAULT_IDLE_TIMEOUT_S = 300.0
 DEFAULT_PIN_SHARE = 0.5
+DEFAULT_MAX_HINT_TTL_S = 3600.0
 SESSION_ID_PATTERN = r"^[^/\s\u0000-\u001f\u007f-\u009f]+$"
 """What a session id may hold, as the API's JSON schema states it (ECMA and Python regexes
 read it alike): no '/', no whitespace, no control character."""
@@ -135,9 +147,11 @@ class SessionManager:
         admit: Callable[[str, int], None] | None = None,
         budget: Callable[[str], PinBudget | None] | None = None,
         pinned_of: Callable[[str], Sequence[int]] | None = None,
+        max_hint_ttl_s: float = DEFAULT_MAX_HINT_TTL_S,
     ) -> None:
         """``admit``, ``budget`` and ``pinned_of``: the tenants' bounds (``quotas``), each
-        described where it is kept below; left out, that bound does not apply."""
+        described where it is kept below; left out, that bound does not apply.
+        ``max_hint_ttl_s``: the longest soft TTL a hint gives."""
         for kind, ttl in kind_ttls.items():
             if not 0 < ttl <= MAX_TTL_S:
                 raise InvalidInput(f"the TTL of session kind {kind!r} must be positive")
@@ -145,6 +159,9 @@ class SessionManager:
             raise InvalidInput("idle_timeout_s must be positive")
         if not 0 <= pin_share <= 1:
             raise InvalidInput("pin_share must be within [0, 1]")
+        if not 0 < max_hint_ttl_s <= MAX_TTL_S:
+            raise InvalidInput("max_hint_ttl_s must be positive")
+        self._max_hint_ttl = max_hint_ttl_s
         self._store = store
         self._clock = store.clock
         self._kind_ttls = dict(kind_ttls)
@@ -169,7 +186,10 @@ class SessionManager:
         self._expiring: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._idling: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._unpin_listeners: list[Callable[[SessionKey, str], None]] = []
-        self.forecasts = SessionForecasts(store.reads, store.forecast, self._clock, self._lock)
+        self._hints: dict[SessionKey, HintState] = {}
+        self.forecasts = SessionForecasts(
+            store.reads, store.forecast, self._clock, self._lock, self._hints.get
+        )
         """Each open session's forecast (soft state: not in the repository)."""
 
     @property
@@ -283,6 +303,40 @@ class SessionManager:
         """End the session: its pins go; its blocks age out by their TTL."""
         with self._lock:
             self._drop(self._owned(session_id, tenant).key, "closed")
+
+    def hint(self, session_id: str, hint: Hint, *, tenant: str = DEFAULT_TENANT) -> Session:
+        """Take an agent hint for the tenant's open session (module docstring). A prefetch it
+        asks for is the caller's to start (the operation layer)."""
+        if hint.parent is not None:
+            _check_id(hint.parent)
+        with self._lock:
+            session = self._owned(session_id, tenant)
+            key = session.key
+            now = self._clock.now()
+            state = self._hints.setdefault(key, HintState())
+            state.apply(hint, now, min(self._max_hint_ttl, session.ttl_s))
+            if hint.parent is not None:
+                self.forecasts.opened(key, (tenant, hint.parent))
+            chain = _chain(self._pins, self._store, session)
+            if state.final or hint.discard or hint.evict:
+                self._unpin(key, "hint")
+            elif key in self._pins and hint.ttl_s is not None:
+                self._idling.add(key, self._idle_due(session))
+            parent = self.forecasts.parent(key)
+            shared = _chain(self._pins, self._store, self._sessions.get(parent)) if parent else ()
+            self.forecasts.hinted(key, chain, shared)
+            for span in hint.evict:
+                part = chain[span.start : span.end]
+                if shared:
+                    part = part[max(0, common_prefix(chain, shared) - span.start) :]
+                self._store.reads.forecast(part, None)
+            return replace(session)
+
+    def hint_of(self, key: SessionKey) -> HintState | None:
+        """The session's hints as they stand (None: none)."""
+        with self._lock:
+            state = self._hints.get(key)
+            return replace(state) if state is not None else None
 
     # -- data path ----------------------------------------------------------------------
 
@@ -434,6 +488,7 @@ class SessionManager:
                 _chain(self._pins, self._store, self._sessions.get(parent) if parent else None),
             )
         self.forecasts.forget(key)
+        self._hints.pop(key, None)
         self._unpin(key, cause)
         self.tenants.add(self._sessions.pop(key).tenant, -1)
         if self._repo is not None:
@@ -455,7 +510,7 @@ class SessionManager:
         session = self._sessions.get(key)
         if session is None or key not in self._pins:
             return None, None
-        due = session.last_seen + self._idle_timeout
+        due = self._idle_due(session)
         if due <= now:
             return key, None
         return None, due
@@ -468,6 +523,14 @@ class SessionManager:
         if session.expires_at <= self._clock.now():
             raise SessionNotFound(f"session {session_id!r} has expired")
         return session
+
+    def _idle_due(self, session: Session) -> float:
+        """When the session's pins go idle: its soft TTL past its last activity (or the
+        hint's, if later), else the idle timeout past its last activity."""
+        hint = self._hints.get(session.key)
+        if hint is not None and hint.ttl_s is not None:
+            return max(session.last_seen, hint.since) + hint.ttl_s
+        return session.last_seen + self._idle_timeout
 
     def _slide(self, session: Session) -> None:
         now = self._clock.now()
@@ -483,7 +546,9 @@ class SessionManager:
             # the prompt left the previous one's chain
             self.forecasts.left(_chain(self._pins, self._store, session), chain)
         session.head = chain[-1]
-        self._pin(session, chain)
+        hint = self._hints.get(session.key)
+        if hint is None or not hint.final:  # a final session pins nothing
+            self._pin(session, chain)
         self._slide(session)
         self._enforce_pin_budget()
 
@@ -502,7 +567,7 @@ class SessionManager:
                 self._store.reads.unpin(old)
         self._pins[session.key] = new
         if old is None:
-            self._idling.add(session.key, session.last_seen + self._idle_timeout)
+            self._idling.add(session.key, self._idle_due(session))
         session.pinned = True
 
     def _unpin(self, key: SessionKey, cause: str) -> None:
