@@ -44,6 +44,7 @@ import logging
 import os
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,6 +54,7 @@ from sessioncache.connector.retry import NodeBackoff, NodeDown
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, KVTransfer
 from sessioncache.errors import InvalidInput
 from sessioncache.hashing import Namespace, block_key
+from sessioncache.status import BlockStatus
 
 log = logging.getLogger("sessioncache.connector.lmcache")
 
@@ -127,6 +129,17 @@ def _connect(settings: L2Settings) -> KVTransfer:
 def _namespace(settings: L2Settings, model: str, salt: str | None) -> Namespace:
     s = settings
     return Namespace(model, s.block_tokens, s.kv_dtype, s.kv_layout, salt=salt)
+
+
+_WHY = {
+    BlockStatus.DROPPED: "dropped (the node has no room, or an earlier block of the chain left)",
+    BlockStatus.REJECTED: "rejected (a shared-memory slot did not hold what was written)",
+}
+
+
+def _why(missed: Counter[BlockStatus]) -> str:
+    """What the node answered for the blocks it did not take, by status."""
+    return ", ".join(f"{n} {_WHY.get(status, status.value)}" for status, n in missed.items())
 
 
 def _groups(keys: Sequence[str]) -> dict[tuple[str, str | None], list[tuple[int, bytes]]]:
@@ -281,7 +294,7 @@ class SessionCacheL2:
 
     def _set(self, kv: KVTransfer, keys: list[str], memviews: list[Any]) -> Outcome:
         s = self.settings
-        dropped = 0
+        missed: Counter[BlockStatus] = Counter()
         for (model, salt), items in _groups(keys).items():
             ns = _namespace(s, model, salt)
             block_keys = [k for _, k in items]
@@ -297,9 +310,9 @@ class SessionCacheL2:
                 ttl_s=s.ttl_s,
                 held=held,
             )
-            dropped += len(ack.status) - sum(ack.held)
-        if dropped:
-            return False, f"{dropped} of {len(keys)} blocks dropped: the node has no room", None
+            missed.update(s for s in ack.status if not s.held)
+        if missed:
+            return False, f"{missed.total()} of {len(keys)} blocks not stored: {_why(missed)}", None
         return True, "", None
 
     def _exists(self, kv: KVTransfer, keys: list[str]) -> Outcome:
