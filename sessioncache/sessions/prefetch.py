@@ -44,12 +44,13 @@ from dataclasses import dataclass
 from sessioncache.background import BackgroundLoop
 from sessioncache.errors import QuotaExceeded
 from sessioncache.hashing import BlockHash
-from sessioncache.quotas import PinBudget
+from sessioncache.quotas import Counts, PinBudget
 from sessioncache.sessions.manager import SessionKey, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.eviction import spare_copy
 from sessioncache.store.forecast import ORPHAN_BASE
+from sessioncache.store.prefetch import Granted
 
 log = logging.getLogger("sessioncache.prefetch")
 
@@ -79,6 +80,20 @@ class PrefetchOutcome:
     """Blocks of the chain to move up (accepted), or that were asked for."""
 
 
+class _Sum(Counts):
+    """The bytes a tenant holds outside the index in the CPU tier: its same-host stagings
+    (``staged``) and the room its queued moves will take (``reserved``)."""
+
+    def __init__(self, staged: Counts | None, reserved: Counts) -> None:
+        super().__init__()
+        self._staged = staged
+        self._reserved = reserved
+
+    def get(self, tenant: str) -> int:
+        held = self._reserved.get(tenant)
+        return held + (self._staged.get(tenant) if self._staged is not None else 0)
+
+
 @dataclass(slots=True)
 class _Job:
     key: SessionKey
@@ -89,6 +104,8 @@ class _Job:
     """Victims of other tenants must be forecast back after this (their eviction value);
     None: an explicit prefetch of a chain with no forecast, which takes none of theirs."""
     explicit: bool
+    reserved: int = 0
+    """Bytes of the tenant's CPU share its move holds until it ends (``Prefetcher.reserved``)."""
 
 
 class Prefetcher:
@@ -143,6 +160,11 @@ class Prefetcher:
         self.moved_blocks = 0
         self.moved_bytes = 0
         self.forecast_moves = 0
+        self.reserved = Counts()
+        """Per tenant, the CPU bytes its queued and running moves will take: counted in its
+        share (as staged bytes) from the grant until the move ends."""
+        self._pending: set[SessionKey] = set()
+        """Sessions with a move queued or running."""
         self._lengths: dict[SessionKey, int] = {}
         """The chain length each session had at its last forecast move (its lead)."""
 
@@ -164,6 +186,8 @@ class Prefetcher:
         if not below:
             return PrefetchOutcome(ACCEPTED, "resident: the chain is in the CPU tier", 0)
         with self._lock:
+            if key in self._pending:
+                return PrefetchOutcome(ACCEPTED, "queued already", below)
             if self._full(tenant):
                 return PrefetchOutcome(DEFERRED, "the prefetch queue is full: retry later", below)
         limit = self._value_of(chain[-1], self._store.clock.now())
@@ -178,17 +202,14 @@ class Prefetcher:
         if budget is None:
             return PrefetchOutcome(REJECTED, "no budget for this tenant", below)
         try:
-            granted = moves.lease(chain, self._hold_s, budget, target)
+            granted = self._grant(chain, self._hold_s, budget)
         except QuotaExceeded as exc:
             return PrefetchOutcome(REJECTED, f"pin_share: {exc}", below)
         if granted is None:
             return PrefetchOutcome(REJECTED, "the session holds no chain", 0)
-        job = _Job(key, chain[: granted.blocks], granted.lease.id, limit, True)
-        with self._lock:
-            if self._full(tenant):
-                moves.release(granted.lease.id)
-                return PrefetchOutcome(DEFERRED, "the prefetch queue is full: retry later", below)
-            self._push(tenant, job)
+        job = _Job(key, chain[: granted.blocks], granted.lease.id, limit, True, granted.below_bytes)
+        if not self._queue(job):
+            return PrefetchOutcome(DEFERRED, "the prefetch queue is full: retry later", below)
         cut = granted.blocks < len(chain)
         reason = (
             f"pin_share: the first {granted.blocks} of {len(chain)} blocks fit the tenant's share"
@@ -251,21 +272,21 @@ class Prefetcher:
             budget = self._budget(key[0])
             if not chain or budget is None:
                 continue
+            with self._lock:
+                if key in self._pending:
+                    continue
             try:
-                granted = self._store.prefetch.lease(chain, MOVE_S, budget, target)
+                granted = self._grant(chain, MOVE_S, budget)
             except QuotaExceeded:
                 continue
-            if granted is None or not granted.below:
-                if granted is not None:
-                    self._store.prefetch.release(granted.lease.id)
+            if granted is None:
                 continue
             job = _Job(key, chain[: granted.blocks], granted.lease.id, limit, False)
-            with self._lock:
-                if self._full(key[0]):
-                    self._store.prefetch.release(granted.lease.id)
-                    continue
-                self._push(key[0], job)
-            queued += 1
+            job.reserved = granted.below_bytes
+            if not granted.below:
+                self._end(job)
+                continue
+            queued += self._queue(job)
         self.forecast_moves += queued
         return queued
 
@@ -293,6 +314,7 @@ class Prefetcher:
         for job in self._take_all():
             if job.lease_id is not None:
                 self._store.prefetch.release(job.lease_id)
+            self._end(job, release=False)
 
     def drain(self) -> int:
         """Run every queued move here (no worker thread); how many ran."""
@@ -333,13 +355,47 @@ class Prefetcher:
         try:
             moved = self._store.prefetch.promote(job.chain, admits, target)
         finally:
-            if not job.explicit and job.lease_id is not None:
-                self._store.prefetch.release(job.lease_id)
+            self._end(job)
         elapsed = time.perf_counter() - started
         self.moved_blocks += moved.blocks
         self.moved_bytes += moved.nbytes
         if moved.nbytes >= 1 << 20 and elapsed > 0:
             self.bytes_per_s += 0.25 * (moved.nbytes / elapsed - self.bytes_per_s)
+
+    def _grant(
+        self, chain: Sequence[BlockHash], lease_s: float, budget: PinBudget
+    ) -> Granted | None:
+        """The lease of a move, admitted against ``budget`` with the room the tenant's other
+        moves hold (``reserved``), and its own room reserved with it."""
+        target = self.target
+        assert target is not None
+        if budget.staged_tier in (None, target):
+            budget = budget._replace(staged=_Sum(budget.staged, self.reserved), staged_tier=target)
+        return self._store.prefetch.lease(chain, lease_s, budget, target, self.reserved)
+
+    def _queue(self, job: _Job) -> bool:
+        """Queue ``job``; False (its grant ended) when the queues are full."""
+        with self._lock:
+            if not self._full(job.key[0]) and job.key not in self._pending:
+                self._pending.add(job.key)
+                self._push(job.key[0], job)
+                return True
+        self._end(job, release=True)
+        return False
+
+    def _end(self, job: _Job, *, release: bool | None = None) -> None:
+        """A move ended (or never ran): its reserved room goes back, and a forecast move's
+        lease (an explicit one's with ``release``)."""
+        if job.reserved:
+            self.reserved.add(job.key[0], -job.reserved)
+            job.reserved = 0
+        if release is None:
+            release = not job.explicit
+        if release and job.lease_id is not None:
+            self._store.prefetch.release(job.lease_id)
+            job.lease_id = None
+        with self._lock:
+            self._pending.discard(job.key)
 
     # -- the rules ----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sessioncache.hashing import BlockHash
-from sessioncache.quotas import PinBudget
+from sessioncache.quotas import Counts, PinBudget
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.core import Admits, StorePart
 from sessioncache.store.index import Lease, pin_sizes
@@ -74,11 +74,18 @@ class StorePrefetch(StorePart):
             return len(metas), len(out), sum(m.nbytes for m in out)
 
     def lease(
-        self, hashes: Sequence[BlockHash], lease_s: float, budget: PinBudget, target: int = 0
+        self,
+        hashes: Sequence[BlockHash],
+        lease_s: float,
+        budget: PinBudget,
+        target: int = 0,
+        reserve: Counts | None = None,
     ) -> Granted | None:
         """Lease the held prefix of ``hashes`` for ``lease_s`` as far as ``budget`` admits it
         (with the blocks counted in tier ``target`` too: ``budget.into``); None when nothing
-        is held; ``QuotaExceeded`` when not one block fits. Touches nothing."""
+        is held; ``QuotaExceeded`` when not one block fits. Touches nothing. ``reserve``: the
+        bytes of the granted blocks not in ``target`` yet are added to the tenant's count
+        there, with the grant (the room they will take, which ``budget`` counts as staged)."""
         core = self._core
         if budget.into != target:
             budget = budget._replace(into=target)
@@ -98,7 +105,10 @@ class StorePrefetch(StorePart):
             metas = index.metas(run.prefix(fits), hashes)
             lease = index.leases.take(metas, now + lease_s)
             below = [m for m in metas if target not in m.tiers]
-            return Granted(lease, len(metas), len(below), sum(m.nbytes for m in below))
+            nbytes = sum(m.nbytes for m in below)
+            if reserve is not None:
+                reserve.add(budget.tenant, nbytes)
+            return Granted(lease, len(metas), len(below), nbytes)
 
     def release(self, lease_id: str) -> None:
         """End a prefetch's lease (nothing when it is over already)."""

@@ -15,14 +15,14 @@ from sessioncache.errors import SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.quotas import PinBudget
 from sessioncache.sessions.manager import SessionManager
-from sessioncache.sessions.prefetch import ACCEPTED, Prefetcher
+from sessioncache.sessions.prefetch import ACCEPTED, DEFERRED, REJECTED, Prefetcher
 from sessioncache.store import TieredStore
 from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.disk import DiskTier
 
 SIZE = 64
-NAMESPACES = {tenant: Namespace(f"model-{tenant}", 4, "u8", "x") for tenant in ("alice", "bob")}
+NAMESPACES = {t: Namespace(f"model-{t}", 4, "u8", "x") for t in ("alice", "bob", "carol")}
 ROOTS = {NAMESPACES[t].root(): t for t in NAMESPACES}
 
 
@@ -112,3 +112,90 @@ def test_an_unknown_session_is_not_found(node: Node) -> None:
     node.session("alice", "s", chain("alice", 1, 2), "stop")
     with pytest.raises(SessionNotFound):  # another tenant's session of that id
         node.prefetch.request(("bob", "s"))
+
+
+def test_bobs_prefetch_flood_leaves_alices_pinned_and_sooner_blocks_in_the_cpu_tier(
+    tmp_path: Path,
+) -> None:
+    node = Node(tmp_path, 8, share=0.5)
+    try:
+        bobs = [chain("bob", 10 + i, 4) for i in range(4)]
+        for i, hashes in enumerate(bobs):
+            node.session("bob", f"b{i}", hashes, "stop")
+        node.idle(7200)  # bob's sessions are long overdue: forecast back last
+        sooner = chain("alice", 1, 2)
+        node.session("alice", "sooner", sooner, "stop")
+        node.idle(600)  # unpinned, back within the hour by its forecast
+        pinned = chain("alice", 2, 2)
+        node.session("alice", "pinned", pinned, "tool_use")  # live: pinned
+        assert node.fastest(sooner + pinned) == ["cpu"] * 4
+        outcomes = [node.prefetch.request(("bob", f"b{i}")) for i in range(4) for _ in range(3)]
+        node.prefetch.drain()
+        assert node.fastest(sooner + pinned) == ["cpu"] * 4
+        assert {o.outcome for o in outcomes} <= {ACCEPTED, DEFERRED, REJECTED}
+        refused = [o for o in outcomes if o.outcome != ACCEPTED]
+        assert refused and all(o.reason for o in refused)
+        # bob's grants stay within his share of the CPU tier (4 of 8 blocks)
+        assert node.store.reads.pinned_under([NAMESPACES["bob"].root()])[0] <= 4 * SIZE
+    finally:
+        node.store.close()
+
+
+def test_alices_prefetch_is_refused_only_by_her_own_share(tmp_path: Path) -> None:
+    node = Node(tmp_path, 16, share=0.5)  # 8 blocks of the CPU tier per tenant
+    try:
+        bobs = [chain("bob", 10 + i, 4) for i in range(4)]
+        for i, hashes in enumerate(bobs):
+            node.session("bob", f"b{i}", hashes, "stop")
+        alices = [chain("alice", i, n) for i, n in enumerate((6, 4, 4))]
+        for i, hashes in enumerate(alices):
+            node.session("alice", f"a{i}", hashes, "stop")
+        node.idle(310)
+        node.session("carol", "c", chain("carol", 1, 16), "stop")  # back after all of them
+        node.idle(310)
+        assert all(node.fastest(h) == ["disk"] * len(h) for h in bobs + alices)
+        flood = [node.prefetch.request(("bob", f"b{i}")) for i in range(4) for _ in range(2)]
+        granted = [o for o in flood if o.outcome == ACCEPTED and o.reason != "queued already"]
+        assert sum(o.blocks for o in granted) == 8  # his share
+        assert {o.outcome for o in flood} == {ACCEPTED, REJECTED}
+        assert all("'bob'" in o.reason for o in flood if o.outcome == REJECTED)
+        node.prefetch.drain()
+        first, cut, refused = (node.prefetch.request(("alice", f"a{i}")) for i in range(3))
+        assert (first.outcome, first.blocks) == (ACCEPTED, 6)
+        assert (cut.outcome, cut.blocks) == (ACCEPTED, 2) and "pin_share" in cut.reason
+        assert refused.outcome == REJECTED and "'alice'" in refused.reason
+        node.prefetch.drain()
+        assert node.fastest(alices[0] + alices[1][:2]) == ["cpu"] * 8
+        assert node.prefetch.resident(("alice", "a1")) == {"cpu": 2, "disk": 2}
+    finally:
+        node.store.close()
+
+
+def test_the_forecast_promotes_a_chain_ahead_of_its_return(node: Node) -> None:
+    soon = chain("alice", 1, 4)
+    node.session("alice", "soon", soon, "stop")
+    node.idle(310)  # unpinned
+    later = chain("alice", 2, 8)
+    node.session("alice", "later", later, "stop")  # stored while running: "soon" went down
+    assert node.fastest(soon) == ["disk"] * 4
+    node.idle(310)  # both unpinned; "soon" is forecast back before "later"
+    assert node.prefetch.tick() == 1
+    node.prefetch.drain()
+    assert node.fastest(soon) == ["cpu"] * 4
+    assert node.prefetch.tick() == 0  # up already: nothing more to move
+
+
+def test_the_setting_turns_the_forecast_prefetch_off(tmp_path: Path) -> None:
+    node = Node(tmp_path, 8, forecast=False)
+    try:
+        soon = chain("alice", 1, 4)
+        node.session("alice", "soon", soon, "stop")
+        node.idle(310)
+        node.session("alice", "later", chain("alice", 2, 8), "stop")
+        node.idle(310)
+        assert node.prefetch.tick() == 0
+        node.prefetch.drain()
+        assert node.fastest(soon) == ["disk"] * 4
+        assert node.prefetch.request(("alice", "soon")).outcome == ACCEPTED  # explicit still
+    finally:
+        node.store.close()
