@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import httpx
 
@@ -320,6 +320,15 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
             self._send(protocol.finish_session_request(session_id, finish_reason))
         )
 
+    def hint_session(
+        self, session_id: str, hint: Mapping[str, Any], *, block_tokens: int | None = None
+    ) -> Session:
+        """An agent hint for the session, in any of the field's formats (``agent_hint``,
+        ``agent_hints``, ``retention_directives``: docs/sessions.md, "Agent hints")."""
+        return protocol.parse_session(
+            self._send(protocol.hint_session_request(session_id, hint, block_tokens))
+        )
+
     def close_session(self, session_id: str) -> None:
         """Close the session: its pins go, its blocks age out by TTL."""
         self._send(protocol.close_session_request(session_id))
@@ -526,6 +535,13 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         ``abort``): its blocks are kept or evicted by when it is predicted back."""
         return protocol.parse_session(
             await self._send(protocol.finish_session_request(session_id, finish_reason))
+        )
+
+    async def hint_session(
+        self, session_id: str, hint: Mapping[str, Any], *, block_tokens: int | None = None
+    ) -> Session:
+        return protocol.parse_session(
+            await self._send(protocol.hint_session_request(session_id, hint, block_tokens))
         )
 
     async def close_session(self, session_id: str) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
@@ -500,6 +500,13 @@ def open_session(node: Endpoint, session_id: str) -> Session:
 def finish_session(node: Endpoint, session_id: str, reason: str) -> Session:
     """The session's latest request finished, for ``reason``, with no store to carry it."""
     return _sessions(node).finish_session(session_id, reason)
+
+
+def hint_session(
+    node: Endpoint, session_id: str, hint: Mapping[str, Any], block_tokens: int | None = None
+) -> Session:
+    """An agent hint for the session (``agenthints``), on the data-plane connection."""
+    return _sessions(node).hint_session(session_id, hint, block_tokens=block_tokens)
 
 
 def _sessions(node: Endpoint) -> StreamClient | SessionCacheClient:

@@ -602,6 +602,13 @@ def finish_session_request(session_id: str, finish_reason: str) -> Request:
     return Request("POST", f"/v1/sessions/{_path_part(session_id)}/finish", json=body)
 
 
+def hint_session_request(
+    session_id: str, hint: Mapping[str, Any], block_tokens: int | None = None
+) -> Request:
+    body = dict(hint) if block_tokens is None else {**hint, "block_tokens": block_tokens}
+    return Request("POST", f"/v1/sessions/{_path_part(session_id)}/hints", json=body)
+
+
 def close_session_request(session_id: str) -> Request:
     return Request("DELETE", f"/v1/sessions/{_path_part(session_id)}")
 

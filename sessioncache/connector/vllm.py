@@ -57,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from sessioncache.connector import ops
+from sessioncache.connector import agenthints, ops
 from sessioncache.connector.hybrid import (
     DEFAULT_CHECKPOINT_BLOCKS,
     Checkpoint,
@@ -401,6 +401,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._no_load.discard(request.request_id)
         if self._planner is None:
             return self.request_finished(request, block_ids[0])
+        agenthints.forward(self._node, request, request_scope(request), self.block_size)
         held = self._matched.pop(request.request_id, 0)
         if not self.settings.save:  # its block tables were not followed either
             return False, None
@@ -420,6 +421,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        agenthints.forward(self._node, request, request_scope(request), self.block_size)
         held = self._matched.pop(request.request_id, 0)
         if not self.settings.save:
             return False, None
