@@ -1,5 +1,6 @@
-"""Sessions: create, get, extend, finish, hint, close, list (``/v1/sessions``), through the session
-operations (``sessioncache.operations.sessions``) the data plane's SESSION calls too."""
+"""Sessions: create, get, extend, finish, hint, prefetch, close, list (``/v1/sessions``),
+through the session operations (``sessioncache.operations.sessions``) the data plane's SESSION
+calls too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from sessioncache.api.deps import NodeDep, TenantDep
 from sessioncache.api.paths import SessionIdPath
 from sessioncache.api.schemas import (
     ERRORS,
+    PrefetchOut,
     SessionCreate,
     SessionExtend,
     SessionFinish,
@@ -79,6 +81,18 @@ def hint_session(
     block_tokens = fields.pop("block_tokens", None)
     request = messages.SessionHint(session_id, fields, block_tokens)
     return session_out(ops.hint_session(node, Caller(tenant), request))
+
+
+@router.post(
+    "/{session_id}/prefetch", response_model=PrefetchOut, status_code=202, responses=ERRORS
+)
+def prefetch_session(session_id: SessionIdPath, node: NodeDep, tenant: TenantDep) -> PrefetchOut:
+    """Start moving the session's chain from disk or the shared tier into the CPU tier, ahead
+    of its next request: ``accepted`` (``blocks`` to move; ``resident`` in the session's GET
+    shows them arrive), ``deferred`` (retry later) or ``rejected`` (``reason`` says why: the
+    tenant's share, no chain, no CPU tier)."""
+    outcome = ops.prefetch_session(node, Caller(tenant), session_id)
+    return PrefetchOut.model_validate(outcome._asdict())
 
 
 @router.delete("/{session_id}", status_code=204, responses=ERRORS)

@@ -33,6 +33,7 @@ from sessioncache.connector.errors import TransportError
 from sessioncache.connector.protocol import (
     LookupResult,
     PayloadSource,
+    Prefetch,
     Reply,
     Request,
     Resolved,
@@ -329,6 +330,11 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
             self._send(protocol.hint_session_request(session_id, hint, block_tokens))
         )
 
+    def prefetch_session(self, session_id: str) -> Prefetch:
+        """Start moving the session's chain into the node's CPU tier ahead of its next
+        request (``accepted``, ``deferred`` or ``rejected``, and why)."""
+        return protocol.parse_prefetch(self._send(protocol.prefetch_session_request(session_id)))
+
     def close_session(self, session_id: str) -> None:
         """Close the session: its pins go, its blocks age out by TTL."""
         self._send(protocol.close_session_request(session_id))
@@ -542,6 +548,11 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
     ) -> Session:
         return protocol.parse_session(
             await self._send(protocol.hint_session_request(session_id, hint, block_tokens))
+        )
+
+    async def prefetch_session(self, session_id: str) -> Prefetch:
+        return protocol.parse_prefetch(
+            await self._send(protocol.prefetch_session_request(session_id))
         )
 
     async def close_session(self, session_id: str) -> None:

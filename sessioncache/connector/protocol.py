@@ -29,6 +29,9 @@ from sessioncache.connector.results import (
     PayloadSource as PayloadSource,
 )
 from sessioncache.connector.results import (
+    Prefetch as Prefetch,
+)
+from sessioncache.connector.results import (
     Resolved as Resolved,
 )
 from sessioncache.connector.results import (
@@ -607,6 +610,18 @@ def hint_session_request(
 ) -> Request:
     body = dict(hint) if block_tokens is None else {**hint, "block_tokens": block_tokens}
     return Request("POST", f"/v1/sessions/{_path_part(session_id)}/hints", json=body)
+
+
+def prefetch_session_request(session_id: str) -> Request:
+    return Request("POST", f"/v1/sessions/{_path_part(session_id)}/prefetch")
+
+
+def parse_prefetch(reply: Reply) -> Prefetch:
+    body = _json(reply)
+    outcome = _field(body, "outcome", str)
+    if outcome not in ("accepted", "deferred", "rejected"):
+        raise ProtocolError(f"prefetch: unknown outcome {outcome!r}")
+    return Prefetch(outcome, _field(body, "reason", str), _field(body, "blocks", int))
 
 
 def close_session_request(session_id: str) -> Request:

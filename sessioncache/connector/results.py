@@ -118,6 +118,16 @@ class StoreResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Prefetch:
+    """A prefetch's answer: ``outcome`` is ``accepted`` (``blocks`` are being moved into the
+    node's CPU tier), ``deferred`` (retry later) or ``rejected``; ``reason`` says why."""
+
+    outcome: str
+    reason: str
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class Session:
     id: str
     tenant: str

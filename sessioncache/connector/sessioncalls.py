@@ -1,8 +1,9 @@
 """Sessions over the data plane: ``StreamClient`` and ``SameHostClient`` open, read, extend,
-finish, hint and close sessions with SESSION requests on their own connection, no REST call. Each
-answers what the REST client's method of the same name answers (``results.Session``; None
-for ``close_session``) and raises the same errors (``SessionNotFound`` for a session that is
-not open or is another tenant's).
+finish, hint, prefetch and close sessions with SESSION requests on their own connection, no
+REST call. Each answers what the REST client's method of the same name answers
+(``results.Session``; ``results.Prefetch`` for ``prefetch_session``; None for
+``close_session``) and raises the same errors (``SessionNotFound`` for a session that is not
+open or is another tenant's).
 
 SESSION came with data-plane version 3: on a connection to a node that negotiated an older
 version the methods raise ``ProtocolError`` before sending anything (docs/dataplane.md,
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from sessioncache.connector import protocol
-from sessioncache.connector.results import Session
+from sessioncache.connector.results import Prefetch, Session
 from sessioncache.dataplane import frames
 from sessioncache.dataplane.frames import Op, SessionCall
 from sessioncache.errors import ProtocolError
@@ -74,6 +75,12 @@ class SessionCalls(Generic[C]):
         positions onto blocks). ``InvalidInput`` for a malformed hint."""
         call = SessionCall("hint", session_id, hint=dict(hint), block_tokens=block_tokens)
         return self._session(call)
+
+    def prefetch_session(self, session_id: str) -> Prefetch:
+        """Start moving the session's chain into the node's CPU tier ahead of its next
+        request (``accepted``, ``deferred`` or ``rejected``, and why)."""
+        reply = protocol.Reply(200, {}, self._call(SessionCall("prefetch", session_id)))
+        return protocol.parse_prefetch(reply)
 
     def close_session(self, session_id: str) -> None:
         """Close the session: its pins go, its blocks age out by TTL."""

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from sessioncache.attribution import REASONS, MissReport
 from sessioncache.buffers import BufferPool, Filling
@@ -55,6 +55,7 @@ from sessioncache.operations import lookups, sessions, stores
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.messages import (
     LookupRequest,
+    PrefetchResult,
     SessionExtend,
     SessionFinish,
     SessionHint,
@@ -105,7 +106,9 @@ def lookup_request(request: frames.Lookup) -> LookupRequest:
     )
 
 
-def session_call(node: CacheNode, caller: Caller, call: frames.SessionCall) -> SessionResult | None:
+def session_call(
+    node: CacheNode, caller: Caller, call: frames.SessionCall
+) -> SessionResult | PrefetchResult | None:
     """The session operation a SESSION names (``frames.VERBS``); None for a ``close``."""
     sid = call.session_id
     if call.verb == "open":
@@ -127,6 +130,8 @@ def session_call(node: CacheNode, caller: Caller, call: frames.SessionCall) -> S
         if call.hint is None:
             raise InvalidInput("SESSION hint: a hint is required")
         return sessions.hint_session(node, caller, SessionHint(sid, call.hint, call.block_tokens))
+    if call.verb == "prefetch":
+        return sessions.prefetch_session(node, caller, sid)
     if call.verb != "close":
         raise InvalidInput(f"SESSION: unknown verb {call.verb!r}")
     sessions.close_session(node, caller, sid)
@@ -352,7 +357,10 @@ class Connection:
     def _session_op(self, header: Header, session: str | None) -> None:
         call = frames.decode_session_call(self._body())
         result = session_call(self.node, self._caller, call)
-        body = sessions.as_json(result) if result is not None else None
+        if isinstance(result, PrefetchResult):
+            body: dict[str, Any] | None = result._asdict()
+        else:
+            body = sessions.as_json(result) if result is not None else None
         self.transport.send([frames.encode_session_ok(header.request_id, body)])
 
     def _release(self, header: Header, session: str | None) -> None:

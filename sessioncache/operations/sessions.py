@@ -1,6 +1,6 @@
-"""Sessions as operations: open, get, extend, finish, hint, close and list the sessions of the
-caller's tenant, one implementation under every carrier (REST's ``/v1/sessions``, the data
-plane's SESSION request on the stream and the same-host socket).
+"""Sessions as operations: open, get, extend, finish, hint, prefetch, close and list the
+sessions of the caller's tenant, one implementation under every carrier (REST's
+``/v1/sessions``, the data plane's SESSION request on the stream and the same-host socket).
 
 A session is its tenant's: a caller names only its own tenant's sessions, and another tenant's
 session of the same id is ``SessionNotFound``, as one that is not open. What a session is
@@ -25,6 +25,7 @@ from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.messages import (
+    PrefetchResult,
     SessionExtend,
     SessionFinish,
     SessionHint,
@@ -53,9 +54,11 @@ def open_session(node: CacheNode, caller: Caller, request: SessionOpen) -> Sessi
 
 
 def get_session(node: CacheNode, caller: Caller, session_id: str) -> SessionResult:
-    """The caller's open session, with its lookups' totals (``SessionNotFound`` otherwise)."""
+    """The caller's open session, with its lookups' totals and its chain's blocks per tier
+    (``SessionNotFound`` otherwise)."""
     session = node.sessions.get(session_id, tenant=caller.tenant)
-    return _result(node, session, node.attribution.session_totals(session.key))
+    result = _result(node, session, node.attribution.session_totals(session.key))
+    return result._replace(resident=node.prefetch.resident(session.key))
 
 
 def extend_session(node: CacheNode, caller: Caller, request: SessionExtend) -> SessionResult:
@@ -80,7 +83,19 @@ def hint_session(node: CacheNode, caller: Caller, request: SessionHint) -> Sessi
     node.sessions.get(request.session_id, tenant=caller.tenant)  # not found before malformed
     hint = parse_hints(request.body, node.sessions.store.clock.now(), request.block_tokens)
     session = node.sessions.hint(request.session_id, hint, tenant=caller.tenant)
-    return _result(node, session)
+    result = _result(node, session)
+    if hint.prefetch:
+        result = result._replace(prefetch=prefetch_session(node, caller, request.session_id))
+    return result
+
+
+def prefetch_session(node: CacheNode, caller: Caller, session_id: str) -> PrefetchResult:
+    """Start moving the caller's session's chain into the first tier (``node.prefetch``): the
+    outcome at once, the move after (``SessionNotFound`` for a session not open or another
+    tenant's)."""
+    session = node.sessions.get(session_id, tenant=caller.tenant)
+    outcome = node.prefetch.request(session.key)
+    return PrefetchResult(outcome.outcome, outcome.reason, outcome.blocks)
 
 
 def close_session(node: CacheNode, caller: Caller, session_id: str) -> None:

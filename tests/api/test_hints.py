@@ -7,17 +7,22 @@ wrong, a soft TTL holds the pins past the idle timeout and is capped, ``final`` 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from sessioncache.api.app import create_app
+from sessioncache.clock import ManualClock
+from sessioncache.config import Settings
 from sessioncache.errors import InvalidInput
+from sessioncache.factory import open_node
 from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
 from sessioncache.sessions.hints import KEEP, NEUTRAL, Span, parse_hints
 from sessioncache.store.forecast import ORPHAN_BASE, Forecast
-from tests.api.test_finish import BLOCK, NS, ahead, client, forecast, node, tokens
+from tests.api.test_finish import ACME, BLOCK, NS, ahead, client, forecast, node, tokens
 from tests.api.test_finish import GLOBEX as BOB
 
 __all__ = ["client", "forecast", "node"]  # the fixtures, the acme tenant's node and client
@@ -248,3 +253,59 @@ def test_another_tenant_cannot_hint_or_see_a_session(client: TestClient, node: C
     got = client.get("/v1/sessions/mine").json()
     assert got["pinned"] and got["hint"] is None and pins(node, chain[0]) == 1
     assert client.post("/v1/sessions/nobody/hints", json=body).status_code == 404
+
+
+# -- prefetch ---------------------------------------------------------------------------------
+
+
+def test_prefetch_answers_202_and_the_get_shows_where_the_chain_is(
+    client: TestClient, node: CacheNode
+):
+    chain = held(client, "p", tokens(13, 64))
+    r = client.post("/v1/sessions/p/prefetch")
+    assert r.status_code == 202, r.text
+    assert r.json() == {"outcome": "accepted", "reason": r.json()["reason"], "blocks": 0}
+    assert client.get("/v1/sessions/p").json()["resident"]["cpu"] == len(chain)
+    # SGLang's prefetch and vLLM's prefetch edit ask for the same
+    out = hint(client, "p", {"agent_hints": {"prefetch": True}})
+    assert out["prefetch"]["outcome"] == "accepted"
+    edit = {"type": "prefetch", "block_start": 0, "block_end": 4}
+    assert hint(client, "p", {"agent_hint": {"edits": [edit]}})["prefetch"] is not None
+    assert hint(client, "p", {"agent_hints": {"reuse_hint": "keep"}})["prefetch"] is None
+    client.post("/v1/sessions", json={"session_id": "empty"})
+    empty = client.post("/v1/sessions/empty/prefetch")
+    assert empty.status_code == 202 and empty.json()["outcome"] == "rejected"
+    # another tenant's session is not found, whatever the call
+    assert client.post("/v1/sessions/p/prefetch", headers=BOB).status_code == 404
+    assert client.post("/v1/sessions/nobody/prefetch").status_code == 404
+
+
+def test_a_prefetch_brings_a_chain_back_from_disk(tmp_path: Path):
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        cpu_bytes=8 * BLOCK,
+        disk_bytes=64 * BLOCK,
+        api_keys={"key-acme": "acme"},
+    )
+    node = open_node(settings, clock=ManualClock(), start=False)
+    try:
+        with TestClient(create_app(node), base_url="http://127.0.0.1", headers=ACME) as client:
+            chain = held(client, "back", tokens(14, 64))  # 4 blocks
+            hint(client, "back", {"agent_hint": {"final": True}})  # unpinned, leaves first
+            for seed in (15, 16):  # 16 blocks of other work: its chain goes down to disk
+                plan = client.post("/v1/store", json={"namespace": NS, "tokens": tokens(seed, 128)})
+                for h in plan.json()["missing"]:
+                    client.put(f"/v1/blocks/{h}", content=bytes.fromhex(h) * (BLOCK // 16))
+            # the other work's disk copies written first: a CPU block still queued for the
+            # disk cannot make room, and a move meeting one stops short
+            behind = node.store._core.behind
+            assert behind is None or behind.flush(10)
+            before = client.get("/v1/sessions/back").json()["resident"]
+            assert before.get("cpu", 0) < len(chain) and sum(before.values()) == len(chain)
+            r = client.post("/v1/sessions/back/prefetch")
+            assert r.status_code == 202 and r.json()["outcome"] == "accepted", r.text
+            assert r.json()["blocks"] == len(chain) - before.get("cpu", 0)
+            assert node.prefetch.drain() == 1  # the worker's move, here
+            assert client.get("/v1/sessions/back").json()["resident"]["cpu"] == len(chain)
+    finally:
+        node.close()

@@ -19,10 +19,10 @@ from sessioncache.dataplane.frames.control import _json_body
 from sessioncache.dataplane.frames.header import SESSION_VERSION, Op, frame
 from sessioncache.errors import InvalidInput
 
-VERBS = ("open", "get", "extend", "finish", "close", "hint")
+VERBS = ("open", "get", "extend", "finish", "close", "hint", "prefetch")
 """What a SESSION does: open a session (or return the caller's open one of that id), read it,
 slide its expiry, say its latest request finished, close it, give it an agent hint (``hint``:
-a body of ``POST /v1/sessions/{id}/hints``)."""
+a body of ``POST /v1/sessions/{id}/hints``), start moving its chain into the first tier."""
 
 
 class SessionCall(NamedTuple):

@@ -78,3 +78,20 @@ def test_the_session_frame_round_trips_a_hint():
     bad = b'{"verb":"hint","session_id":"s","hint":[1]}'
     with pytest.raises(InvalidInput, match="hint must be an object"):
         frames.decode_session_call(bad)
+
+
+def test_a_prefetch_on_the_stream(connect: Connect, node: CacheNode):
+    alice, bob = connect("key-a"), connect("key-b")
+    alice.open_session("dp-prefetch")
+    stored(alice, "dp-prefetch", 3, 4)
+    got = alice.prefetch_session("dp-prefetch")
+    assert got.outcome == "accepted" and got.blocks == 0  # in the CPU tier already
+    assert node.prefetch.resident(("alice", "dp-prefetch"))["cpu"] == 4
+    with pytest.raises(SessionNotFound):
+        bob.prefetch_session("dp-prefetch")
+    alice.open_session("dp-empty")
+    assert alice.prefetch_session("dp-empty").outcome == "rejected"
+    hinted = alice.hint_session("dp-prefetch", {"agent_hints": {"prefetch": True}})
+    assert hinted.id == "dp-prefetch"
+    for sid in ("dp-prefetch", "dp-empty"):
+        alice.close_session(sid)
