@@ -126,9 +126,15 @@ class TenantPins:
 
 
 def make_prefetcher(
-    settings: Settings, store: TieredStore, sessions: SessionManager, pins: TenantPins
+    settings: Settings,
+    store: TieredStore,
+    sessions: SessionManager,
+    pins: TenantPins,
+    *,
+    returns: Callable[[SessionKey], float | None] | None = None,
 ) -> Prefetcher:
-    """The node's prefetch engine, its grants admitted against ``pins``' budgets."""
+    """The node's prefetch engine, its grants admitted against ``pins``' budgets
+    (``returns``: known returns instead of the forecast, for a replay's oracle)."""
     return Prefetcher(
         store,
         sessions,
@@ -136,6 +142,7 @@ def make_prefetcher(
         tenant_of=pins.owners.tenant_of,
         forecast=settings.prefetch_forecast,
         hold_s=min(settings.prefetch_hold_s, settings.max_lease_s),
+        returns=returns,
     )
 
 

@@ -4,8 +4,11 @@ PATH is a Mooncake JSONL trace or a folder of agentic session files. The command
 token hit rate of an infinite cache (the oracle), a plain LRU, a 5-minute sliding TTL and
 sessioncache's default policy at the same capacity, overall and per tier; ``--json`` prints
 ``{"oracle": rate, "lru": .., "ttl_5min": .., "sessioncache": .., "detail": {...}}`` instead
-(one key per policy run). A progress bar goes to stderr when it is a terminal. ``--plot``
-also writes a PNG of hit rate vs capacity (needs matplotlib). See ``sessioncache.replay``.
+(one key per policy run), and with ``--prefetch none,forecast,oracle`` a ``"prefetch"`` object:
+per mode, the node's default policy with that prefetch, its ``cpu_share`` (hit tokens served
+from the first tier over all hit tokens) and ``hit`` (its token hit rate). A progress bar
+goes to stderr when it is a terminal. ``--plot`` also writes a PNG of hit rate vs capacity
+(needs matplotlib). See ``sessioncache.replay``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ def _fracs(text: str) -> list[float]:
     if not fracs or any(not f > 0 for f in fracs):
         raise argparse.ArgumentTypeError("capacity fractions must be positive")
     return fracs
+
+
+def _modes(text: str) -> list[str]:
+    modes = [x.strip() for x in text.split(",") if x.strip()]
+    allowed = ("none", "forecast", "oracle")
+    for mode in modes:
+        if mode not in allowed:
+            raise argparse.ArgumentTypeError(f"prefetch modes are {', '.join(allowed)}")
+    return modes
 
 
 def _positive(text: str) -> float:
@@ -93,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    policies = [*POLICIES]
+    policies = [*POLICIES] if args.policies is None else list(args.policies)
     for extra in args.extra:
         if extra not in policies:
             policies.append(extra)
@@ -118,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plot_fracs = [f for f in args.plot_fracs if f != args.capacity_frac] if args.plot else []
     runs = 1 + len(plot_fracs)
-    total = len(trace.requests) * (len(policies) + (runs - 1) * (len(policies) - 1))
+    total = len(trace.requests) * (
+        len(policies) + (runs - 1) * (len(policies) - 1) + len(args.prefetch)
+    )
     show = not args.no_progress and sys.stderr.isatty()
     with _progress(total, show) as progress:
         report = run_replay(
@@ -127,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             tiers=tiers,
             policies=policies,
             progress=progress,
+            prefetch=args.prefetch,
         )
         sweep = (
             run_capacity_sweep(
@@ -231,6 +246,21 @@ def register(sub: Any) -> None:
         default=None,
         help="session folders: replay only the even- or odd-numbered files (by name), to tune "
         "on one half of a sample and report on the other",
+    )
+    parser.add_argument(
+        "--prefetch",
+        type=_modes,
+        default=[],
+        help="also replay the node's default policy with each prefetch mode: none, forecast "
+        "(the node's forecast prefetch), oracle (knowing each return); reports cpu_share (hit "
+        "tokens from the first tier / all hit tokens) and hit per mode",
+    )
+    parser.add_argument(
+        "--policies",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=None,
+        help="the policies to replay instead of oracle,lru,ttl_5min,sessioncache (with "
+        "--extra's added)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(

@@ -53,11 +53,36 @@ def format_report(report: ReplayReport, *, span_days: float | None = None, seed:
                 f"{name:<16}"
                 + "".join(f"{r.miss_by_reason.get(x, 0) / total:>10.2%}" for x in reasons)
             )
+    if report.prefetch:
+        lines.append("")
+        lines.append(
+            "prefetch (the node's default policy; cpu share: hit tokens from the first tier):"
+        )
+        lines.append(f"{'prefetch':<16}{'token hit':>10}{'cpu share':>11}")
+        for mode, r in report.prefetch.items():
+            lines.append(f"{mode:<16}{r.hit_rate:>10.2%}{r.first_tier_share:>11.2%}")
+        closed = prefetch_gap_closed(report)
+        if closed is not None:
+            lines.append(
+                f"forecast prefetch closes {closed:.2f} of the cpu share gap to the oracle"
+            )
     verdicts = [v for v in (target_verdict(report), forecast_verdict(report)) if v]
     if verdicts:
         lines.append("")
         lines.extend(verdicts)
     return "\n".join(lines)
+
+
+def prefetch_gap_closed(report: ReplayReport) -> float | None:
+    """The share of the cpu share gap between no prefetch and the oracle's that the forecast
+    prefetch closes; None without the three (or no gap)."""
+    runs = report.prefetch
+    if not all(k in runs for k in ("none", "forecast", "oracle")):
+        return None
+    none, oracle = runs["none"].first_tier_share, runs["oracle"].first_tier_share
+    if oracle <= none:
+        return None
+    return (runs["forecast"].first_tier_share - none) / (oracle - none)
 
 
 FORECAST_GAP_TARGET = 0.5

@@ -9,6 +9,12 @@ demotion and promotion. The oracle ignores capacity.
 Token hit rate = hit tokens / input tokens, where a request whose first ``m`` blocks hit saves
 ``min(m x block_tokens, input tokens)`` tokens; per tier, each hit block's tokens are credited
 to the fastest tier that held it at lookup.
+
+Prefetch (``prefetch=``, ``PREFETCH_MODES``): the node's default policy replayed again with
+its prefetch engine moving chains up ahead of their reads (``forecast``: the node's forecast
+pass; ``oracle``: the same engine knowing each session's next arrival; ``none``: no prefetch,
+the ``sessioncache`` policy's run when there is one). Each is scored by its hit rate and its
+``cpu_share``: hit tokens served from the first tier over all hit tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sessioncache.errors import InvalidInput
-from sessioncache.replay.simulators import BeladySim, LruSim, OracleSim, Simulator, StoreSim
+from sessioncache.replay.simulators import (
+    PREFETCH_MODES,
+    BeladySim,
+    LruSim,
+    OracleSim,
+    Simulator,
+    StoreSim,
+)
 from sessioncache.replay.trace import Request, Trace
 from sessioncache.store.eviction import EvictionPolicy
 
@@ -58,6 +71,12 @@ class PolicyResult:
     def miss_tokens(self) -> int:
         return self.total_tokens - self.hit_tokens
 
+    @property
+    def first_tier_share(self) -> float:
+        """Hit tokens served from the first tier over all hit tokens."""
+        first = next(iter(self.tier_hit_tokens.values()), 0)
+        return first / self.hit_tokens if self.hit_tokens else 0.0
+
     def tier_hit_rates(self) -> dict[str, float]:
         total = self.total_tokens or 1
         return {name: tokens / total for name, tokens in self.tier_hit_tokens.items()}
@@ -70,6 +89,8 @@ class ReplayReport:
     tiers: list[tuple[str, int]]
     """Capacity of each tier, in blocks."""
     results: dict[str, PolicyResult]
+    prefetch: dict[str, PolicyResult] = field(default_factory=dict)
+    """The node's default policy under each prefetch mode asked for (``PREFETCH_MODES``)."""
 
     @property
     def capacity_blocks(self) -> int:
@@ -119,6 +140,18 @@ class ReplayReport:
             },
             "policies": policies,
         }
+        if self.prefetch:
+            out["prefetch"] = {
+                mode: {
+                    "cpu_share": r.first_tier_share,
+                    "hit": r.hit_rate,
+                    "hit_tokens": r.hit_tokens,
+                    "tier_hit_rates": r.tier_hit_rates(),
+                    "seconds": round(r.seconds, 3),
+                    **({"moves": r.detail["prefetch"]} if "prefetch" in r.detail else {}),
+                }
+                for mode, r in self.prefetch.items()
+            }
         return out
 
 
@@ -151,8 +184,11 @@ def split_capacity(total_blocks: int, tiers: Sequence[tuple[str, float]]) -> lis
     return out
 
 
-def make_simulator(name: str, trace: Trace, tiers: Sequence[tuple[str, int]]) -> Simulator:
-    """The simulator of policy ``name`` over ``tiers`` (capacities in blocks)."""
+def make_simulator(
+    name: str, trace: Trace, tiers: Sequence[tuple[str, int]], *, prefetch: str | None = None
+) -> Simulator:
+    """The simulator of policy ``name`` over ``tiers`` (capacities in blocks); ``prefetch``:
+    the node's prefetch mode (``PREFETCH_MODES``; the ``sessioncache`` policies only)."""
     if name == "oracle":
         return OracleSim()
     if name == "lru":
@@ -167,7 +203,12 @@ def make_simulator(name: str, trace: Trace, tiers: Sequence[tuple[str, int]]) ->
         bt = trace.block_tokens
         policy = EvictionPolicy.named("forecast" if name == "sessioncache" else "lru", len(tiers))
         return StoreSim(
-            name, [(t, blocks * bt) for t, blocks in tiers], block_bytes=bt, policy=policy
+            name,
+            [(t, blocks * bt) for t, blocks in tiers],
+            block_bytes=bt,
+            policy=policy,
+            prefetch=prefetch,
+            trace=trace,
         )
     raise InvalidInput(f"unknown policy {name!r}; policies are {[*POLICIES, *EXTRA_POLICIES]}")
 
@@ -296,9 +337,14 @@ def run_replay(
     progress: Progress | None = None,
     oracle: PolicyResult | None = None,
     codec_ratio: float | None = None,
+    prefetch: Sequence[str] = (),
 ) -> ReplayReport:
     """Replay ``trace`` once per policy at the same capacity (``oracle``: reuse a result);
-    ``codec_ratio``: the disk and Redis tiers' bytes hold that many times more blocks."""
+    ``codec_ratio``: the disk and Redis tiers' bytes hold that many times more blocks;
+    ``prefetch``: also the node's default policy under each of these prefetch modes."""
+    for mode in prefetch:
+        if mode not in PREFETCH_MODES:
+            raise InvalidInput(f"unknown prefetch {mode!r}; prefetch modes are {PREFETCH_MODES}")
     split = capacity_tiers(trace, capacity_frac, tiers)
     if codec_ratio is not None:
         split = with_codec(split, codec_ratio)
@@ -310,7 +356,14 @@ def run_replay(
                 progress(len(trace.requests))
             continue
         results[name] = replay_one(trace, make_simulator(name, trace, split), progress)
-    return ReplayReport(trace, capacity_frac, split, results)
+    prefetched: dict[str, PolicyResult] = {}
+    for mode in prefetch:
+        if mode == "none" and "sessioncache" in results:
+            prefetched[mode] = results["sessioncache"]
+            continue
+        sim = make_simulator("sessioncache", trace, split, prefetch=mode)
+        prefetched[mode] = replay_one(trace, sim, progress)
+    return ReplayReport(trace, capacity_frac, split, results, prefetched)
 
 
 def run_capacity_sweep(

@@ -26,7 +26,12 @@
   run at the last sweep instant before the second one: nothing happens in between, so the
   state is the same). A request's finish reason reaches it through ``finish`` when the request
   ends (``Finishes``), as a connector passes it, and a subagent's session is opened with its
-  parent's.
+  parent's. With ``prefetch`` (``PREFETCH_MODES``) the node's prefetch engine
+  (``sessions.prefetch``) runs too: its forecast pass ticks every ``PREFETCH_TICK_S``
+  between two events and at the last one-second tick before each request or finish, and its
+  moves run there; ``oracle`` runs the same engine with each session's true
+  next arrival instead of its forecast (a move is due at the tick before it). ``none`` ticks
+  nothing (the engine is there, unused).
 
 Every ``serve`` returns, for each matched block of the request's prefix, the index of the
 fastest tier that held it.
@@ -34,6 +39,7 @@ fastest tier that held it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import math
@@ -47,12 +53,13 @@ from sessioncache.clock import ManualClock
 from sessioncache.config import Settings
 from sessioncache.errors import SessionCacheError, SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace, block_hashes_from_bytes
-from sessioncache.node import OPEN_TENANT, CacheNode
+from sessioncache.node import OPEN_TENANT, CacheNode, make_prefetcher
 from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.messages import StoreRequest
 from sessioncache.replay.trace import Request, Trace
-from sessioncache.sessions.manager import SessionManager
+from sessioncache.sessions.manager import SessionKey, SessionManager
+from sessioncache.sessions.prefetch import TICK_S, Prefetcher
 from sessioncache.status import BlockStatus, kept
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
 from sessioncache.store.eviction import EvictionPolicy
@@ -63,6 +70,14 @@ NAMESPACE = Namespace("sessioncache-replay", 4, "float16", "replay")
 block is four tokens, the 16 bytes of its integer id."""
 
 CLOCK_START = 1_700_000_000.0
+
+PREFETCH_MODES = ("none", "forecast", "oracle")
+"""What moves chains up ahead of their reads in a replay (``StoreSim``'s ``prefetch``)."""
+
+PREFETCH_TICK_S = 10.0
+"""The replay's forecast prefetch pass runs every this many simulated seconds between two
+events, and at the last one-second tick before each (the node's runs every second: a
+coarser grid between events, where only the clock moves, keeps a 3-day replay short)."""
 
 LOAD_LEASE_S = 30.0
 """The lease an engine takes on its lookup's match while it loads it (docs/architecture.md)."""
@@ -296,7 +311,15 @@ class StoreSim:
         session_kind: str = "agent",
         session_options: Mapping[str, Any] | None = None,
         sweep_s: float = 60.0,
+        prefetch: str | None = None,
+        trace: Trace | None = None,
     ) -> None:
+        """``prefetch``: one of ``PREFETCH_MODES`` (None: as ``none``); ``oracle`` needs the
+        ``trace`` it replays, whose arrivals it knows."""
+        if prefetch is not None and prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch is one of {PREFETCH_MODES}, got {prefetch!r}")
+        if prefetch == "oracle" and trace is None:
+            raise ValueError("the oracle prefetch needs the trace")
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if not sweep_s > 0:
@@ -313,7 +336,20 @@ class StoreSim:
         )
         self.sessions = SessionManager(self.store, **(session_options or {})) if sessions else None
         # The node of the operation layer over them; a session's stores go through it.
-        self.node = CacheNode(Settings(), self.store, self.sessions) if self.sessions else None
+        self.node: CacheNode | None = None
+        self.prefetch: Prefetcher | None = None
+        self._arrivals: dict[str, list[float]] = {}
+        if self.sessions is not None:
+            settings = Settings(prefetch_forecast=prefetch in ("forecast", "oracle"))
+            self.node = CacheNode(settings, self.store, self.sessions)
+            if prefetch == "oracle":
+                assert trace is not None
+                self._arrivals = _arrivals(trace)
+                self.node.prefetch = make_prefetcher(
+                    settings, self.store, self.sessions, self.node.pins, returns=self._returns
+                )
+            if prefetch in ("forecast", "oracle"):
+                self.prefetch = self.node.prefetch
         self._caller = Caller(OPEN_TENANT)
         self._root = (
             lookups.resolve(self.node, self._caller, NAMESPACE) if self.node else NAMESPACE.root()
@@ -339,7 +375,34 @@ class StoreSim:
         return list(self._tier_names)
 
     def _advance(self, time: float) -> None:
-        """The clock to ``time`` (replay seconds), sweeping on the way as the service would."""
+        """The clock to ``time`` (replay seconds), sweeping on the way as the service would,
+        and with a prefetch, running its pass at the last tick before ``time``."""
+        if self.prefetch is not None:
+            now = self.clock.now() - CLOCK_START
+            last = (math.ceil(time / TICK_S) - 1) * TICK_S  # the last tick before ``time``
+            ticks = [
+                k * PREFETCH_TICK_S
+                for k in range(
+                    math.floor(now / PREFETCH_TICK_S) + 1, math.ceil(last / PREFETCH_TICK_S)
+                )
+            ]
+            for tick in [*ticks, last]:
+                if tick > self.clock.now() - CLOCK_START:
+                    self._advance_to(tick)
+                    self.prefetch.tick()
+                    self.prefetch.drain()
+        self._advance_to(time)
+
+    def _returns(self, key: SessionKey) -> float | None:
+        """The oracle: the session's next arrival after now (clock seconds)."""
+        times = self._arrivals.get(key[1])
+        if not times:
+            return None
+        now = self.clock.now() - CLOCK_START
+        at = bisect.bisect_right(times, now)
+        return CLOCK_START + times[at] if at < len(times) else None
+
+    def _advance_to(self, time: float) -> None:
         if time >= self._next_sweep:
             last = math.floor(time / self._sweep_s) * self._sweep_s
             self.clock.set(CLOCK_START + last)
@@ -457,6 +520,11 @@ class StoreSim:
             "dropped_on_put": self._dropped,
             "sweeps": self._sweeps,
         }
+        if self.prefetch is not None:
+            out["prefetch"] = {
+                "moved_blocks": self.prefetch.moved_blocks,
+                "forecast_moves": self.prefetch.forecast_moves,
+            }
         if self.sessions is not None:
             out["sessions_open"] = len(self.sessions.list_sessions())
             out["sessions_reopened_after_expiry"] = self._session_reopens
@@ -464,3 +532,12 @@ class StoreSim:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _arrivals(trace: Trace) -> dict[str, list[float]]:
+    """Each session's arrival times (replay seconds), in order."""
+    out: dict[str, list[float]] = {}
+    for request in trace.requests:
+        if request.session is not None:
+            out.setdefault(request.session, []).append(request.time)
+    return out

@@ -15,8 +15,10 @@ two ways, through one engine (``Prefetcher``) and one mover (``store.prefetch``)
   (``sessions.forecasts``, ``store.forecast``) values each session's chain by its predicted
   next use (the eviction value of its head block). A chain not in the CPU tier is promoted,
   soonest first, once the CPU tier has free room or holds blocks forecast back after it;
-  ``lead`` (the chain's bytes at the disk's measured speed) moves its turn earlier. Its
-  lease lasts only while it moves: the chain then stays by the eviction order, which ranks
+  ``lead`` (the chain's bytes at the disk's measured speed) moves its turn earlier. It is
+  admitted as a lease would be, and its room held in the tenant's share until the move ends,
+  but it holds no lease: a chain leased while it moves would keep its lower copies from being
+  spare (the first to leave there), and once up it stays by the eviction order, which ranks
   it by the same value. On by default; ``prefetch_forecast=false`` turns it off.
 
 A prefetch is a grant: its lease is admitted against the tenant's share of the tiers
@@ -66,7 +68,10 @@ TICK_S = 1.0
 TICK_SESSIONS = 8
 """Chains the forecast pass tries per tick, soonest first."""
 MOVE_S = 2.0
-"""The transient lease of a forecast move (renewed per chain; a move is seconds)."""
+"""The lease a forecast move's admission takes (let go once admitted)."""
+RETRY_S = 60.0
+"""A forecast move that could not be made is tried again once the store changed, or after
+this long (the values move with the clock alone too)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,9 @@ class Prefetcher:
         self._pending: set[SessionKey] = set()
         """Sessions with a move queued or running."""
         self._lengths: dict[SessionKey, int] = {}
+        self._futile: dict[SessionKey, tuple[BlockHash, tuple[int, ...], float]] = {}
+        """Sessions whose forecast move could not be made: their head, the store's version
+        and the time then (``RETRY_S``)."""
         """The chain length each session had at its last forecast move (its lead)."""
 
     # -- the two requests ---------------------------------------------------------------
@@ -238,7 +246,7 @@ class Prefetcher:
             return 0
         now = self._store.clock.now()
         worst = self._worst(target, now)
-        due: list[tuple[float, SessionKey, BlockHash]] = []
+        due: list[tuple[float, float, SessionKey, BlockHash]] = []
         for session in self._sessions.list_sessions():
             head = session.head
             if head is None:
@@ -253,22 +261,30 @@ class Prefetcher:
                 back = self._returns(key)
                 if back is None or back > now + self._tick_s:
                     continue
-                due.append((back, key, head))
+                due.append((back, now, key, head))
                 continue
             value = self._value(meta, now)
             if value >= ORPHAN_BASE / 2:
                 continue  # forecast never back
             lead = meta.nbytes * self._lengths.get(key, 1) / self.bytes_per_s
             if value - lead < worst:
-                due.append((value - lead, key, head))
+                due.append((value - lead, value, key, head))
         if not due:
             return 0
         due.sort()
         queued = 0
-        for when, key, head in due[:TICK_SESSIONS]:
+        version = self._store.prefetch.version(target)
+        tried = 0
+        for _, limit, key, head in due:
+            futile = self._futile.get(key)
+            if futile is not None and futile[:2] == (head, version) and now < futile[2] + RETRY_S:
+                continue
+            if tried == TICK_SESSIONS:
+                break
+            tried += 1
+            self._futile[key] = (head, version, now)
             chain = self._store.reads.chain_to(head)
             self._lengths[key] = len(chain)
-            limit = when if self._returns is None else now
             budget = self._budget(key[0])
             if not chain or budget is None:
                 continue
@@ -281,8 +297,10 @@ class Prefetcher:
                 continue
             if granted is None:
                 continue
-            job = _Job(key, chain[: granted.blocks], granted.lease.id, limit, False)
-            job.reserved = granted.below_bytes
+            # admitted: the room is reserved, the lease itself goes (a chain leased while it
+            # moves would keep its lower copies from being spare, the first to leave there)
+            self._store.prefetch.release(granted.lease.id)
+            job = _Job(key, chain[: granted.blocks], None, limit, False, granted.below_bytes)
             if not granted.below:
                 self._end(job)
                 continue

@@ -154,6 +154,22 @@ class StorePrefetch(StorePart):
             core.policy.track(victim, tier)
             return core.index.snapshot(victim.block_hash)
 
+    def version(self, tier: int = 0) -> tuple[int, ...]:
+        """What changes whenever a move that could not be made may become possible (a block
+        stored, moved or evicted, a pin or lease in ``tier`` taken or let go): equal versions,
+        equal chances, but for the clock."""
+        core = self._core
+        with core.lock:
+            c = core.counters
+            return (
+                c.stored_blocks,
+                c.evictions,
+                c.promotions,
+                c.expirations,
+                core.index.pinned_bytes[tier],
+                len(core.index.leases),
+            )
+
     def free_bytes(self, tier: int = 0) -> int:
         """What ``tier`` can take without evicting."""
         target = self._core.tiers[tier]

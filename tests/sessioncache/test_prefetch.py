@@ -14,6 +14,8 @@ from sessioncache.clock import ManualClock
 from sessioncache.errors import SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
 from sessioncache.quotas import PinBudget
+from sessioncache.replay.runner import run_replay
+from sessioncache.replay.trace import Request, Trace
 from sessioncache.sessions.manager import SessionManager
 from sessioncache.sessions.prefetch import ACCEPTED, DEFERRED, REJECTED, Prefetcher
 from sessioncache.store import TieredStore
@@ -199,3 +201,23 @@ def test_the_setting_turns_the_forecast_prefetch_off(tmp_path: Path) -> None:
         assert node.prefetch.request(("alice", "soon")).outcome == ACCEPTED  # explicit still
     finally:
         node.store.close()
+
+
+def test_the_replay_scores_each_prefetch_mode_with_the_nodes_engine() -> None:
+    ids = {"a": (1, 2, 3, 4), "b": (11, 12, 13, 14)}
+    times = [(0.0, "a"), (400.0, "b"), (1200.0, "a"), (1300.0, "b")]
+    requests = [Request(t, s, ids[s], 4 * 64, stop="end_turn", duration=1.0) for t, s in times]
+    trace = Trace("tiny", "agent-sessions", 64, requests, unique_blocks=8, sessions=2)
+    report = run_replay(
+        trace,
+        capacity_frac=2.5,
+        tiers=[("cpu", 1), ("disk", 4)],  # 4 blocks of memory: one chain at a time
+        policies=["sessioncache"],
+        prefetch=["none", "forecast", "oracle"],
+    )
+    out = report.to_json()["prefetch"]
+    assert set(out) == {"none", "forecast", "oracle"}
+    assert out["none"]["hit"] == report.results["sessioncache"].hit_rate
+    assert out["oracle"]["cpu_share"] > out["none"]["cpu_share"]
+    assert out["forecast"]["cpu_share"] > out["none"]["cpu_share"]
+    assert out["forecast"]["hit"] == out["none"]["hit"] == out["oracle"]["hit"]
