@@ -391,14 +391,20 @@ class EngineNode:
     def held_run(self, scope: Scope, root: bytes, ids: Sequence[bytes]) -> int:
         """``held_blocks`` of a chain's ids computed already (``root``: resolved for
         ``scope``)."""
-        kv = self.kv(scope)
         if not ids:
             return 0
+        kv = self.open_session(scope)
+        return ops.held(kv.connection, root, ids, session_id=scope.session_id)
+
+    def open_session(self, scope: Scope) -> KVTransfer:
+        """The connection of ``scope``, its session opened on the node the first time it is
+        seen here (``open_session`` is idempotent)."""
+        kv = self.kv(scope)
         session = scope.session_id
         if session is not None and (scope.api_key, session) not in self._sessions:
             ops.open_session(kv, session)  # or the open one of that id
             self._sessions.add((scope.api_key, session))
-        return ops.held(kv.connection, root, ids, session_id=session)
+        return kv
 
     def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> Loaded:
         """Load the transfer's blocks into their paged blocks under one lease; how many, from

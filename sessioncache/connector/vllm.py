@@ -166,13 +166,35 @@ def vllm_namespace(
     dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(model.dtype)
     from vllm.platforms import current_platform
 
+    if model.use_mla:  # one latent vector a token, shared by the heads: named by its parts
+        text = model.hf_text_config
+        heads = f"mla{text.kv_lora_rank}+{text.qk_rope_head_dim}"
+    else:
+        heads = f"h{model.get_num_kv_heads(parallel)}x{model.get_head_size()}"
     layout = (
         f"vllm-paged/{current_platform.device_type}/l{model.get_num_layers(parallel)}"
-        f"/h{model.get_num_kv_heads(parallel)}x{model.get_head_size()}"
-        f"/tp{parallel.tensor_parallel_size}.{rank}"
+        f"/{heads}/tp{parallel.tensor_parallel_size}.{rank}"
     )
     return Namespace(
         str(name), cache.block_size, str(dtype).removeprefix("torch."), layout, salt, lora
+    )
+
+
+def cannot_attend_to_cache(config: VllmConfig) -> str | None:
+    """Why this engine cannot continue a prompt from a cached context, or None when it can.
+
+    vLLM's platform check turns prefix caching and chunked prefill off together where the
+    attention backend cannot attend to KV it did not compute in the same step (its CPU
+    build does so for MLA on CPUs without AMX). A load into such an engine would be read by
+    nothing, or read wrongly: the connector then loads nothing (and still saves)."""
+    cache, scheduler = config.cache_config, config.scheduler_config
+    if cache.enable_prefix_caching or scheduler.enable_chunked_prefill:
+        return None
+    mla = config.model_config is not None and config.model_config.use_mla
+    return (
+        "vLLM runs this engine with prefix caching and chunked prefill off: its "
+        f"{'MLA ' if mla else ''}attention backend computes a prompt in one step, from nothing "
+        "cached"
     )
 
 
@@ -241,6 +263,12 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                 'load fails its request; set kv_load_failure_policy="recompute" to recompute it',
                 transfer_config.kv_load_failure_policy,
             )
+        self._role = transfer_config.kv_role or "kv_both"
+        """``kv_consumer`` (decode of a P/D pair) saves no block of the prompt: the producer
+        computed and saved it (docs/vllm.md, "Prefill/decode disaggregation")."""
+        self._declined = cannot_attend_to_cache(vllm_config)
+        if self._declined is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning("SessionCacheConnector: loads off, saves on: %s", self._declined)
         self._config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
@@ -318,6 +346,10 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     ) -> tuple[int | None, bool]:
         if not self.settings.load or request.request_id in self._no_load:
             return 0, False
+        if self._declined is not None:  # nothing loaded; the session opened for the save
+            if self.settings.save and not self._node.down:
+                self._open_session(request_scope(request))
+            return 0, False
         tokens = list(request.prompt_token_ids or [])
         full = (len(tokens) - 1) // self.block_size  # at least one token left to compute
         if full * self.block_size <= num_computed_tokens:
@@ -352,6 +384,14 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         # forward, preprocess_mamba, before that step's loads run), and a failed load is
         # reported per request (failed_recving), the only way vLLM takes for several groups.
         return extra, bool(extra) and self._hybrid is not None
+
+    def _open_session(self, scope: Scope) -> None:
+        try:
+            self._node.open_session(scope)
+            self._node.ok()
+        except Exception as exc:  # the save then drops, as after a failed lookup
+            self._node.failure(exc)
+            log.warning("sessioncache: session %s not opened: %s", scope.session_id, exc)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -406,6 +446,8 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         if not self.settings.save:  # its block tables were not followed either
             return False, None
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        if self._role == "kv_consumer":  # as in ``request_finished``
+            held = max(held, request.num_prompt_tokens // self.block_size)
         save = self._planner.finished(
             request.request_id,
             list(request.all_token_ids),
@@ -428,6 +470,8 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         computed = min(computed, len(request.all_token_ids))  # KV computed, not in flight
         full = min(computed // self.block_size, len(block_ids))
+        if self._role == "kv_consumer":  # the prompt's blocks are the producer's to save
+            held = max(held, min(request.num_prompt_tokens // self.block_size, full))
         scope, reason = request_scope(request), finish_reason(request)
         if full <= held:
             if reason is not None:  # nothing to save: the finish goes alone, from the worker
