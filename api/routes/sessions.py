@@ -77,7 +77,7 @@ def hint_session(
     ``agent_hints``: SGLang's; ``retention_directives``: vLLM's), as engines and routers
     carry them: a soft TTL, a priority, an expected return, a parent, ``final`` (docs/
     sessions.md, "Agent hints"). A malformed hint is a 422 saying what is wrong."""
-    fields = body.model_dump()
+    fields = body.model_dump(exclude_none=True)
     block_tokens = fields.pop("block_tokens", None)
     request = messages.SessionHint(session_id, fields, block_tokens)
     return session_out(ops.hint_session(node, Caller(tenant), request))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from sessioncache.connector import ops
@@ -61,8 +60,10 @@ def forward(node: EngineNode, request: Any, scope: Scope, block_tokens: int) -> 
             return False
         if node.down:  # backing off after a failure: the hint is dropped, as a save would be
             return False
-        scope = replace(scope, session_id=session)
-        ops.hint_session(node.open_session(scope), session, body, block_tokens)
+        # the request's own session is opened as for its lookup; one only its hint names
+        # must be open already (``SessionNotFound``, a warning)
+        kv = node.open_session(scope) if scope.session_id else node.kv(scope)
+        ops.hint_session(kv, session, body, block_tokens)
         return True
     except InvalidInput as exc:
         log.warning("sessioncache: request %s: agent hint ignored: %s", _id(request), exc)

@@ -246,8 +246,8 @@ def scale(forecast: Forecast, k: float, origin: float, priority: int) -> float:
     """The key ``k`` of an event at ``origin`` for a priority (``NEUTRAL``: ``k``): the lead
     of the next use (``next_use`` mode) or of the cold date (``value``) over ``origin``
     shrinks by half for each ``PRIORITY_STEP`` above neutral and doubles for each below. A
-    dead chain (no return expected) ranked above neutral is valued as an average session's
-    next return."""
+    dead chain (no return expected) stays dead, but in the ``next_use`` mode ranked above
+    neutral, where it is valued as an average session's next return."""
     if priority == NEUTRAL:
         return k
     factor = math.pow(2.0, (NEUTRAL - priority) / PRIORITY_STEP)
@@ -257,6 +257,8 @@ def scale(forecast: Forecast, k: float, origin: float, priority: int) -> float:
                 return k
             k = origin + forecast.ahead(forecast.priors[POOLED])
         return origin + (k - origin) * factor
+    if k >= ORPHAN_BASE / 2:  # dead, in either mode
+        return k
     cold = -k  # value mode: the key is minus the cold date, later for a higher priority
     lead = cold - origin
     return -(origin + (lead / factor if lead > 0 else lead * factor))

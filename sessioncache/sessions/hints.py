@@ -50,6 +50,8 @@ DEFAULT_CACHE_TTL_S = 300.0
 MAX_CACHE_TTL_S = 3600.0
 """``cache_control.ttl``'s default and bound in vLLM's agent hint."""
 EDITS = ("evict", "offload", "prefetch")
+UNI_AGENT = ("schema_version", "trajectory_id", "kv_priority", "lease_until")
+"""The fields that make an ``agent_hint`` uni-agent's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +176,7 @@ def agent_hint(body: Mapping[str, Any], now: float, block_tokens: int | None) ->
     """``agent_hint``: uni-agent's schema when it has its fields (``schema_version``,
     ``trajectory_id``, ``kv_priority``, ``lease_until``), else vLLM's agent-hint fields."""
     obj = _object(body, "agent_hint")
-    if any(k in obj for k in ("schema_version", "trajectory_id", "kv_priority", "lease_until")):
+    if any(obj.get(k) is not None for k in UNI_AGENT):
         return uni_agent_hint(obj, now)
     return vllm_agent_hint(obj)
 
@@ -220,13 +222,13 @@ def vllm_agent_hint(obj: Mapping[str, Any]) -> Hint:
         at = f"{where}.edits[{i}]"
         if not isinstance(edit, Mapping):
             raise InvalidInput(f"{at} is an object")
-        kind = edit.get("type", edit.get("action"))
+        kind = edit.get("type")
         if kind not in EDITS:
             raise InvalidInput(f"{at}.type is one of {list(EDITS)}, got {kind!r}")
         start = _count(edit, "block_start", at) or 0
         end = _count(edit, "block_end", at)
-        if end is not None and end < start:
-            raise InvalidInput(f"{at}: block_end {end} is before block_start {start}")
+        if end is not None and end <= start and kind != "prefetch":
+            continue  # no block
         if kind == "evict":
             evict.append(Span(start, end, DISCARD))
         elif kind == "offload":
@@ -272,7 +274,10 @@ def sglang_agent_hints(body: Mapping[str, Any], now: float, block_tokens: int | 
 def retention_directives(body: Mapping[str, Any], now: float, block_tokens: int | None) -> Hint:
     """``retention_directives`` (and ``retention_scope``): the session's priority is the last
     directive's (the one reaching furthest, whose blocks go first), its soft TTL the longest
-    duration; with ``block_tokens`` known, each directive's blocks keep their own priority."""
+    duration; with ``block_tokens`` known, each directive's blocks keep their own priority.
+    The format's order is enforced, not refused: taken by ``start``, a directive ranked above
+    the one before counts as that one, one overlapping the one before starts where it ends,
+    and one left with no token is dropped."""
     where = "retention_directives"
     directives = body.get(where)
     if not isinstance(directives, list) or not directives:
@@ -280,46 +285,39 @@ def retention_directives(body: Mapping[str, Any], now: float, block_tokens: int 
     scope = body.get("retention_scope")
     if scope is not None and not isinstance(scope, str):
         raise InvalidInput("retention_scope is a string")
-    spans: list[Span] = []
-    durations: list[float] = []
-    last_end: int | None = 0
-    last_priority = KEEP
+    parsed: list[tuple[int, int | None, int, float | None]] = []
     for i, d in enumerate(directives):
         at = f"{where}[{i}]"
         if not isinstance(d, Mapping):
             raise InvalidInput(f"{at} is an object")
         start = _count(d, "start", at)
-        end = _count(d, "end", at)
         if start is None:
             raise InvalidInput(f"{at}.start is required")
-        if end is not None and end <= start:
-            raise InvalidInput(f"{at}: end {end} is not after start {start}")
-        if last_end is None or start < last_end:
-            raise InvalidInput(f"{at} overlaps the directive before it")
         priority = _priority(d.get("priority"), f"{at}.priority", names=False)
         if priority is None:
             raise InvalidInput(f"{at}.priority is required")
-        if priority > last_priority:
-            raise InvalidInput(f"{at}.priority must not increase with position")
         duration = _number(d, "duration", at)
+        if duration is not None and not duration > 0:
+            raise InvalidInput(f"{at}.duration must be positive, got {duration}")
+        parsed.append((start, _count(d, "end", at), priority, duration))
+    spans: list[Span] = []
+    durations: list[float] = []
+    reached: int | None = 0  # where the directives before end (None: nowhere)
+    last = KEEP
+    for start, end, priority, duration in sorted(parsed, key=lambda d: d[0]):
+        start = start if reached is None else max(start, reached)
+        if reached is None or (end is not None and end <= start):
+            continue  # covered by the directives before
+        last = min(last, priority)
         if duration is not None:
-            if not duration > 0:
-                raise InvalidInput(f"{at}.duration must be positive, got {duration}")
             durations.append(duration)
         if block_tokens is not None:
-            spans.append(
-                Span(
-                    start // block_tokens,
-                    None if end is None else -(-end // block_tokens),
-                    priority,
-                )
-            )
-        last_end, last_priority = end, priority
-    return Hint(
-        ttl_s=max(durations) if durations else None,
-        priority=last_priority,
-        spans=tuple(spans),
-    )
+            blocks_end = None if end is None else -(-end // block_tokens)
+            spans.append(Span(start // block_tokens, blocks_end, last))
+        reached = end
+    if reached == 0:
+        return Hint()  # no directive covers a token
+    return Hint(ttl_s=max(durations) if durations else None, priority=last, spans=tuple(spans))
 
 
 PARSERS: Mapping[str, Parser] = {

@@ -318,7 +318,7 @@ class SessionManager:
             if hint.parent is not None:
                 self.forecasts.opened(key, (tenant, hint.parent))
             chain = _chain(self._pins, self._store, session)
-            if state.final or hint.discard or hint.evict:
+            if key in self._pins and (state.final or hint.discard or hint.evict):
                 self._unpin(key, "hint")
             elif key in self._pins and hint.ttl_s is not None:
                 self._idling.add(key, self._idle_due(session))

@@ -20,8 +20,9 @@ from sessioncache.errors import InvalidInput
 from sessioncache.factory import open_node
 from sessioncache.hashing import BlockHash
 from sessioncache.node import CacheNode
-from sessioncache.sessions.hints import KEEP, NEUTRAL, Span, parse_hints
-from sessioncache.store.forecast import ORPHAN_BASE, Forecast
+from sessioncache.sessions.forecasts import scale
+from sessioncache.sessions.hints import KEEP, NEUTRAL, Hint, Span, parse_hints
+from sessioncache.store.forecast import ORPHAN_BASE, POOLED, Forecast
 from tests.api.test_finish import ACME, BLOCK, NS, ahead, client, forecast, node, tokens
 from tests.api.test_finish import GLOBEX as BOB
 
@@ -88,6 +89,18 @@ def test_each_format_parses_onto_one_mapping():
     h = parse_hints({"retention_directives": directives, "retention_scope": "session"}, NOW, 16)
     assert (h.ttl_s, h.priority) == (600.0, 20)
     assert h.spans == (Span(0, 4, 90), Span(4, None, 20))
+    # the format's order is enforced, not refused: by start, overlaps cut, priorities lowered
+    unordered = [
+        {"start": 64, "end": None, "priority": 60},
+        {"start": 0, "end": 80, "priority": 40},
+        {"start": 16, "end": 32, "priority": 90},
+    ]
+    h = parse_hints({"retention_directives": unordered}, NOW, 16)
+    assert h.priority == 40 and h.spans == (Span(0, 5, 40), Span(5, None, 40))
+    empty = [{"start": 10, "end": 10, "priority": 50}]
+    assert parse_hints({"retention_directives": empty}, NOW, 16) == Hint()
+    backwards = {"type": "evict", "block_start": 5, "block_end": 2}
+    assert parse_hints({"agent_hint": {"edits": [backwards]}}, NOW).evict == ()
     # several formats in one body (a forwarded kv_transfer_params): merged, others ignored
     both = {"session_id": "x", "agent_hint": uni, "agent_hints": {"cache_ttl_ms": 1000}}
     h = parse_hints(both, NOW)
@@ -103,17 +116,17 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"agent_hint": {"schema_version": 1, "lease_until": "soon"}}, "lease_until"),
     ({"agent_hint": {"cache_control": {"ttl": 7200}}}, "cache_control.ttl"),
     ({"agent_hint": {"cache_control": {"ttl": 0}}}, "cache_control.ttl"),
-    ({"agent_hint": {"edits": [{"type": "shred"}]}}, "edits[0].type"),
+    ({"agent_hint": {"edits": [{"type": "shred"}]}}, "type"),
     ({"agent_hint": {"edits": [{"type": "evict", "block_start": -1}]}}, "block_start"),
-    ({"agent_hint": {"edits": [{"type": "evict", "block_start": 5, "block_end": 2}]}}, "before"),
     ({"agent_hint": {"parent_session_id": ""}}, "parent_session_id"),
     ({"agent_hints": {"reuse_hint": "forever"}}, "reuse_hint"),
     ({"agent_hints": {"cache_ttl_ms": -5}}, "cache_ttl_ms"),
     ({"agent_hints": {"expected_tool_duration_ms": True}}, "expected_tool_duration_ms"),
-    ({"retention_directives": []}, "non-empty"),
-    ({"retention_directives": [{"start": 0, "priority": 50}, {"start": 8, "priority": 60}]}, "x"),
-    ({"retention_directives": [{"start": 0, "end": 10, "priority": 5}, {"start": 4}]}, "x"),
+    ({"retention_directives": []}, "retention_directives"),
     ({"retention_directives": [{"start": 0, "priority": 50, "duration": -1}]}, "duration"),
+    ({"retention_directives": [{"start": 0}]}, "priority"),
+    ({"retention_directives": [{"priority": 5}]}, "start"),
+    ({"agent_hint": {"edits": [{"block_start": 1}]}}, "type"),
 ]
 
 
@@ -309,3 +322,22 @@ def test_a_prefetch_brings_a_chain_back_from_disk(tmp_path: Path):
             assert client.get("/v1/sessions/back").json()["resident"]["cpu"] == len(chain)
     finally:
         node.close()
+
+
+def test_a_dead_chain_stays_dead_under_any_priority(forecast: Forecast):
+    dead = ORPHAN_BASE - NOW
+    value = Forecast(mode="value")
+    assert scale(value, dead, NOW, KEEP) == dead and scale(value, dead, NOW, 0) == dead
+    assert scale(forecast, dead, NOW, 0) == dead
+    assert scale(forecast, dead, NOW, KEEP) == pytest.approx(
+        NOW + forecast.ahead(forecast.priors[POOLED]) / 16
+    )
+
+
+def test_only_a_pinned_session_is_unpinned_by_a_hint(client: TestClient, node: CacheNode):
+    held(client, "u", tokens(17, 32))
+    causes: list[str] = []
+    node.sessions.on_unpin(lambda key, cause: causes.append(cause) if key[1] == "u" else None)
+    hint(client, "u", {"agent_hint": {"final": True}})
+    hint(client, "u", {"agent_hints": {"reuse_hint": "discard"}})  # unpinned already
+    assert causes == ["hint"]

@@ -101,6 +101,11 @@ def test_a_malformed_hint_or_a_down_node_is_a_warning(
         bad = Request({"session_id": "s", "agent_hints": {"reuse_hint": "always"}})
         assert not forward(engine, bad, Scope(session_id="s"), 16)
         assert "agent hint ignored" in caplog.text and "reuse_hint" in caplog.text
+        # a session only the hint names is not opened for it
+        elsewhere = Request({"agent_hints": {"workflow_id": "never-opened", "cache_ttl_ms": 5}})
+        assert not forward(engine, elsewhere, Scope(), 16)
+        assert "agent hint not sent" in caplog.text
+        assert session(node, "never-opened").status_code == 404
         nameless = Request({"agent_hints": {"cache_ttl_ms": 5}})
         assert not forward(engine, nameless, Scope(), 16)
         assert "no session_id" in caplog.text
