@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from sessioncache.clock import ManualClock
+from sessioncache.config import Settings
 from sessioncache.errors import SessionNotFound
+from sessioncache.factory import open_node
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.node import OPEN_TENANT
 from sessioncache.quotas import PinBudget
 from sessioncache.replay.runner import run_replay
 from sessioncache.replay.trace import Request, Trace
@@ -221,3 +224,55 @@ def test_the_replay_scores_each_prefetch_mode_with_the_nodes_engine() -> None:
     assert out["oracle"]["cpu_share"] > out["none"]["cpu_share"]
     assert out["forecast"]["cpu_share"] > out["none"]["cpu_share"]
     assert out["forecast"]["hit"] == out["none"]["hit"] == out["oracle"]["hit"]
+
+
+def test_a_full_queue_defers_and_the_worker_takes_tenants_in_turn(tmp_path: Path) -> None:
+    node = Node(tmp_path, 16)
+    node.prefetch = Prefetcher(
+        node.store,
+        node.sessions,
+        budget=node.budget,
+        tenant_of=lambda root: ROOTS.get(root, ""),
+        tenant_queue=2,
+    )
+    try:
+        chains = {
+            (t, i): chain(t, 10 * (t == "bob") + i, 2) for t in ("alice", "bob") for i in range(3)
+        }
+        for (tenant, i), hashes in chains.items():
+            node.session(tenant, f"s{i}", hashes, "stop")
+        node.idle(310)
+        node.session("carol", "c", chain("carol", 1, 16), "stop")  # everyone else to disk
+        node.idle(310)
+        asked = {key: node.prefetch.request((key[0], f"s{key[1]}")) for key in chains}
+        assert [asked[("bob", i)].outcome for i in range(3)] == [ACCEPTED, ACCEPTED, DEFERRED]
+        assert "queue" in asked[("bob", 2)].reason
+        order: list[str] = []
+        promote = node.store.prefetch.promote
+
+        def watched(hashes: list[BlockHash], *args: object) -> object:
+            order.append(next(t for (t, _), c in chains.items() if c == list(hashes)))
+            return promote(hashes, *args)  # type: ignore[arg-type]
+
+        node.store.prefetch.promote = watched  # type: ignore[method-assign]
+        node.prefetch.drain()
+        assert order == ["alice", "bob", "alice", "bob"]
+    finally:
+        node.store.close()
+
+
+@pytest.mark.parametrize("forecast", [True, False])
+def test_the_node_carries_the_engine_and_the_setting(tmp_path: Path, forecast: bool) -> None:
+    settings = Settings(
+        data_dir=tmp_path, cpu_bytes=1 << 20, disk_bytes=4 << 20, prefetch_forecast=forecast
+    )
+    node = open_node(settings, start=False)
+    try:
+        assert isinstance(node.prefetch, Prefetcher)
+        assert node.prefetch.forecast_enabled is forecast
+        assert node.store.tier_names()[node.prefetch.target or 0] == "cpu"
+        node.sessions.open("s")
+        assert node.prefetch.resident((OPEN_TENANT, "s")) == {"cpu": 0, "disk": 0}
+        assert node.prefetch.request((OPEN_TENANT, "s")).outcome == REJECTED  # no chain yet
+    finally:
+        node.close()
