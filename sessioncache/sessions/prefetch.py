@@ -15,11 +15,10 @@ two ways, through one engine (``Prefetcher``) and one mover (``store.prefetch``)
   (``sessions.forecasts``, ``store.forecast``) values each session's chain by its predicted
   next use (the eviction value of its head block). A chain not in the CPU tier is promoted,
   soonest first, once the CPU tier has free room or holds blocks forecast back after it;
-  ``lead`` (the chain's bytes at the disk's measured speed) moves its turn earlier. It is
-  admitted as a lease would be, and its room held in the tenant's share until the move ends,
-  but it holds no lease: a chain leased while it moves would keep its lower copies from being
-  spare (the first to leave there), and once up it stays by the eviction order, which ranks
-  it by the same value. On by default; ``prefetch_forecast=false`` turns it off.
+  ``lead`` (the chain's bytes at the disk's measured speed) moves its turn earlier. Its
+  lease lasts only while it moves (so that no block of the chain is a victim of its own
+  move): the chain then stays by the eviction order, which ranks it by the same value.
+  On by default; ``prefetch_forecast=false`` turns it off.
 
 A prefetch is a grant: its lease is admitted against the tenant's share of the tiers
 (``quotas.PinBudget``, with the chain counted in the CPU tier), as a lookup's lease is, so a
@@ -67,8 +66,8 @@ DEFAULT_DISK_BYTES_PER_S = float(1 << 30)
 TICK_S = 1.0
 TICK_SESSIONS = 8
 """Chains the forecast pass tries per tick, soonest first."""
-MOVE_S = 2.0
-"""The lease a forecast move's admission takes (let go once admitted)."""
+MOVE_S = 60.0
+"""The lease of a forecast move, let go when the move ends (a bound should it not)."""
 RETRY_S = 60.0
 """A forecast move that could not be made is tried again once the store changed, or after
 this long (the values move with the clock alone too)."""
@@ -297,10 +296,9 @@ class Prefetcher:
                 continue
             if granted is None:
                 continue
-            # admitted: the room is reserved, the lease itself goes (a chain leased while it
-            # moves would keep its lower copies from being spare, the first to leave there)
-            self._store.prefetch.release(granted.lease.id)
-            job = _Job(key, chain[: granted.blocks], None, limit, False, granted.below_bytes)
+            job = _Job(
+                key, chain[: granted.blocks], granted.lease.id, limit, False, granted.below_bytes
+            )
             if not granted.below:
                 self._end(job)
                 continue
