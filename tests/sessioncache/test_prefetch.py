@@ -276,3 +276,23 @@ def test_the_node_carries_the_engine_and_the_setting(tmp_path: Path, forecast: b
         assert node.prefetch.request((OPEN_TENANT, "s")).outcome == REJECTED  # no chain yet
     finally:
         node.close()
+
+
+def test_a_move_never_evicts_its_own_chain(node: Node) -> None:
+    mine = chain("alice", 1, 6)
+    node.session("alice", "s", mine, "stop")
+    node.idle(7200)  # long overdue: its blocks are the first victims
+    node.session("alice", "t", chain("alice", 2, 5), "tool_use")  # its tail goes to disk
+    node.idle(310)
+    assert node.fastest(mine) == ["cpu"] * 3 + ["disk"] * 3
+    back = node.clock.now() + 0.5
+    node.prefetch = Prefetcher(  # told the session is back now (a replay's oracle)
+        node.store,
+        node.sessions,
+        budget=node.budget,
+        tenant_of=lambda root: ROOTS.get(root, ""),
+        returns=lambda key: back if key == ("alice", "s") else None,
+    )
+    assert node.prefetch.tick() == 1
+    node.prefetch.drain()
+    assert node.fastest(mine) == ["cpu"] * 6
