@@ -385,6 +385,11 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         # reported per request (failed_recving), the only way vLLM takes for several groups.
         return extra, bool(extra) and self._hybrid is not None
 
+    def _finish_reason(self, request: Request) -> str | None:
+        """``finish_reason``, but none from a ``kv_producer``: a P/D proxy asks it for one
+        token, and the request's turn ends on the consumer."""
+        return None if self._role == "kv_producer" else finish_reason(request)
+
     def _open_session(self, scope: Scope) -> None:
         try:
             self._node.open_session(scope)
@@ -456,7 +461,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             block_ids,
             request_scope(request),
         )
-        save.finish_reason = finish_reason(request)
+        save.finish_reason = self._finish_reason(request)
         self._saves.append(save)  # also frees the worker's captures of the request
         return save.holds_blocks, None
 
@@ -472,7 +477,7 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         full = min(computed // self.block_size, len(block_ids))
         if self._role == "kv_consumer":  # the prompt's blocks are the producer's to save
             held = max(held, min(request.num_prompt_tokens // self.block_size, full))
-        scope, reason = request_scope(request), finish_reason(request)
+        scope, reason = request_scope(request), self._finish_reason(request)
         if full <= held:
             if reason is not None:  # nothing to save: the finish goes alone, from the worker
                 self._saves.append(Transfer(request.request_id, [], held, [], scope, reason))

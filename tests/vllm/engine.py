@@ -21,7 +21,7 @@ def main() -> None:
         transfer = KVTransferConfig(
             kv_connector="SessionCacheConnector",
             kv_connector_module_path="sessioncache.connector.vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("role", "kv_both"),
             kv_connector_extra_config=spec["extra"],
             kv_load_failure_policy="recompute",
         )
@@ -51,7 +51,7 @@ def main() -> None:
                 time.sleep(0.05)
         params = SamplingParams(
             temperature=0.0,
-            max_tokens=spec.get("max_tokens", 8),
+            max_tokens=prompt.get("max_tokens", spec.get("max_tokens", 8)),
             logprobs=1,
             extra_args={"kv_transfer_params": prompt["params"]} if prompt.get("params") else None,
         )

@@ -95,6 +95,7 @@ def engine_process(
         stderr=subprocess.STDOUT,  # one pipe: vLLM's log cannot fill a second one unread
         text=True,
         env=env,
+        start_new_session=True,  # its engine core and worker stop with it (``stop_group``)
     )
 
 
@@ -251,11 +252,13 @@ def test_two_engines_share_a_prefix_through_the_node(node: Server, model: Path, 
     assert hit and float(hit[0].rsplit(" ", 1)[1]) >= len(prefix), hit
 
 
-def node_holds(node: Server, tokens: list[int]) -> int:
-    """How many of the full blocks of ``tokens`` tenant A's node holds, from the first, asked
-    by an uncounted EXISTS (``held_blocks`` takes a lookup, which the node counts)."""
-    layout = "vllm-paged/cpu/l4/h2x64/tp1.0"
-    namespace = Namespace(MODEL_NAME, BLOCK, "bfloat16", layout)
+LLAMA_NAMESPACE = Namespace(MODEL_NAME, BLOCK, "bfloat16", "vllm-paged/cpu/l4/h2x64/tp1.0")
+
+
+def node_holds(node: Server, tokens: list[int], namespace: Namespace = LLAMA_NAMESPACE) -> int:
+    """How many of the full blocks of ``tokens`` tenant A's node holds in ``namespace``, from
+    the first, asked by an uncounted EXISTS (``held_blocks`` takes a lookup, which the node
+    counts)."""
     with KVTransfer.from_url(node.url, api_key="sk-a", paths=DATA_PLANE_PATHS) as kv:
         root = kv.root(namespace)
         conn = kv.connection

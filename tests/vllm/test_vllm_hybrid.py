@@ -19,6 +19,9 @@ import pytest
 from tests.support.servers import Server
 from tests.vllm.test_vllm_connector import VLLM_PYTHON, engine_process, tokens
 
+EXACT = 1e-3
+"""Every logprob of a load within this of a full computation (float32)."""
+
 GEMMA3 = {
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
@@ -105,7 +108,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def random_model(folder: Path, config: dict[str, Any]) -> Path:
+def random_model(folder: Path, config: dict[str, Any], dtype: str = "bfloat16") -> Path:
     """A checkpoint of ``config`` with transformers' random initialisation (weights of a
     trained model's scale): vLLM's dummy weights are so small that the output barely depends
     on the KV, so a wrong load would go unseen."""
@@ -116,7 +119,7 @@ def random_model(folder: Path, config: dict[str, Any]) -> Path:
     (folder / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(folder), dtype=torch.bfloat16
+        AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype)
     )
     with torch.no_grad():
         for name, param in model.named_parameters():
