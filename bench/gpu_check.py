@@ -7,6 +7,9 @@ Sections (each reported on its own; one that fails leaves the others, and the re
 rewritten after each, so a run stopped at its limit still leaves what it measured):
 
 - ``tests``: ``pytest tests/gpu`` (parametrised over ``cpu`` and ``cuda``).
+- ``vllm``: ``pytest tests/vllm/test_vllm_gpu.py`` where vLLM's CUDA build is installed (else
+  skipped, saying so): the DeepSeek-V2 and Kimi Linear layouts shared through the node by two
+  fresh engines, logprobs within 1e-3 of vLLM's own prefix-cache resume (``shares``).
 - ``gpu_tier``: GPU tier put (from device tensors) and get plus the copy into the caller's
   tensor (get returns a view), in GB/s, beside torch's device-to-device copy of the same
   bytes in the same blocks.
@@ -28,6 +31,8 @@ measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -128,13 +133,41 @@ def ids(n: int, seed: int) -> list[BlockHash]:
 
 
 def section_tests(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    junit = out_dir / "gpu_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests]
+    return run_pytest(args.tests, out_dir / "gpu_tests.xml", args.tests_timeout_s)[0]
+
+
+def section_vllm(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """``tests/vllm/test_vllm_gpu.py`` (MLA shared through the node by two engines, exact to
+    1e-3: the DeepSeek-V2 and Kimi Linear layouts) with this Python's vLLM, where vLLM's CUDA
+    build is installed. A bare machine has none: the section says so and is skipped."""
+    if importlib.util.find_spec("vllm") is None:
+        return {
+            "skipped": "vLLM is not installed here: pip install vllm==0.32.0 (its CUDA build), "
+            "then bench/gpu_check.sh --skip gpu_tier,host_to_device,ttft,tests"
+        }
+    env = {**os.environ, "SESSIONCACHE_VLLM_PYTHON": sys.executable}
+    result, printed = run_pytest(
+        ["-s", "tests/vllm/test_vllm_gpu.py"], out_dir / "gpu_vllm.xml", args.vllm_timeout_s, env
+    )
+    return result | {"shares": printed}
+
+
+def run_pytest(
+    tests: list[str], junit: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], list[Any]]:
+    """``pytest tests``: its outcome per case (from its JUnit XML), and the JSON objects it
+    printed one a line."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
     cmd += ["--junitxml", str(junit)]
     start = time.perf_counter()
     proc = subprocess.run(
-        cmd, cwd=ROOT_DIR, capture_output=True, text=True, timeout=args.tests_timeout_s
+        cmd, cwd=ROOT_DIR, capture_output=True, text=True, timeout=timeout_s, env=env
     )
+    printed = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                printed.append(json.loads(line))
     result: dict[str, Any] = {
         "returncode": proc.returncode,
         "seconds": round(time.perf_counter() - start, 1),
@@ -156,7 +189,7 @@ def section_tests(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
             for case in suite.iter("testcase")
         ]
     result["passed"] = proc.returncode == 0
-    return result
+    return result, printed
 
 
 def section_gpu_tier(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -446,6 +479,7 @@ def main() -> None:
         "--skip", default="", help="comma-separated sections to skip (tests,gpu_tier,...)"
     )
     parser.add_argument("--tests-timeout-s", type=float, default=100.0)
+    parser.add_argument("--vllm-timeout-s", type=float, default=900.0)
     parser.add_argument(
         "--tests",
         nargs="+",
@@ -504,12 +538,15 @@ def main() -> None:
                 REPORT["node_log_tail"] = log.read_text(errors="replace")[-2000:]
     # last: the measurements above are what a short lease must not lose
     run("tests", lambda: section_tests(args, out_dir))
+    run("vllm", lambda: section_vllm(args, out_dir))
     REPORT["targets"] = targets(REPORT)
     REPORT["total_s"] = round(time.perf_counter() - started, 1)
     write_report(args)
     print(json.dumps(REPORT["targets"]), flush=True)
-    failed = [k for k in ("tests", "gpu_tier", "host_to_device", "ttft") if "error" in REPORT[k]]
-    tests_ok = REPORT["tests"].get("passed", True)
+    failed = [
+        k for k in ("tests", "gpu_tier", "host_to_device", "ttft", "vllm") if "error" in REPORT[k]
+    ]
+    tests_ok = REPORT["tests"].get("passed", True) and REPORT["vllm"].get("passed", True)
     sys.exit(1 if failed or not tests_ok else 0)
 
 

@@ -30,7 +30,7 @@ def test_the_device_check_dry_run_reports_every_section(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True and report["device"] == "cpu"
-    for section in ("tests", "gpu_tier", "host_to_device", "ttft"):
+    for section in ("tests", "gpu_tier", "host_to_device", "ttft", "vllm"):
         assert "error" not in report[section], report[section]
     assert report["tests"]["passed"] and report["tests"]["failures"] == 0
     assert report["tests"]["tests"] >= 3
