@@ -43,8 +43,16 @@ SESSION = "agent-42"
 KEY = "sk-engines"
 
 
-def bash_blocks() -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S)
+def section(title: str) -> str:
+    """The page's section whose heading starts with ``title``, to the next heading."""
+    text = DOC.read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def bash_blocks(title: str = "A first session") -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", section(title), re.S)
 
 
 def block(*contains: str) -> str:
