@@ -38,6 +38,11 @@ after a failure (``retry.NodeBackoff``); the engine never stops for it.
 
 Bytes move over the same-host path when the node is on this host, else over the block stream;
 never per-block HTTP (``paths=DATA_PLANE_PATHS``).
+
+Roles (``kv_role``, docs/vllm.md "Prefill/decode disaggregation"): a ``kv_consumer`` saves no
+block of the prompt (the producer's) and a ``kv_producer`` tells the node no finish reason;
+both load. Where vLLM runs the engine with prefix caching and chunked prefill off
+(``cannot_attend_to_cache``: MLA on CPUs without AMX), the connector loads nothing and saves.
 """
 
 from __future__ import annotations
