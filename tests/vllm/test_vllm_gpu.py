@@ -68,8 +68,9 @@ KIMI_LINEAR = {
         "head_dim": 64,
         "short_conv_kernel_size": 4,
     },
-    "num_experts": 0,
+    "num_experts": None,  # dense MLPs (vLLM's config: is_moe is "num_experts is not None")
     "first_k_dense_replace": 4,
+    "pad_token_id": 0,
     **F32_RANDOM,
 }
 MODELS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
