@@ -7,12 +7,14 @@ are.
 
 The node is the README's default (CPU tier over the disk tier, write-behind), run in this
 process so that the bench can watch the chain's tiers (``node.prefetch.resident``); two
-settings differ: a CPU tier of ``--cpu-mib`` (so that a filler session of 1.25 times it
-demotes the chains without writing gigabytes) and sessions idle after 1 s (so that their pins
-go at once). The forecast prefetch is off, so that the twin chain stays on disk until its
-load. The prefetch is asked over REST (``POST /v1/sessions/{id}/prefetch``) where the node
-serves it, else through ``node.prefetch.request`` (the engine the route calls); the output
-says which. Each round stores a fresh pair of chains.
+settings differ: a CPU tier of ``--cpu-mib`` (so that a filler session of 1.25 times it,
+stored after each chain, demotes the chains without writing gigabytes) and sessions idle
+after 1 s (so that their pins go at once). The forecast prefetch is off, so that the twin
+chain stays on disk until its load. Both loads start on an idle disk (the write-behind
+drained) with the tier's files out of the page cache. The prefetch is asked over REST
+(``POST /v1/sessions/{id}/prefetch``) where the node serves it, else through
+``node.prefetch.request`` (the engine the route calls); the output says which. Each round
+starts a fresh node and stores a fresh pair of chains.
 
 Printed per round and as medians: the prefetch (request to ``resident.cpu`` = the chain's
 length), the load after it, the load from disk, memcpy and dd, and the ratio prefetched /
@@ -169,7 +171,18 @@ def wait_demoted(served: Served, session_ids: list[str], blocks: int) -> None:
         if all(r.get("cpu", 0) == 0 and r.get("disk", 0) == blocks for r in res):
             return
         if time.perf_counter() - t0 > 120:
-            raise RuntimeError(f"chains not demoted: {res}")
+            pinned = served.node.sessions.pinned_sessions()
+            raise RuntimeError(f"chains not demoted: {res}; pinned sessions {pinned}")
+        time.sleep(0.05)
+
+
+def wait_idle_disk(served: Served) -> None:
+    """Until the write-behind has written everything (the disk idle)."""
+    behind = served.node.store.write_behind
+    t0 = time.perf_counter()
+    while behind is not None and behind.backlog_bytes:
+        if time.perf_counter() - t0 > 120:
+            raise RuntimeError("the write-behind did not drain in 120 s")
         time.sleep(0.05)
 
 
@@ -182,19 +195,21 @@ def round_(served: Served, data: Path, index: int, blocks: int, filler: int) -> 
     ):  # type: ignore[arg-type]
         chains: dict[str, list[int]] = {}
         payloads = [rng.integers(0, 256, SIZE, dtype=np.uint8) for _ in range(blocks)]
-        for _ in range(2):  # the chain prefetched, then its twin loaded from disk
+        for twin in range(2):  # the chain prefetched, then its twin loaded from disk
             tokens = [int(t) for t in rng.integers(0, 50_000, BLOCK_TOKENS * blocks)]
             session = client.open_session(kind="agent")
-            kv.store_from(tokens, payloads, session_id=session.id, finish_reason="stop")
+            kv.store_from(tokens, payloads, session_id=session.id)
+            client.finish_session(session.id, "stop")  # back in minutes or hours: goes first
             chains[session.id] = tokens
-        time.sleep(2.5)  # idle: unpinned by the sweep
-        fill = client.open_session(kind="agent")
-        fill_tokens = [int(t) for t in rng.integers(0, 50_000, BLOCK_TOKENS * filler)]
-        filler_payloads = [payloads[i % blocks] for i in range(filler)]
-        kv.store_from(fill_tokens, filler_payloads, session_id=fill.id)
+            time.sleep(2.5)  # idle: unpinned by the sweep
+            fill = client.open_session(kind="agent")  # pushes it down to disk
+            fill_tokens = [int(t) for t in rng.integers(0, 50_000, BLOCK_TOKENS * filler)]
+            filler_payloads = [payloads[(i + twin) % blocks] for i in range(filler)]
+            kv.store_from(fill_tokens, filler_payloads, session_id=fill.id)
+            client.close_session(fill.id)  # its pins go: nothing pinned but what a load pins
         ids = list(chains)
         wait_demoted(served, ids, blocks)
-        time.sleep(2.5)  # the filler idle too: nothing pinned but the chain a load pins
+        wait_idle_disk(served)
         drop_from_page_cache(data / "blocks")
         out = [np.zeros(SIZE, np.uint8) for _ in range(blocks)]
         # the twin straight from disk
@@ -203,6 +218,8 @@ def round_(served: Served, data: Path, index: int, blocks: int, filler: int) -> 
         disk = time.perf_counter() - t0
         if got != blocks:
             raise RuntimeError(f"disk load: {got} of {blocks} blocks")
+        client.close_session(ids[1])  # its pins go too
+        wait_idle_disk(served)
         drop_from_page_cache(data / "blocks")
         t0 = time.perf_counter()
         how = prefetch(served, ids[0])
@@ -216,8 +233,7 @@ def round_(served: Served, data: Path, index: int, blocks: int, filler: int) -> 
         for got_block, want in zip(out, payloads, strict=True):
             if not np.array_equal(got_block, want):
                 raise RuntimeError("a loaded block differs from the stored one")
-        for sid in [*ids, fill.id]:
-            client.close_session(sid)
+        client.close_session(ids[0])
     return {
         "prefetch_via": how,
         "prefetch_s": moved,
@@ -238,13 +254,13 @@ def main() -> None:
     nbytes = blocks * SIZE
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        data = Path(tmp) / "data"
-        served = Served(data, args.cpu_mib * MiB)
-        try:
-            for i in range(args.rounds):
+        for i in range(args.rounds):  # a fresh node each round: nothing left of the last
+            data = Path(tmp) / f"data{i}"
+            served = Served(data, args.cpu_mib * MiB)
+            try:
                 rounds.append(round_(served, data, i, blocks, filler))
-        finally:
-            served.close()
+            finally:
+                served.close()
         memcpy = memcpy_s(nbytes)
         dd = dd_s(Path(tmp), nbytes)
     med = {
