@@ -163,8 +163,8 @@ def grid() -> dict[str, dict[str, Any]]:
     """The settings ``--cv`` chooses among (``Forecast`` fields; priors come from the fold):
     Belady's rule on the distribution's quantile with a receding term (``next_use``), by the
     quantile and how much a session's own gaps count (``shrink``: pseudo-observations of the
-    prior; inf: the class priors alone), and the expected value within the measured horizon
-    (``value``)."""
+    prior; inf: the class priors alone) and by the cap on a predicted return (``beyond``
+    horizons ahead), and the expected value within the measured horizon (``value``)."""
     out: dict[str, dict[str, Any]] = {}
     for quantile, shrink in (
         (0.6, math.inf),
@@ -181,6 +181,15 @@ def grid() -> dict[str, dict[str, Any]]:
             "shrink": shrink,
             "overdue": 4.0,
             "dead_branch_s": 3600.0,
+        }
+    for beyond in (1.0, 2.0, 4.0):
+        out[f"next_use q=0.8 beyond={beyond:g}"] = {
+            "mode": "next_use",
+            "quantile": 0.8,
+            "shrink": math.inf,
+            "overdue": 4.0,
+            "dead_branch_s": 3600.0,
+            "beyond": beyond,
         }
     out["value"] = {"mode": "value", "adapt": False}
     return out

@@ -22,13 +22,13 @@ Victim order, per tier:
 5. Then, with a ``Forecast`` (the default), by the block's forecast
    (``sessioncache.store.forecast``: each block's key, from its session's return distribution,
    against its last access): in the ``next_use`` mode the tail whose predicted next use lies
-   furthest ahead (Belady's rule with predictions: the larger of the key and how overdue it
-   is), in the ``value`` mode the tail that went cold first (the key where there is one, LRU's
-   date otherwise); without one (``lru``, the setting ``SESSIONCACHE_EVICTION_POLICY=lru``),
-   least recently used first. Blocks no session forecasts keep LRU's order among themselves.
-   Blocks touched at the same instant are ordered by the operation that touched them (earlier
-   first) and, within one operation (a lookup walking a chain), deepest first, so a chain is
-   eaten from its tail.
+   furthest ahead (Belady's rule with predictions: the larger of the key, capped at
+   ``beyond`` horizons ahead, and how overdue it is), in the ``value`` mode the tail that went
+   cold first (the key where there is one, LRU's date otherwise); without one (``lru``, the
+   setting ``SESSIONCACHE_EVICTION_POLICY=lru``), least recently used first. Blocks no
+   session forecasts keep LRU's order among themselves. Blocks touched at the same instant
+   are ordered by the operation that touched them (earlier first) and, within one operation
+   (a lookup walking a chain), deepest first, so a chain is eaten from its tail.
 
 Where a victim goes (``demotes``): into the next tier (which may evict in turn), unless it is
 expired, the tier is the last, or another tier holds it too; then it is dropped from the tier.
@@ -49,9 +49,9 @@ tier's next victim unless the victim is unexpired and either
   child is read no sooner than the parent, so the child goes lower, or in the last tier
   nowhere (Belady's bypass: a store cut short, answered dropped).
 
-The first tier's turnover (``forecast.Horizon``, the ``value`` mode's horizon) is counted from
-the victims that leave it (``demotes``, asked once per victim), against its capacity, which
-the store sets (``capacity``).
+The first tier's turnover (``forecast.Horizon``, the horizon of ``value`` and ``beyond``) is
+counted from the victims that leave it (``demotes``, asked once per victim), against its
+capacity, which the store sets (``capacity``).
 
 The victim orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
 whole chain) costs no heap operation: a touch only moves a block's keys later. A forecast that

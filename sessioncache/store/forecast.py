@@ -21,10 +21,14 @@ last access), ``Forecast.mode``:
   is back with probability ``quantile`` (none, and the block is dead, when it is less likely
   than that ever to come back), and the value at ``now`` is
 
-      value = max(key, now + overdue x (now - last))
+      value = max(min(key, now + beyond x H), now + overdue x (now - last))
 
   the second term taking over once that date has passed without the session (think times
   are heavy-tailed: the longer it has been silent, the longer it is expected to stay so).
+  ``H`` is the first tier's turnover time (``Horizon``): a return further ahead than
+  ``beyond`` horizons, or none at all (dead), counts as that far only, since the tier would
+  not keep the block until then anyway; such a block still goes before every block silent
+  for less than ``beyond / overdue`` horizons, but after those silent longer, as under LRU.
 * ``value`` (the expected value within the horizon): a block's worth ``s`` seconds after its
   session's last event is ``q(s) = P(return within H | silent s)``, ``H`` the first tier's
   turnover time (``Horizon``), times the tokens it saves per byte (equal for every block of a
@@ -37,9 +41,9 @@ last access), ``Forecast.mode``:
   colder after), which is where it loses (docs/sessions.md).
 
 Either way blocks no session names keep LRU's order among themselves, a dead block's key is
-``ORPHAN_BASE - last`` (above every other: dead blocks leave first, the oldest first), and a
-new block starts with its parent's key. The default is the mode and settings chosen by
-cross-validation (``bench.forecast --cv``).
+``ORPHAN_BASE - last`` (above every other: dead blocks leave first, the oldest first, but
+where ``beyond`` caps them), and a new block starts with its parent's key. The default is
+the mode and settings chosen by cross-validation (``bench.forecast --cv``).
 
 What the forecast is made of, per session, from what the node sees online:
 
@@ -264,6 +268,11 @@ class Forecast:
     overdue: float = 4.0
     """``next_use``: how fast an expected return that did not come recedes: a block is valued
     at least ``now + overdue x (now - last access)``."""
+    beyond: float = math.inf
+    """``next_use``: a predicted return further ahead than this many horizons (the first
+    tier's turnover, ``Horizon``), or none (a dead block), counts as that far only: the tier
+    would not keep the block until then anyway, so blocks silent for longer than
+    ``beyond / overdue`` horizons go before it (inf: no cap; dead blocks leave first)."""
     dead_branch_s: float | None = 3600.0
     """The blocks a session's new prompt left behind: valued as a return that many seconds
     from then (``next_use``; ``value``: cold then), since sessions do go back to an older
@@ -279,7 +288,7 @@ class Forecast:
     """``value``: a block no session forecasts is cold that many horizons after its last
     access."""
     horizon_s: float = 600.0
-    """``value``: the horizon before the first tier has evicted anything."""
+    """``value`` and ``beyond``: the horizon before the first tier has evicted anything."""
     horizon: Horizon = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     """The live horizon of the first tier (the policy updates it: not a setting)."""
 
@@ -296,6 +305,8 @@ class Forecast:
             raise InvalidInput("dead_branch_s must be >= 0")
         if self.mode not in MODES or not (0 < self.quantile < 1 and self.overdue > 0):
             raise InvalidInput(f"mode is one of {MODES}, 0 < quantile < 1, overdue > 0")
+        if not self.beyond > 0:
+            raise InvalidInput("beyond must be positive")
         if self.horizon is None:
             h = self.horizon_s
             level = min(0.99, self.threshold * self.priors[POOLED].returns_within(h, h))
@@ -339,6 +350,8 @@ class Forecast:
     def value(self, key: float, last: float, now: float) -> float:
         """A block's eviction value at ``now``: the larger, the sooner it goes."""
         if self.mode == "next_use":
+            if self.beyond < math.inf:
+                key = min(key, now + self.beyond * self.horizon.seconds)
             return max(key, now + self.overdue * (now - last))
         return eviction_value(key, last, self)
 

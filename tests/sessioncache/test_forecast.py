@@ -158,6 +158,21 @@ def test_a_quantile_is_a_next_use_and_a_session_unlikely_back_has_none():
     assert f.value(NO_FORECAST, 0.0, 50.0) > f.value(NO_FORECAST, 10.0, 50.0)
 
 
+def test_a_return_beyond_the_horizon_counts_as_one_horizon_ahead_only():
+    f = Forecast(mode="next_use", beyond=2.0)
+    f.horizon.seconds = 100.0
+    assert f.value(130.0, 100.0, 105.0) == 130.0  # within two horizons: its date
+    assert f.value(900.0, 100.0, 105.0) == 105.0 + 200.0  # further: two horizons ahead
+    assert f.value(ORPHAN_BASE - 100.0, 100.0, 105.0) == 305.0  # never back: the same
+    # so among them the overdue term decides: the least recently used goes first
+    assert f.value(900.0, 0.0, 105.0) == 105.0 + f.overdue * 105.0
+    assert f.value(NO_FORECAST, 0.0, 50.0) == 50.0 + f.overdue * 50.0
+    uncapped = Forecast(mode="next_use")
+    assert uncapped.value(ORPHAN_BASE - 100.0, 100.0, 105.0) == ORPHAN_BASE - 100.0
+    with pytest.raises(InvalidInput):
+        Forecast(beyond=0.0)
+
+
 def test_the_horizon_is_the_tiers_turnover():
     h = Horizon(600.0, level=0.5)
     for t in range(1, 11):  # a 16,000-byte tier loses 100 bytes a second
@@ -274,6 +289,30 @@ def test_a_closed_subagent_gives_up_its_own_blocks_not_its_parents(clock: Manual
     shared = store.reads.meta(prefix[-1])
     assert own is not None and own.next_use > 1e14
     assert shared is not None and shared.next_use < 1e14
+
+
+def test_a_closed_chain_waits_behind_blocks_silent_longer_than_the_horizon(clock: ManualClock):
+    def evicted_first(beyond: float) -> str:
+        f = Forecast(beyond=beyond)
+        store = TieredStore(
+            [CpuTier(12 * SIZE)], EvictionPolicy(1, f), clock=clock, default_ttl_s=1e5
+        )
+        sm = SessionManager(store, pin_share=0.0)
+        plain = chain(5, 4)
+        store.writes.put(plain, [data(h) for h in plain], namespace_root=ROOT)  # no session
+        clock.advance(f.horizon.seconds)  # silent for a whole horizon
+        sm.open("done")
+        done = chain(2, 4)
+        turn(sm, "done", done, finish="end_turn")
+        sm.close("done")  # never back: no cap, its blocks leave before any other
+        more = chain(4, 6)
+        store.writes.put(more, [data(h) for h in more], namespace_root=ROOT)
+        return "plain" if held(store, plain) < 4 else "done" if held(store, done) < 4 else ""
+
+    assert evicted_first(math.inf) == "done"
+    # capped at one horizon ahead: the block silent for a horizon (valued at overdue
+    # horizons ahead) goes before it
+    assert evicted_first(1.0) == "plain"
 
 
 def test_one_tenant_cannot_move_another_tenants_forecast(clock: ManualClock):
