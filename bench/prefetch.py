@@ -7,12 +7,12 @@ are.
 
 The node is the README's default (CPU tier over the disk tier, write-behind), run in this
 process so that the bench can watch the chain's tiers (``node.prefetch.resident``); two
-settings differ: a CPU tier of ``--cpu-mib`` (so that a filler session of 1.25 times it,
-stored after each chain, demotes the chains without writing gigabytes) and sessions idle
-after 1 s (so that their pins go at once). The forecast prefetch is off, so that the twin
-chain stays on disk until its load. Both loads start on an idle disk (the write-behind
-drained) with the tier's files out of the page cache. The prefetch is asked over REST
-(``POST /v1/sessions/{id}/prefetch``) where the node serves it, else through
+settings differ: a CPU tier of ``--cpu-mib`` (so that filler sessions of 1.25 times it,
+stored after each chain until it is on disk, demote the chains without writing gigabytes)
+and sessions idle after 1 s (so that their pins go at once). The forecast prefetch is off,
+so that the twin chain stays on disk until its load. Both loads start on an idle disk (the
+write-behind drained) with the tier's files out of the page cache. The prefetch is asked
+over REST (``POST /v1/sessions/{id}/prefetch``) where the node serves it, else through
 ``node.prefetch.request`` (the engine the route calls); the output says which. Each round
 starts a fresh node and stores a fresh pair of chains.
 
@@ -158,7 +158,7 @@ def wait_resident(served: Served, session_id: str, blocks: int, tier: str = "cpu
     while served.node.prefetch.resident((OPEN_TENANT, session_id)).get(tier, 0) < blocks:
         if time.perf_counter() - t0 > 120:
             raise RuntimeError(f"{session_id}: not in the {tier} tier after 120 s")
-        time.sleep(0.002)
+        time.sleep(0.01)
     return time.perf_counter() - t0
 
 
@@ -202,11 +202,15 @@ def round_(served: Served, data: Path, index: int, blocks: int, filler: int) -> 
             client.finish_session(session.id, "stop")  # back in minutes or hours: goes first
             chains[session.id] = tokens
             time.sleep(2.5)  # idle: unpinned by the sweep
-            fill = client.open_session(kind="agent")  # pushes it down to disk
-            fill_tokens = [int(t) for t in rng.integers(0, 50_000, BLOCK_TOKENS * filler)]
-            filler_payloads = [payloads[(i + twin) % blocks] for i in range(filler)]
-            kv.store_from(fill_tokens, filler_payloads, session_id=fill.id)
-            client.close_session(fill.id)  # its pins go: nothing pinned but what a load pins
+            for _ in range(4):  # fillers push it down to disk
+                fill = client.open_session(kind="agent")
+                fill_tokens = [int(t) for t in rng.integers(0, 50_000, BLOCK_TOKENS * filler)]
+                filler_payloads = [payloads[(i + twin) % blocks] for i in range(filler)]
+                kv.store_from(fill_tokens, filler_payloads, session_id=fill.id)
+                client.close_session(fill.id)  # its pins go: none but what a load pins
+                wait_idle_disk(served)
+                if served.node.prefetch.resident((OPEN_TENANT, session.id))["cpu"] == 0:
+                    break
         ids = list(chains)
         wait_demoted(served, ids, blocks)
         wait_idle_disk(served)

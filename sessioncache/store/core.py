@@ -670,10 +670,17 @@ class StoreCore:
                     event.set()
         return data
 
-    def copy_into(self, meta: BlockMeta, target: int, admits: Admits | None = None) -> bool:
+    def copy_into(
+        self,
+        meta: BlockMeta,
+        target: int,
+        admits: Admits | None = None,
+        data: Payload | None = None,
+    ) -> bool:
         """Copy a (pinned) block held in other tiers into tier ``target``, once however many
         callers ask at the same time (the others wait for the first); True when it is there.
-        ``admits``: who may be evicted for it (``place``)."""
+        ``admits``: who may be evicted for it (``place``); ``data``: its payload, read from
+        the fastest other tier holding it already (a read ahead)."""
         block_hash = meta.block_hash
         while True:
             with self.lock:
@@ -688,7 +695,8 @@ class StoreCore:
                     break
             event.wait()
         try:
-            data = self.tiers[sources[0]].get(block_hash)
+            if data is None:
+                data = self.tiers[sources[0]].get(block_hash)
             if data is None:
                 return False  # that tier lost it (or is down): a later read forgets the copy
             placed = self.place(meta, data, target, stop=target + 1, wait=False, admits=admits)

@@ -19,7 +19,9 @@ decide it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sessioncache.hashing import BlockHash
@@ -27,6 +29,11 @@ from sessioncache.quotas import Counts, PinBudget
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.core import Admits, StorePart
 from sessioncache.store.index import Lease, pin_sizes
+from sessioncache.tiers.payload import Payload
+
+READ_AHEAD = 8
+"""Blocks of a chain a move reads ahead of the one it places (a file each, read at once: a
+disk serves several reads at a time far faster than one after another)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +125,41 @@ class StorePrefetch(StorePart):
     def promote(self, hashes: Sequence[BlockHash], admits: Admits, target: int = 0) -> Moved:
         """Copy the blocks of ``hashes`` (leased by the caller) held only below tier
         ``target`` into it, root first, evicting there what ``admits`` allows; stops at the
-        first block not held or that gets no room."""
+        first block not held or that gets no room. The payloads are read ``READ_AHEAD``
+        blocks ahead, on threads of the move's own."""
+        pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="prefetch-read")
+        try:
+            return self._promote(hashes, admits, target, pool)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read(self, block_hash: BlockHash, target: int) -> Payload | None:
+        """The payload of a block held only below ``target``, from the fastest tier holding
+        it (None: it needs no move, or that tier lost it)."""
+        core = self._core
+        with core.lock:
+            meta = core.index.get(block_hash)
+            if meta is None or not meta.tiers or min(meta.tiers) <= target:
+                return None
+            below = min(meta.tiers)
+        return core.tiers[below].get(block_hash)
+
+    def _promote(
+        self,
+        hashes: Sequence[BlockHash],
+        admits: Admits,
+        target: int,
+        pool: ThreadPoolExecutor,
+    ) -> Moved:
         core = self._core
         blocks = nbytes = 0
-        for block_hash in hashes:
+        ahead: deque[Future[Payload | None]] = deque()
+        for i in range(min(READ_AHEAD, len(hashes))):
+            ahead.append(pool.submit(self._read, hashes[i], target))
+        for i, block_hash in enumerate(hashes):
+            read = ahead.popleft()
+            if i + READ_AHEAD < len(hashes):
+                ahead.append(pool.submit(self._read, hashes[i + READ_AHEAD], target))
             with core.lock:
                 meta = core.index.get(block_hash)
                 if meta is None or not meta.tiers:
@@ -132,7 +170,7 @@ class StorePrefetch(StorePart):
                     continue  # a faster tier has it
                 core.index.ref(meta, in_flight=True)
             try:
-                placed = core.copy_into(meta, target, admits)
+                placed = core.copy_into(meta, target, admits, read.result())
             finally:
                 with core.lock:
                     core.index.unref(meta, in_flight=True)
