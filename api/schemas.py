@@ -276,6 +276,13 @@ class LookupRequest(PromptIn):
         "tiers run-length encoded, the lease). Default: true with block_ids_b64, false with "
         "tokens or tokens_b64.",
     )
+    declined: JsonBool = Field(
+        False,
+        description="The caller will load nothing (its engine cannot continue from a cached "
+        "context): nothing matches, nothing is leased or touched (no TTL or LRU moves), and "
+        "every token counts as missed, those the node holds for the caller as `declined` "
+        "(docs/prompt-stability.md). Takes no lease_ms.",
+    )
 
     @property
     def answer_compact(self) -> bool:
@@ -302,7 +309,7 @@ LeaseCut = Annotated[
 ]
 
 
-MissReason = Literal["diverged", "evicted", "expired", "new"]
+MissReason = Literal["diverged", "evicted", "expired", "new", "declined"]
 
 
 class MissTokensOut(BaseModel):
@@ -312,6 +319,9 @@ class MissTokensOut(BaseModel):
     evicted: int
     expired: int
     new: int
+    declined: int = Field(
+        description="Held, but the lookup's caller loads nothing (a declined lookup)."
+    )
 
 
 class MissOut(BaseModel):

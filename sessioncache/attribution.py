@@ -10,7 +10,10 @@ Every block a lookup misses gets one reason (``docs/prompt-stability.md``):
   ``pin_budget``;
 * ``expired``: the block's TTL ran out ``ago_s`` seconds ago;
 * ``new``: never held (the conversation grew, the normal case), and the tokens past the last
-  full block, which no block holds.
+  full block, which no block holds;
+* ``declined``: held, but the caller said it would load nothing (an engine that cannot
+  continue from a cached context: it asked the node but loads nothing). Its lookup counts
+  the blocks the node holds for it as ``declined`` and the rest by the reasons above.
 
 What it costs, and why it stays bounded:
 
@@ -45,8 +48,8 @@ from sessioncache.sessions.manager import SessionKey
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.events import Touched
 
-Reason = Literal["diverged", "evicted", "expired", "new"]
-REASONS: tuple[Reason, ...] = ("diverged", "evicted", "expired", "new")
+Reason = Literal["diverged", "evicted", "expired", "new", "declined"]
+REASONS: tuple[Reason, ...] = ("diverged", "evicted", "expired", "new", "declined")
 Pressure = Literal["capacity", "pin_budget"]
 
 DEFAULT_RING_BLOCKS = 65_536
@@ -245,10 +248,13 @@ class Attribution:
 
     # -- per lookup ------------------------------------------------------------------------
 
-    def lookup(self, lookup: Lookup, *, session: SessionKey | None = None) -> MissReport:
+    def lookup(
+        self, lookup: Lookup, *, session: SessionKey | None = None, declined: bool = False
+    ) -> MissReport:
         """Classify a lookup's missed tokens (``hashes[matched:]`` and the tokens past the last
         full block), add them to the totals and, for a ``session`` (tenant, id), remember the
-        prompt as the session's previous one."""
+        prompt as the session's previous one. ``declined``: the caller loads nothing, so the
+        ``matched`` blocks (held) miss too, as ``declined``, and nothing hits."""
         trail = None
         prev = PreviousPrompt()
         if session is not None:
@@ -257,13 +263,17 @@ class Attribution:
                 prev = trail.prev
         report = classify(self._store, self.drops, lookup, prev)
         _, hashes, matched, block_tokens, _, tokens = lookup
+        hit_tokens = matched * block_tokens
+        if declined:
+            report = _declined(report, hit_tokens)
+            hit_tokens = 0
         with self._lock:
             for reason, count in report.tokens.items():
                 self._miss_tokens[reason] += count
             if trail is not None:
                 totals = trail.totals
                 totals.lookups += 1
-                totals.hit_tokens += matched * block_tokens
+                totals.hit_tokens += hit_tokens
                 for reason, count in report.tokens.items():
                     totals.miss_tokens[reason] += count
                 div, last = report.divergence, totals.last_divergence
@@ -354,6 +364,16 @@ class Attribution:
         else:
             self._trails.move_to_end(session)
         return trail
+
+
+def _declined(report: MissReport, held_tokens: int) -> MissReport:
+    """``report`` of a lookup whose caller loads nothing: the ``held_tokens`` it matched miss
+    as ``declined``, the first of them first."""
+    if not held_tokens:
+        return report
+    tokens = dict(report.tokens)
+    tokens["declined"] += held_tokens
+    return MissReport(MissCause("declined", 0, 0), tokens, report.divergence)
 
 
 def _continues(prev_ids: bytes, last: BlockHash, n: int) -> bool:

@@ -43,7 +43,8 @@ async def lookup(body: LookupRequest, node: NodeDep, tenant: TenantDep) -> Respo
     """By tokens (the server computes the ids) or by ``block_ids_b64`` (ids the client
     computed from ``POST /v1/namespaces/resolve``'s root; only blocks of the caller's chain
     under ``namespace`` match). ``compact`` answers without the per-block list
-    (``CompactLookupResponse``); it is the default for lookups by id."""
+    (``CompactLookupResponse``); it is the default for lookups by id. ``declined``: the
+    caller loads nothing; the node matches nothing and counts why (``miss``)."""
     namespace = body.namespace.to_namespace()
     ids = body.block_ids()
     if ids is not None:
@@ -67,11 +68,23 @@ def _lookup(body: LookupRequest, namespace: Namespace, node: CacheNode, tenant: 
     caller = Caller(tenant)
     if ids is None:
         result = lookups.lookup_tokens(
-            node, caller, namespace, body.token_bytes(), session_id=body.session_id, lease_s=lease_s
+            node,
+            caller,
+            namespace,
+            body.token_bytes(),
+            session_id=body.session_id,
+            lease_s=lease_s,
+            declined=body.declined,
         )
     else:
         result = lookups.lookup_ids(
-            node, caller, namespace, ids, session_id=body.session_id, lease_s=lease_s
+            node,
+            caller,
+            namespace,
+            ids,
+            session_id=body.session_id,
+            lease_s=lease_s,
+            declined=body.declined,
         )
     match = result.match
     lease = match.lease

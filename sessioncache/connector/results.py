@@ -35,7 +35,7 @@ class Lease:
 class Miss:
     """Why a lookup's tokens past the match missed (``explain=True``;
     docs/prompt-stability.md): the first missed block's reason and the missed tokens by
-    reason (``diverged``, ``evicted``, ``expired``, ``new``)."""
+    reason (``diverged``, ``evicted``, ``expired``, ``new``, ``declined``)."""
 
     reason: str | None
     """The first missed block's reason; None when nothing missed."""

@@ -405,19 +405,30 @@ class StreamClient(SessionCalls[StreamConnection]):
         session_id: str | None = None,
         counted: bool = True,
         explain: bool = False,
+        declined: bool = False,
     ) -> StreamLookup:
         """The longest held prefix of ``ids`` (a chain under ``root``; with ``keyed``, keyed
         ids each held under ``root``) the caller may read; with ``lease_ms`` it stays pinned
         that long (``release`` it, or load with ``release=True``). ``session_id``: on behalf
         of that open session (its TTL, chain pins, head and totals, as over REST).
         ``counted=False``: a probe, left out of the hit and miss tokens. ``explain``: the
-        answer's ``miss`` says why the rest missed."""
+        answer's ``miss`` says why the rest missed. ``declined``: the caller will load
+        nothing (its engine cannot continue from a cached context): nothing matches, and the
+        node counts the tokens it holds as missed for that reason (data-plane version 4:
+        ``ProtocolError`` on an older node, before anything is sent)."""
         self._namespace(root)
+        if declined and self.version < frames.DECLINED_VERSION:
+            raise ProtocolError(
+                f"the node speaks data-plane version {self.version}; a declined lookup needs "
+                f"version {frames.DECLINED_VERSION}, a later release of the node"
+            )
         if not ids:
             return StreamLookup(root, [], [], [], None)
         if len(ids) > self._c.limits.max_ids:
             raise InvalidInput(f"{len(ids)} ids; the node takes {self._c.limits.max_ids} at most")
-        request = Lookup(root, list(ids), lease_ms or 0, keyed, session_id, counted, explain)
+        request = Lookup(
+            root, list(ids), lease_ms or 0, keyed, session_id, counted, explain, declined
+        )
         body = self._c.call(Op.LOOKUP, lambda rid: frames.encode_lookup(rid, request))
         ok = frames.decode_lookup_ok(body)
         n = len(ok.nbytes)
@@ -440,7 +451,11 @@ class StreamClient(SessionCalls[StreamConnection]):
         first = miss.reason is not None
         return protocol.Miss(
             reason=frames.MISS_REASONS[miss.reason] if miss.reason is not None else None,
-            tokens=dict(zip(frames.MISS_REASONS, miss.tokens, strict=True)),
+            # a node of a version before DECLINED_VERSION sends no declined count
+            tokens={
+                r: miss.tokens[i] if i < len(miss.tokens) else 0
+                for i, r in enumerate(frames.MISS_REASONS)
+            },
             block=miss.block if first else None,
             token=miss.token if first else None,
             offset=miss.offset,

@@ -103,6 +103,7 @@ def lookup_request(request: frames.Lookup) -> LookupRequest:
         session_id=request.session_id,
         keyed=request.keyed,
         counted=request.counted,
+        declined=request.declined,
     )
 
 
@@ -321,6 +322,11 @@ class Connection:
 
     def _lookup(self, header: Header, session: str | None) -> None:
         request = frames.decode_lookup(self._body(), self.limits, header.flags, session)
+        if request.declined and self.version < frames.DECLINED_VERSION:
+            raise InvalidInput(
+                f"a declined LOOKUP is a request of version {frames.DECLINED_VERSION}; this "
+                f"connection speaks version {self.version}, as its HELLO negotiated"
+            )
         found = lookups.lookup(self.node, self._caller, lookup_request(request))
         n = found.match.num_blocks
         ok = frames.LookupOk(
@@ -333,7 +339,10 @@ class Connection:
         self.transport.send([frames.encode_lookup_ok(header.request_id, ok)])
 
     def _miss(self, miss: MissReport | None) -> frames.Miss:
-        tokens = tuple(miss.tokens.get(r, 0) for r in REASONS) if miss else (0,) * len(REASONS)
+        # a connection of an older version carries no declined count (it asks no declined
+        # lookup, so it has none)
+        reasons = REASONS if self.version >= frames.DECLINED_VERSION else REASONS[:4]
+        tokens = tuple(miss.tokens.get(r, 0) for r in reasons) if miss else (0,) * len(reasons)
         first = miss.first if miss is not None else None
         if first is None:
             return frames.Miss(None, None, None, None, None, None, None, tokens)

@@ -5,6 +5,12 @@ against the caller's share of each tier with its size, with the lease itself
 (``CacheNode.pin_budget``, ``reads.lookup``): a lease that would pass the share leases the
 prefix that fits, and the match is cut to it (``Match.cut``); not one block: ``QuotaExceeded``.
 
+Declined: a lookup whose caller says it will load nothing (``LookupRequest.declined``) reads
+the index only: it matches nothing, takes no lease, touches no block nor session (no TTL, LRU,
+pin or head moves), and counts every token it asks as missed, the run the caller may read and
+the node holds as ``declined`` (``attribution``), so that the session's attribution says why
+nothing was loaded.
+
 Tenancy: a root is usable by a caller once ``resolve`` derived it from the caller's own
 namespace (with authentication on, the tenant salts it: ``hashing.tenant_namespace``). A
 lookup by ids matches only the run of them linked to that root (``chain_prefix``), so nobody
@@ -130,6 +136,8 @@ def lookup(
     namespace = caller.namespace(root)
     block_tokens = namespace.block_tokens
     ids = request.ids
+    if request.declined:
+        return _declined(node, caller, request, block_tokens)
     budget = None
     if request.lease_s is not None:
         caller.room_for_lease(node.store.clock.now())
@@ -164,6 +172,33 @@ def lookup(
     return LookupResult(block_tokens, every, match, key, nbytes, miss)
 
 
+def _declined(
+    node: CacheNode, caller: Caller, request: LookupRequest, block_tokens: int
+) -> LookupResult:
+    """A declined lookup (module docstring): the held run the caller may read, read off the
+    index, counted as missed."""
+    if request.lease_s is not None:
+        raise InvalidInput("a declined lookup takes no lease: its caller loads nothing")
+    if not request.counted:
+        raise InvalidInput("a declined lookup is a prompt's question: it is counted")
+    if request.session_id is not None:  # SessionNotFound unless open and the caller's
+        node.sessions.get(request.session_id, tenant=caller.tenant)
+    root, ids = request.root, request.ids
+    reads = node.store.reads
+    if request.keyed:
+        held = reads.held_under(root, ids)
+    else:
+        # ids the node derived from the caller's tokens are the caller's; others are proved
+        # linked to its root (read off the index: nothing adopted, nothing touched)
+        own = len(ids) if request.tokens is not None else chain_prefix(node, root, ids)
+        held = reads.contains_many(ids[:own])
+    run = held.index(False) if False in held else len(held)
+    asked = len(request.tokens) // 4 if request.tokens is not None else len(ids) * block_tokens
+    miss = _account(node, caller, request, run, block_tokens, asked, declined=True)
+    every = ids if isinstance(ids, list) else list(ids)
+    return LookupResult(block_tokens, every, Match([], [], None), None, 0, miss)
+
+
 def _account(
     node: CacheNode,
     caller: Caller,
@@ -171,13 +206,18 @@ def _account(
     matched: int,
     block_tokens: int,
     asked: int,
+    *,
+    declined: bool = False,
 ) -> MissReport:
+    """Count and attribute a lookup's tokens (``declined``: the ``matched`` blocks held, none
+    of them hit)."""
     session_id = request.session_id
     session = (caller.tenant, session_id) if session_id is not None else None
-    node.accounting.count(matched * block_tokens, asked, root=request.root, session=session)
+    hit = 0 if declined else matched * block_tokens
+    node.accounting.count(hit, asked, root=request.root, session=session)
     tokens = bytes(request.tokens) if request.tokens is not None and session is not None else None
     lookup = Lookup(request.root, request.ids, matched, block_tokens, asked, tokens)
-    return node.attribution.lookup(lookup, session=session)
+    return node.attribution.lookup(lookup, session=session, declined=declined)
 
 
 def lookup_tokens(
@@ -188,11 +228,14 @@ def lookup_tokens(
     *,
     session_id: str | None = None,
     lease_s: float | None = None,
+    declined: bool = False,
 ) -> LookupResult:
     """``lookup`` of a prompt's full blocks, the ids derived here from its tokens."""
     root = resolve(node, caller, namespace)
     ids = node.hashes(caller.tenant, namespace, token_bytes)
-    request = LookupRequest(root, ids, lease_s=lease_s, session_id=session_id, tokens=token_bytes)
+    request = LookupRequest(
+        root, ids, lease_s=lease_s, session_id=session_id, tokens=token_bytes, declined=declined
+    )
     return lookup(node, caller, request)
 
 
@@ -204,6 +247,7 @@ def lookup_ids(
     *,
     session_id: str | None = None,
     lease_s: float | None = None,
+    declined: bool = False,
 ) -> LookupResult:
     """``lookup`` of ids the caller derived itself from its root of ``namespace``, at most
     the node's ``max_tokens`` of them (as a lookup by tokens)."""
@@ -213,7 +257,8 @@ def lookup_ids(
             f"{node.settings.max_tokens} tokens"
         )
     root = resolve(node, caller, namespace)
-    return lookup(node, caller, LookupRequest(root, ids, lease_s=lease_s, session_id=session_id))
+    request = LookupRequest(root, ids, lease_s=lease_s, session_id=session_id, declined=declined)
+    return lookup(node, caller, request)
 
 
 def exists(

@@ -28,6 +28,10 @@ class LookupRequest(NamedTuple):
     counted: bool = True
     """A prompt's question (hit and miss tokens are counted); False for a probe or a fetch of
     blocks an earlier lookup counted."""
+    declined: bool = False
+    """The caller will load nothing (its engine cannot continue from a cached context): the
+    node matches nothing, leases and touches nothing, and counts every token as missed, those
+    it holds as ``declined`` (``attribution``)."""
 
 
 class LookupResult(NamedTuple):

@@ -104,7 +104,13 @@ def test_a_prompt_edited_in_the_middle_diverges_at_that_block_and_offset(client:
     assert miss["reason"] == "diverged" and miss["block"] == 4 and miss["offset"] == 13
     assert miss["token"] == 4 * BT + 13
     # blocks 4..9 were cached and are unusable; the 2 blocks and 5 tokens past them are growth
-    assert miss["tokens"] == {"diverged": 6 * BT, "evicted": 0, "expired": 0, "new": 2 * BT + 5}
+    assert miss["tokens"] == {
+        "diverged": 6 * BT,
+        "evicted": 0,
+        "expired": 0,
+        "new": 2 * BT + 5,
+        "declined": 0,
+    }
     session = client.get("/v1/sessions/edit").json()
     attribution = session["attribution"]
     div = attribution["last_divergence"]
@@ -143,7 +149,13 @@ def test_a_session_idle_past_its_ttl_misses_as_expired(client: TestClient, clock
     miss = out["miss"]
     assert miss["reason"] == "expired" and miss["block"] == 0
     assert miss["ago_s"] == pytest.approx(400)
-    assert miss["tokens"] == {"diverged": 0, "evicted": 0, "expired": 8 * BT, "new": BT}
+    assert miss["tokens"] == {
+        "diverged": 0,
+        "evicted": 0,
+        "expired": 8 * BT,
+        "new": BT,
+        "declined": 0,
+    }
     assert client.post("/v1/gc").json()["expired_sessions"] == 1
     clock.advance(50)
     open_session(client, "idle", ttl_s=600)  # the agent comes back: a new session
@@ -158,7 +170,13 @@ def test_a_fresh_conversation_is_new(client: TestClient):
     toks = tokens(7, 3 * BT + 7)
     miss = lookup(client, toks, "fresh")["miss"]
     assert miss["reason"] == "new" and miss["block"] == 0 and miss["tier"] is None
-    assert miss["tokens"] == {"diverged": 0, "evicted": 0, "expired": 0, "new": 3 * BT + 7}
+    assert miss["tokens"] == {
+        "diverged": 0,
+        "evicted": 0,
+        "expired": 0,
+        "new": 3 * BT + 7,
+        "declined": 0,
+    }
     # the normal turn: stored, then grown: only the growth misses, as new
     store(client, toks, "fresh")
     out = lookup(client, toks + tokens(8, 2 * BT), "fresh")
@@ -286,3 +304,101 @@ def test_tenants_see_only_their_own_attribution(auth: TestClient, clock: ManualC
     assert lookup(auth, toks, "mine", **b)["miss"]["reason"] == "new"
     mine = auth.get("/v1/sessions/mine", headers=b).json()["attribution"]
     assert mine["lookups"] == 1 and mine["last_divergence"] is None
+
+
+def touched(client: TestClient, hashes: list[str]) -> list[tuple[float, float, int, int]]:
+    """Each block's last access, expiry, hits and references (what a lookup moves)."""
+    reads = client.app.state.node.store.reads  # type: ignore[attr-defined]
+    out = []
+    for h in hashes:
+        meta = reads.meta(bytes.fromhex(h))
+        assert meta is not None
+        out.append((meta.last_access, meta.expires_at, meta.hit_count, meta.ref_cnt))
+    return out
+
+
+def declined(client: TestClient, body: dict[str, Any], **headers: str) -> dict[str, Any]:
+    r = client.post(
+        "/v1/lookup",
+        json={"namespace": NS, "explain": True, "declined": True, **body},
+        headers=headers,
+    )
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_a_declined_lookup_counts_what_is_held_as_declined_and_moves_nothing(
+    client: TestClient, clock: ManualClock
+):
+    open_session(client, "mla", ttl_s=600)
+    toks = tokens(50, 6 * BT)
+    hashes = store(client, toks, "mla")
+    session = client.get("/v1/sessions/mla").json()
+    before = touched(client, hashes)
+    clock.advance(100)
+    out = declined(client, {"tokens": toks + tokens(51, BT + 3), "session_id": "mla"})
+    assert out["matched_blocks"] == 0 and out["matched_tokens"] == 0
+    assert out["lease"] is None and out["blocks"] == []
+    miss = out["miss"]
+    assert miss["reason"] == "declined" and miss["block"] == 0 and miss["token"] == 0
+    expected = {"diverged": 0, "evicted": 0, "expired": 0, "new": BT + 3, "declined": 6 * BT}
+    assert miss["tokens"] == expected
+    # no TTL, LRU, hit count or lease moved, nor the session's expiry
+    assert touched(client, hashes) == before
+    assert client.get("/v1/sessions/mla").json()["expires_at"] == session["expires_at"]
+    attribution = client.get("/v1/sessions/mla").json()["attribution"]
+    assert attribution["lookups"] == 1 and attribution["hit_tokens"] == 0
+    assert attribution["miss_tokens"] == expected
+    by_reason = metric(client, "sessioncache_miss_tokens_by_reason_total")
+    assert by_reason['{reason="declined"}'] == 6 * BT
+    missed = metric(client, "sessioncache_miss_tokens_total")[""]
+    assert sum(by_reason.values()) == missed
+    # by ids, as engines ask: the same
+    ids = base64.b64encode(b"".join(bytes.fromhex(h) for h in hashes)).decode()
+    by_id = declined(client, {"block_ids_b64": ids, "session_id": "mla"})
+    assert by_id["matched_blocks"] == 0 and by_id["miss"]["tokens"]["declined"] == 6 * BT
+    assert touched(client, hashes) == before
+    # a plain lookup still hits the whole prompt
+    assert lookup(client, toks, "mla")["matched_blocks"] == 6
+
+
+def test_a_declined_lookup_takes_no_lease(client: TestClient):
+    body = {"namespace": NS, "tokens": tokens(52, 2 * BT), "declined": True, "lease_ms": 1000}
+    r = client.post("/v1/lookup", json=body)
+    assert r.status_code == 422 and "no lease" in r.text, r.text
+    body = {"namespace": NS, "tokens": tokens(52, 2 * BT), "declined": True, "session_id": "nope"}
+    assert client.post("/v1/lookup", json=body).status_code == 404
+
+
+def test_a_declined_lookup_of_another_tenants_prompt_reveals_and_counts_nothing(
+    auth: TestClient,
+):
+    a = {"authorization": "Bearer key-a"}
+    b = {"authorization": "Bearer key-b"}
+    open_session(auth, "alice", ttl_s=600, headers=a)
+    toks = tokens(53, 4 * BT)
+    hashes = store(auth, toks, "alice", **a)
+    before = touched(auth, hashes)
+    # globex names acme's ids, then sends the same tokens: neither is its own
+    ids = base64.b64encode(b"".join(bytes.fromhex(h) for h in hashes)).decode()
+    for body in ({"block_ids_b64": ids}, {"tokens": toks}):
+        out = declined(auth, body, **b)
+        assert out["matched_blocks"] == 0
+        assert out["miss"]["reason"] == "new" and out["miss"]["tokens"]["declined"] == 0
+    # nor may it name acme's session
+    assert declined_status(auth, {"tokens": toks, "session_id": "alice"}, **b) == 404
+    assert touched(auth, hashes) == before
+    mine = auth.get("/v1/sessions/alice", headers=a).json()["attribution"]
+    assert mine["lookups"] == 0 and sum(mine["miss_tokens"].values()) == 0
+    # acme's own declined lookup is acme's
+    assert declined(auth, {"tokens": toks, "session_id": "alice"}, **a)["miss"]["reason"] == (
+        "declined"
+    )
+    mine = auth.get("/v1/sessions/alice", headers=a).json()["attribution"]
+    assert mine["lookups"] == 1 and mine["miss_tokens"]["declined"] == 4 * BT
+
+
+def declined_status(client: TestClient, body: dict[str, Any], **headers: str) -> int:
+    r = client.post("/v1/lookup", json={"namespace": NS, "declined": True, **body}, headers=headers)
+    return r.status_code

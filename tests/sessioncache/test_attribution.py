@@ -54,7 +54,13 @@ def test_every_missed_block_has_one_reason_and_the_counts_add_up():
     first = report.first
     assert first is not None and first.reason == "evicted" and first.tier == "disk"
     assert first.ago_s == 10.0 and first.pressure == "capacity"
-    expected = {"evicted": 2 * BT, "expired": BT, "diverged": 4 * BT, "new": 2 * BT + 3}
+    expected = {
+        "evicted": 2 * BT,
+        "expired": BT,
+        "diverged": 4 * BT,
+        "new": 2 * BT + 3,
+        "declined": 0,
+    }
     assert report.tokens == expected
     assert report.divergence is not None and report.divergence.lost_blocks == 4
 

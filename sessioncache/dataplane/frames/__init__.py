@@ -158,6 +158,9 @@ from sessioncache.dataplane.frames.header import (
     ANSWER as ANSWER,
 )
 from sessioncache.dataplane.frames.header import (
+    DECLINED_VERSION as DECLINED_VERSION,
+)
+from sessioncache.dataplane.frames.header import (
     F_BLOCK_MISSING as F_BLOCK_MISSING,
 )
 from sessioncache.dataplane.frames.header import (
@@ -171,6 +174,9 @@ from sessioncache.dataplane.frames.header import (
 )
 from sessioncache.dataplane.frames.header import (
     F_LOAD_RELEASE as F_LOAD_RELEASE,
+)
+from sessioncache.dataplane.frames.header import (
+    F_LOOKUP_DECLINED as F_LOOKUP_DECLINED,
 )
 from sessioncache.dataplane.frames.header import (
     F_LOOKUP_EXPLAIN as F_LOOKUP_EXPLAIN,

@@ -11,6 +11,7 @@ from sessioncache.dataplane.frames.header import (
     F_LOAD_BY_LEASE,
     F_LOAD_EACH,
     F_LOAD_RELEASE,
+    F_LOOKUP_DECLINED,
     F_LOOKUP_EXPLAIN,
     F_LOOKUP_KEYED,
     F_STORE_DURABLE,
@@ -60,11 +61,14 @@ class Lookup(NamedTuple):
     """Without ``F_UNCOUNTED``: a prompt's question, counted in the token totals."""
     explain: bool = False
     """``F_LOOKUP_EXPLAIN``: the answer says why the rest missed."""
+    declined: bool = False
+    """``F_LOOKUP_DECLINED`` (version 4): the caller loads nothing; the node counts why."""
 
     @property
     def flags(self) -> int:
         flags = F_LOOKUP_KEYED if self.keyed else 0
         flags |= 0 if self.counted else F_UNCOUNTED
+        flags |= F_LOOKUP_DECLINED if self.declined else 0
         return flags | (F_LOOKUP_EXPLAIN if self.explain else 0)
 
 
@@ -88,6 +92,7 @@ def decode_lookup(
         session_id,
         not flags & F_UNCOUNTED,
         bool(flags & F_LOOKUP_EXPLAIN),
+        bool(flags & F_LOOKUP_DECLINED),
     )
 
 
@@ -140,21 +145,27 @@ class LookupOk(NamedTuple):
 
 
 _NO_LEASE = bytes(HASH_BYTES)
-MISS_REASONS = ("diverged", "evicted", "expired", "new")
-"""Reason codes of a miss section, in order (``attribution.REASONS``)."""
+MISS_REASONS = ("diverged", "evicted", "expired", "new", "declined")
+"""Reason codes of a miss section, in order (``attribution.REASONS``). A connection of a
+version before ``DECLINED_VERSION`` carries the first four: no ``declined`` code nor count."""
 MISS_PRESSURES = ("capacity", "pin_budget")
 _NONE = 0xFF
 _NO_INDEX = 0xFFFFFFFF
 # flags (1: a first cause), reason, pressure, tier, block, token, offset, ago_s; then tokens
-_MISS = struct.Struct(f"<BBBBIIId{len(MISS_REASONS)}Q")
+_MISS_HEAD = "<BBBBIIId"
+_MISS_SIZES = {n: struct.Struct(f"{_MISS_HEAD}{n}Q") for n in (4, len(MISS_REASONS))}
+"""The miss section with four counts (versions 2 and 3) or five (version 4: ``declined``)."""
+_MISS = _MISS_SIZES[len(MISS_REASONS)]
+"""The longest miss section."""
 
 
 class Miss(NamedTuple):
     """The miss section of a LOOKUP_OK (``F_LOOKUP_EXPLAIN``): ``has_first:u8 reason:u8
     pressure:u8 tier:u8 block:u32 token:u32 offset:u32 ago_s:f64``, then one ``u64`` of
-    missed tokens per reason of ``MISS_REASONS``. Absent values are ``0xff`` (codes, tier),
-    ``0xffffffff`` (offset) and NaN (``ago_s``). ``tier`` indexes HELLO_OK's tiers. The REST
-    API's ``miss`` object, in binary (docs/prompt-stability.md)."""
+    missed tokens per reason of ``MISS_REASONS`` (the first four on a connection of a version
+    before ``DECLINED_VERSION``: ``tokens`` has four or five). Absent values are ``0xff``
+    (codes, tier), ``0xffffffff`` (offset) and NaN (``ago_s``). ``tier`` indexes HELLO_OK's
+    tiers. The REST API's ``miss`` object, in binary (docs/prompt-stability.md)."""
 
     reason: int | None
     block: int | None
@@ -168,7 +179,10 @@ class Miss(NamedTuple):
 
 def _encode_miss(miss: Miss) -> bytes:
     first = miss.reason is not None
-    return _MISS.pack(
+    layout = _MISS_SIZES.get(len(miss.tokens))
+    if layout is None:
+        raise InvalidInput(f"a miss section has 4 or 5 counts, not {len(miss.tokens)}")
+    return layout.pack(
         1 if first else 0,
         miss.reason if miss.reason is not None else _NONE,
         miss.pressure if miss.pressure is not None else _NONE,
@@ -182,7 +196,10 @@ def _encode_miss(miss: Miss) -> bytes:
 
 
 def _decode_miss(data: bytes, offset: int) -> Miss:
-    first, reason, pressure, tier, block, token, off, ago, *tokens = _MISS.unpack_from(data, offset)
+    layout = _MISS_SIZES[4] if len(data) - offset == _MISS_SIZES[4].size else _MISS
+    first, reason, pressure, tier, block, token, off, ago, *tokens = layout.unpack_from(
+        data, offset
+    )
     return Miss(
         reason if first else None,
         block if first else None,
@@ -210,7 +227,7 @@ def encode_lookup_ok(request_id: int, ok: LookupOk) -> bytes:
 def decode_lookup_ok(data: bytes) -> LookupOk:
     lease, lease_ms, n = fixed_part(_LOOKUP_OK, data, "LOOKUP_OK")
     end = _LOOKUP_OK.size + 9 * n
-    if len(data) not in (end, end + _MISS.size):
+    if len(data) not in (end, *(end + m.size for m in _MISS_SIZES.values())):
         raise FrameError(f"LOOKUP_OK: {len(data)} bytes of body for {n} blocks")
     nbytes = list(struct.unpack_from(f"<{n}Q", data, _LOOKUP_OK.size))
     tiers = list(data[_LOOKUP_OK.size + 8 * n : end])

@@ -12,9 +12,9 @@ from sessioncache.errors import FrameError, InvalidInput
 from sessioncache.hashing import HASH_BYTES
 
 MAGIC = b"SCDP"
-VERSION = 3
+VERSION = 4
 """The highest data-plane version this release speaks (docs/dataplane.md, "Versions")."""
-VERSIONS = frozenset({2, VERSION})
+VERSIONS = frozenset({2, 3, VERSION})
 """The versions this release speaks: a HELLO negotiates the highest both ends list, and a
 frame of another is refused with a closing ERROR."""
 FRAME_VERSION = 2
@@ -23,6 +23,9 @@ a frame carries the version that defined it, so a peer of version 2 reads them a
 SESSION_VERSION = 3
 """The version that added SESSION and SESSION_OK: a connection that negotiated an older one
 carries neither."""
+DECLINED_VERSION = 4
+"""The version that added declined lookups (``F_LOOKUP_DECLINED``) and the ``declined`` count
+of the miss section: a connection that negotiated an older one carries neither."""
 HEADER = struct.Struct("<4sBBHQQ")
 HEADER_SIZE = HEADER.size  # 24
 
@@ -158,6 +161,10 @@ F_UNCOUNTED = 0x80
 request counted): its tokens are left out of the hit and miss totals (docs/metrics.md)."""
 F_LOOKUP_EXPLAIN = 0x2
 """LOOKUP: LOOKUP_OK ends with a miss section saying why the rest missed (``Miss``)."""
+F_LOOKUP_DECLINED = 0x4
+"""LOOKUP (version 4): the caller will load nothing (its engine cannot continue from a cached
+context). Nothing matches, nothing is leased or touched, and every token counts as missed,
+those the node holds as ``declined``; ``lease_ms`` must be 0."""
 F_BLOCK_MISSING = 0x1
 """BLOCK: the block is not held (or not the caller's); empty body."""
 F_ERROR_CLOSING = 0x1

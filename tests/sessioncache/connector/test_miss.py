@@ -31,7 +31,7 @@ def test_miss_says_where_an_edited_prompt_diverged(open_server: Server) -> None:
         miss = found.miss
         assert found.matched_blocks == 2 and miss is not None
         assert (miss.reason, miss.block, miss.offset, miss.token) == ("diverged", 2, 3, 19)
-        assert miss.tokens == {"diverged": 32, "evicted": 0, "expired": 0, "new": 10}
+        assert miss.tokens == {"diverged": 32, "evicted": 0, "expired": 0, "new": 10, "declined": 0}
         by_id = c.lookup_by_id(edited, session_id=s.id, explain=True).miss
         assert by_id is not None and by_id.reason == "diverged" and by_id.offset is None
         totals = c.get_session(s.id).attribution
