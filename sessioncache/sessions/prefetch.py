@@ -246,7 +246,9 @@ class Prefetcher:
         now = self._store.clock.now()
         worst = self._worst(target, now)
         due: list[tuple[float, float, SessionKey, BlockHash]] = []
-        for session in self._sessions.list_sessions():
+        sessions = self._sessions.list_sessions()
+        self._forget_closed({session.key for session in sessions})
+        for session in sessions:
             head = session.head
             if head is None:
                 continue
@@ -305,6 +307,12 @@ class Prefetcher:
             queued += self._queue(job)
         self.forecast_moves += queued
         return queued
+
+    def _forget_closed(self, open_keys: set[SessionKey]) -> None:
+        """Drop what the forecast pass remembers of sessions no longer open."""
+        for remembered in (self._lengths, self._futile):
+            for key in [k for k in remembered if k not in open_keys]:
+                del remembered[key]
 
     # -- the worker ---------------------------------------------------------------------
 

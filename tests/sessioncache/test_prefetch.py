@@ -296,3 +296,16 @@ def test_a_move_never_evicts_its_own_chain(node: Node) -> None:
     assert node.prefetch.tick() == 1
     node.prefetch.drain()
     assert node.fastest(mine) == ["cpu"] * 6
+
+
+def test_the_forecast_pass_forgets_closed_sessions(node: Node) -> None:
+    soon = chain("alice", 1, 4)
+    node.session("alice", "soon", soon, "stop")
+    node.idle(310)
+    node.session("alice", "later", chain("alice", 2, 8), "stop")
+    node.idle(310)
+    node.prefetch.tick()
+    assert ("alice", "soon") in node.prefetch._lengths
+    node.sessions.close("soon", tenant="alice")
+    node.prefetch.tick()
+    assert ("alice", "soon") not in node.prefetch._lengths
