@@ -167,7 +167,7 @@ def test_a_return_beyond_the_horizon_counts_as_one_horizon_ahead_only():
     # so among them the overdue term decides: the least recently used goes first
     assert f.value(900.0, 0.0, 105.0) == 105.0 + f.overdue * 105.0
     assert f.value(NO_FORECAST, 0.0, 50.0) == 50.0 + f.overdue * 50.0
-    uncapped = Forecast(mode="next_use")
+    uncapped = Forecast(mode="next_use", beyond=math.inf)
     assert uncapped.value(ORPHAN_BASE - 100.0, 100.0, 105.0) == ORPHAN_BASE - 100.0
     with pytest.raises(InvalidInput):
         Forecast(beyond=0.0)
