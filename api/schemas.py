@@ -259,6 +259,15 @@ class PromptIn(TokensIn):
 class LookupRequest(PromptIn):
     """A lookup of a prompt, by its tokens or its ids (``PromptIn``)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            **_exactly_one_of(PromptIn.FORMS),
+            # a declined lookup takes no lease (the operation answers 422 for one)
+            "if": {"required": ["declined"], "properties": {"declined": {"const": True}}},
+            "then": {"properties": {"lease_ms": {"type": "null"}}},
+        }
+    )
+
     lease_ms: PositiveJsonInt | None = Field(None, description="Pin the matched blocks this long.")
     locations: JsonBool = Field(
         False,
