@@ -212,15 +212,24 @@ class HybridNode:
         self.node = node
         self.model = model
 
-    def held(self, base: Namespace, tokens: Sequence[int], scope: Scope, first: int) -> int:
+    def held(
+        self,
+        base: Namespace,
+        tokens: Sequence[int],
+        scope: Scope,
+        first: int,
+        *,
+        declined: bool = False,
+    ) -> int:
         """The longest resumable prefix of ``tokens``' full blocks (``resume_point``); the
-        spine's lookup counts the prompt's hit and miss tokens."""
+        spine's lookup counts the prompt's hit and miss tokens. ``declined``: the engine
+        loads nothing; the spine's lookup says so (``EngineNode.held_blocks``), and this is 0."""
         spine_ns, companion_ns = self.model.namespaces(base)
         kv = self.node.kv(scope)
         conn = kv.connection
         root = kv.root(spine_ns)
         ids = conn.block_hashes(root, tokens)
-        spine = self.node.held_run(scope, root, ids)
+        spine = self.node.held_run(scope, root, ids, declined=declined)
         if spine <= first or not self.model.companions:
             return spine
         found = []

@@ -42,7 +42,7 @@ from sessioncache.connector.payloads import as_buffer
 from sessioncache.connector.protocol import Session
 from sessioncache.connector.samehost import SameHostClient, SameHostLookup, reading
 from sessioncache.connector.stream import StoreAck, StreamClient, StreamLookup
-from sessioncache.dataplane.frames import SESSION_VERSION, Limits
+from sessioncache.dataplane.frames import DECLINED_VERSION, SESSION_VERSION, Limits
 from sessioncache.devices import DeviceCopies, device_bytes, is_tensor, on_device, pinned_empty
 from sessioncache.errors import InvalidInput, SessionCacheError
 from sessioncache.hashing import Namespace, Tokens
@@ -236,11 +236,19 @@ def held(
     keyed: bool = False,
     counted: bool = True,
     session_id: str | None = None,
+    declined: bool = False,
 ) -> int:
     """How many of ``ids``, from the first, the node holds: a LOOKUP without a lease (it also
     finds blocks in a fleet's shared tier). A chain is asked in one request (its first
-    ``max_ids`` ids); keyed ids request by request, up to the first miss."""
+    ``max_ids`` ids); keyed ids request by request, up to the first miss. ``declined``: the
+    caller will load nothing; one declined LOOKUP (its first ``max_ids`` ids) tells the node
+    so, which counts the tokens it holds as missed for that reason; 0 (nothing is asked of a
+    node too old for it, data-plane version 3 or before)."""
     per = carrier.limits.max_ids
+    if declined:
+        if carrier.version >= DECLINED_VERSION and ids:
+            carrier.lookup(root, ids[:per], keyed=keyed, session_id=session_id, declined=True)
+        return 0
     if not keyed:
         ids = ids[:per]
     found = 0

@@ -380,21 +380,27 @@ class EngineNode:
             map_segments(conn, device)
         return kv.path
 
-    def held_blocks(self, namespace: Namespace, tokens: Sequence[int], scope: Scope) -> int:
+    def held_blocks(
+        self, namespace: Namespace, tokens: Sequence[int], scope: Scope, *, declined: bool = False
+    ) -> int:
         """How many of ``tokens``' full blocks the node holds, from the first: the prompt's
         question, counted as its hit and miss tokens (under its session, opened here the
-        first time it is seen)."""
+        first time it is seen). ``declined``: the engine will load nothing; the node counts
+        the tokens it holds as missed for that reason (``ops.held``), and this is 0."""
         kv = self.kv(scope)
         root = kv.root(namespace)
-        return self.held_run(scope, root, kv.connection.block_hashes(root, tokens))
+        ids = kv.connection.block_hashes(root, tokens)
+        return self.held_run(scope, root, ids, declined=declined)
 
-    def held_run(self, scope: Scope, root: bytes, ids: Sequence[bytes]) -> int:
+    def held_run(
+        self, scope: Scope, root: bytes, ids: Sequence[bytes], *, declined: bool = False
+    ) -> int:
         """``held_blocks`` of a chain's ids computed already (``root``: resolved for
         ``scope``)."""
         if not ids:
             return 0
         kv = self.open_session(scope)
-        return ops.held(kv.connection, root, ids, session_id=scope.session_id)
+        return ops.held(kv.connection, root, ids, session_id=scope.session_id, declined=declined)
 
     def open_session(self, scope: Scope) -> KVTransfer:
         """The connection of ``scope``, its session opened on the node the first time it is

@@ -42,7 +42,9 @@ never per-block HTTP (``paths=DATA_PLANE_PATHS``).
 Roles (``kv_role``, docs/vllm.md "Prefill/decode disaggregation"): a ``kv_consumer`` saves no
 block of the prompt (the producer's) and a ``kv_producer`` tells the node no finish reason;
 both load. Where vLLM runs the engine with prefix caching and chunked prefill off
-(``cannot_attend_to_cache``: MLA on CPUs without AMX), the connector loads nothing and saves.
+(``cannot_attend_to_cache``: MLA on CPUs without AMX), the connector loads nothing and saves;
+its lookup is then a declined one (``ops.held``), which the node counts as the session's
+``declined`` miss tokens (``GET /v1/sessions/{id}``).
 """
 
 from __future__ import annotations
@@ -351,12 +353,11 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     ) -> tuple[int | None, bool]:
         if not self.settings.load or request.request_id in self._no_load:
             return 0, False
-        if self._declined is not None:  # nothing loaded; the session opened for the save
-            if self.settings.save and not self._node.down:
-                self._open_session(request_scope(request))
-            return 0, False
         tokens = list(request.prompt_token_ids or [])
         full = (len(tokens) - 1) // self.block_size  # at least one token left to compute
+        if self._declined is not None:  # nothing loaded: the node is told why
+            self._decline(request, tokens[: full * self.block_size])
+            return 0, False
         if full * self.block_size <= num_computed_tokens:
             return 0, False
         if self._node.down:  # backing off after a failure: a miss without a call
@@ -395,13 +396,27 @@ class SessionCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         token, and the request's turn ends on the consumer."""
         return None if self._role == "kv_producer" else finish_reason(request)
 
-    def _open_session(self, scope: Scope) -> None:
+    def _decline(self, request: Request, tokens: list[int]) -> None:
+        """A request this engine cannot load into: one declined lookup of its full blocks
+        (opening its session for the save), so that the node counts the tokens it holds as
+        missed, ``declined``, in the session's attribution; a failure is logged, never the
+        request's."""
+        if self._node.down:
+            return
+        scope = request_scope(request)
         try:
-            self._node.open_session(scope)
+            if tokens:
+                ns = self._namespace(scope)
+                if self._lookups is not None:
+                    self._lookups.held(ns, tokens, scope, 0, declined=True)
+                else:
+                    self._node.held_blocks(ns, tokens, scope, declined=True)
+            elif self.settings.save:
+                self._node.open_session(scope)
             self._node.ok()
         except Exception as exc:  # the save then drops, as after a failed lookup
             self._node.failure(exc)
-            log.warning("sessioncache: session %s not opened: %s", scope.session_id, exc)
+            log.warning("sessioncache: declined lookup of %s failed: %s", request.request_id, exc)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

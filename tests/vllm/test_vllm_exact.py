@@ -8,7 +8,8 @@
   logprob within 1e-3 of a full computation, which a changed prompt moves;
 - the DeepSeek-V2 layout (MLA, the 576-wide latent vLLM's CPU backend takes): vLLM turns
   prefix caching and chunked prefill off for it on CPUs without AMX, so the connector loads
-  nothing and saves, and a prompt sent again equals its first computation to 1e-3.
+  nothing and saves, a prompt sent again equals its first computation to 1e-3, and the node's
+  attribution of its session counts the held tokens as ``declined``.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def test_mla_loads_nothing_where_the_backend_cannot_attend_to_a_cache(
     """On this CPU (no AMX) vLLM runs MLA with prefix caching and chunked prefill off. The
     engine saves the prompt under the latent layout's namespace; sent again once the node
     holds it, the prompt loads nothing and equals its first computation (a load would be
-    read wrongly: without the check, 2,032 tokens loaded moved its logprobs by up to 1.94)."""
+    read wrongly: without the check, 2,032 tokens loaded moved its logprobs by up to 1.94),
+    and the session's attribution on the node says why: 2,032 tokens ``declined``."""
     model = random_model(tmp_path / "dsv2", DEEPSEEK_V2, "float32")
     gate = tmp_path / "gate"
     process = engine_process(
@@ -220,3 +222,12 @@ def test_mla_loads_nothing_where_the_backend_cannot_attend_to_a_cache(
     assert log[0].count("SessionCacheConnector: loads off, saves on") == 1, log[0][-5000:]
     assert again["cached"] == 0
     assert assert_exact(again, first, changed) <= EXACT
+    # the node says why nothing was loaded: the prompt sent again asked a declined lookup of
+    # its 127 full blocks (one token left to compute), all held
+    info = httpx.get(
+        f"{node.url}/v1/sessions/mla-1", headers={"Authorization": "Bearer sk-a"}, timeout=10
+    )
+    assert info.status_code == 200, info.text
+    attribution = info.json()["attribution"]
+    assert attribution["hit_tokens"] == 0, attribution
+    assert attribution["miss_tokens"]["declined"] == (len(PROMPT) - 1) // MLA_BLOCK * MLA_BLOCK
