@@ -199,13 +199,20 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         session_id: str | None = None,
         lease_ms: int | None = None,
         explain: bool = False,
+        declined: bool = False,
     ) -> LookupResult:
         """The longest cached prefix of ``tokens``' full blocks; with ``lease_ms`` the matched
         blocks are pinned that long (release early with ``release``); with ``explain``,
-        ``LookupResult.miss`` says why the rest missed."""
+        ``LookupResult.miss`` says why the rest missed; ``declined``: the caller will load
+        nothing, and the node counts the tokens it holds as missed for that reason."""
         p = self._prompt(self._effective_namespace(), tokens)
         request = protocol.lookup_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
+            self.namespace,
+            p,
+            session_id=session_id,
+            lease_ms=lease_ms,
+            explain=explain,
+            declined=declined,
         )
         return protocol.parse_lookup(self._send(request), p)
 
@@ -216,12 +223,18 @@ class SessionCacheClient(_ClientBase[httpx.Client, httpx.BaseTransport]):
         session_id: str | None = None,
         lease_ms: int | None = None,
         explain: bool = False,
+        declined: bool = False,
     ) -> LookupResult:
         """``lookup``, sending the ids computed here from the resolved root instead of the
         tokens, with the compact answer: the same result for less work on the server."""
         p = protocol.id_prompt(self.resolve(), tokens)
         request = protocol.lookup_ids_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
+            self.namespace,
+            p,
+            session_id=session_id,
+            lease_ms=lease_ms,
+            explain=explain,
+            declined=declined,
         )
         return protocol.parse_compact_lookup(self._send(request), p)
 
@@ -412,13 +425,20 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         session_id: str | None = None,
         lease_ms: int | None = None,
         explain: bool = False,
+        declined: bool = False,
     ) -> LookupResult:
         """The longest cached prefix of ``tokens``' full blocks; with ``lease_ms`` the matched
         blocks are pinned that long (release early with ``release``); with ``explain``,
-        ``LookupResult.miss`` says why the rest missed."""
+        ``LookupResult.miss`` says why the rest missed; ``declined``: the caller will load
+        nothing, and the node counts the tokens it holds as missed for that reason."""
         p = self._prompt(await self._effective_namespace(), tokens)
         request = protocol.lookup_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
+            self.namespace,
+            p,
+            session_id=session_id,
+            lease_ms=lease_ms,
+            explain=explain,
+            declined=declined,
         )
         return protocol.parse_lookup(await self._send(request), p)
 
@@ -429,12 +449,18 @@ class AsyncSessionCacheClient(_ClientBase[httpx.AsyncClient, httpx.AsyncBaseTran
         session_id: str | None = None,
         lease_ms: int | None = None,
         explain: bool = False,
+        declined: bool = False,
     ) -> LookupResult:
         """``lookup``, sending the ids computed here from the resolved root instead of the
         tokens, with the compact answer: the same result for less work on the server."""
         p = protocol.id_prompt(await self.resolve(), tokens)
         request = protocol.lookup_ids_request(
-            self.namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain
+            self.namespace,
+            p,
+            session_id=session_id,
+            lease_ms=lease_ms,
+            explain=explain,
+            declined=declined,
         )
         return protocol.parse_compact_lookup(await self._send(request), p)
 

@@ -231,9 +231,15 @@ def lookup_request(
     session_id: str | None,
     lease_ms: int | None,
     explain: bool = False,
+    declined: bool = False,
 ) -> Request:
     body = _prompt_body(
-        namespace, p, session_id=session_id, lease_ms=lease_ms, explain=explain or None
+        namespace,
+        p,
+        session_id=session_id,
+        lease_ms=lease_ms,
+        explain=explain or None,
+        declined=declined or None,
     )
     return Request("POST", "/v1/lookup", json=body)
 
@@ -354,6 +360,7 @@ def lookup_ids_request(
     session_id: str | None,
     lease_ms: int | None,
     explain: bool = False,
+    declined: bool = False,
 ) -> Request:
     """A lookup by id with the compact answer (the client has the ids already)."""
     body: dict[str, Any] = {
@@ -367,6 +374,8 @@ def lookup_ids_request(
         body["lease_ms"] = lease_ms
     if explain:
         body["explain"] = True
+    if declined:
+        body["declined"] = True
     return Request("POST", "/v1/lookup", json=body)
 
 

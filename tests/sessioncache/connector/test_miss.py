@@ -46,3 +46,28 @@ def test_miss_says_where_an_edited_prompt_diverged(open_server: Server) -> None:
                 assert found.miss.tokens["new"] == 20
 
         asyncio.run(fresh())
+
+
+def test_a_declined_lookup_matches_nothing_and_says_why(open_server: Server) -> None:
+    prompt = toks(103, 48)  # 6 blocks of 8
+    with SessionCacheClient(open_server.url, namespace=NS) as c:
+        s = c.open_session()
+        c.store(prompt, payload, session_id=s.id)
+        found = c.lookup(prompt + toks(104, 3), session_id=s.id, explain=True, declined=True)
+        assert found.matched_blocks == 0 and found.lease is None and found.miss is not None
+        assert found.miss.reason == "declined" and found.miss.tokens["declined"] == 48
+        by_id = c.lookup_by_id(prompt, session_id=s.id, explain=True, declined=True)
+        assert by_id.matched_blocks == 0 and by_id.miss is not None
+        assert by_id.miss.tokens["declined"] == 48
+        totals = c.get_session(s.id).attribution
+        assert totals is not None and totals.hit_tokens == 0
+        assert totals.miss_tokens["declined"] == 96 and totals.miss_tokens["new"] == 3
+        assert c.lookup(prompt, session_id=s.id).matched_blocks == 6
+
+        async def declined() -> None:
+            async with AsyncSessionCacheClient(open_server.url, namespace=NS) as a:
+                got = await a.lookup_by_id(prompt, explain=True, declined=True)
+                assert got.matched_blocks == 0 and got.miss is not None
+                assert got.miss.tokens["declined"] == 48
+
+        asyncio.run(declined())
