@@ -268,7 +268,7 @@ class Forecast:
     overdue: float = 4.0
     """``next_use``: how fast an expected return that did not come recedes: a block is valued
     at least ``now + overdue x (now - last access)``."""
-    beyond: float = 1.0
+    beyond: float = math.inf
     """``next_use``: a predicted return further ahead than this many horizons (the first
     tier's turnover, ``Horizon``), or none (a dead block), counts as that far only: the tier
     would not keep the block until then anyway, so blocks silent for longer than
