@@ -158,7 +158,7 @@ def _result(
         rhythm[0] if rhythm is not None else None,
         rhythm[1] if rhythm is not None else None,
         totals,
-        node.sessions.hint_of(session.key),
+        node.sessions.hints.snapshot(session.key),
     )
 
 

@@ -27,6 +27,7 @@ to the session is ``SessionManager.hint``'s (docs/sessions.md, "Agent hints").
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -143,6 +144,44 @@ class HintState:
             "final": self.final,
             "back_at": self.back_at,
         }
+
+
+class HintStates:
+    """The hints of a node's open sessions as they stand (a ``HintState`` per session key),
+    read and changed under the session manager's ``lock``; a hint's TTL is capped at
+    ``max_ttl_s`` and at its session's own TTL."""
+
+    def __init__(self, max_ttl_s: float, lock: threading.RLock) -> None:
+        self.max_ttl_s = max_ttl_s
+        self._lock = lock
+        self._states: dict[tuple[str, str], HintState] = {}
+
+    def get(self, key: tuple[str, str]) -> HintState | None:
+        """The session's state itself (lock held by the caller), None: no hint."""
+        return self._states.get(key)
+
+    def snapshot(self, key: tuple[str, str]) -> HintState | None:
+        """A copy of the session's state, taken under the lock (None: no hint)."""
+        with self._lock:
+            state = self._states.get(key)
+            return replace(state) if state is not None else None
+
+    def apply(self, key: tuple[str, str], hint: Hint, now: float, ttl_s: float) -> HintState:
+        """Take ``hint`` for the session of TTL ``ttl_s`` (lock held by the caller)."""
+        state = self._states.setdefault(key, HintState())
+        state.apply(hint, now, min(self.max_ttl_s, ttl_s))
+        return state
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self._states.pop(key, None)
+
+    def idle_due(self, key: tuple[str, str], last_seen: float, idle_timeout_s: float) -> float:
+        """When the session's pins go idle: its soft TTL past its last activity (or the
+        hint's, if later), else ``idle_timeout_s`` past its last activity."""
+        state = self._states.get(key)
+        if state is not None and state.ttl_s is not None:
+            return max(last_seen, state.since) + state.ttl_s
+        return last_seen + idle_timeout_s
 
 
 Parser = Callable[[Mapping[str, Any], float, int | None], Hint]

@@ -53,6 +53,7 @@ the store holds for each session. The lock order is sessions, then store.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import threading
@@ -65,7 +66,7 @@ from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.hashing import BlockHash
 from sessioncache.quotas import Counts, PinBudget
 from sessioncache.sessions.forecasts import SessionForecasts, common_prefix
-from sessioncache.sessions.hints import Hint, HintState
+from sessioncache.sessions.hints import Hint, HintStates
 from sessioncache.sessions.query import SessionPage, SessionQuery, SessionSearch, page_in_memory
 from sessioncache.store import Match, TieredStore, TierStats
 from sessioncache.store.expiry import ExpiryIndex
@@ -161,7 +162,6 @@ class SessionManager:
             raise InvalidInput("pin_share must be within [0, 1]")
         if not 0 < max_hint_ttl_s <= MAX_TTL_S:
             raise InvalidInput("max_hint_ttl_s must be positive")
-        self._max_hint_ttl = max_hint_ttl_s
         self._store = store
         self._clock = store.clock
         self._kind_ttls = dict(kind_ttls)
@@ -186,9 +186,10 @@ class SessionManager:
         self._expiring: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._idling: ExpiryIndex[SessionKey] = ExpiryIndex()
         self._unpin_listeners: list[Callable[[SessionKey, str], None]] = []
-        self._hints: dict[SessionKey, HintState] = {}
+        self.hints = HintStates(max_hint_ttl_s, self._lock)
+        """Each open session's agent hints as they stand (soft state: not in the repository)."""
         self.forecasts = SessionForecasts(
-            store.reads, store.forecast, self._clock, self._lock, self._hints.get
+            store.reads, store.forecast, self._clock, self._lock, self.hints.get
         )
         """Each open session's forecast (soft state: not in the repository)."""
 
@@ -313,15 +314,16 @@ class SessionManager:
             session = self._owned(session_id, tenant)
             key = session.key
             now = self._clock.now()
-            state = self._hints.setdefault(key, HintState())
-            state.apply(hint, now, min(self._max_hint_ttl, session.ttl_s))
+            state = self.hints.apply(key, hint, now, session.ttl_s)
             if hint.parent is not None:
                 self.forecasts.opened(key, (tenant, hint.parent))
             chain = _chain(self._pins, self._store, session)
             if key in self._pins and (state.final or hint.discard or hint.evict):
                 self._unpin(key, "hint")
             elif key in self._pins and hint.ttl_s is not None:
-                self._idling.add(key, self._idle_due(session))
+                self._idling.add(
+                    key, self.hints.idle_due(session.key, session.last_seen, self._idle_timeout)
+                )
             parent = self.forecasts.parent(key)
             shared = _chain(self._pins, self._store, self._sessions.get(parent)) if parent else ()
             self.forecasts.hinted(key, chain, shared)
@@ -331,12 +333,6 @@ class SessionManager:
                     part = part[max(0, common_prefix(chain, shared) - span.start) :]
                 self._store.reads.forecast(part, None)
             return replace(session)
-
-    def hint_of(self, key: SessionKey) -> HintState | None:
-        """The session's hints as they stand (None: none)."""
-        with self._lock:
-            state = self._hints.get(key)
-            return replace(state) if state is not None else None
 
     # -- data path ----------------------------------------------------------------------
 
@@ -398,10 +394,10 @@ class SessionManager:
         """Expire sessions past their TTL, unpin idle ones, then expire blocks."""
         with self._lock:
             now = self._clock.now()
-            expired = self._expiring.due(now, self._expired)
+            expired = self._expiring.due(now, self._due)
             for key in expired:
                 self._drop(key, "expired")
-            idle = self._idling.due(now, self._idle)
+            idle = self._idling.due(now, functools.partial(self._due, idle=True))
             for key in idle:
                 self._unpin(key, "idle")
         return SweepReport(len(expired), len(idle), self._store.writes.expire())
@@ -488,32 +484,27 @@ class SessionManager:
                 _chain(self._pins, self._store, self._sessions.get(parent) if parent else None),
             )
         self.forecasts.forget(key)
-        self._hints.pop(key, None)
+        self.hints.forget(key)
         self._unpin(key, cause)
         self.tenants.add(self._sessions.pop(key).tenant, -1)
         if self._repo is not None:
             self._repo.delete_session(key)
 
-    def _expired(self, key: SessionKey, now: float) -> tuple[SessionKey | None, float | None]:
-        """For ``ExpiryIndex.due``: the key if the session has expired, else when to look
-        again."""
+    def _due(
+        self, key: SessionKey, now: float, *, idle: bool = False
+    ) -> tuple[SessionKey | None, float | None]:
+        """For ``ExpiryIndex.due``: the key if the session has expired (``idle``: if its pins
+        have gone idle), else when to look again (never once it is gone, or, for ``idle``,
+        unpinned: a new pin files it again)."""
         session = self._sessions.get(key)
-        if session is None:
+        if session is None or (idle and key not in self._pins):
             return None, None
-        if session.expires_at <= now:
-            return key, None
-        return None, session.expires_at
-
-    def _idle(self, key: SessionKey, now: float) -> tuple[SessionKey | None, float | None]:
-        """For ``ExpiryIndex.due``: the key if the pinned session is idle, else when to look
-        again (never, once unpinned: a new pin files it again)."""
-        session = self._sessions.get(key)
-        if session is None or key not in self._pins:
-            return None, None
-        due = self._idle_due(session)
-        if due <= now:
-            return key, None
-        return None, due
+        due = (
+            self.hints.idle_due(key, session.last_seen, self._idle_timeout)
+            if idle
+            else session.expires_at
+        )
+        return (key, None) if due <= now else (None, due)
 
     def _owned(self, session_id: str, tenant: str) -> Session:
         _check_id(session_id)  # before any catalog read: an id from the data plane is raw
@@ -523,14 +514,6 @@ class SessionManager:
         if session.expires_at <= self._clock.now():
             raise SessionNotFound(f"session {session_id!r} has expired")
         return session
-
-    def _idle_due(self, session: Session) -> float:
-        """When the session's pins go idle: its soft TTL past its last activity (or the
-        hint's, if later), else the idle timeout past its last activity."""
-        hint = self._hints.get(session.key)
-        if hint is not None and hint.ttl_s is not None:
-            return max(session.last_seen, hint.since) + hint.ttl_s
-        return session.last_seen + self._idle_timeout
 
     def _slide(self, session: Session) -> None:
         now = self._clock.now()
@@ -546,7 +529,7 @@ class SessionManager:
             # the prompt left the previous one's chain
             self.forecasts.left(_chain(self._pins, self._store, session), chain)
         session.head = chain[-1]
-        hint = self._hints.get(session.key)
+        hint = self.hints.get(session.key)
         if hint is None or not hint.final:  # a final session pins nothing
             self._pin(session, chain)
         self._slide(session)
@@ -567,7 +550,9 @@ class SessionManager:
                 self._store.reads.unpin(old)
         self._pins[session.key] = new
         if old is None:
-            self._idling.add(session.key, self._idle_due(session))
+            self._idling.add(
+                session.key, self.hints.idle_due(session.key, session.last_seen, self._idle_timeout)
+            )
         session.pinned = True
 
     def _unpin(self, key: SessionKey, cause: str) -> None:

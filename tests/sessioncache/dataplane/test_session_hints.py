@@ -41,12 +41,12 @@ def test_a_hint_on_the_stream_answers_as_rest_does(connect: Connect, node: Cache
     body = {"agent_hints": {"cache_ttl_ms": 120_000, "reuse_hint": "keep"}}
     out = alice.hint_session("dp-hint", body)
     assert out.id == "dp-hint" and out.pinned
-    state = node.sessions.hint_of(("alice", "dp-hint"))
+    state = node.sessions.hints.snapshot(("alice", "dp-hint"))
     assert state is not None and (state.ttl_s, state.priority) == (120, 100)
     uni = {"agent_hint": {"schema_version": 1, "kv_priority": 30, "final": True}}
     out = alice.hint_session("dp-hint", uni)
     assert not out.pinned
-    state = node.sessions.hint_of(("alice", "dp-hint"))
+    state = node.sessions.hints.snapshot(("alice", "dp-hint"))
     assert state is not None and state.final and state.priority == 30
     directives = {"retention_directives": [{"start": 0, "priority": 60, "duration": 30}]}
     assert alice.hint_session("dp-hint", directives, block_tokens=4).id == "dp-hint"
@@ -65,7 +65,7 @@ def test_a_tenant_cannot_hint_another_tenants_session(connect: Connect, node: Ca
     with pytest.raises(SessionNotFound):
         bob.hint_session("theirs", {"agent_hints": {"reuse_hint": "discard"}})
     assert alice.get_session("theirs").pinned
-    assert node.sessions.hint_of(("alice", "theirs")) is None
+    assert node.sessions.hints.snapshot(("alice", "theirs")) is None
     alice.close_session("theirs")
 
 
