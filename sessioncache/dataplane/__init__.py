@@ -4,7 +4,8 @@ persistent binary stream and same-host shared memory, beside the REST control pl
 
 ``frames`` is the wire format (sans-IO, shared by both ends), ``transport`` the seam a carrier
 implements (TCP and Unix-domain sockets here), ``server`` and ``samehost_server`` the node's
-threaded servers over the operation layer (``sessioncache.operations``). The clients are in
-``sessioncache.connector`` (``StreamClient``, ``SameHostClient``), which imports the wire from
-here and never a server. Importing this package loads nothing.
+threaded servers over the operation layer (``sessioncache.operations``), and ``calls`` the
+operation-layer calls their request frames name. The clients are in ``sessioncache.connector``
+(``StreamClient``, ``SameHostClient``), which imports the wire from here and never a server.
+Importing this package loads nothing.
 """

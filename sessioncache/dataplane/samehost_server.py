@@ -31,14 +31,9 @@ from collections.abc import Sequence
 
 from sessioncache.config import Settings
 from sessioncache.dataplane import frames
+from sessioncache.dataplane.calls import lookup_request, store_request
 from sessioncache.dataplane.frames import MAX_FDS, Header, Limits, Op, SegmentsOk, Slot
-from sessioncache.dataplane.server import (
-    Connection,
-    StreamServer,
-    lookup_request,
-    store_request,
-    stream_limits,
-)
+from sessioncache.dataplane.server import Connection, StreamServer, stream_limits
 from sessioncache.dataplane.staging import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_KEEP_CHUNKS,
