@@ -11,7 +11,6 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypedDict
@@ -31,6 +30,7 @@ from sessioncache.hashing import HASH_BYTES, BlockHash
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.events import DropObserver, StoreObserver
 from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.fair import TenantLine
 from sessioncache.store.index import BlockIndex, Run
 from sessioncache.store.results import (
     _PLACE_ATTEMPTS,
@@ -77,37 +77,6 @@ signature: victim, incoming, tier, now), called with the store's lock held."""
 
 _STUCK_TRIES = 8
 """Victims an eviction tries past those that cannot be demoted, before it gives up."""
-
-
-class _Line:
-    """Stores waiting for room in one tier: a queue per tenant, the tenants in turn (the head
-    of the first tenant's queue goes next; once it got room, that tenant goes last)."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, deque[object]] = {}
-        self._turns: deque[str] = deque()
-
-    def __len__(self) -> int:
-        return sum(len(queue) for queue in self._queues.values())
-
-    def join(self, tenant: str, waiter: object) -> None:
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = deque()
-            self._turns.append(tenant)
-        queue.append(waiter)
-
-    def head(self) -> object | None:
-        return self._queues[self._turns[0]][0] if self._turns else None
-
-    def leave(self, tenant: str, waiter: object, served: bool) -> None:
-        queue = self._queues[tenant]
-        queue.remove(waiter)
-        if not queue:
-            del self._queues[tenant]
-            self._turns.remove(tenant)
-        elif served and self._turns[0] == tenant:
-            self._turns.rotate(-1)
 
 
 class StoreOptions(TypedDict, total=False):
@@ -217,7 +186,7 @@ class StoreCore:
         self.flushing = [0] * len(self.tiers)
         self._room = threading.Condition(threading.Lock())
         self._flushes = 0  # copies ended so far (batches of the write-behind)
-        self._lines: dict[int, _Line] = {}
+        self._lines: dict[int, TenantLine] = {}
 
     def place(
         self,
@@ -283,7 +252,7 @@ class StoreCore:
         among them), or the victim would be demoted to the durable tier while still queued
         for it, wait (up to ``room_wait_s``) for the write-behind's next copies, then evict
         (at the deadline, a victim still queued is demoted). Waiters take turns tenant by
-        tenant (``_Line``); a store arriving while others wait queues behind them. Call
+        tenant (``fair.TenantLine``); a store arriving while others wait queues behind them. Call
         without the store's lock."""
         if not wait:
             return self.evict_one(tier, incoming)
@@ -320,7 +289,7 @@ class StoreCore:
         tenant = self.behind.owner(incoming.namespace_root) if self.behind is not None else ""
         waiter = object()
         with self._room:
-            line = self._lines.setdefault(tier, _Line())
+            line = self._lines.setdefault(tier, TenantLine())
             line.join(tenant, waiter)
             if line.head() is not waiter:
                 tried = None  # the head before it may leave room behind: try at its turn

@@ -1,10 +1,12 @@
-"""The write-behind queue's order: per-tenant queues cut into batches by deficit round robin.
+"""Fair turns across tenants: the write-behind queue's order (``FairBatches``), per-tenant
+queues cut into batches by deficit round robin, and the line of stores waiting for room in a
+tier (``TenantLine``), tenant by tenant.
 
-Each tenant's items stay in the order they were queued (a chain's parents before its
-children, and a durable store after what its tenant queued before it). Tenants with items
-queued take turns: a turn serves items while their cost fits the tenant's deficit, which each
-turn raises by a quantum of one batch slot (``batch_bytes / batch_items``). An item costs its
-bytes, at least one slot (a small block's write costs about as much as a slot's: its file,
+``FairBatches``: each tenant's items stay in the order they were queued (a chain's parents
+before its children, and a durable store after what its tenant queued before it). Tenants with
+items queued take turns: a turn serves items while their cost fits the tenant's deficit, which
+each turn raises by a quantum of one batch slot (``batch_bytes / batch_items``). An item costs
+its bytes, at least one slot (a small block's write costs about as much as a slot's: its file,
 its sync), so a turn is about one item of up to a slot, and a larger item waits for as many
 turns as it has slots. A tenant whose queue empties leaves the round and forgets its deficit.
 
@@ -121,3 +123,35 @@ class FairBatches(Generic[T]):
                 if take:
                     del self._lanes[tenant]
             yield entry
+
+
+class TenantLine:
+    """Waiters in one line, fair across tenants: a queue per tenant, the tenants in turn (the
+    head of the first tenant's queue goes next; once it was served, that tenant goes last):
+    the stores waiting for room in one tier (``StoreCore.make_room``)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[object]] = {}
+        self._turns: deque[str] = deque()
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+    def join(self, tenant: str, waiter: object) -> None:
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+            self._turns.append(tenant)
+        queue.append(waiter)
+
+    def head(self) -> object | None:
+        return self._queues[self._turns[0]][0] if self._turns else None
+
+    def leave(self, tenant: str, waiter: object, served: bool) -> None:
+        queue = self._queues[tenant]
+        queue.remove(waiter)
+        if not queue:
+            del self._queues[tenant]
+            self._turns.remove(tenant)
+        elif served and self._turns[0] == tenant:
+            self._turns.rotate(-1)
