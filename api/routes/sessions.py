@@ -14,10 +14,10 @@ from sessioncache.api.schemas import (
     SessionCreate,
     SessionExtend,
     SessionFinish,
-    SessionHints,
     SessionList,
     SessionOut,
 )
+from sessioncache.api.schemas_hints import SessionHints
 from sessioncache.operations import messages
 from sessioncache.operations import sessions as ops
 from sessioncache.operations.caller import Caller

@@ -47,12 +47,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Unpack
 import numpy as np
 import numpy.typing as npt
 
+from sessioncache.connector.connection import StreamConnection
 from sessioncache.connector.errors import IdMismatch, ProtocolError
 from sessioncache.connector.payloads import Filler, as_buffer, one_size
 from sessioncache.connector.stream import (
     HelloOptions,
     StreamClient,
-    StreamConnection,
     StreamLookup,
     discover_same_host,
 )
