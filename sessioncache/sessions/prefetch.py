@@ -201,8 +201,8 @@ class Prefetcher:
         if not self._room(tenant, limit, explicit=True, need=below):
             return PrefetchOutcome(
                 DEFERRED,
-                "no room: the CPU tier holds only pinned blocks and blocks forecast back "
-                "sooner than this chain",
+                "no room now: no block of the CPU tier may leave for this chain (pinned, "
+                "still being written to disk, or forecast back sooner): retry later",
                 below,
             )
         budget = self._budget(tenant)
