@@ -37,8 +37,14 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def native_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The native interface's own node: nothing LMCache's bench or server left on ``node``
-    (their connections' stages, their blocks) is in its counts."""
-    server = start_server(tmp_path_factory.mktemp("lmcache-native") / "data")
+    (their connections' stages, their blocks) is in its counts. Its CPU tier holds several
+    64 MiB chunks: its tests store blocks of two sizes (8 KiB and 256 KiB), and in a tier of
+    one chunk the second size gets room only once the first size's blocks have been written
+    behind and evicted, which a busy disk can delay past a store's wait (its blocks dropped)."""
+    server = start_server(
+        tmp_path_factory.mktemp("lmcache-native") / "data",
+        {"SESSIONCACHE_CPU_BYTES": str(256 << 20)},
+    )
     yield server
     server.stop()
 
