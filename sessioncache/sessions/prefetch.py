@@ -38,7 +38,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from sessioncache.sessions.manager import SessionKey, SessionManager
 from sessioncache.store import TieredStore
 from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.eviction import spare_copy
+from sessioncache.store.fair import TenantTurns
 from sessioncache.store.forecast import ORPHAN_BASE
 from sessioncache.store.prefetch import Granted
 
@@ -140,8 +140,6 @@ class Prefetcher:
         self._tenant_of = tenant_of
         self.forecast_enabled = forecast
         self._hold_s = hold_s
-        self._tenant_queue = tenant_queue
-        self._total_queue = total_queue
         self.bytes_per_s = disk_bytes_per_s
         """The disk's speed as the moves measure it (bytes per second, smoothed)."""
         self._returns = returns
@@ -155,9 +153,7 @@ class Prefetcher:
         """The tier chains move into: the CPU tier (None: the node has none)."""
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._queues: dict[str, deque[_Job]] = {}
-        self._turns: deque[str] = deque()
-        self._queued = 0
+        self._queues: TenantTurns[_Job] = TenantTurns(tenant_queue, total_queue)
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop = BackgroundLoop("prefetch-forecast", self.tick, tick_s)
@@ -195,7 +191,7 @@ class Prefetcher:
         with self._lock:
             if key in self._pending:
                 return PrefetchOutcome(ACCEPTED, "queued already", below)
-            if self._full(tenant):
+            if self._queues.full(tenant):
                 return PrefetchOutcome(DEFERRED, "the prefetch queue is full: retry later", below)
         limit = self._value_of(chain[-1], self._store.clock.now())
         if not self._room(tenant, limit, explicit=True, need=below):
@@ -335,7 +331,9 @@ class Prefetcher:
             thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(10.0)
-        for job in self._take_all():
+        with self._lock:
+            jobs = self._queues.clear()
+        for job in jobs:
             if job.lease_id is not None:
                 self._store.prefetch.release(job.lease_id)
             self._end(job, release=False)
@@ -345,7 +343,7 @@ class Prefetcher:
         ran = 0
         while True:
             with self._lock:
-                job = self._pop()
+                job = self._queues.pop()
             if job is None:
                 return ran
             self._move(job)
@@ -354,16 +352,16 @@ class Prefetcher:
     @property
     def queued(self) -> int:
         with self._lock:
-            return self._queued
+            return len(self._queues)
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._queued:
+                while not self._stop and not self._queues:
                     self._work.wait()
                 if self._stop:
                     return
-                job = self._pop()
+                job = self._queues.pop()
             if job is not None:
                 try:
                     self._move(job)
@@ -400,9 +398,10 @@ class Prefetcher:
     def _queue(self, job: _Job) -> bool:
         """Queue ``job``; False (its grant ended) when the queues are full."""
         with self._lock:
-            if not self._full(job.key[0]) and job.key not in self._pending:
+            if not self._queues.full(job.key[0]) and job.key not in self._pending:
                 self._pending.add(job.key)
-                self._push(job.key[0], job)
+                self._queues.push(job.key[0], job)
+                self._work.notify()
                 return True
         self._end(job, release=True)
         return False
@@ -478,43 +477,3 @@ class Prefetcher:
         if meta is None or self._store.forecast is None:
             return None
         return self._value(meta, now)
-
-    # -- the queues (lock held) ---------------------------------------------------------
-
-    def _full(self, tenant: str) -> bool:
-        queue = self._queues.get(tenant)
-        return self._queued >= self._total_queue or (
-            queue is not None and len(queue) >= self._tenant_queue
-        )
-
-    def _push(self, tenant: str, job: _Job) -> None:
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = deque()
-            self._turns.append(tenant)
-        queue.append(job)
-        self._queued += 1
-        self._work.notify()
-
-    def _pop(self) -> _Job | None:
-        """The next job, the tenants in turn."""
-        if not self._turns:
-            return None
-        tenant = self._turns[0]
-        queue = self._queues[tenant]
-        job = queue.popleft()
-        self._queued -= 1
-        if queue:
-            self._turns.rotate(-1)
-        else:
-            del self._queues[tenant]
-            self._turns.popleft()
-        return job
-
-    def _take_all(self) -> Sequence[_Job]:
-        with self._lock:
-            jobs = [job for queue in self._queues.values() for job in queue]
-            self._queues.clear()
-            self._turns.clear()
-            self._queued = 0
-            return jobs

@@ -1,6 +1,7 @@
 """Fair turns across tenants: the write-behind queue's order (``FairBatches``), per-tenant
-queues cut into batches by deficit round robin, and the line of stores waiting for room in a
-tier (``TenantLine``), tenant by tenant.
+queues cut into batches by deficit round robin, the line of stores waiting for room in a
+tier (``TenantLine``), tenant by tenant, and bounded queues served one item a turn
+(``TenantTurns``: the prefetch engine's moves).
 
 ``FairBatches``: each tenant's items stay in the order they were queued (a chain's parents
 before its children, and a durable store after what its tenant queued before it). Tenants with
@@ -155,3 +156,55 @@ class TenantLine:
             self._turns.remove(tenant)
         elif served and self._turns[0] == tenant:
             self._turns.rotate(-1)
+
+
+class TenantTurns(Generic[T]):
+    """A queue per tenant, bounded per tenant (``per_tenant``) and in all (``total``), served
+    one item a turn, the tenants in turn."""
+
+    def __init__(self, per_tenant: int, total: int) -> None:
+        self.per_tenant = per_tenant
+        self.total = total
+        self._queues: dict[str, deque[T]] = {}
+        self._turns: deque[str] = deque()
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def full(self, tenant: str) -> bool:
+        """Whether a ``push`` for ``tenant`` would pass a bound."""
+        queue = self._queues.get(tenant)
+        return self._count >= self.total or (queue is not None and len(queue) >= self.per_tenant)
+
+    def push(self, tenant: str, item: T) -> None:
+        """Queue ``item`` (the caller checked ``full``)."""
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+            self._turns.append(tenant)
+        queue.append(item)
+        self._count += 1
+
+    def pop(self) -> T | None:
+        """The next item: the head of the first tenant's queue, that tenant then last."""
+        if not self._turns:
+            return None
+        tenant = self._turns[0]
+        queue = self._queues[tenant]
+        item = queue.popleft()
+        self._count -= 1
+        if queue:
+            self._turns.rotate(-1)
+        else:
+            del self._queues[tenant]
+            self._turns.popleft()
+        return item
+
+    def clear(self) -> list[T]:
+        """Every queued item, removed."""
+        items = [item for queue in self._queues.values() for item in queue]
+        self._queues.clear()
+        self._turns.clear()
+        self._count = 0
+        return items
