@@ -181,6 +181,7 @@ def grid() -> dict[str, dict[str, Any]]:
             "shrink": shrink,
             "overdue": 4.0,
             "dead_branch_s": 3600.0,
+            "beyond": math.inf,
         }
     for beyond in (1.0, 2.0, 4.0):
         out[f"next_use q=0.8 beyond={beyond:g}"] = {

@@ -466,11 +466,13 @@ class Prefetcher:
         return self._value(victim, now)
 
     def _value(self, meta: BlockMeta, now: float) -> float:
-        """A block's eviction value: the larger, the later it is forecast back."""
+        """When a block is forecast back (the larger, the later), however far ahead: the
+        eviction value before its cap (``Forecast.predicted``), so that chains returning past
+        the cap still rank against one another."""
         forecast = self._store.forecast
         if forecast is None:
             return now + (now - meta.last_access)
-        return forecast.value(meta.next_use, meta.last_access, now)
+        return forecast.predicted(meta.next_use, meta.last_access, now)
 
     def _value_of(self, head: BlockHash, now: float) -> float | None:
         meta = self._store.reads.meta(head)

@@ -268,7 +268,7 @@ class Forecast:
     overdue: float = 4.0
     """``next_use``: how fast an expected return that did not come recedes: a block is valued
     at least ``now + overdue x (now - last access)``."""
-    beyond: float = math.inf
+    beyond: float = 1.0
     """``next_use``: a predicted return further ahead than this many horizons (the first
     tier's turnover, ``Horizon``), or none (a dead block), counts as that far only: the tier
     would not keep the block until then anyway, so blocks silent for longer than
@@ -352,6 +352,14 @@ class Forecast:
         if self.mode == "next_use":
             if self.beyond < math.inf:
                 key = min(key, now + self.beyond * self.horizon.seconds)
+            return max(key, now + self.overdue * (now - last))
+        return eviction_value(key, last, self)
+
+    def predicted(self, key: float, last: float, now: float) -> float:
+        """``value`` before the ``beyond`` cap (``next_use``): the date a block is forecast
+        back, which orders chains by their return however far ahead (the prefetch engine's
+        order: under the cap every return past it ties)."""
+        if self.mode == "next_use":
             return max(key, now + self.overdue * (now - last))
         return eviction_value(key, last, self)
 

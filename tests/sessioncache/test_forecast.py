@@ -173,6 +173,18 @@ def test_a_return_beyond_the_horizon_counts_as_one_horizon_ahead_only():
         Forecast(beyond=0.0)
 
 
+def test_the_node_caps_at_one_horizon_and_the_predicted_date_is_never_capped():
+    f = Forecast()  # the node's default: the setting cross-validation chose
+    assert f.mode == "next_use" and f.beyond == 1.0
+    f.horizon.seconds = 100.0
+    # Two returns past the cap tie for eviction, but their dates still order them (what the
+    # prefetch engine ranks chains by).
+    assert f.value(900.0, 100.0, 105.0) == f.value(5000.0, 100.0, 105.0) == 205.0
+    assert f.predicted(900.0, 100.0, 105.0) == 900.0
+    assert f.predicted(5000.0, 100.0, 105.0) == 5000.0
+    assert f.predicted(130.0, 100.0, 140.0) == f.value(130.0, 100.0, 140.0)  # overdue alike
+
+
 def test_the_horizon_is_the_tiers_turnover():
     h = Horizon(600.0, level=0.5)
     for t in range(1, 11):  # a 16,000-byte tier loses 100 bytes a second
