@@ -116,6 +116,9 @@ class SessionForecasts:
         rhythm = self._rhythm(key)
         if finish is None:
             rhythm.arrive(now)
+            hint = self._hinted(key)
+            if hint is not None:
+                hint.arrived()
         else:
             rhythm.finished_with(finish, now)
         self._file(key, rhythm, chain, now, common_prefix(chain, shared) if shared else 0)

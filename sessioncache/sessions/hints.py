@@ -137,6 +137,11 @@ class HintState:
             self.back_at = None
         return self.back_at
 
+    def arrived(self) -> None:
+        """A request of the session arrived: the return a hint expected has come (early or on
+        time), so it no longer dates the chain, which the request now uses."""
+        self.back_at = None
+
     def as_json(self) -> dict[str, Any]:
         return {
             "ttl_s": self.ttl_s,

@@ -185,6 +185,22 @@ def test_an_expected_return_and_a_priority_order_eviction(
     assert ahead(node, a[-1]) == pytest.approx(forecast.gaps["stop"])
 
 
+def test_an_expected_return_is_spent_when_the_session_comes_back(
+    client: TestClient, node: CacheNode, forecast: Forecast
+):
+    toks = tokens(6, 64)
+    a = held(client, "a", toks, finish_reason="end_turn")
+    hint(client, "a", {"agent_hints": {"expected_tool_duration_ms": 3_600_000}})
+    assert ahead(node, a[-1]) == pytest.approx(3600.0)
+    # Back after 10 s, not an hour: the request uses the chain now, so it is filed as a
+    # running request's (the forecast's), not at the hour the hint expected.
+    node.store.clock.advance(10)  # type: ignore[attr-defined]
+    r = client.post("/v1/lookup", json={"namespace": NS, "tokens": toks, "session_id": "a"})
+    assert r.status_code == 200, r.text
+    assert ahead(node, a[-1]) == pytest.approx(forecast.in_flight_s)
+    assert client.get("/v1/sessions/a").json()["hint"]["back_at"] is None
+
+
 def test_retention_directives_rank_parts_of_the_chain(
     client: TestClient, node: CacheNode, forecast: Forecast
 ):
