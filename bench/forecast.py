@@ -24,6 +24,10 @@ prints the first tier's hit tokens (policy against LRU) and a TTFT proxy: missed
 1, tokens loaded from a lower tier ``--load-cost`` (0.1: a disk read of a block costs about a
 tenth of recomputing it), first-tier hits 0.
 
+``--settings "default hints=oracle"`` replays the default with every session telling the node
+exactly when it is next back (``StoreSim``'s ``hints="oracle"``): not a setting, the reference
+of what exact return dates are worth to the node's eviction, printed apart from the choice.
+
 Baselines (LRU, Belady) do not depend on the setting: ``--cache FILE`` keeps them between
 runs. One process, one replay at a time (``--jobs`` for more).
 """
@@ -196,16 +200,27 @@ def grid() -> dict[str, dict[str, Any]]:
     return out
 
 
+ORACLE_HINTS = "default hints=oracle"
+"""Not a setting a node can run: the default, with every session telling the node exactly when
+it is next back (``StoreSim``'s ``hints="oracle"``): what exact return dates are worth, the
+reference a forecast is measured against beside Belady."""
+
+
 def setting(name: str) -> dict[str, Any]:
     if name == "default":
         return {}
+    if name == ORACLE_HINTS:
+        return {"hints": "oracle"}
     options = grid()
     if name not in options:
-        raise SystemExit(f"unknown setting {name!r}; settings are default, {sorted(options)}")
+        raise SystemExit(
+            f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {sorted(options)}"
+        )
     return options[name]
 
 
 def make_forecast(options: Mapping[str, Any], priors: Priors | None) -> Forecast:
+    options = {k: v for k, v in options.items() if k != "hints"}
     if priors is None:
         return Forecast(**options)
     return Forecast(priors=priors["top"], subagent_priors=priors["sub"], **options)
@@ -275,12 +290,18 @@ def ours(
     tiers: Sequence[tuple[str, float]],
     forecast: Forecast,
     load_cost: float,
+    hints: str = "none",
 ) -> PolicyResult:
     split = capacity_tiers(trace, frac, tiers)
     bt = trace.block_tokens
     policy = EvictionPolicy(len(split), forecast)
     sim = StoreSim(
-        "sessioncache", [(t, blocks * bt) for t, blocks in split], block_bytes=bt, policy=policy
+        "sessioncache",
+        [(t, blocks * bt) for t, blocks in split],
+        block_bytes=bt,
+        policy=policy,
+        trace=trace,
+        hints=hints,
     )
     return replay_one(trace, sim)
 
@@ -307,7 +328,10 @@ def run_job(job: Job) -> tuple[dict[str, Any], list[Cell]]:
     priors = priors_from_json(job.priors) if job.priors is not None else None
     cells: list[Cell] = []
     for name, options in job.settings.items():
-        result = ours(trace, job.frac, job.tiers, make_forecast(options, priors), job.load_cost)
+        forecast = make_forecast(options, priors)
+        result = ours(
+            trace, job.frac, job.tiers, forecast, job.load_cost, options.get("hints", "none")
+        )
         cells.append(
             Cell(
                 job.fold,
@@ -551,11 +575,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cells = run(jobs, cache, args.jobs)
         all_cells += cells
-        ranked = sorted(settings, key=lambda n: -score([c for c in cells if c.setting == n]))
+        choices = [n for n in settings if n != ORACLE_HINTS] or list(settings)
+        ranked = sorted(choices, key=lambda n: -score([c for c in cells if c.setting == n]))
         print("held-out gap saved (share of the miss tokens between lru_tail_first and belady)")
         print("by setting, mean over folds, seeds and the target capacities:")
         for name in ranked:
             print(f"  {score([c for c in cells if c.setting == name]):>7.3f}  {name}")
+        if ORACLE_HINTS in settings and ORACLE_HINTS not in ranked:
+            oracle = score([c for c in cells if c.setting == ORACLE_HINTS])
+            print(f"  {oracle:>7.3f}  {ORACLE_HINTS} (a reference: exact return dates)")
+            print("\n".join(table([c for c in cells if c.setting == ORACLE_HINTS], fracs, 1)))
         best = ranked[0]
         print(f"\nchosen: {best}; per held-out fold (mean over seeds {args.seeds}):")
         mine = [c for c in cells if c.setting == best]

@@ -31,7 +31,10 @@
   between two events and at the last one-second tick before each request or finish, and its
   moves run there; ``oracle`` runs the same engine with each session's true
   next arrival instead of its forecast (a move is due at the tick before it). ``none`` ticks
-  nothing (the engine is there, unused).
+  nothing (the engine is there, unused). With ``hints="oracle"`` every session tells the node,
+as an agent's hint would (``SessionManager.hint``), when it is next back: at each arrival and
+each finish, its true next arrival (``back_in_s``), or that it is done (``final``) after its
+last request: what the node's eviction makes of exact return dates (``HINT_MODES``).
 
 Every ``serve`` returns, for each matched block of the request's prefix, the index of the
 fastest tier that held it.
@@ -58,11 +61,13 @@ from sessioncache.operations import lookups, stores
 from sessioncache.operations.caller import Caller
 from sessioncache.operations.messages import StoreRequest
 from sessioncache.replay.trace import Request, Trace
+from sessioncache.sessions.hints import Hint
 from sessioncache.sessions.manager import SessionKey, SessionManager
 from sessioncache.sessions.prefetch import TICK_S, Prefetcher
 from sessioncache.status import BlockStatus, kept
 from sessioncache.store import DEFAULT_TTL_S, TieredStore
 from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.forecast import MIN_GAP_S
 from sessioncache.tiers.accounting import AccountingTier, zero_payload
 
 NAMESPACE = Namespace("sessioncache-replay", 4, "float16", "replay")
@@ -73,6 +78,9 @@ CLOCK_START = 1_700_000_000.0
 
 PREFETCH_MODES = ("none", "forecast", "oracle")
 """What moves chains up ahead of their reads in a replay (``StoreSim``'s ``prefetch``)."""
+
+HINT_MODES = ("none", "oracle")
+"""What the sessions of a replay tell the node of their return (``StoreSim``'s ``hints``)."""
 
 PREFETCH_TICK_S = 10.0
 """The replay's forecast prefetch pass runs every this many simulated seconds between two
@@ -313,13 +321,19 @@ class StoreSim:
         sweep_s: float = 60.0,
         prefetch: str | None = None,
         trace: Trace | None = None,
+        hints: str = "none",
     ) -> None:
-        """``prefetch``: one of ``PREFETCH_MODES`` (None: as ``none``); ``oracle`` needs the
-        ``trace`` it replays, whose arrivals it knows."""
+        """``prefetch``: one of ``PREFETCH_MODES`` (None: as ``none``); ``hints``: one of
+        ``HINT_MODES``; either's ``oracle`` needs the ``trace`` it replays, whose arrivals it
+        knows."""
         if prefetch is not None and prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch is one of {PREFETCH_MODES}, got {prefetch!r}")
-        if prefetch == "oracle" and trace is None:
-            raise ValueError("the oracle prefetch needs the trace")
+        if hints not in HINT_MODES:
+            raise ValueError(f"hints is one of {HINT_MODES}, got {hints!r}")
+        if (prefetch == "oracle" or hints == "oracle") and trace is None:
+            raise ValueError("an oracle needs the trace")
+        if hints == "oracle" and not sessions:
+            raise ValueError("hints need sessions")
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if not sweep_s > 0:
@@ -338,13 +352,14 @@ class StoreSim:
         # The node of the operation layer over them; a session's stores go through it.
         self.node: CacheNode | None = None
         self.prefetch: Prefetcher | None = None
-        self._arrivals: dict[str, list[float]] = {}
+        self._arrivals: dict[str, list[float]] = (
+            _arrivals(trace) if trace is not None and "oracle" in (prefetch, hints) else {}
+        )
+        self._hints = hints == "oracle"
         if self.sessions is not None:
             settings = Settings(prefetch_forecast=prefetch in ("forecast", "oracle"))
             self.node = CacheNode(settings, self.store, self.sessions)
             if prefetch == "oracle":
-                assert trace is not None
-                self._arrivals = _arrivals(trace)
                 self.node.prefetch = make_prefetcher(
                     settings, self.store, self.sessions, self.node.pins, returns=self._returns
                 )
@@ -402,6 +417,15 @@ class StoreSim:
         at = bisect.bisect_right(times, now)
         return CLOCK_START + times[at] if at < len(times) else None
 
+    def _tell(self, session: str) -> None:
+        """The oracle's hint: when ``session`` is next back, or that it is done."""
+        assert self.sessions is not None
+        back = self._returns((OPEN_TENANT, session))
+        now = self.clock.now()
+        hint = Hint(final=True) if back is None else Hint(back_in_s=max(MIN_GAP_S, back - now))
+        with contextlib.suppress(SessionCacheError):  # swept meanwhile
+            self.sessions.hint(session, hint)
+
     def _advance_to(self, time: float) -> None:
         if time >= self._next_sweep:
             last = math.floor(time / self._sweep_s) * self._sweep_s
@@ -417,6 +441,8 @@ class StoreSim:
         self._advance(request.finished)
         with contextlib.suppress(SessionCacheError):  # swept meanwhile, or a reason unknown
             self.sessions.record(request.session, finish_reason=request.stop)
+        if self._hints:
+            self._tell(request.session)
 
     def serve(self, request: Request) -> list[int]:
         self._advance(request.time)
@@ -453,6 +479,8 @@ class StoreSim:
                 payloads = [self._payload] * len(new)
                 result = store.writes.put(new, payloads, namespace_root=self._root, parent=parent)
                 self._dropped += len(result.dropped)
+        if self._hints and session is not None:
+            self._tell(session)
         return tiers
 
     def _store_in_session(self, session: str, parent: BlockHash | None, ids: Sequence[int]) -> int:

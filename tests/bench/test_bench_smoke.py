@@ -37,9 +37,10 @@ CASES: dict[str, tuple[list[str], str]] = {
             *("--trace", str(ROOT / "tests" / "fixtures" / "traces" / "agent-sessions")),
             *("--check-trace", str(ROOT / "tests" / "fixtures" / "traces" / "agent-sessions")),
             *("--cv", "--check", "--k", "3", "--fracs", "0.01,0.05", "--seeds", "0"),
-            *("--settings", "next_use q=0.7,value"),
+            *("--settings", "next_use q=0.7,value,default hints=oracle"),
         ],
-        r"(?m)^chosen: .*\n(?s:.*)^  worst fold beyond lru_tail_first: .*\n"
+        r"(?m)^ +\S+  default hints=oracle \(a reference: exact return dates\)\n"
+        r"(?s:.*)^chosen: .*\n(?s:.*)^  worst fold beyond lru_tail_first: .*\n"
         r"(?s:.*)agent-sessions \(value; default priors\): gap saved per seed\n",
     ),
     "bench.dataplane": (

@@ -433,3 +433,37 @@ def test_the_forecast_keeps_the_tool_loop_that_lru_gives_up():
     belady = replay_one(trace, make_simulator("belady", trace, [("all", 5)])).hit_tokens
     assert hits["forecast"] == 192 == belady  # a's 3 blocks
     assert hits["lru"] == 64
+
+
+def test_oracle_hints_give_the_node_each_sessions_true_return():
+    # a's tool call takes long (back at 100 s); b's user is back in seconds (8 s): the reverse
+    # of what their finish classes forecast. Told the true returns (an agent's hints), the node
+    # keeps b's chain when c needs room and b's next turn hits whole; on its forecast alone
+    # it keeps a's.
+    requests = [
+        Request(0.0, "a", (1, 2, 3), 192, "tool_use", 1.0),
+        Request(2.0, "b", (10, 11, 12), 192, "end_turn", 1.0),
+        Request(5.0, "c", (20, 21), 128),
+        Request(8.0, "b", (10, 11, 12, 13), 256, "end_turn", 1.0),
+        Request(100.0, "a", (1, 2, 3, 4), 256),
+    ]
+    trace = Trace("t", "agent-sessions", 64, requests, 9, 3)
+    matched: dict[str, list[int]] = {}
+    for hints in ("none", "oracle"):
+        sim = StoreSim(
+            hints,
+            [("cpu", 6 * 64)],
+            block_bytes=64,
+            policy=EvictionPolicy.named("forecast", 1),
+            session_options={"pin_share": 0.0},
+            trace=trace,
+            hints=hints,
+        )
+        matched[hints] = []
+        for request in requests:
+            matched[hints].append(len(sim.serve(request)))
+            sim.finish(request)
+    assert matched["oracle"][3:] == [3, 1]  # b's whole chain; a's head, its tail given up
+    assert matched["none"][3:] == [1, 3]  # the forecast kept the tool loop's chain instead
+    with pytest.raises(ValueError, match="hints"):
+        StoreSim("x", [("cpu", 64)], block_bytes=64, hints="psychic")
