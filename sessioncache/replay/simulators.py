@@ -31,10 +31,11 @@
   between two events and at the last one-second tick before each request or finish, and its
   moves run there; ``oracle`` runs the same engine with each session's true
   next arrival instead of its forecast (a move is due at the tick before it). ``none`` ticks
-  nothing (the engine is there, unused). With ``hints="oracle"`` every session tells the node,
-as an agent's hint would (``SessionManager.hint``), when it is next back: at each arrival and
-each finish, its true next arrival (``back_in_s``), or that it is done (``final``) after its
-last request: what the node's eviction makes of exact return dates (``HINT_MODES``).
+  nothing (the engine is there, unused). With ``hints="oracle"`` every session tells the
+  node, as an agent's hint would (``SessionManager.hint``), when it is next back: at each
+  arrival and each finish, its true next arrival (``back_in_s``), or that it is done
+  (``final``) after its last request: what the node's eviction makes of exact return dates
+  (``HINT_MODES``).
 
 Every ``serve`` returns, for each matched block of the request's prefix, the index of the
 fastest tier that held it.

@@ -349,11 +349,9 @@ class Forecast:
 
     def value(self, key: float, last: float, now: float) -> float:
         """A block's eviction value at ``now``: the larger, the sooner it goes."""
-        if self.mode == "next_use":
-            if self.beyond < math.inf:
-                key = min(key, now + self.beyond * self.horizon.seconds)
-            return max(key, now + self.overdue * (now - last))
-        return eviction_value(key, last, self)
+        if self.mode == "next_use" and self.beyond < math.inf:
+            key = min(key, now + self.beyond * self.horizon.seconds)
+        return self.predicted(key, last, now)
 
     def predicted(self, key: float, last: float, now: float) -> float:
         """``value`` before the ``beyond`` cap (``next_use``): the date a block is forecast
