@@ -25,8 +25,10 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
@@ -40,7 +42,7 @@ from sessioncache.connector.retry import NodeBackoff
 from sessioncache.connector.samehost import SameHostClient, map_segments
 from sessioncache.connector.transfer import DATA_PLANE_PATHS, DEFAULT_LEASE_MS, KVTransfer
 from sessioncache.devices import DeviceCopies
-from sessioncache.errors import InvalidInput, PayloadSizeError
+from sessioncache.errors import InvalidInput, PayloadSizeError, SessionNotFound
 from sessioncache.hashing import Namespace
 
 BlockBytes = npt.NDArray[np.uint8]
@@ -57,6 +59,9 @@ def default_copy_threads() -> int:
 
 
 MIN_SHARED_BLOCKS = 8
+OPENED_SESSIONS = 65536
+"""How many sessions an engine remembers opening on the node (the least recently used are
+forgotten first, and opened again, idempotently, if they come back)."""
 """Fewer blocks than this are copied by the caller alone."""
 
 
@@ -332,8 +337,9 @@ class EngineNode:
         self.settings = settings
         self.backoff = NodeBackoff(clock=clock)
         self._kvs: dict[str | None, KVTransfer] = {}
-        self._sessions: set[tuple[str | None, str]] = set()
-        """Sessions opened on the node from here (``open_session`` is idempotent)."""
+        self._sessions: OrderedDict[tuple[str | None, str], None] = OrderedDict()
+        """Sessions opened on the node from here, the most recently used last (bounded:
+        ``OPENED_SESSIONS``; ``open_session`` is idempotent)."""
         self._bounce = ops.Bounce()
 
     @property
@@ -399,18 +405,46 @@ class EngineNode:
         ``scope``)."""
         if not ids:
             return 0
-        kv = self.open_session(scope)
-        return ops.held(kv.connection, root, ids, session_id=scope.session_id, declined=declined)
+
+        def ask() -> int:
+            with self._in_session(scope):
+                kv = self.open_session(scope)
+                return ops.held(
+                    kv.connection, root, ids, session_id=scope.session_id, declined=declined
+                )
+
+        try:
+            return ask()
+        except SessionNotFound:  # the node closed it since (now forgotten): opened again, once
+            return ask()
 
     def open_session(self, scope: Scope) -> KVTransfer:
         """The connection of ``scope``, its session opened on the node the first time it is
         seen here (``open_session`` is idempotent)."""
         kv = self.kv(scope)
         session = scope.session_id
-        if session is not None and (scope.api_key, session) not in self._sessions:
-            ops.open_session(kv, session)  # or the open one of that id
-            self._sessions.add((scope.api_key, session))
+        if session is None:
+            return kv
+        key = (scope.api_key, session)
+        if key in self._sessions:
+            self._sessions.move_to_end(key)
+            return kv
+        ops.open_session(kv, session)  # or the open one of that id
+        self._sessions[key] = None
+        if len(self._sessions) > OPENED_SESSIONS:
+            self._sessions.popitem(last=False)
         return kv
+
+    @contextmanager
+    def _in_session(self, scope: Scope) -> Iterator[None]:
+        """A call on behalf of ``scope``'s session: if the node answers that it has no such
+        session (it expired, an operator closed it, the node was replaced), forget having
+        opened it, so that the next request opens it again instead of failing for good."""
+        try:
+            yield
+        except SessionNotFound:
+            self._sessions.pop((scope.api_key, scope.session_id or ""), None)
+            raise
 
     def load(self, namespace: Namespace, transfer: Transfer, layout: PagedLayout) -> Loaded:
         """Load the transfer's blocks into their paged blocks under one lease; how many, from
@@ -448,16 +482,17 @@ class EngineNode:
             self._bounce,
             layout.device,
         )
-        got = ops.load(
-            self.kv(scope).connection,
-            root,
-            ids,
-            placed,
-            lease_ms=self.settings.lease_ms,
-            first=first,
-            keyed=keyed,
-            session_id=None if keyed else scope.session_id,
-        )
+        with self._in_session(scope):
+            got = ops.load(
+                self.kv(scope).connection,
+                root,
+                ids,
+                placed,
+                lease_ms=self.settings.lease_ms,
+                first=first,
+                keyed=keyed,
+                session_id=None if keyed else scope.session_id,
+            )
         return Loaded(got.count(True), placed.copy_s)
 
     def unsent(self, namespace: Namespace, transfer: Transfer) -> Transfer:
@@ -485,20 +520,21 @@ class EngineNode:
         blocks, or alone when there are none (``Transfer.finish_reason``)."""
         kv = self.kv(transfer.scope)
         session = transfer.scope.session_id
-        if not transfer.block_ids:
-            if transfer.finish_reason is not None and session is not None:
-                ops.finish_session(kv, session, transfer.finish_reason)
-            return 0
-        ack = ops.store(
-            kv.connection,
-            kv.root(namespace),
-            transfer.tokens,
-            [PagedBlock(layout, b) for b in transfer.block_ids],
-            block_tokens=namespace.block_tokens,
-            first=transfer.first,
-            session_id=session,
-            finish_reason=transfer.finish_reason if session is not None else None,
-        )
+        with self._in_session(transfer.scope):
+            if not transfer.block_ids:
+                if transfer.finish_reason is not None and session is not None:
+                    ops.finish_session(kv, session, transfer.finish_reason)
+                return 0
+            ack = ops.store(
+                kv.connection,
+                kv.root(namespace),
+                transfer.tokens,
+                [PagedBlock(layout, b) for b in transfer.block_ids],
+                block_tokens=namespace.block_tokens,
+                first=transfer.first,
+                session_id=session,
+                finish_reason=transfer.finish_reason if session is not None else None,
+            )
         return sum(ack.held)
 
     def close(self) -> None:

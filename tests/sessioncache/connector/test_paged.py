@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from sessioncache.connector import paged
 from sessioncache.connector.paged import EngineNode, NodeSettings, PagedLayout, Scope, Transfer
 from sessioncache.errors import (
     AuthRefused,
     InvalidInput,
     LeaseLost,
     PayloadSizeError,
+    SessionNotFound,
     StreamClosed,
 )
 from sessioncache.hashing import Namespace
@@ -224,6 +226,51 @@ def test_a_save_sends_only_the_blocks_past_those_the_node_holds(node: Server) ->
         f"{node.url}/v1/sessions/paged-unsent", headers={"Authorization": "Bearer sk-alice"}
     ).json()
     assert info["pinned"] and info["head"] is not None
+
+
+@pytest.mark.parametrize("path", ["same_host", "stream"])
+def test_a_session_the_node_closed_is_opened_again_by_the_next_request(
+    node: Server, path: str
+) -> None:
+    # The engine remembers the sessions it opened; the node may close one since (its TTL, an
+    # operator, a replaced node). The next request opens it again, not 404s for good.
+    prompt = tokens(4 * TOKENS, 20 if path == "stream" else 21)
+    layout = PagedLayout(layer_major(seed=8), BLOCKS)
+    sid = f"paged-reopened-{path}"
+    url = f"{node.url}/v1/sessions/{sid}"
+    auth = {"Authorization": "Bearer sk-alice"}
+    alice = EngineNode(NodeSettings(node.url, "sk-alice", path, timeout_s=10))
+    scope = Scope(session_id=sid)
+    try:
+        assert alice.held_blocks(NS, prompt, scope) == 0  # opens it
+        assert alice.save(NS, Transfer("r1", prompt, 0, [0, 1, 2, 3], scope), layout) == 4
+        assert httpx.delete(url, headers=auth, timeout=10).status_code == 204
+        assert httpx.get(url, headers=auth, timeout=10).status_code == 404
+        assert alice.held_blocks(NS, prompt, scope) == 4  # the blocks stay; the session is back
+        assert httpx.get(url, headers=auth, timeout=10).status_code == 200
+        # and a save the node refuses for a closed session opens it at the next request
+        assert httpx.delete(url, headers=auth, timeout=10).status_code == 204
+        longer = tokens(5 * TOKENS, 20 if path == "stream" else 21)
+        with pytest.raises(SessionNotFound):
+            alice.save(NS, Transfer("r2", longer, 4, [4], scope), layout)
+        assert alice.held_blocks(NS, prompt, scope) == 4
+        assert httpx.get(url, headers=auth, timeout=10).json()["pinned"]
+    finally:
+        alice.close()
+
+
+def test_an_engine_remembers_a_bounded_number_of_opened_sessions(
+    node: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(paged, "OPENED_SESSIONS", 2)
+    prompt = tokens(2 * TOKENS, 22)
+    alice = EngineNode(NodeSettings(node.url, "sk-alice", "stream", timeout_s=10))
+    try:
+        for sid in ("bounded-1", "bounded-2", "bounded-3", "bounded-1"):
+            assert alice.held_blocks(NS, prompt, Scope(session_id=sid)) == 0
+        assert list(alice._sessions) == [(None, "bounded-3"), (None, "bounded-1")]
+    finally:
+        alice.close()
 
 
 def test_a_node_that_is_gone_fails_the_calls_and_writes_nothing(node: Server) -> None:
