@@ -186,7 +186,8 @@ MLA_NAMESPACE = Namespace(MODEL_NAME, MLA_BLOCK, "float32", "vllm-paged/cpu/l2/m
 def test_mla_loads_nothing_where_the_backend_cannot_attend_to_a_cache(
     node: Server, tmp_path: Path
 ) -> None:
-    """On this CPU (no AMX) vLLM runs MLA with prefix caching and chunked prefill off. The
+    """With its reference MLA backend (its choice on CPUs without AMX; asked for by name here)
+    vLLM runs MLA with prefix caching and chunked prefill off. The
     engine saves the prompt under the latent layout's namespace; sent again once the node
     holds it, the prompt loads nothing and equals its first computation (a load would be
     read wrongly: without the check, 2,032 tokens loaded moved its logprobs by up to 1.94),
@@ -204,6 +205,10 @@ def test_mla_loads_nothing_where_the_backend_cannot_attend_to_a_cache(
         load_format="auto",
         dtype="float32",
         max_tokens=16,
+        # vLLM's reference MLA backend, the one it runs on CPUs without AMX, asked for by name:
+        # on a CPU with AMX it would pick its AMX backend, which takes bf16 weights only and
+        # keeps prefix caching on (no declined path to test)
+        llm={"attention_backend": "CPU_MLA"},
     )
     try:
         seen = read_to_gate(process, "")
