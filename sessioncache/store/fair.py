@@ -126,24 +126,38 @@ class FairBatches(Generic[T]):
             yield entry
 
 
-class TenantLine:
+class _TenantQueues(Generic[T]):
+    """A queue per tenant and the tenants in turn (the first one's head goes next): what
+    ``TenantLine`` and ``TenantTurns`` keep."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[T]] = {}
+        self._turns: deque[str] = deque()
+
+    def _enqueue(self, tenant: str, item: T) -> None:
+        """``item`` at the end of ``tenant``'s queue; a tenant new to the line goes last."""
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+            self._turns.append(tenant)
+        queue.append(item)
+
+    def _drop(self, tenant: str) -> None:
+        """``tenant``'s queue, empty now, leaves the line."""
+        del self._queues[tenant]
+        self._turns.remove(tenant)
+
+
+class TenantLine(_TenantQueues[object]):
     """Waiters in one line, fair across tenants: a queue per tenant, the tenants in turn (the
     head of the first tenant's queue goes next; once it was served, that tenant goes last):
     the stores waiting for room in one tier (``StoreCore.make_room``)."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, deque[object]] = {}
-        self._turns: deque[str] = deque()
 
     def __len__(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
 
     def join(self, tenant: str, waiter: object) -> None:
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = deque()
-            self._turns.append(tenant)
-        queue.append(waiter)
+        self._enqueue(tenant, waiter)
 
     def head(self) -> object | None:
         return self._queues[self._turns[0]][0] if self._turns else None
@@ -152,21 +166,19 @@ class TenantLine:
         queue = self._queues[tenant]
         queue.remove(waiter)
         if not queue:
-            del self._queues[tenant]
-            self._turns.remove(tenant)
+            self._drop(tenant)
         elif served and self._turns[0] == tenant:
             self._turns.rotate(-1)
 
 
-class TenantTurns(Generic[T]):
+class TenantTurns(_TenantQueues[T]):
     """A queue per tenant, bounded per tenant (``per_tenant``) and in all (``total``), served
     one item a turn, the tenants in turn."""
 
     def __init__(self, per_tenant: int, total: int) -> None:
+        super().__init__()
         self.per_tenant = per_tenant
         self.total = total
-        self._queues: dict[str, deque[T]] = {}
-        self._turns: deque[str] = deque()
         self._count = 0
 
     def __len__(self) -> int:
@@ -179,11 +191,7 @@ class TenantTurns(Generic[T]):
 
     def push(self, tenant: str, item: T) -> None:
         """Queue ``item`` (the caller checked ``full``)."""
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = deque()
-            self._turns.append(tenant)
-        queue.append(item)
+        self._enqueue(tenant, item)
         self._count += 1
 
     def pop(self) -> T | None:
@@ -197,8 +205,7 @@ class TenantTurns(Generic[T]):
         if queue:
             self._turns.rotate(-1)
         else:
-            del self._queues[tenant]
-            self._turns.popleft()
+            self._drop(tenant)
         return item
 
     def clear(self) -> list[T]:
