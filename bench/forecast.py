@@ -27,6 +27,9 @@ tenth of recomputing it), first-tier hits 0.
 ``--settings "default hints=oracle"`` replays the default with every session telling the node
 exactly when it is next back (``StoreSim``'s ``hints="oracle"``): not a setting, the reference
 of what exact return dates are worth to the node's eviction, printed apart from the choice.
+``"default pins=idle"`` is the default with a session's pins held the idle timeout past every
+request, whatever its forecast (``SessionManager``'s ``pins_follow_forecast`` off): a setting
+a node can run, chosen among the others.
 
 Baselines (LRU, Belady) do not depend on the setting: ``--cache FILE`` keeps them between
 runs. One process, one replay at a time (``--jobs`` for more).
@@ -206,21 +209,33 @@ it is next back (``StoreSim``'s ``hints="oracle"``): what exact return dates are
 reference a forecast is measured against beside Belady."""
 
 
+PINS_IDLE = "default pins=idle"
+"""The default with a session's pins held ``idle_timeout_s`` past every request, however far
+ahead its forecast return (``SESSIONCACHE_PINS_FOLLOW_FORECAST=false``): a setting a node can
+run, chosen among the others."""
+
+SESSION_OPTIONS = ("pins_follow_forecast",)
+"""The options of a setting that are the sessions', not the forecast's."""
+
+
 def setting(name: str) -> dict[str, Any]:
     if name == "default":
         return {}
     if name == ORACLE_HINTS:
         return {"hints": "oracle"}
+    if name == PINS_IDLE:
+        return {"pins_follow_forecast": False}
     options = grid()
     if name not in options:
         raise SystemExit(
-            f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {sorted(options)}"
+            f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {PINS_IDLE!r}, "
+            f"{sorted(options)}"
         )
     return options[name]
 
 
 def make_forecast(options: Mapping[str, Any], priors: Priors | None) -> Forecast:
-    options = {k: v for k, v in options.items() if k != "hints"}
+    options = {k: v for k, v in options.items() if k != "hints" and k not in SESSION_OPTIONS}
     if priors is None:
         return Forecast(**options)
     return Forecast(priors=priors["top"], subagent_priors=priors["sub"], **options)
@@ -291,7 +306,9 @@ def ours(
     forecast: Forecast,
     load_cost: float,
     hints: str = "none",
+    sessions: Mapping[str, Any] | None = None,
 ) -> PolicyResult:
+    """The node's store and sessions (``sessions``: the manager's options) over ``trace``."""
     split = capacity_tiers(trace, frac, tiers)
     bt = trace.block_tokens
     policy = EvictionPolicy(len(split), forecast)
@@ -302,6 +319,7 @@ def ours(
         policy=policy,
         trace=trace,
         hints=hints,
+        session_options=sessions,
     )
     return replay_one(trace, sim)
 
@@ -330,7 +348,13 @@ def run_job(job: Job) -> tuple[dict[str, Any], list[Cell]]:
     for name, options in job.settings.items():
         forecast = make_forecast(options, priors)
         result = ours(
-            trace, job.frac, job.tiers, forecast, job.load_cost, options.get("hints", "none")
+            trace,
+            job.frac,
+            job.tiers,
+            forecast,
+            job.load_cost,
+            options.get("hints", "none"),
+            {k: v for k, v in options.items() if k in SESSION_OPTIONS},
         )
         cells.append(
             Cell(

@@ -234,6 +234,7 @@ def open_node(settings: Settings, *, clock: Clock | None = None, start: bool = T
             kind_ttls=settings.kind_ttls(),
             idle_timeout_s=settings.idle_timeout_s,
             pin_share=settings.pin_share,
+            pins_follow_forecast=settings.pins_follow_forecast,
             repository=catalog.sessions,
             admit=quotas.admitter("sessions"),
             budget=pins.budget,

@@ -21,7 +21,10 @@ and the session starts again from the defaults.
 A session's pin is admitted against its tenant's share of each tier (``budget``,
 ``quotas.PinBudget``): it pins the prefix of the chain that fits with what the tenant pins
 already. Pins are released by ``close``, by an idle timeout (the session stays open; its
-blocks then age out by TTL, and its next request pins again) and by the pin budget: pinned
+blocks then age out by TTL, and its next request pins again), when a request finishes and the
+session's forecast has it back only after that timeout (``pins_follow_forecast``: a finished
+turn whose user reads for minutes; its chain then competes by that forecast, as unpinned
+blocks do), and by the pin budget: pinned
 bytes per tier are bounded by a share of the tier's capacity, past which pins go, those of
 the tenant pinning the largest share of the tier first, and of its sessions those expected
 back last (under LRU, the least recently active) first: a tenant's finish reasons order its
@@ -149,10 +152,13 @@ class SessionManager:
         budget: Callable[[str], PinBudget | None] | None = None,
         pinned_of: Callable[[str], Sequence[int]] | None = None,
         max_hint_ttl_s: float = DEFAULT_MAX_HINT_TTL_S,
+        pins_follow_forecast: bool = True,
     ) -> None:
         """``admit``, ``budget`` and ``pinned_of``: the tenants' bounds (``quotas``), each
         described where it is kept below; left out, that bound does not apply.
-        ``max_hint_ttl_s``: the longest soft TTL a hint gives."""
+        ``max_hint_ttl_s``: the longest soft TTL a hint gives. ``pins_follow_forecast``:
+        a finish whose forecast return lies past ``idle_timeout_s`` releases the session's
+        pins at once (unless a hint's soft TTL holds them); no effect without a forecast."""
         for kind, ttl in kind_ttls.items():
             if not 0 < ttl <= MAX_TTL_S:
                 raise InvalidInput(f"the TTL of session kind {kind!r} must be positive")
@@ -167,6 +173,7 @@ class SessionManager:
         self._kind_ttls = dict(kind_ttls)
         self._idle_timeout = idle_timeout_s
         self._pin_share = pin_share
+        self._pins_follow = pins_follow_forecast
         self._repo = repository
         self._lock = threading.RLock()
         self._sessions: dict[SessionKey, Session] = {}
@@ -454,6 +461,8 @@ class SessionManager:
             parent = self.forecasts.parent(session.key)  # a subagent spares its parent's
             shared = _chain(self._pins, self._store, self._sessions.get(parent)) if parent else ()
             self.forecasts.seen(session.key, finish, chain, shared)
+            if finish is not None and self._pins_follow and self._back_late(session.key):
+                self._unpin(session.key, "idle")
 
     # -- internals (lock held) ----------------------------------------------------------
 
@@ -489,6 +498,17 @@ class SessionManager:
         self.tenants.add(self._sessions.pop(key).tenant, -1)
         if self._repo is not None:
             self._repo.delete_session(key)
+
+    def _back_late(self, key: SessionKey) -> bool:
+        """Whether the pinned session ``key`` is forecast back only after its pins would
+        go idle (and no hint holds them longer)."""
+        if key not in self._pins:
+            return False
+        state = self.hints.get(key)
+        if state is not None and state.ttl_s is not None:
+            return False
+        current = self.forecasts.current(key)
+        return current is not None and current[0] > self._clock.now() + self._idle_timeout
 
     def _due(
         self, key: SessionKey, now: float, *, idle: bool = False

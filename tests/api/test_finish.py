@@ -172,3 +172,21 @@ def test_blocks_uploaded_after_a_sessions_store_are_filed_under_its_forecast(
     assert got["last_finish"] == "stop"
     assert got["expected_back"] == pytest.approx(node.store.clock.now() + forecast.gaps["stop"])
     assert client.get("/v1/sessions/up", headers=GLOBEX).status_code == 404
+
+
+def test_a_finished_turn_releases_its_pins_and_a_tool_call_keeps_them(client: TestClient):
+    """A turn that ended (its user back in over an hour at the forecast's quantile) holds no
+    pins for the idle timeout; a tool call's session (back in seconds) stays pinned, and
+    another tenant's finish of it is a 404 that leaves it so."""
+    for sid in ("reader", "looper"):
+        open_session(client, sid)
+        held(client, tokens(len(sid), 64), session_id=sid)
+    looper = client.post("/v1/sessions/looper/finish", json={"finish_reason": "tool_use"})
+    reader = client.post("/v1/sessions/reader/finish", json={"finish_reason": "end_turn"})
+    assert looper.status_code == reader.status_code == 200, (looper.text, reader.text)
+    assert looper.json()["pinned"] is True and reader.json()["pinned"] is False
+    other = client.post(
+        "/v1/sessions/looper/finish", json={"finish_reason": "stop"}, headers=GLOBEX
+    )
+    assert other.status_code == 404, other.text
+    assert client.get("/v1/sessions/looper").json()["pinned"] is True

@@ -11,8 +11,10 @@ import pytest
 from sessioncache.clock import ManualClock
 from sessioncache.errors import InvalidInput, SessionNotFound
 from sessioncache.hashing import BlockHash, Namespace, block_hashes
+from sessioncache.sessions.hints import Hint
 from sessioncache.sessions.manager import DAY_S, SessionManager
 from sessioncache.store import TieredStore
+from sessioncache.store.eviction import EvictionPolicy
 from sessioncache.tiers.cpu import CpuTier
 from tests.support.session_store import put_in_session
 
@@ -280,3 +282,44 @@ def test_a_lookup_waiting_on_the_shared_tier_holds_no_session_lock(clock: Manual
     # session that is gone (nothing would ever unpin it).
     assert found == [3]
     assert sm.pinned_sessions() == [] and store.stats().pinned_blocks == 0
+
+
+def forecasting(clock: ManualClock, **kw: bool) -> tuple[TieredStore, SessionManager]:
+    """A store under the node's default eviction (the forecast), and sessions over it."""
+    store = TieredStore(
+        [CpuTier(64 * SIZE)], EvictionPolicy.named("forecast", 1), clock=clock, default_ttl_s=HOUR
+    )
+    return store, SessionManager(store, **kw)
+
+
+def test_a_finished_turn_forecast_back_after_the_idle_timeout_releases_its_pins(
+    clock: ManualClock,
+):
+    """A user reading a finished turn (``end_turn``: back in over an hour at the forecast's
+    quantile) holds no pins for the idle timeout; a tool call (back in seconds) keeps them;
+    one tenant's finish never unpins another's session; a hint's soft TTL still holds pins."""
+    store, sm = forecasting(clock)  # the default forecast, 300 s idle timeout
+    sm.open("reader", tenant="alice")
+    sm.open("looper", tenant="bob")
+    reader = block_hashes(NS, tokens(1, 4))
+    looper = block_hashes(NS, tokens(2, 4))
+    for tenant, sid, chain in (("alice", "reader", reader), ("bob", "looper", looper)):
+        match = sm.lookup(sid, chain, tenant=tenant)
+        put_in_session(sm, sid, chain, [data(h) for h in chain], namespace_root=ROOT, tenant=tenant)
+        assert match.num_blocks == 0
+    assert store.stats().pinned_blocks == 8
+    sm.record("looper", tenant="bob", finish_reason="tool_use")
+    sm.record("reader", tenant="alice", finish_reason="end_turn")
+    assert sm.pinned_sessions() == [("bob", "looper")]
+    assert store.stats().pinned_blocks == 4 and not sm.get("reader", tenant="alice").pinned
+    # the next turn pins again; a soft TTL holds the pins past a finished turn
+    sm.hint("reader", Hint(ttl_s=HOUR), tenant="alice")
+    sm.lookup("reader", reader, tenant="alice")
+    sm.record("reader", tenant="alice", finish_reason="end_turn")
+    assert ("alice", "reader") in sm.pinned_sessions()
+    # off: pins are held the idle timeout past every request
+    _, held = forecasting(clock, pins_follow_forecast=False)
+    held.open("reader")
+    put_in_session(held, "reader", reader, [data(h) for h in reader], namespace_root=ROOT)
+    held.record("reader", finish_reason="end_turn")
+    assert held.pinned_sessions() == [("default", "reader")]
