@@ -464,10 +464,11 @@ def verdict(cells: Sequence[Cell], tiers: int) -> list[str]:
         target = GAP_TARGETS[f]
         met = "met" if m >= target else "MISSED"
         out.append(f"  mean gap saved at {f:.0%}: {m:.3f} (>= {target}: {met})")
-    folds = sorted({c.fold for c in cells})
+    # Each fold at each capacity on its own: a fold's savings at one capacity must not hide
+    # what it loses at another.
     worst = []
-    for fold in folds:
-        mine = [c for c in cells if c.fold == fold]
+    for fold, frac in sorted({(c.fold, c.frac) for c in cells}):
+        mine = [c for c in cells if c.fold == fold and c.frac == frac]
         lru = sum(c.lru for c in mine)
         extra = sum(c.ours for c in mine) - lru
         worst.append(max(0.0, extra / lru) if lru else 0.0)
