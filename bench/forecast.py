@@ -27,9 +27,9 @@ tenth of recomputing it), first-tier hits 0.
 ``--settings "default hints=oracle"`` replays the default with every session telling the node
 exactly when it is next back (``StoreSim``'s ``hints="oracle"``): not a setting, the reference
 of what exact return dates are worth to the node's eviction, printed apart from the choice.
-``"default pins=idle"`` is the default with a session's pins held the idle timeout past every
-request, whatever its forecast (``SessionManager``'s ``pins_follow_forecast`` off): a setting
-a node can run, chosen among the others.
+``"default pins=forecast"`` is the default with a session's pins released at a finish whose
+forecast return lies past the idle timeout (``SessionManager``'s ``pins_follow_forecast``): a
+setting a node can run, chosen among the others.
 
 Baselines (LRU, Belady) do not depend on the setting: ``--cache FILE`` keeps them between
 runs. One process, one replay at a time (``--jobs`` for more).
@@ -209,10 +209,10 @@ it is next back (``StoreSim``'s ``hints="oracle"``): what exact return dates are
 reference a forecast is measured against beside Belady."""
 
 
-PINS_IDLE = "default pins=idle"
-"""The default with a session's pins held ``idle_timeout_s`` past every request, however far
-ahead its forecast return (``SESSIONCACHE_PINS_FOLLOW_FORECAST=false``): a setting a node can
-run, chosen among the others."""
+PINS_FORECAST = "default pins=forecast"
+"""The default with a session's pins released at a finish forecast back past the idle timeout
+(``SESSIONCACHE_PINS_FOLLOW_FORECAST=true``): a setting a node can run, chosen among the
+others (off by default for tenant isolation: docs/sessions.md)."""
 
 SESSION_OPTIONS = ("pins_follow_forecast",)
 """The options of a setting that are the sessions', not the forecast's."""
@@ -223,12 +223,12 @@ def setting(name: str) -> dict[str, Any]:
         return {}
     if name == ORACLE_HINTS:
         return {"hints": "oracle"}
-    if name == PINS_IDLE:
-        return {"pins_follow_forecast": False}
+    if name == PINS_FORECAST:
+        return {"pins_follow_forecast": True}
     options = grid()
     if name not in options:
         raise SystemExit(
-            f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {PINS_IDLE!r}, "
+            f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {PINS_FORECAST!r}, "
             f"{sorted(options)}"
         )
     return options[name]

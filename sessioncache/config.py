@@ -138,11 +138,12 @@ class Settings(BaseSettings):
     """idle time after which a session's pins are released"""
     pin_share: Share = 0.5
     """largest share of a tier's capacity that pins may hold"""
-    pins_follow_forecast: bool = True
+    pins_follow_forecast: bool = False
     """when a session's request finishes, release its pins at once if its forecast return lies
     further ahead than `idle_timeout_s` (a finished turn whose user reads for minutes), instead
-    of holding them idle that long (docs/sessions.md); false: pins are held `idle_timeout_s`
-    past every request (under `eviction_policy=lru`, always)"""
+    of holding them idle that long (docs/sessions.md). Off by default: the finished turns then
+    compete by forecast alone, which another tenant's finish reasons steer (one claiming tool
+    calls keeps its chains over them)"""
     sweep_interval_s: PositiveFloat = 60.0
     """period of the background sweep"""
     eviction_policy: Literal["forecast", "lru"] = "forecast"

@@ -99,6 +99,12 @@ class SessionForecasts:
             back = rhythm.expected_back(self.forecast, now)
         return back, rhythm.finish if rhythm is not None else None
 
+    def back_after(self, key: SessionKey, seconds: float) -> bool:
+        """Whether the session is expected back (``current``) only more than ``seconds`` from
+        now; False under plain LRU or before its first request here."""
+        current = self.current(key)
+        return current is not None and current[0] > self._clock.now() + seconds
+
     def seen(
         self,
         key: SessionKey,

@@ -152,7 +152,7 @@ class SessionManager:
         budget: Callable[[str], PinBudget | None] | None = None,
         pinned_of: Callable[[str], Sequence[int]] | None = None,
         max_hint_ttl_s: float = DEFAULT_MAX_HINT_TTL_S,
-        pins_follow_forecast: bool = True,
+        pins_follow_forecast: bool = False,
     ) -> None:
         """``admit``, ``budget`` and ``pinned_of``: the tenants' bounds (``quotas``), each
         described where it is kept below; left out, that bound does not apply.
@@ -461,8 +461,15 @@ class SessionManager:
             parent = self.forecasts.parent(session.key)  # a subagent spares its parent's
             shared = _chain(self._pins, self._store, self._sessions.get(parent)) if parent else ()
             self.forecasts.seen(session.key, finish, chain, shared)
-            if finish is not None and self._pins_follow and self._back_late(session.key):
-                self._unpin(session.key, "idle")
+            hint = self.hints.get(session.key)
+            if (
+                finish is not None
+                and self._pins_follow
+                and session.key in self._pins
+                and (hint is None or hint.ttl_s is None)  # a soft TTL holds them
+                and self.forecasts.back_after(session.key, self._idle_timeout)
+            ):
+                self._unpin(session.key, "idle")  # back only after they would go idle
 
     # -- internals (lock held) ----------------------------------------------------------
 
@@ -498,17 +505,6 @@ class SessionManager:
         self.tenants.add(self._sessions.pop(key).tenant, -1)
         if self._repo is not None:
             self._repo.delete_session(key)
-
-    def _back_late(self, key: SessionKey) -> bool:
-        """Whether the pinned session ``key`` is forecast back only after its pins would
-        go idle (and no hint holds them longer)."""
-        if key not in self._pins:
-            return False
-        state = self.hints.get(key)
-        if state is not None and state.ttl_s is not None:
-            return False
-        current = self.forecasts.current(key)
-        return current is not None and current[0] > self._clock.now() + self._idle_timeout
 
     def _due(
         self, key: SessionKey, now: float, *, idle: bool = False

@@ -193,8 +193,7 @@ def test_without_explain_no_miss_in_the_answer(client: TestClient):
 
 @pytest.fixture
 def tiered(tmp_path: Path, clock: ManualClock) -> Iterator[TestClient]:
-    # 8 blocks of CPU over 8 of disk; pins may hold half of each (the one tenant all of it),
-    # held the idle timeout past a finished turn too, so that the pin budget drops them
+    # 8 blocks of CPU over 8 of disk; pins may hold half of each (the one tenant all of it)
     yield from make_client(
         tmp_path,
         clock,
@@ -202,7 +201,6 @@ def tiered(tmp_path: Path, clock: ManualClock) -> Iterator[TestClient]:
         disk_bytes=8 * BLOCK,
         idle_timeout_s=60,
         tenant_pin_share=1.0,
-        pins_follow_forecast=False,
     )
 
 

@@ -174,10 +174,27 @@ def test_blocks_uploaded_after_a_sessions_store_are_filed_under_its_forecast(
     assert client.get("/v1/sessions/up", headers=GLOBEX).status_code == 404
 
 
-def test_a_finished_turn_releases_its_pins_and_a_tool_call_keeps_them(client: TestClient):
-    """A turn that ended (its user back in over an hour at the forecast's quantile) holds no
-    pins for the idle timeout; a tool call's session (back in seconds) stays pinned, and
-    another tenant's finish of it is a 404 that leaves it so."""
+def test_a_finished_turn_releases_its_pins_and_a_tool_call_keeps_them(tmp_path: Path):
+    """With ``SESSIONCACHE_PINS_FOLLOW_FORECAST``, a turn that ended (its user back in over an
+    hour at the forecast's quantile) holds no pins for the idle timeout; a tool call's session
+    (back in seconds) stays pinned, and another tenant's finish of it is a 404 that leaves it
+    so."""
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        cpu_bytes=64 * BLOCK,
+        disk_bytes=0,
+        api_keys=KEYS,
+        pins_follow_forecast=True,
+    )
+    node = open_node(settings, clock=ManualClock(), start=False)
+    try:
+        with TestClient(create_app(node), base_url="http://127.0.0.1", headers=ACME) as client:
+            finished_turn_pins(client)
+    finally:
+        node.close()
+
+
+def finished_turn_pins(client: TestClient) -> None:
     for sid in ("reader", "looper"):
         open_session(client, sid)
         held(client, tokens(len(sid), 64), session_id=sid)

@@ -165,11 +165,8 @@ def test_the_pin_budget_unpins_the_tenant_pinning_most_first(clock: ManualClock)
     store = TieredStore(
         [CpuTier(20 * SIZE)], EvictionPolicy.named("forecast", 1), clock=clock, default_ttl_s=1e5
     )
-    sm = SessionManager(  # 10 blocks of pins, every tenant together; held past a finish
-        store,
-        pin_share=0.5,
-        pinned_of=lambda tenant: store.reads.pinned_under([root(tenant)]),
-        pins_follow_forecast=False,
+    sm = SessionManager(  # 10 blocks of pins, every tenant together
+        store, pin_share=0.5, pinned_of=lambda tenant: store.reads.pinned_under([root(tenant)])
     )
     sm.open("a", tenant="alice")
     stop = chain("alice", 1, 3)

@@ -298,7 +298,7 @@ def test_a_finished_turn_forecast_back_after_the_idle_timeout_releases_its_pins(
     """A user reading a finished turn (``end_turn``: back in over an hour at the forecast's
     quantile) holds no pins for the idle timeout; a tool call (back in seconds) keeps them;
     one tenant's finish never unpins another's session; a hint's soft TTL still holds pins."""
-    store, sm = forecasting(clock)  # the default forecast, 300 s idle timeout
+    store, sm = forecasting(clock, pins_follow_forecast=True)  # 300 s idle timeout
     sm.open("reader", tenant="alice")
     sm.open("looper", tenant="bob")
     reader = block_hashes(NS, tokens(1, 4))
@@ -317,8 +317,8 @@ def test_a_finished_turn_forecast_back_after_the_idle_timeout_releases_its_pins(
     sm.lookup("reader", reader, tenant="alice")
     sm.record("reader", tenant="alice", finish_reason="end_turn")
     assert ("alice", "reader") in sm.pinned_sessions()
-    # off: pins are held the idle timeout past every request
-    _, held = forecasting(clock, pins_follow_forecast=False)
+    # off (the default): pins are held the idle timeout past every request
+    _, held = forecasting(clock)
     held.open("reader")
     put_in_session(held, "reader", reader, [data(h) for h in reader], namespace_root=ROOT)
     held.record("reader", finish_reason="end_turn")

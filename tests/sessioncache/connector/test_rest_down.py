@@ -146,8 +146,7 @@ def test_a_transfers_session_turns_need_no_rest_call(
         assert kept.blocks == 2
         assert kv.store_from(turn2, [], session_id="agent", finish_reason="stop").blocks == 0
         seen = session_of(node, "agent")
-        # a finished turn (back late, by its forecast) holds no pins; its chain is its head
-        assert seen["last_finish"] == "stop" and not seen["pinned"] and seen["head"], seen
+        assert seen["last_finish"] == "stop" and seen["pinned"] and seen["head"], seen
         assert kv.carrier is not None
         kv.carrier.close_session("agent")
         assert session_of(node, "agent") == {"status": 404}
@@ -184,8 +183,7 @@ def test_an_engine_nodes_session_turns_need_no_rest_call(
         done = Transfer("r2", prompt, 4, [], scope, finish_reason="stop")
         assert engine.save(NS, done, saver) == 0  # the finish alone
         seen = session_of(node, "vllm-agent")
-        # a finished turn (back late, by its forecast) holds no pins; its chain is its head
-        assert seen["last_finish"] == "stop" and not seen["pinned"] and seen["head"], seen
+        assert seen["last_finish"] == "stop" and seen["pinned"] and seen["head"], seen
         assert proxy.accepted == 1, "the engine made a REST call after it connected"
     finally:
         engine.close()
