@@ -461,15 +461,12 @@ class SessionManager:
             parent = self.forecasts.parent(session.key)  # a subagent spares its parent's
             shared = _chain(self._pins, self._store, self._sessions.get(parent)) if parent else ()
             self.forecasts.seen(session.key, finish, chain, shared)
-            hint = self.hints.get(session.key)
-            if (
-                finish is not None
-                and self._pins_follow
-                and session.key in self._pins
-                and (hint is None or hint.ttl_s is None)  # a soft TTL holds them
-                and self.forecasts.back_after(session.key, self._idle_timeout)
-            ):
-                self._unpin(session.key, "idle")  # back only after they would go idle
+            if finish is not None and self._pins_follow and session.key in self._pins:
+                hint = self.hints.get(session.key)  # a soft TTL holds them
+                if (hint is None or hint.ttl_s is None) and self.forecasts.back_after(
+                    session.key, self._idle_timeout
+                ):
+                    self._unpin(session.key, "idle")  # back only after they would go idle
 
     # -- internals (lock held) ----------------------------------------------------------
 
