@@ -65,9 +65,12 @@ from sessioncache.store.forecast import (
     FLIGHT,
     MIN_GAP_S,
     POOLED,
+    Distribution,
     Forecast,
     Gap,
+    Hist,
     fit_gap,
+    fit_hist,
 )
 
 SHARED = Path(__file__).parents[1].parent / "shared" / "traces"
@@ -80,7 +83,7 @@ WORSE_LIMIT = 0.002
 FOLDS = 5
 FOLD_SEED = 46
 
-Priors = dict[str, dict[str, Gap]]
+Priors = dict[str, dict[str, Distribution]]
 """``{"top": class -> Gap, "sub": class -> Gap}``."""
 
 
@@ -121,12 +124,13 @@ def gaps_of(requests: Iterable[Request]) -> dict[tuple[bool, str], tuple[list[fl
     return out
 
 
-def fit_priors(requests: Iterable[Request]) -> Priors:
+def fit_priors(requests: Iterable[Request], *, hist: bool = False) -> Priors:
     """The class priors of top-level sessions and of subagents. A class seen but never
     followed keeps a small ``p`` with its kind's pooled log-normal; a class never seen takes
     its kind's pooled gap; a kind never seen takes the other's."""
     seen = gaps_of(list(requests))
     out: Priors = {}
+    hists: dict[tuple[bool, str], Distribution] = {}
     for sub, kind in ((False, "top"), (True, "sub")):
         pooled_gaps: list[float] = []
         pooled_n = 0
@@ -144,23 +148,46 @@ def fit_priors(requests: Iterable[Request]) -> Priors:
                 fitted[cls] = fit_gap(gaps, n, like=fitted.get(POOLED))
         if POOLED not in fitted and FLIGHT in fitted:
             fitted[POOLED] = fitted[FLIGHT]
-        out[kind] = fitted
+        if hist:  # a histogram where a class was seen followed often enough to draw one
+            if len(pooled_gaps) >= HIST_MIN_GAPS:
+                hists[(sub, POOLED)] = fit_hist(pooled_gaps, pooled_n)
+            for cls in CLASSES:
+                gaps, n = seen.get((sub, cls), ([], 0))
+                if len(gaps) >= HIST_MIN_GAPS:
+                    hists[(sub, cls)] = fit_hist(gaps, n)
+        out[kind] = dict(fitted)
     for kind, other in (("top", "sub"), ("sub", "top")):
         for cls in (*CLASSES, POOLED):
             if cls not in out[kind]:
                 out[kind][cls] = out[kind].get(POOLED) or out[other][cls]
+    for (sub, cls), fitted_hist in hists.items():
+        out["sub" if sub else "top"][cls] = fitted_hist
     return out
 
 
-def priors_json(priors: Priors) -> dict[str, dict[str, list[float]]]:
-    return {
-        kind: {cls: [round(g.p, 4), round(g.mu, 4), round(g.sigma, 4)] for cls, g in gaps.items()}
-        for kind, gaps in priors.items()
-    }
+HIST_MIN_GAPS = 20
+"""A class's histogram needs this many gaps seen; with fewer it keeps its log-normal."""
+
+
+PriorsJson = dict[str, dict[str, list[float]]]
+"""Per kind and class: ``[p, mu, sigma]`` of a log-normal, or a histogram's survivals
+prefixed by ``-1``."""
+
+
+def priors_json(priors: Priors) -> PriorsJson:
+    def one(g: Distribution) -> list[float]:
+        if isinstance(g, Hist):
+            return [-1.0, *(round(x, 6) for x in g.surv)]
+        return [round(g.p, 4), round(g.mu, 4), round(g.sigma, 4)]
+
+    return {kind: {cls: one(g) for cls, g in gaps.items()} for kind, gaps in priors.items()}
 
 
 def priors_from_json(doc: Mapping[str, Mapping[str, Sequence[float]]]) -> Priors:
-    return {kind: {cls: Gap(*v) for cls, v in gaps.items()} for kind, gaps in doc.items()}
+    def one(v: Sequence[float]) -> Distribution:
+        return Hist(tuple(v[1:])) if v[0] == -1 else Gap(*v)
+
+    return {kind: {cls: one(v) for cls, v in gaps.items()} for kind, gaps in doc.items()}
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -200,7 +227,15 @@ def grid() -> dict[str, dict[str, Any]]:
             "beyond": beyond,
         }
     out["value"] = {"mode": "value", "adapt": False}
+    out[CHANCE] = {"mode": "chance", "dead_branch_s": None, "hist": True}
+    out[CHANCE + " pins=0"] = {**out[CHANCE], "pin_share": 0.0}
+    out["default pins=0"] = {"pin_share": 0.0}
     return out
+
+
+CHANCE = "chance hist"
+"""Hit density (``Forecast.mode`` ``chance``) over histograms of the gaps (``fit_hist``), a
+branch left behind dead."""
 
 
 ORACLE_HINTS = "default hints=oracle"
@@ -214,7 +249,7 @@ PINS_FORECAST = "default pins=forecast"
 (``SESSIONCACHE_PINS_FOLLOW_FORECAST=true``): a setting a node can run, chosen among the
 others (off by default for tenant isolation: docs/sessions.md)."""
 
-SESSION_OPTIONS = ("pins_follow_forecast",)
+SESSION_OPTIONS = ("pins_follow_forecast", "pin_share")
 """The options of a setting that are the sessions', not the forecast's."""
 
 
@@ -235,7 +270,9 @@ def setting(name: str) -> dict[str, Any]:
 
 
 def make_forecast(options: Mapping[str, Any], priors: Priors | None) -> Forecast:
-    options = {k: v for k, v in options.items() if k != "hints" and k not in SESSION_OPTIONS}
+    options = {
+        k: v for k, v in options.items() if k not in ("hints", "hist") and k not in SESSION_OPTIONS
+    }
     if priors is None:
         return Forecast(**options)
     return Forecast(priors=priors["top"], subagent_priors=priors["sub"], **options)
@@ -333,7 +370,8 @@ class Job:
     frac: float
     tiers: list[tuple[str, float]]
     settings: dict[str, dict[str, Any]]
-    priors: dict[str, dict[str, list[float]]] | None
+    priors: PriorsJson | None
+    hist_priors: PriorsJson | None
     base: dict[str, Any] | None
     load_cost: float
 
@@ -343,10 +381,10 @@ def run_job(job: Job) -> tuple[dict[str, Any], list[Cell]]:
     setting."""
     trace = load_fold(job.path, job.only, job.seed)
     base = job.base or baselines(trace, job.frac, job.tiers, job.load_cost)
-    priors = priors_from_json(job.priors) if job.priors is not None else None
     cells: list[Cell] = []
     for name, options in job.settings.items():
-        forecast = make_forecast(options, priors)
+        doc = job.hist_priors if options.get("hist") else job.priors
+        forecast = make_forecast(options, priors_from_json(doc) if doc is not None else None)
         result = ours(
             trace,
             job.frac,
@@ -573,9 +611,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         folds = folds_of(args.trace, args.k)
         pick = [int(x) for x in args.folds.split(",") if x] or list(range(len(folds)))
         fitted: dict[int, Priors] = {}
+        hists: dict[int, Priors] = {}
         for k in pick:
             train = [s for i, f in enumerate(folds) if i != k for s in f]
-            fitted[k] = fit_priors(load_trace(args.trace, only=train).requests)
+            requests = load_trace(args.trace, only=train).requests
+            fitted[k] = fit_priors(requests)
+            hists[k] = fit_priors(requests, hist=True)
         jobs = [
             Job(
                 args.trace,
@@ -586,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tiers,
                 settings,
                 priors_json(fitted[k]),
+                priors_json(hists[k]),
                 None,
                 args.load_cost,
             )
@@ -617,6 +659,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(rates(mine, fracs, len(tiers))))
         print("\n".join(verdict(mine, len(tiers))))
     if args.check:
+        wants_hist = any(options.get("hist") for options in settings.values())
+        check_hists = (
+            priors_json(fit_priors(load_trace(args.trace).requests, hist=True))
+            if wants_hist
+            else None
+        )
         jobs = [
             Job(
                 args.check_trace,
@@ -627,6 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tiers,
                 settings,
                 None,
+                check_hists,
                 None,
                 args.load_cost,
             )

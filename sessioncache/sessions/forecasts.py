@@ -26,7 +26,15 @@ from typing import Protocol
 from sessioncache.clock import Clock
 from sessioncache.hashing import BlockHash, divergence_block
 from sessioncache.sessions.hints import NEUTRAL, HintState
-from sessioncache.store.forecast import MIN_GAP_S, ORPHAN_BASE, POOLED, Forecast, Gap, Rhythm
+from sessioncache.store.forecast import (
+    BACK_SIGMA,
+    MIN_GAP_S,
+    ORPHAN_BASE,
+    POOLED,
+    Forecast,
+    Gap,
+    Rhythm,
+)
 
 SessionKey = tuple[str, str]
 FURTHEST_OF = 64
@@ -34,8 +42,6 @@ FURTHEST_OF = 64
 PRIORITY_STEP = 12.5
 """A priority this much above ``NEUTRAL`` halves how far ahead its session's next use lies
 (100: a sixteenth; 0: sixteen times as far)."""
-BACK_SIGMA = 0.25
-"""``value`` mode: the spread (log) of a return a hint dates."""
 
 
 class ForecastReads(Protocol):
@@ -167,6 +173,8 @@ class SessionForecasts:
         assert self.forecast is not None
         if self.forecast.mode == "next_use":
             return back
+        if self.forecast.mode == "chance":
+            return self.forecast.dated_key(back, now)
         gap = Gap(0.999, math.log(max(MIN_GAP_S, back - now)), BACK_SIGMA)
         return self.forecast.cold_key(gap, now)
 
@@ -260,6 +268,14 @@ def scale(forecast: Forecast, k: float, origin: float, priority: int) -> float:
     if priority == NEUTRAL:
         return k
     factor = math.pow(2.0, (NEUTRAL - priority) / PRIORITY_STEP)
+    if forecast.mode == "chance":  # dated: the class's median return, so scaled
+        if k >= ORPHAN_BASE / 2:  # dead
+            if priority <= NEUTRAL:
+                return k
+            lead = forecast.ahead(forecast.priors[POOLED])
+        else:
+            lead = max(0.0, forecast.predicted(k, origin, origin) - origin)
+        return forecast.dated_key(origin + lead * factor, origin)
     if forecast.mode == "next_use":
         if k >= ORPHAN_BASE / 2:  # dead
             if priority <= NEUTRAL:

@@ -170,6 +170,9 @@ class EvictionPolicy:
         self._spare: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         # With a forecast: the tails by next use, furthest first (keys negated).
         self._ahead: list[list[_Entry]] = [[] for _ in range(num_tiers)]
+        # ``chance``: per class, the tails by their event's date, oldest first.
+        n = len(forecast.classes) + 1 if forecast is not None and forecast.mode == "chance" else 0
+        self._cls: list[list[list[_Entry]]] = [[[] for _ in range(n)] for _ in range(num_tiers)]
         self._lookup: Callable[[BlockHash], BlockMeta | None] | None = None
         self._limit = [_MIN_COMPACT] * num_tiers
 
@@ -201,6 +204,9 @@ class EvictionPolicy:
         heapq.heappush(self._lru[tier], (last_access, op, neg_seq, meta.block_hash))
         if self.forecast is not None:
             heapq.heappush(self._ahead[tier], (-next_use, op, neg_seq, meta.block_hash))
+            if self._cls[tier] and NO_FORECAST < next_use < ORPHAN_BASE / 2:
+                c = self.forecast.class_of(next_use)
+                heapq.heappush(self._cls[tier][c], (next_use, op, neg_seq, meta.block_hash))
         if self._lookup is not None and self.queued(tier) > self._limit[tier]:
             self.compact(tier, self._lookup)
 
@@ -233,6 +239,16 @@ class EvictionPolicy:
                 kept.append(_by_next_use(meta) if kind == 3 else entry)
             heapq.heapify(kept)
             heaps_of[tier] = kept
+        if self._cls[tier]:
+            assert self.forecast is not None
+            classes: list[list[_Entry]] = [[] for _ in self._cls[tier]]
+            for key, op, neg_seq, block_hash in self._ahead[tier]:
+                if -key < ORPHAN_BASE / 2:
+                    c = self.forecast.class_of(-key)
+                    classes[c].append((-key, op, neg_seq, block_hash))
+            for heap in classes:
+                heapq.heapify(heap)
+            self._cls[tier] = classes
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
 
     def next_victim(
@@ -270,6 +286,8 @@ class EvictionPolicy:
             if oldest is not None:
                 heapq.heappop(lru)
             return oldest
+        if self._cls[tier]:
+            return self._by_chance(tier, now, lookup)
         # Two heaps serve the value exactly (``forecast.eviction_value``): blocks with a key
         # by key, the others by last access; the larger value of the two tops goes.
         ahead = self._ahead[tier]
@@ -325,6 +343,62 @@ class EvictionPolicy:
             heapq.heapreplace(heap, current)  # touched or re-forecast since: back in line
         return None
 
+    def _by_chance(
+        self, tier: int, now: float, lookup: Callable[[BlockHash], BlockMeta | None]
+    ) -> BlockMeta | None:
+        """``chance``: of the tops of the heaps (dead or dated furthest, each class's oldest
+        event, the oldest block with no key), the one least likely read within the horizon."""
+        forecast = self.forecast
+        assert forecast is not None
+        ahead, lru = self._ahead[tier], self._lru[tier]
+        best: BlockMeta | None = None
+        heap_of: list[_Entry] | None = None
+        top = 0.0
+        tops: list[tuple[list[_Entry], BlockMeta | None]] = [
+            (ahead, self._top(ahead, tier, lookup, _by_next_use, forecast=True)),
+            (lru, self._top(lru, tier, lookup, _by_last, forecast=False)),
+        ]
+        for c, heap in enumerate(self._cls[tier]):
+            tops.append((heap, self._top_of_class(heap, c, tier, lookup)))
+        for heap, meta in tops:
+            if meta is None:
+                continue
+            value = forecast.value(meta.next_use, meta.last_access, now)
+            if best is None or value > top:
+                best, heap_of, top = meta, heap, value
+        if heap_of is not None:
+            heapq.heappop(heap_of)
+        return best
+
+    def _top_of_class(
+        self,
+        heap: list[_Entry],
+        c: int,
+        tier: int,
+        lookup: Callable[[BlockHash], BlockMeta | None],
+    ) -> BlockMeta | None:
+        """``chance``: the candidate of class ``c`` with the oldest event, left on ``heap``
+        (entries of blocks keyed otherwise since are dropped: ``track`` filed them there)."""
+        forecast = self.forecast
+        assert forecast is not None
+        last = tier == self._last
+        while heap:
+            entry = heap[0]
+            meta = lookup(entry[3])
+            if meta is None or not evictable(meta, tier, last=last):
+                heapq.heappop(heap)
+                continue
+            key = meta.next_use
+            if not NO_FORECAST < key < ORPHAN_BASE / 2 or forecast.class_of(key) != c:
+                heapq.heappop(heap)
+                continue
+            _, _, op, neg_seq, _ = meta.order_keys()
+            current = (key, op, neg_seq, meta.block_hash)
+            if current == entry:
+                return meta
+            heapq.heapreplace(heap, current)
+        return None
+
     def admits(self, victim: BlockMeta, incoming: BlockMeta, tier: int, now: float) -> bool:
         """Whether ``incoming`` may enter ``tier`` at the cost of ``victim``, the block
         ``next_victim`` chose there (see the module docstring)."""
@@ -360,6 +434,7 @@ class EvictionPolicy:
             + len(self._lru[tier])
             + len(self._spare[tier])
             + len(self._ahead[tier])
+            + sum(len(heap) for heap in self._cls[tier])
         )
 
     def rebuild(self, tier: int, metas: Iterable[BlockMeta]) -> None:
@@ -368,6 +443,7 @@ class EvictionPolicy:
         self._lru[tier] = []
         self._spare[tier] = []
         self._ahead[tier] = []
+        self._cls[tier] = [[] for _ in self._cls[tier]]
         for meta in metas:
             self.track(meta, tier)
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT

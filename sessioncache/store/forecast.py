@@ -61,6 +61,8 @@ What the forecast is made of, per session, from what the node sees online:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,7 +124,12 @@ def finish_class(reason: str) -> str:
 
 _SQRT2 = math.sqrt(2.0)
 _NORMAL = NormalDist()
-MODES = ("value", "next_use")
+MODES = ("value", "next_use", "chance")
+CLASS_SPAN = 2.0**36
+"""``chance``: a key is its class's number (``Forecast.classes``, from 1) times this, plus
+the date of the event it dates from (seconds; below this)."""
+DATED = "dated"
+"""``chance``: the class of a chain dated by a hint (or a branch left): the key holds the date."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +170,83 @@ class Gap:
     def median(self) -> float:
         """The median gap of the sessions that do come back."""
         return math.exp(self.mu)
+
+
+HIST_EDGES: tuple[float, ...] = tuple(float(2.0 ** (k / 2)) for k in range(-2, 41))
+"""Where a ``Hist`` knows its survival: 0.5 s to 12 days, four points per power of 4."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hist:
+    """The time to a session's next request as a small histogram: ``surv[k]`` is P(no return
+    within ``HIST_EDGES[k]`` seconds), linear in log time between edges; a return never comes
+    with probability ``1 - p`` (the survival past the last edge). Heavy tails as they were
+    seen, which a log-normal's thin tail is not (a tool call an hour late)."""
+
+    surv: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        s = self.surv
+        if len(s) != len(HIST_EDGES) or not all(0 < b <= a <= 1 for a, b in itertools.pairwise(s)):
+            raise InvalidInput("a histogram needs one falling survival in (0, 1] per edge")
+
+    @property
+    def p(self) -> float:
+        return 1.0 - self.surv[-1]
+
+    def survival(self, x: float) -> float:
+        """P(no return within ``x`` seconds)."""
+        edges, surv = HIST_EDGES, self.surv
+        if x <= edges[0]:
+            return 1.0 - (1.0 - surv[0]) * max(0.0, x) / edges[0]
+        if x >= edges[-1]:
+            return surv[-1]
+        k = bisect.bisect_right(edges, x) - 1
+        t = (math.log(x) - math.log(edges[k])) / (math.log(edges[k + 1]) - math.log(edges[k]))
+        return surv[k] + (surv[k + 1] - surv[k]) * t
+
+    def returns_within(self, silent: float, horizon: float) -> float:
+        """P(return within ``horizon`` more seconds | no return in the first ``silent``)."""
+        alive = self.survival(silent)
+        return max(0.0, alive - self.survival(silent + horizon)) / alive
+
+    def quantile(self, q: float) -> float | None:
+        """The gap by which the session is back with probability ``q``; None when it is
+        less likely to come back at all."""
+        if self.p <= q:
+            return None
+        target = 1.0 - q
+        edges, surv = HIST_EDGES, self.surv
+        if surv[0] <= target:
+            return edges[0] * (1.0 - target) / (1.0 - surv[0])
+        k = next(i for i, v in enumerate(surv) if v <= target) - 1
+        t = (surv[k] - target) / (surv[k] - surv[k + 1])
+        return math.exp(math.log(edges[k]) + t * (math.log(edges[k + 1]) - math.log(edges[k])))
+
+    def median(self) -> float:
+        """The median gap of the sessions that do come back."""
+        back = self.quantile(self.p / 2)
+        return HIST_EDGES[-1] if back is None else back
+
+
+Distribution = Gap | Hist
+"""A class's return distribution: fitted as a log-normal (``fit_gap``) or a histogram
+(``fit_hist``)."""
+
+
+def fit_hist(gaps: Sequence[float], events: int) -> Hist:
+    """The ``Hist`` of ``gaps`` (seconds) seen after ``events`` events of a class, the others
+    never followed by a request; each edge's survival is smoothed by half an event (a class
+    never followed keeps a small chance of coming back, and none falls to 0)."""
+    if events < len(gaps) or events <= 0:
+        raise InvalidInput("fit_hist needs at least one event and no more gaps than events")
+    ordered = sorted(gaps)
+    n = len(ordered)
+    surv = []
+    for edge in HIST_EDGES:
+        later = n - bisect.bisect_right(ordered, edge)
+        surv.append((0.5 + events - n + later) / (events + 1))
+    return Hist(tuple(surv))
 
 
 def fit_gap(gaps: Sequence[float], events: int, *, like: Gap | None = None) -> Gap:
@@ -249,9 +333,9 @@ class Forecast:
     """The forecast's settings (module docstring); chosen by cross-validation on the 301
     sessions of ``../shared/traces/agent-sessions-more`` (docs/sessions.md)."""
 
-    priors: Mapping[str, Gap] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
+    priors: Mapping[str, Distribution] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
     """Per class (``CLASSES`` and ``POOLED``), the prior of a top-level session's gap."""
-    subagent_priors: Mapping[str, Gap] = field(
+    subagent_priors: Mapping[str, Distribution] = field(
         default_factory=lambda: dict(DEFAULT_SUBAGENT_PRIORS)
     )
     """The same for a subagent (a session opened with a ``parent``)."""
@@ -307,6 +391,13 @@ class Forecast:
             raise InvalidInput(f"mode is one of {MODES}, 0 < quantile < 1, overdue > 0")
         if not self.beyond > 0:
             raise InvalidInput("beyond must be positive")
+        if self.mode == "chance" and self.shrink != math.inf:
+            raise InvalidInput("the chance mode keys blocks by class: shrink must be inf")
+        gaps = (*self.priors.values(), *self.subagent_priors.values())
+        if not all(isinstance(g, Gap) for g in gaps) and (
+            self.mode == "value" or self.shrink != math.inf
+        ):
+            raise InvalidInput("histogram priors need shrink inf and the next_use or chance mode")
         if self.horizon is None:
             h = self.horizon_s
             level = min(0.99, self.threshold * self.priors[POOLED].returns_within(h, h))
@@ -317,13 +408,55 @@ class Forecast:
         """The return probability below which a block is cold now (``Horizon.level``)."""
         return self.horizon.level
 
-    def cold_key(self, gap: Gap, origin: float) -> float:
+    def cold_key(self, gap: Distribution, origin: float) -> float:
         """The key (module docstring) of a block whose session's last event, at ``origin``,
         forecasts ``gap``: ``-T`` (``value``), or the predicted next use (``next_use``)."""
         if self.mode == "next_use":
             back = gap.quantile(self.quantile)
             return ORPHAN_BASE - origin if back is None else origin + back
+        assert isinstance(gap, Gap)  # the value mode's priors are log-normals (checked)
         return -(origin + cold_after(gap, self.horizon.seconds, self.level()))
+
+    def event_key(self, sub: bool, cls: str, gap: Distribution, origin: float) -> float:
+        """The key of a block whose session's last event, at ``origin``, was of class ``cls``
+        (a subagent's when ``sub``) and forecasts ``gap``."""
+        if self.mode == "chance":
+            return (self.classes.index((sub, cls)) + 1) * CLASS_SPAN + origin
+        return self.cold_key(gap, origin)
+
+    def dated_key(self, back: float, now: float) -> float:
+        """``chance``: the key of a chain expected back at ``back``."""
+        return (len(self.classes) + 1) * CLASS_SPAN + back
+
+    @property
+    def classes(self) -> tuple[tuple[bool, str], ...]:
+        """``chance``: the classes a key names, in order (subagent?, class); the dated one
+        after them."""
+        return _CLASSES
+
+    def class_of(self, key: float) -> int:
+        """``chance``: the class number of a key (``classes``; ``len(classes)``: dated)."""
+        return int(key // CLASS_SPAN) - 1
+
+    def chance(self, key: float, last: float, now: float) -> float:
+        """``chance``: the block's hit density as of ``now``: the probability that it is read
+        within the first tier's horizon over the time it is expected to stay until then
+        (per second held); -1 for a dead one."""
+        h = self.horizon.seconds
+        if key >= ORPHAN_BASE / 2:
+            return -1.0
+        if key == NO_FORECAST:
+            return hit_density(self.priors[POOLED], now - last, h)
+        c = self.class_of(key)
+        origin = key - (c + 1) * CLASS_SPAN
+        if c == len(self.classes):  # dated
+            if origin < now:  # the date passed without the session: an average silence
+                return hit_density(self.priors[POOLED], now - origin, h)
+            ahead = origin - now
+            return _dated_chance(ahead, h) / max(MIN_GAP_S, min(ahead, h))
+        sub, cls = self.classes[c]
+        gap = (self.subagent_priors if sub else self.priors)[cls]
+        return hit_density(gap, now - origin, h)
 
     @property
     def gaps(self) -> dict[str, float]:
@@ -336,19 +469,23 @@ class Forecast:
         """The same from a request's arrival, its finish not known yet."""
         return self.ahead(self.priors[FLIGHT])
 
-    def ahead(self, gap: Gap) -> float:
+    def ahead(self, gap: Distribution) -> float:
         back = gap.quantile(self.quantile)
         return ORPHAN_BASE if back is None else back
 
     def dead_branch_key(self, now: float) -> float:
         """The key of a branch the session left at ``now`` (``dead_branch_s``)."""
         assert self.dead_branch_s is not None
+        if self.mode == "chance":
+            return self.dated_key(now + self.dead_branch_s, now)
         if self.mode == "next_use":
             return now + self.dead_branch_s
         return -(now + self.dead_branch_s)
 
     def value(self, key: float, last: float, now: float) -> float:
         """A block's eviction value at ``now``: the larger, the sooner it goes."""
+        if self.mode == "chance":
+            return 1.0 - self.chance(key, last, now)
         if self.mode == "next_use" and self.beyond < math.inf:
             key = min(key, now + self.beyond * self.horizon.seconds)
         return self.predicted(key, last, now)
@@ -359,11 +496,64 @@ class Forecast:
         order: under the cap every return past it ties)."""
         if self.mode == "next_use":
             return max(key, now + self.overdue * (now - last))
+        if self.mode == "chance":  # the class's median return, receding as in ``next_use``
+            if key >= ORPHAN_BASE / 2:
+                return key
+            if key == NO_FORECAST:
+                since, back = last, last + self.priors[POOLED].median()
+            else:
+                c = self.class_of(key)
+                since = key - (c + 1) * CLASS_SPAN
+                if c == len(self.classes):  # dated
+                    back = since
+                else:
+                    sub, cls = self.classes[c]
+                    back = since + (self.subagent_priors if sub else self.priors)[cls].median()
+            return max(back, now + self.overdue * (now - since))
         return eviction_value(key, last, self)
 
     def lru_cold(self, last_access: float) -> float:
         """The cold date of a block no session forecasts."""
         return last_access + self.lru_horizons * self.horizon.seconds
+
+
+_CLASSES: tuple[tuple[bool, str], ...] = tuple((sub, c) for sub in (False, True) for c in CLASSES)
+
+
+BACK_SIGMA = 0.25
+"""The spread (log) of a return a hint dates (``value`` and ``chance`` modes)."""
+_STEPS = 24
+_PER_E = 32  # silence buckets per factor e (about 3% apart)
+
+
+def hit_density(gap: Distribution, silent: float, horizon: float) -> float:
+    """Hits per second held: ``P(read within horizon | silent)`` over the seconds a block is
+    expected to stay until that read or the horizon, whichever comes first (``chance``; the
+    silence to ~3%, the horizon to 2 digits)."""
+    bucket = int(math.log(max(MIN_GAP_S, silent)) * _PER_E)
+    return _density(gap, bucket, _round(horizon))
+
+
+@lru_cache(maxsize=65536)
+def _density(gap: Distribution, bucket: int, horizon: float) -> float:
+    s = math.exp(bucket / _PER_E)
+    alive = gap.survival(s)
+    if alive <= 0 or horizon <= 0:
+        return 0.0
+    points = [0.0, *(horizon * math.exp((k - _STEPS) / 4) for k in range(_STEPS + 1))]
+    held, prev = 0.0, alive
+    for lo, hi in itertools.pairwise(points):  # the expected stay: survival, integrated
+        cur = gap.survival(s + hi)
+        held += 0.5 * (prev + cur) * (hi - lo)
+        prev = cur
+    return (alive - prev) / held
+
+
+def _dated_chance(ahead: float, horizon: float) -> float:
+    """The probability that a return expected ``ahead`` seconds from now falls within
+    ``horizon`` (a log-normal of spread ``BACK_SIGMA`` about it)."""
+    z = (math.log(max(MIN_GAP_S, horizon)) - math.log(max(MIN_GAP_S, ahead))) / BACK_SIGMA
+    return 0.999 * 0.5 * math.erfc(-z / _SQRT2)
 
 
 def cold_after(gap: Gap, horizon: float, level: float) -> float:
@@ -447,13 +637,13 @@ class Rhythm:
         self.finish = cls
         self.finished = now
 
-    def gap(self, forecast: Forecast, cls: str) -> Gap:
+    def gap(self, forecast: Forecast, cls: str) -> Distribution:
         """The session's distribution after an event of class ``cls``: the class prior (the
         subagents' for a subagent) moved by its own gaps of that class."""
         priors = forecast.subagent_priors if self.parent is not None else forecast.priors
         prior = priors[cls]
         seen = self.gaps.get(cls)
-        if not seen or forecast.shrink == float("inf"):
+        if not seen or forecast.shrink == float("inf") or not isinstance(prior, Gap):
             return prior
         n, k = len(seen), forecast.shrink
         mu = (k * prior.mu + sum(seen)) / (k + n)
@@ -465,7 +655,8 @@ class Rhythm:
     def key_if(self, finish: str | None, forecast: Forecast, now: float) -> float:
         """The key (module docstring) as it would be were a request arriving now (``finish``
         None) or finishing now for that class."""
-        return forecast.cold_key(self.gap(forecast, finish or FLIGHT), now)
+        cls = finish or FLIGHT
+        return forecast.event_key(self.parent is not None, cls, self.gap(forecast, cls), now)
 
     def expected_back(self, forecast: Forecast, now: float) -> float:
         """When the session is expected back: its last event plus its gap's ``quantile`` (the
@@ -481,7 +672,9 @@ class Rhythm:
 
     def key(self, forecast: Forecast, now: float) -> float:
         """The key of the session's chain, as of its last event (``now`` before any)."""
+        sub = self.parent is not None
         if self.finish is not None and self.finished is not None:
-            return forecast.cold_key(self.gap(forecast, self.finish), self.finished)
+            gap = self.gap(forecast, self.finish)
+            return forecast.event_key(sub, self.finish, gap, self.finished)
         origin = self.arrived if self.arrived is not None else now
-        return forecast.cold_key(self.gap(forecast, FLIGHT), origin)
+        return forecast.event_key(sub, FLIGHT, self.gap(forecast, FLIGHT), origin)
