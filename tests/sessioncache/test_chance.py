@@ -29,7 +29,7 @@ from sessioncache.store.forecast import (
     hit_density,
 )
 from sessioncache.tiers.cpu import CpuTier
-from tests.support.session_store import put_in_session
+from tests.support.session_store import session_turn
 
 SIZE = 64
 NS = Namespace("m", 4, "bf16", "x")
@@ -65,18 +65,7 @@ def make(blocks: int, clock: ManualClock, **options: object) -> tuple[TieredStor
 def turn(
     sm: SessionManager, sid: str, hashes: list[BlockHash], tenant: str, finish: str | None
 ) -> None:
-    match = sm.lookup(sid, hashes, tenant=tenant)
-    new = hashes[match.num_blocks :]
-    put_in_session(
-        sm,
-        sid,
-        new,
-        [data(h) for h in new],
-        namespace_root=ROOT,
-        prefix=match.hashes,
-        tenant=tenant,
-        finish_reason=finish,
-    )
+    session_turn(sm, sid, hashes, data, namespace_root=ROOT, tenant=tenant, finish_reason=finish)
 
 
 def held(store: TieredStore, hashes: list[BlockHash]) -> int:
@@ -135,33 +124,24 @@ def test_hit_density_favours_the_sooner_and_falls_with_silence():
 # -- the order -----------------------------------------------------------------------------
 
 
-def test_a_finished_turn_outlasts_a_tool_call_silent_as_long(clock: ManualClock):
+@pytest.mark.parametrize(("silence", "kept"), [(3600.0, "turn"), (1.0, "tool")])
+def test_a_tool_call_outlasts_a_finished_turn_for_seconds_not_for_an_hour(
+    clock: ManualClock, silence: float, kept: str
+):
     """The forecast's ``next_use`` mode values both alike once they are overdue (by their
-    silence); their distributions do not: an hour after a tool call it is not coming back, an
-    hour after a finished turn its user may well be."""
+    silence, and then least recently used first); their distributions do not: an hour after
+    a tool call it is not coming back, an hour after a finished turn its user may well be."""
     store, sm = make(12, clock)
     sm.open("tool", tenant="alice")
     sm.open("turn", tenant="bob")
-    tool, done = chain(1, 5), chain(2, 5)
-    turn(sm, "turn", done, "bob", "end_turn")  # first: least recently used
-    turn(sm, "tool", tool, "alice", "tool_use")
-    clock.advance(3600)
+    chains = {"turn": chain(2, 5), "tool": chain(1, 5)}
+    turn(sm, "turn", chains["turn"], "bob", "end_turn")  # first: least recently used
+    turn(sm, "tool", chains["tool"], "alice", "tool_use")
+    clock.advance(silence)
     fill(store, 3, 4)
-    assert held(store, done) == 5
-    assert held(store, tool) < 5
-
-
-def test_a_tool_call_outlasts_a_finished_turn_of_the_same_instant(clock: ManualClock):
-    store, sm = make(12, clock)
-    sm.open("tool", tenant="alice")
-    sm.open("turn", tenant="bob")
-    tool, done = chain(1, 5), chain(2, 5)
-    turn(sm, "turn", done, "bob", "end_turn")
-    turn(sm, "tool", tool, "alice", "tool_use")
-    clock.advance(1)
-    fill(store, 3, 4)
-    assert held(store, tool) == 5
-    assert held(store, done) < 5
+    lost = "tool" if kept == "turn" else "turn"
+    assert held(store, chains[kept]) == 5
+    assert held(store, chains[lost]) < 5
 
 
 def test_of_one_class_the_oldest_event_leaves_first(clock: ManualClock):

@@ -29,7 +29,7 @@ from sessioncache.store.forecast import (
     fit_gap,
 )
 from sessioncache.tiers.cpu import CpuTier
-from tests.support.session_store import put_in_session
+from tests.support.session_store import session_turn
 
 SIZE = 64
 NS = Namespace("m", 4, "bf16", "x")
@@ -64,18 +64,7 @@ def turn(
     tenant: str = "default",
     finish: str | None = None,
 ) -> None:
-    match = sm.lookup(sid, hashes, tenant=tenant)
-    new = hashes[match.num_blocks :]
-    put_in_session(
-        sm,
-        sid,
-        new,
-        [data(h) for h in new],
-        namespace_root=ROOT,
-        prefix=match.hashes,
-        tenant=tenant,
-        finish_reason=finish,
-    )
+    session_turn(sm, sid, hashes, data, namespace_root=ROOT, tenant=tenant, finish_reason=finish)
 
 
 def held(store: TieredStore, hashes: list[BlockHash]) -> int:

@@ -4,7 +4,7 @@ session's TTL and forecast, then the session records the chain."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sessioncache.hashing import BlockHash
 from sessioncache.sessions.manager import DEFAULT_TENANT, SessionManager
@@ -40,3 +40,29 @@ def put_in_session(
     )
     sessions.record(session_id, [*prefix, *hashes], tenant=tenant, finish_reason=finish_reason)
     return result
+
+
+def session_turn(
+    sessions: SessionManager,
+    session_id: str,
+    hashes: Sequence[BlockHash],
+    payload: Callable[[BlockHash], Payload],
+    *,
+    namespace_root: bytes,
+    tenant: str = DEFAULT_TENANT,
+    finish_reason: str | None = None,
+) -> None:
+    """One request of the session: a lookup of ``hashes``, then a store of what missed
+    (``payload`` of each id), finishing for ``finish_reason`` when given."""
+    match = sessions.lookup(session_id, hashes, tenant=tenant)
+    new = hashes[match.num_blocks :]
+    put_in_session(
+        sessions,
+        session_id,
+        new,
+        [payload(h) for h in new],
+        namespace_root=namespace_root,
+        prefix=match.hashes,
+        tenant=tenant,
+        finish_reason=finish_reason,
+    )
