@@ -43,7 +43,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -555,18 +555,13 @@ class BaseCache:
 
 
 def run(jobs: list[Job], cache: BaseCache, workers: int) -> list[Cell]:
+    """Each job (``workers`` at a time), each printed as it ends, in order."""
     for job in jobs:
         job.base = cache.get(job)
     cells: list[Cell] = []
     started = time.perf_counter()
-    if workers > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            for job, (base, done) in zip(jobs, pool.map(run_job, jobs), strict=True):
-                cache.put(job, base)
-                cells += done
-    else:
-        for i, job in enumerate(jobs):
-            base, done = run_job(job)
+    with ProcessPoolExecutor(max_workers=workers) if workers > 1 else _Serial() as pool:
+        for i, (job, (base, done)) in enumerate(zip(jobs, pool.map(run_job, jobs), strict=True)):
             cache.put(job, base)
             cells += done
             print(
@@ -577,6 +572,19 @@ def run(jobs: list[Job], cache: BaseCache, workers: int) -> list[Cell]:
                 flush=True,
             )
     return cells
+
+
+class _Serial:
+    """``ProcessPoolExecutor``'s ``map`` in this process, one job at a time."""
+
+    def __enter__(self) -> _Serial:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def map(self, fn: Callable[[Job], Any], jobs: Iterable[Job]) -> Iterator[Any]:
+        return map(fn, jobs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

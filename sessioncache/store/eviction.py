@@ -24,7 +24,9 @@ Victim order, per tier:
    against its last access): in the ``next_use`` mode the tail whose predicted next use lies
    furthest ahead (Belady's rule with predictions: the larger of the key, capped at
    ``beyond`` horizons ahead, and how overdue it is), in the ``value`` mode the tail that went
-   cold first (the key where there is one, LRU's date otherwise); without one (``lru``, the
+   cold first (the key where there is one, LRU's date otherwise), in the ``chance`` mode the
+   tail of least hit density now (the tops of one heap per finish class, oldest event first,
+   of the furthest key, and of the oldest block with no key, compared); without one (``lru``, the
    setting ``SESSIONCACHE_EVICTION_POLICY=lru``), least recently used first. Blocks no
    session forecasts keep LRU's order among themselves. Blocks touched at the same instant
    are ordered by the operation that touched them (earlier first) and, within one operation

@@ -13,9 +13,8 @@ sessions and one for subagents, are fitted offline (``fit_gap``; ``python -m ben
 with ``Forecast.shrink`` pseudo-observations (``Rhythm``).
 
 Each block carries one number, its *key* (the index's ``next_use`` column; the larger, the
-sooner it goes), set when its session's event is filed, and its last access. Two ways of
-turning the distribution into a key, both served exactly by two heaps (one on the key, one on
-last access), ``Forecast.mode``:
+sooner it goes), set when its session's event is filed, and its last access. Three ways of
+turning the distribution into a key, ``Forecast.mode``:
 
 * ``next_use`` (Belady's rule on the distribution): the key is the date by which the session
   is back with probability ``quantile`` (none, and the block is dead, when it is less likely
@@ -29,6 +28,7 @@ last access), ``Forecast.mode``:
   ``beyond`` horizons, or none at all (dead), counts as that far only, since the tier would
   not keep the block until then anyway; such a block still goes before every block silent
   for less than ``beyond / overdue`` horizons, but after those silent longer, as under LRU.
+  Two heaps serve it exactly: one on the key, one on last access.
 * ``value`` (the expected value within the horizon): a block's worth ``s`` seconds after its
   session's last event is ``q(s) = P(return within H | silent s)``, ``H`` the first tier's
   turnover time (``Horizon``), times the tokens it saves per byte (equal for every block of a
@@ -39,8 +39,19 @@ last access), ``Forecast.mode``:
   ``last + lru_horizons x H``. Exact while the ``q`` curves are shifts of one another; it is
   not when they cross (a tool loop is hotter than a finished turn for its first minutes,
   colder after), which is where it loses (docs/sessions.md).
+* ``chance`` (hit density, exact where ``value`` is not): a block's worth ``s`` seconds after
+  its session's last event is ``q(s)`` over the seconds it is expected to stay until that
+  read or ``H``, whichever comes first (``hit_density``: hits per second held, as in Least
+  Hit Density caching). The key names the event's class and date (``event_key``: the class's
+  number times ``CLASS_SPAN`` plus the date), and the policy keeps a heap per class, oldest
+  event first: within one class the density falls with silence (a heavy tail's hazard does),
+  so the least dense block is the top of one of them, and the victim is the least dense of
+  those tops (one per class, a dozen), evaluated at ``now``. A hint's expected return is a
+  class of its own (``dated_key``: the date); a block no session names is valued by the
+  pooled prior at its silence. The priors may be histograms (``Hist``: the tail as seen,
+  which a log-normal thins: a tool call an hour late).
 
-Either way blocks no session names keep LRU's order among themselves, a dead block's key is
+Blocks no session names keep LRU's order among themselves, a dead block's key is
 ``ORPHAN_BASE - last`` (above every other: dead blocks leave first, the oldest first, but
 where ``beyond`` caps them), and a new block starts with its parent's key. The default is
 the mode and settings chosen by cross-validation (``bench.forecast --cv``).
@@ -301,10 +312,12 @@ class Horizon:
       until victims leave at their cold dates (with ``adapt`` off it stays where it started).
     """
 
-    __slots__ = ("_bytes", "_since", "adapt", "level", "seconds", "step")
+    __slots__ = ("_bytes", "_since", "adapt", "level", "rounded", "seconds", "step")
 
     def __init__(self, start: float, level: float = 0.0, *, step: float = 0.01) -> None:
         self.seconds = start
+        self.rounded = _round(start)
+        """``seconds`` to 2 significant digits (what hit densities are cached by)."""
         self.level = level
         self.step = step
         self.adapt = True
@@ -322,6 +335,7 @@ class Horizon:
         if capacity > 0 and self._bytes * 16 >= capacity and span > 0:  # time has passed
             sample = span * capacity / self._bytes
             self.seconds += 0.25 * (max(1.0, sample) - self.seconds)
+            self.rounded = _round(self.seconds)
             self._bytes, self._since = 0, now
         if early is not None and self.adapt and early != 0:
             factor = math.exp(self.step if early > 0 else -self.step)
@@ -375,6 +389,9 @@ class Forecast:
     """``value`` and ``beyond``: the horizon before the first tier has evicted anything."""
     horizon: Horizon = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     """The live horizon of the first tier (the policy updates it: not a setting)."""
+    _densities: dict[tuple[int, int, float], float] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         for name, priors in (("priors", self.priors), ("subagent_priors", self.subagent_priors)):
@@ -442,21 +459,36 @@ class Forecast:
         """``chance``: the block's hit density as of ``now``: the probability that it is read
         within the first tier's horizon over the time it is expected to stay until then
         (per second held); -1 for a dead one."""
-        h = self.horizon.seconds
         if key >= ORPHAN_BASE / 2:
             return -1.0
+        pooled = len(self.classes) + 1
         if key == NO_FORECAST:
-            return hit_density(self.priors[POOLED], now - last, h)
+            return self._density(pooled, now - last)
         c = self.class_of(key)
         origin = key - (c + 1) * CLASS_SPAN
         if c == len(self.classes):  # dated
             if origin < now:  # the date passed without the session: an average silence
-                return hit_density(self.priors[POOLED], now - origin, h)
-            ahead = origin - now
+                return self._density(pooled, now - origin)
+            ahead, h = origin - now, self.horizon.seconds
             return _dated_chance(ahead, h) / max(MIN_GAP_S, min(ahead, h))
-        sub, cls = self.classes[c]
-        gap = (self.subagent_priors if sub else self.priors)[cls]
-        return hit_density(gap, now - origin, h)
+        return self._density(c, now - origin)
+
+    def _density(self, c: int, silent: float) -> float:
+        """``hit_density`` of class ``c`` (``classes``; past them: the pooled prior) at
+        ``silent``, cached per class, silence bucket and rounded horizon."""
+        bucket = int(math.log(max(MIN_GAP_S, silent)) * _PER_E)
+        h = self.horizon.rounded
+        cached = self._densities.get((c, bucket, h))
+        if cached is None:
+            if c < len(self.classes):
+                sub, cls = self.classes[c]
+                gap = (self.subagent_priors if sub else self.priors)[cls]
+            else:
+                gap = self.priors[POOLED]
+            if len(self._densities) >= 1 << 16:
+                self._densities.clear()
+            cached = self._densities[(c, bucket, h)] = _density(gap, bucket, h)
+        return cached
 
     @property
     def gaps(self) -> dict[str, float]:
@@ -534,7 +566,6 @@ def hit_density(gap: Distribution, silent: float, horizon: float) -> float:
     return _density(gap, bucket, _round(horizon))
 
 
-@lru_cache(maxsize=65536)
 def _density(gap: Distribution, bucket: int, horizon: float) -> float:
     s = math.exp(bucket / _PER_E)
     alive = gap.survival(s)
