@@ -1,7 +1,7 @@
 """Session-aware eviction, fitted and chosen by cross-validation, against tail-first LRU and
 Belady on sessions it never saw.
 
-    python -m bench.forecast --fit                 # the class priors, fitted on every session
+    python -m bench.forecast --fit [--hist]        # the class priors, fitted on every session
     python -m bench.forecast --cv                  # 5 folds: fit, choose, report held out
     python -m bench.forecast --check               # the node's defaults on the 30 shared sessions
     python -m bench.forecast --cv --tiers cpu:1,disk:16 --settings default
@@ -127,7 +127,9 @@ def gaps_of(requests: Iterable[Request]) -> dict[tuple[bool, str], tuple[list[fl
 def fit_priors(requests: Iterable[Request], *, hist: bool = False) -> Priors:
     """The class priors of top-level sessions and of subagents. A class seen but never
     followed keeps a small ``p`` with its kind's pooled log-normal; a class never seen takes
-    its kind's pooled gap; a kind never seen takes the other's."""
+    its kind's pooled gap; a kind never seen takes the other's. With ``hist``, a class (and
+    the pooled gap) seen followed ``HIST_MIN_GAPS`` times or more is a histogram instead
+    (``fit_hist``)."""
     seen = gaps_of(list(requests))
     out: Priors = {}
     hists: dict[tuple[bool, str], Distribution] = {}
@@ -162,6 +164,10 @@ def fit_priors(requests: Iterable[Request], *, hist: bool = False) -> Priors:
                 out[kind][cls] = out[kind].get(POOLED) or out[other][cls]
     for (sub, cls), fitted_hist in hists.items():
         out["sub" if sub else "top"][cls] = fitted_hist
+    for sub, kind in ((False, "top"), (True, "sub")):
+        for cls in CLASSES:  # never seen: the kind's pooled gap, a histogram where it is one
+            if (sub, cls) not in seen and (sub, POOLED) in hists:
+                out[kind][cls] = hists[(sub, POOLED)]
     return out
 
 
@@ -229,7 +235,7 @@ def grid() -> dict[str, dict[str, Any]]:
     out["value"] = {"mode": "value", "adapt": False}
     out[CHANCE] = {"mode": "chance", "dead_branch_s": None, "hist": True}
     out[CHANCE + " pins=0"] = {**out[CHANCE], "pin_share": 0.0}
-    out["default pins=0"] = {"pin_share": 0.0}
+    out["default pins=0"] = {**setting("default"), "pin_share": 0.0}
     return out
 
 
@@ -598,6 +604,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tiers", default="cpu:1")
     parser.add_argument("--settings", default="", help="names from the grid, or default")
     parser.add_argument("--fit", action="store_true", help="print the priors fitted on --trace")
+    parser.add_argument(
+        "--hist",
+        action="store_true",
+        help="with --fit: histograms where a class was seen followed often enough (fit_hist)",
+    )
     parser.add_argument("--cv", action="store_true", help="cross-validate over --trace")
     parser.add_argument("--check", action="store_true", help="replay --check-trace")
     parser.add_argument("--load-cost", type=float, default=0.1)
@@ -613,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = BaseCache(args.cache)
     all_cells: list[Cell] = []
     if args.fit:
-        priors = fit_priors(load_trace(args.trace).requests)
+        priors = fit_priors(load_trace(args.trace).requests, hist=args.hist)
         print(json.dumps(priors_json(priors), indent=1))
     if args.cv:
         folds = folds_of(args.trace, args.k)
