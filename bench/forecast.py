@@ -239,6 +239,8 @@ def grid() -> dict[str, dict[str, Any]]:
     return out
 
 
+DEFAULT: dict[str, Any] = {"mode": "chance", "dead_branch_s": None, "hist": True}
+"""The node's default (``forecast.node_forecast``), its priors fitted on the training folds."""
 CHANCE = "chance hist"
 """Hit density (``Forecast.mode`` ``chance``) over histograms of the gaps (``fit_hist``), a
 branch left behind dead."""
@@ -261,11 +263,11 @@ SESSION_OPTIONS = ("pins_follow_forecast", "pin_share")
 
 def setting(name: str) -> dict[str, Any]:
     if name == "default":
-        return {}
+        return dict(DEFAULT)
     if name == ORACLE_HINTS:
-        return {"hints": "oracle"}
+        return {**DEFAULT, "hints": "oracle"}
     if name == PINS_FORECAST:
-        return {"pins_follow_forecast": True}
+        return {**DEFAULT, "pins_follow_forecast": True}
     options = grid()
     if name not in options:
         raise SystemExit(

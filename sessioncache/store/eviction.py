@@ -82,7 +82,7 @@ import numpy.typing as npt
 
 from sessioncache.hashing import BlockHash
 from sessioncache.store.blocks import BlockMeta
-from sessioncache.store.forecast import NO_FORECAST, ORPHAN_BASE, Forecast
+from sessioncache.store.forecast import NO_FORECAST, ORPHAN_BASE, Forecast, node_forecast
 
 _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
 POLICIES = ("forecast", "lru")
@@ -183,7 +183,7 @@ class EvictionPolicy:
         """The policy a setting names (``POLICIES``)."""
         if name not in POLICIES:
             raise ValueError(f"unknown eviction policy {name!r}; policies are {list(POLICIES)}")
-        return cls(num_tiers, (forecast or Forecast()) if name == "forecast" else None)
+        return cls(num_tiers, (forecast or node_forecast()) if name == "forecast" else None)
 
     def bind(self, lookup: Callable[[BlockHash], BlockMeta | None]) -> None:
         """Let the policy find records by id, so that it can compact its heaps itself."""

@@ -72,43 +72,32 @@ What the forecast is made of, per session, from what the node sees online:
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from statistics import NormalDist
 
 from sessioncache.errors import InvalidInput
-
-FINISH_CLASSES: Mapping[str, str] = {
-    "tool_use": "tool",
-    "tool_calls": "tool",
-    "tool_call": "tool",
-    "function_call": "tool",
-    "stop": "stop",
-    "end_turn": "stop",
-    "stop_sequence": "stop",
-    "eos": "stop",
-    "length": "length",
-    "max_tokens": "length",
-    "abort": "abort",
-    "cancelled": "abort",
-    "error": "abort",
-}
-"""The finish reasons a client may pass (vLLM's, OpenAI's and Anthropic's names), and the class
-each forecasts by."""
-
-FINISH_REASON_PATTERN = "^(" + "|".join(sorted(FINISH_CLASSES)) + ")$"
-"""The same as a JSON-schema pattern."""
-
-FLIGHT = "flight"
-"""The class of a session whose request is running (arrived, finish not known yet)."""
-POOLED = "pooled"
-"""Every gap of every class: the reference an average block is measured by."""
-CLASSES = ("tool", "stop", "length", "abort", FLIGHT)
-"""The classes a session's gap is forecast by."""
+from sessioncache.store.gaps import BACK_SIGMA as BACK_SIGMA
+from sessioncache.store.gaps import CLASSES as CLASSES
+from sessioncache.store.gaps import DEFAULT_HIST_PRIORS as DEFAULT_HIST_PRIORS
+from sessioncache.store.gaps import DEFAULT_HIST_SUBAGENT_PRIORS as DEFAULT_HIST_SUBAGENT_PRIORS
+from sessioncache.store.gaps import DEFAULT_PRIORS as DEFAULT_PRIORS
+from sessioncache.store.gaps import DEFAULT_SUBAGENT_PRIORS as DEFAULT_SUBAGENT_PRIORS
+from sessioncache.store.gaps import FINISH_CLASSES as FINISH_CLASSES
+from sessioncache.store.gaps import FINISH_REASON_PATTERN as FINISH_REASON_PATTERN
+from sessioncache.store.gaps import FLIGHT as FLIGHT
+from sessioncache.store.gaps import HIST_EDGES as HIST_EDGES
+from sessioncache.store.gaps import MIN_GAP_S as MIN_GAP_S
+from sessioncache.store.gaps import PER_E, dated_chance, density, round2
+from sessioncache.store.gaps import POOLED as POOLED
+from sessioncache.store.gaps import Distribution as Distribution
+from sessioncache.store.gaps import Gap as Gap
+from sessioncache.store.gaps import Hist as Hist
+from sessioncache.store.gaps import finish_class as finish_class
+from sessioncache.store.gaps import fit_gap as fit_gap
+from sessioncache.store.gaps import fit_hist as fit_hist
+from sessioncache.store.gaps import hit_density as hit_density
 
 NO_FORECAST = float("-inf")
 """``next_use`` (the key) of a block nobody forecast (session-less, or touched and not filed
@@ -118,186 +107,12 @@ ORPHAN_BASE = 1e15
 """The key of a block with no forecast at all, dead: ``ORPHAN_BASE - last`` (any real key is
 far below it), so that such blocks leave before every other, the oldest first."""
 
-MIN_GAP_S = 0.5
-"""Gaps below this (a request arriving before the previous one's answer was read: parallel
-tool calls) count as this, so that their logarithm stays finite."""
-
-
-def finish_class(reason: str) -> str:
-    """The class of a finish reason; ``InvalidInput`` (a 4xx) naming the accepted ones."""
-    cls = FINISH_CLASSES.get(reason) if isinstance(reason, str) else None
-    if cls is None:
-        raise InvalidInput(
-            f"unknown finish_reason {reason!r}; finish reasons are {sorted(FINISH_CLASSES)}"
-        )
-    return cls
-
-
-_SQRT2 = math.sqrt(2.0)
-_NORMAL = NormalDist()
 MODES = ("value", "next_use", "chance")
 CLASS_SPAN = 2.0**36
 """``chance``: a key is its class's number (``Forecast.classes``, from 1) times this, plus
 the date of the event it dates from (seconds; below this)."""
 DATED = "dated"
 """``chance``: the class of a chain dated by a hint (or a branch left): the key holds the date."""
-
-
-@dataclass(frozen=True, slots=True)
-class Gap:
-    """The time to a session's next request: it comes back at all with probability ``p``,
-    then after ``exp(Normal(mu, sigma))`` seconds."""
-
-    p: float
-    mu: float
-    sigma: float
-
-    def __post_init__(self) -> None:
-        if not (0 < self.p <= 1 and self.sigma > 0 and math.isfinite(self.mu)):
-            raise InvalidInput(f"a gap needs 0 < p <= 1, sigma > 0 and a finite mu: {self}")
-
-    def survival(self, x: float) -> float:
-        """P(no return within ``x`` seconds)."""
-        if x <= 0:
-            return 1.0
-        z = (math.log(x) - self.mu) / self.sigma
-        return 1.0 - self.p + self.p * 0.5 * math.erfc(z / _SQRT2)
-
-    def returns_within(self, silent: float, horizon: float) -> float:
-        """P(return within ``horizon`` more seconds | no return in the first ``silent``)."""
-        alive = self.survival(silent)
-        if alive <= 0:
-            return 0.0
-        return max(0.0, alive - self.survival(silent + horizon)) / alive
-
-    def quantile(self, q: float) -> float | None:
-        """The gap by which the session is back with probability ``q``; None when it is
-        less likely to come back at all."""
-        if self.p <= q:
-            return None
-        z = _NORMAL.inv_cdf(q / self.p)
-        return math.exp(self.mu + self.sigma * z)
-
-    def median(self) -> float:
-        """The median gap of the sessions that do come back."""
-        return math.exp(self.mu)
-
-
-HIST_EDGES: tuple[float, ...] = tuple(float(2.0 ** (k / 2)) for k in range(-2, 41))
-"""Where a ``Hist`` knows its survival: 0.5 s to 12 days, four points per power of 4."""
-
-
-@dataclass(frozen=True, slots=True)
-class Hist:
-    """The time to a session's next request as a small histogram: ``surv[k]`` is P(no return
-    within ``HIST_EDGES[k]`` seconds), linear in log time between edges; a return never comes
-    with probability ``1 - p`` (the survival past the last edge). Heavy tails as they were
-    seen, which a log-normal's thin tail is not (a tool call an hour late)."""
-
-    surv: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        s = self.surv
-        if len(s) != len(HIST_EDGES) or not all(0 < b <= a <= 1 for a, b in itertools.pairwise(s)):
-            raise InvalidInput("a histogram needs one falling survival in (0, 1] per edge")
-
-    @property
-    def p(self) -> float:
-        return 1.0 - self.surv[-1]
-
-    def survival(self, x: float) -> float:
-        """P(no return within ``x`` seconds)."""
-        edges, surv = HIST_EDGES, self.surv
-        if x <= edges[0]:
-            return 1.0 - (1.0 - surv[0]) * max(0.0, x) / edges[0]
-        if x >= edges[-1]:
-            return surv[-1]
-        k = bisect.bisect_right(edges, x) - 1
-        t = (math.log(x) - math.log(edges[k])) / (math.log(edges[k + 1]) - math.log(edges[k]))
-        return surv[k] + (surv[k + 1] - surv[k]) * t
-
-    def returns_within(self, silent: float, horizon: float) -> float:
-        """P(return within ``horizon`` more seconds | no return in the first ``silent``)."""
-        alive = self.survival(silent)
-        return max(0.0, alive - self.survival(silent + horizon)) / alive
-
-    def quantile(self, q: float) -> float | None:
-        """The gap by which the session is back with probability ``q``; None when it is
-        less likely to come back at all."""
-        if self.p <= q:
-            return None
-        target = 1.0 - q
-        edges, surv = HIST_EDGES, self.surv
-        if surv[0] <= target:
-            return edges[0] * (1.0 - target) / (1.0 - surv[0])
-        k = next(i for i, v in enumerate(surv) if v <= target) - 1
-        t = (surv[k] - target) / (surv[k] - surv[k + 1])
-        return math.exp(math.log(edges[k]) + t * (math.log(edges[k + 1]) - math.log(edges[k])))
-
-    def median(self) -> float:
-        """The median gap of the sessions that do come back."""
-        back = self.quantile(self.p / 2)
-        return HIST_EDGES[-1] if back is None else back
-
-
-Distribution = Gap | Hist
-"""A class's return distribution: fitted as a log-normal (``fit_gap``) or a histogram
-(``fit_hist``)."""
-
-
-def fit_hist(gaps: Sequence[float], events: int) -> Hist:
-    """The ``Hist`` of ``gaps`` (seconds) seen after ``events`` events of a class, the others
-    never followed by a request; each edge's survival is smoothed by half an event (a class
-    never followed keeps a small chance of coming back, and none falls to 0)."""
-    if events < len(gaps) or events <= 0:
-        raise InvalidInput("fit_hist needs at least one event and no more gaps than events")
-    ordered = sorted(gaps)
-    n = len(ordered)
-    surv = []
-    for edge in HIST_EDGES:
-        later = n - bisect.bisect_right(ordered, edge)
-        surv.append((0.5 + events - n + later) / (events + 1))
-    return Hist(tuple(surv))
-
-
-def fit_gap(gaps: Sequence[float], events: int, *, like: Gap | None = None) -> Gap:
-    """The maximum-likelihood ``Gap`` of ``gaps`` (seconds; each at least ``MIN_GAP_S``) seen
-    after ``events`` events of a class, the others never followed by a request; ``p`` is
-    smoothed (half an event each way), so that a class never followed keeps a small one and
-    takes its log-normal from ``like``."""
-    if events < len(gaps) or not (gaps or like is not None):
-        raise InvalidInput("fit_gap needs no more gaps than events, and gaps or a like")
-    p = (len(gaps) + 0.5) / (events + 1)
-    if not gaps:
-        assert like is not None
-        return Gap(p, like.mu, like.sigma)
-    logs = [math.log(max(MIN_GAP_S, g)) for g in gaps]
-    mu = sum(logs) / len(logs)
-    var = sum((x - mu) ** 2 for x in logs) / len(logs)
-    return Gap(p, mu, max(0.1, math.sqrt(var)))
-
-
-# Fitted on all 301 sessions of ../shared/traces/agent-sessions-more (``python -m
-# bench.forecast --fit``): (p, mu, sigma) per class, for top-level sessions and subagents.
-DEFAULT_PRIORS: Mapping[str, Gap] = {
-    "tool": Gap(0.9926, 2.5208, 1.2527),
-    "stop": Gap(0.8751, 5.3794, 2.2901),
-    "length": Gap(0.9851, 2.6829, 1.4881),
-    "abort": Gap(0.9851, 2.6829, 1.4881),
-    FLIGHT: Gap(0.9855, 3.2399, 1.2392),
-    POOLED: Gap(0.9851, 2.6829, 1.4881),
-}
-"""The class priors of a top-level session (``length`` and ``abort``, never seen in the
-sample, take the pooled gap)."""
-DEFAULT_SUBAGENT_PRIORS: Mapping[str, Gap] = {
-    "tool": Gap(0.9983, 1.6147, 0.8364),
-    "stop": Gap(0.0172, 1.6147, 0.8364),
-    "length": Gap(0.9134, 1.6147, 0.8364),
-    "abort": Gap(0.9134, 1.6147, 0.8364),
-    FLIGHT: Gap(0.9134, 2.1597, 0.6733),
-    POOLED: Gap(0.9134, 1.6147, 0.8364),
-}
-"""The same for subagents: one whose turn ended almost never comes back."""
 
 
 class Horizon:
@@ -316,7 +131,7 @@ class Horizon:
 
     def __init__(self, start: float, level: float = 0.0, *, step: float = 0.01) -> None:
         self.seconds = start
-        self.rounded = _round(start)
+        self.rounded = round2(start)
         """``seconds`` to 2 significant digits (what hit densities are cached by)."""
         self.level = level
         self.step = step
@@ -335,7 +150,7 @@ class Horizon:
         if capacity > 0 and self._bytes * 16 >= capacity and span > 0:  # time has passed
             sample = span * capacity / self._bytes
             self.seconds += 0.25 * (max(1.0, sample) - self.seconds)
-            self.rounded = _round(self.seconds)
+            self.rounded = round2(self.seconds)
             self._bytes, self._since = 0, now
         if early is not None and self.adapt and early != 0:
             factor = math.exp(self.step if early > 0 else -self.step)
@@ -470,13 +285,13 @@ class Forecast:
             if origin < now:  # the date passed without the session: an average silence
                 return self._density(pooled, now - origin)
             ahead, h = origin - now, self.horizon.seconds
-            return _dated_chance(ahead, h) / max(MIN_GAP_S, min(ahead, h))
+            return dated_chance(ahead, h) / max(MIN_GAP_S, min(ahead, h))
         return self._density(c, now - origin)
 
     def _density(self, c: int, silent: float) -> float:
         """``hit_density`` of class ``c`` (``classes``; past them: the pooled prior) at
         ``silent``, cached per class, silence bucket and rounded horizon."""
-        bucket = int(math.log(max(MIN_GAP_S, silent)) * _PER_E)
+        bucket = int(math.log(max(MIN_GAP_S, silent)) * PER_E)
         h = self.horizon.rounded
         cached = self._densities.get((c, bucket, h))
         if cached is None:
@@ -487,7 +302,7 @@ class Forecast:
                 gap = self.priors[POOLED]
             if len(self._densities) >= 1 << 16:
                 self._densities.clear()
-            cached = self._densities[(c, bucket, h)] = _density(gap, bucket, h)
+            cached = self._densities[(c, bucket, h)] = density(gap, bucket, h)
         return cached
 
     @property
@@ -525,23 +340,14 @@ class Forecast:
     def predicted(self, key: float, last: float, now: float) -> float:
         """``value`` before the ``beyond`` cap (``next_use``): the date a block is forecast
         back, which orders chains by their return however far ahead (the prefetch engine's
-        order: under the cap every return past it ties)."""
+        order: under the cap every return past it ties). ``chance``: ``now`` plus the seconds
+        held per hit (one over the hit density), in the eviction order."""
         if self.mode == "next_use":
             return max(key, now + self.overdue * (now - last))
-        if self.mode == "chance":  # the class's median return, receding as in ``next_use``
+        if self.mode == "chance":  # the seconds held per hit, from now: the eviction order
             if key >= ORPHAN_BASE / 2:
                 return key
-            if key == NO_FORECAST:
-                since, back = last, last + self.priors[POOLED].median()
-            else:
-                c = self.class_of(key)
-                since = key - (c + 1) * CLASS_SPAN
-                if c == len(self.classes):  # dated
-                    back = since
-                else:
-                    sub, cls = self.classes[c]
-                    back = since + (self.subagent_priors if sub else self.priors)[cls].median()
-            return max(back, now + self.overdue * (now - since))
+            return now + 1.0 / max(1e-12, self.chance(key, last, now))
         return eviction_value(key, last, self)
 
     def lru_cold(self, last_access: float) -> float:
@@ -552,54 +358,23 @@ class Forecast:
 _CLASSES: tuple[tuple[bool, str], ...] = tuple((sub, c) for sub in (False, True) for c in CLASSES)
 
 
-BACK_SIGMA = 0.25
-"""The spread (log) of a return a hint dates (``value`` and ``chance`` modes)."""
-_STEPS = 24
-_PER_E = 32  # silence buckets per factor e (about 3% apart)
-
-
-def hit_density(gap: Distribution, silent: float, horizon: float) -> float:
-    """Hits per second held: ``P(read within horizon | silent)`` over the seconds a block is
-    expected to stay until that read or the horizon, whichever comes first (``chance``; the
-    silence to ~3%, the horizon to 2 digits)."""
-    bucket = int(math.log(max(MIN_GAP_S, silent)) * _PER_E)
-    return _density(gap, bucket, _round(horizon))
-
-
-def _density(gap: Distribution, bucket: int, horizon: float) -> float:
-    s = math.exp(bucket / _PER_E)
-    alive = gap.survival(s)
-    if alive <= 0 or horizon <= 0:
-        return 0.0
-    points = [0.0, *(horizon * math.exp((k - _STEPS) / 4) for k in range(_STEPS + 1))]
-    held, prev = 0.0, alive
-    for lo, hi in itertools.pairwise(points):  # the expected stay: survival, integrated
-        cur = gap.survival(s + hi)
-        held += 0.5 * (prev + cur) * (hi - lo)
-        prev = cur
-    return (alive - prev) / held
-
-
-def _dated_chance(ahead: float, horizon: float) -> float:
-    """The probability that a return expected ``ahead`` seconds from now falls within
-    ``horizon`` (a log-normal of spread ``BACK_SIGMA`` about it)."""
-    z = (math.log(max(MIN_GAP_S, horizon)) - math.log(max(MIN_GAP_S, ahead))) / BACK_SIGMA
-    return 0.999 * 0.5 * math.erfc(-z / _SQRT2)
+def node_forecast() -> Forecast:
+    """The node's default forecast (``SESSIONCACHE_EVICTION_POLICY=forecast``), chosen by
+    cross-validation (docs/sessions.md): hit density (``chance``) over the histogram priors,
+    a branch a session left behind dead."""
+    return Forecast(
+        mode="chance",
+        priors=dict(DEFAULT_HIST_PRIORS),
+        subagent_priors=dict(DEFAULT_HIST_SUBAGENT_PRIORS),
+        dead_branch_s=None,
+    )
 
 
 def cold_after(gap: Gap, horizon: float, level: float) -> float:
     """Seconds of silence after which ``gap.returns_within(silence, horizon)`` stays below
     ``level`` (the last crossing; 0 when it never reaches it: then less, down to ``-horizon``
     for a session that never comes back, so that the coldest go first)."""
-    return _cold_after(gap.p, gap.mu, gap.sigma, _round(horizon), _round(level))
-
-
-def _round(x: float) -> float:
-    """``x`` to 2 significant digits: the horizon and the level drift; cold dates need not
-    follow every step (and so are mostly cached)."""
-    if x <= 0:
-        return 0.0
-    return float(f"{x:.2g}")
+    return _cold_after(gap.p, gap.mu, gap.sigma, round2(horizon), round2(level))
 
 
 _GRID: tuple[float, ...] = (0.0, *(float(2.0 ** (k / 2)) for k in range(-2, 48)))  # 0 .. 137 d
@@ -692,13 +467,14 @@ class Rhythm:
     def expected_back(self, forecast: Forecast, now: float) -> float:
         """When the session is expected back: its last event plus its gap's ``quantile`` (the
         date its blocks are evicted by, in the ``next_use`` mode), or the median of those who
-        come back where there is none (or in the ``value`` mode)."""
+        come back where there is none (or in the ``value`` mode). What pins that follow the
+        forecast go by, in every mode."""
         if self.finish is not None and self.finished is not None:
             origin, gap = self.finished, self.gap(forecast, self.finish)
         else:
             origin = self.arrived if self.arrived is not None else now
             gap = self.gap(forecast, FLIGHT)
-        back = gap.quantile(forecast.quantile) if forecast.mode == "next_use" else None
+        back = gap.quantile(forecast.quantile) if forecast.mode != "value" else None
         return origin + (gap.median() if back is None else back)
 
     def key(self, forecast: Forecast, now: float) -> float:

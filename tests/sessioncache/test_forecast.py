@@ -49,9 +49,11 @@ def data(h: bytes) -> bytes:
 def make(
     blocks: int, clock: ManualClock, policy: str = "forecast"
 ) -> tuple[TieredStore, SessionManager]:
-    store = TieredStore(
-        [CpuTier(blocks * SIZE)], EvictionPolicy.named(policy, 1), clock=clock, default_ttl_s=1e5
+    # The ``next_use`` mode (a setting; the node's default, ``chance``: test_chance.py).
+    chosen = (
+        EvictionPolicy(1, Forecast()) if policy == "forecast" else EvictionPolicy.named(policy, 1)
     )
+    store = TieredStore([CpuTier(blocks * SIZE)], chosen, clock=clock, default_ttl_s=1e5)
     # Pins off: the order under test is the eviction policy's, not the pins'.
     return store, SessionManager(store, pin_share=0.0)
 

@@ -23,6 +23,7 @@ from sessioncache.sessions.manager import SessionManager
 from sessioncache.sessions.prefetch import ACCEPTED, DEFERRED, REJECTED, Prefetcher
 from sessioncache.store import TieredStore
 from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.forecast import Forecast
 from sessioncache.tiers.cpu import CpuTier
 from sessioncache.tiers.disk import DiskTier
 
@@ -52,7 +53,7 @@ class Node:
         self.clock = ManualClock()
         self.store = TieredStore(
             [CpuTier(cpu_blocks * SIZE), DiskTier.open(path, 1000 * SIZE)],
-            EvictionPolicy.named("forecast", 2),
+            EvictionPolicy(2, Forecast()),  # dates: the ``next_use`` mode's (a setting)
             clock=self.clock,
             default_ttl_s=1e6,
         )
@@ -208,8 +209,9 @@ def test_the_setting_turns_the_forecast_prefetch_off(tmp_path: Path) -> None:
 
 def test_the_replay_scores_each_prefetch_mode_with_the_nodes_engine() -> None:
     ids = {"a": (1, 2, 3, 4), "b": (11, 12, 13, 14)}
-    times = [(0.0, "a"), (400.0, "b"), (1200.0, "a"), (1300.0, "b")]
-    requests = [Request(t, s, ids[s], 4 * 64, stop="end_turn", duration=1.0) for t, s in times]
+    stops = {"a": "tool_use", "b": "end_turn"}  # "a" is back first, and forecast so
+    times = [(0.0, "a"), (40.0, "b"), (90.0, "a"), (130.0, "b")]
+    requests = [Request(t, s, ids[s], 4 * 64, stop=stops[s], duration=1.0) for t, s in times]
     trace = Trace("tiny", "agent-sessions", 64, requests, unique_blocks=8, sessions=2)
     report = run_replay(
         trace,
