@@ -146,11 +146,12 @@ class Settings(BaseSettings):
     calls keeps its chains over them)"""
     sweep_interval_s: PositiveFloat = 60.0
     """period of the background sweep"""
-    eviction_policy: Literal["forecast", "lru"] = "forecast"
-    """`forecast`: the tail whose session is predicted back last leaves first (the time its
-    session is back with probability 0.8, from return times fitted per finish class,
-    docs/sessions.md); `lru`: least recently used tail first (the policy before forecasts,
-    for comparison and fallback)"""
+    eviction_policy: Literal["forecast", "next_use", "lru"] = "forecast"
+    """`forecast`: the tail least likely to be read per second it is held leaves first (its
+    session's chance of a return within the tier's turnover, from return times fitted per
+    finish class, docs/sessions.md); `next_use`: the tail whose session is predicted back last
+    (the time it is back with probability 0.8: the default before 2026-12-07); `lru`: least
+    recently used tail first (the policy before forecasts, for comparison and fallback)"""
     prefetch_forecast: bool = True
     """move a session's chain up into the CPU tier ahead of its forecast return (its predicted
     next use less the time its bytes take at the disk's measured speed), into free room or

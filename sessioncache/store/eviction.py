@@ -85,8 +85,10 @@ from sessioncache.store.blocks import BlockMeta
 from sessioncache.store.forecast import NO_FORECAST, ORPHAN_BASE, Forecast, node_forecast
 
 _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
-POLICIES = ("forecast", "lru")
-"""The eviction orders a node may run (``SESSIONCACHE_EVICTION_POLICY``), the default first."""
+POLICIES = ("forecast", "next_use", "lru")
+"""The eviction orders a node may run (``SESSIONCACHE_EVICTION_POLICY``), the default first:
+hit density (``forecast.node_forecast``), the former default (``Forecast()``: Belady's rule on
+the log-normals' quantiles), LRU."""
 _MIN_COMPACT = 4096  # entries a tier's heaps may hold before they are first compacted
 
 Column = npt.NDArray[np.integer[Any]]
@@ -183,7 +185,9 @@ class EvictionPolicy:
         """The policy a setting names (``POLICIES``)."""
         if name not in POLICIES:
             raise ValueError(f"unknown eviction policy {name!r}; policies are {list(POLICIES)}")
-        return cls(num_tiers, (forecast or node_forecast()) if name == "forecast" else None)
+        if name == "lru":
+            return cls(num_tiers, None)
+        return cls(num_tiers, forecast or (node_forecast() if name == "forecast" else Forecast()))
 
     def bind(self, lookup: Callable[[BlockHash], BlockMeta | None]) -> None:
         """Let the policy find records by id, so that it can compact its heaps itself."""

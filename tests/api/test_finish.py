@@ -35,8 +35,12 @@ def tokens(seed: int, n: int) -> list[int]:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[CacheNode]:
-    settings = Settings(
-        data_dir=tmp_path / "data", cpu_bytes=64 * BLOCK, disk_bytes=0, api_keys=KEYS
+    settings = Settings(  # keys as dates: the ``next_use`` order (the default's: test_chance.py)
+        data_dir=tmp_path / "data",
+        cpu_bytes=64 * BLOCK,
+        disk_bytes=0,
+        api_keys=KEYS,
+        eviction_policy="next_use",
     )
     node = open_node(settings, clock=ManualClock(), start=False)
     yield node
@@ -185,6 +189,7 @@ def test_a_finished_turn_releases_its_pins_and_a_tool_call_keeps_them(tmp_path: 
         disk_bytes=0,
         api_keys=KEYS,
         pins_follow_forecast=True,
+        eviction_policy="next_use",
     )
     node = open_node(settings, clock=ManualClock(), start=False)
     try:

@@ -33,7 +33,9 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def node(tmp_path: Path, clock: ManualClock) -> Iterator[CacheNode]:
-    settings = Settings(data_dir=tmp_path / "data", cpu_bytes=32 << 20, disk_bytes=0)
+    settings = Settings(  # keys as dates: the ``next_use`` order
+        data_dir=tmp_path / "data", cpu_bytes=32 << 20, disk_bytes=0, eviction_policy="next_use"
+    )
     node = open_node(settings, clock=clock, start=False)
     assert node.store.forecast is not None  # the default policy forecasts
     yield node
