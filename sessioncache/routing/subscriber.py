@@ -359,16 +359,20 @@ class EngineFeeds:
         self.index.clear(feed.spec.engine_id)
 
     def _apply(self, feed: _Feed, seq: int, payload: bytes) -> None:
-        feed.seq.applied(seq)
+        """Apply one message to the engine's view; its seq is counted once the view holds it,
+        so that a reader who sees ``last_seq`` routes on it."""
         try:
-            batch = decode_batch(payload)
-        except EventDecodeError as exc:
-            feed.bad_messages += 1
-            feed.seq.views_dropped += 1
-            self.index.clear(feed.spec.engine_id)
-            log.warning("engine %s, seq %d: %s", feed.spec.engine_id, seq, exc)
-            return
-        self.index.apply(feed.spec.engine_id, batch)
+            try:
+                batch = decode_batch(payload)
+            except EventDecodeError as exc:
+                feed.bad_messages += 1
+                feed.seq.views_dropped += 1
+                self.index.clear(feed.spec.engine_id)
+                log.warning("engine %s, seq %d: %s", feed.spec.engine_id, seq, exc)
+                return
+            self.index.apply(feed.spec.engine_id, batch)
+        finally:
+            feed.seq.applied(seq)
 
     # -- replays -------------------------------------------------------------------------
 

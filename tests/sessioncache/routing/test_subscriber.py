@@ -11,6 +11,7 @@ import zmq
 
 from sessioncache.hashing import Namespace
 from sessioncache.routing.engine_index import EngineIndex
+from sessioncache.routing.events import EventBatch
 from sessioncache.routing.subscriber import Action, EngineFeeds, EngineSpec, Sequencer
 from tests.security.conftest import wait_until
 from tests.support import vllm_events as ve
@@ -123,3 +124,35 @@ def test_a_feed_is_behind_while_its_replay_is_pending_and_others_flow(
     status = feeds.status(gapped.spec.engine_id)
     assert status is not None and not status.stale
     assert (status.gaps, status.replays, status.views_dropped) == (1, 1, 1)
+
+
+class _Watching(EngineIndex):
+    """The engine index, noting the feed's ``last_seq`` as each batch is applied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feeds: EngineFeeds | None = None
+        self.seen: list[int | None] = []
+
+    def apply(self, engine_id: str, batch: EventBatch) -> None:
+        assert self.feeds is not None
+        self.seen.append(self.feeds._feeds[engine_id].seq.last_seq)
+        super().apply(engine_id, batch)
+
+
+def test_a_message_is_counted_only_once_the_view_holds_it(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A reader that waits for ``last_seq`` (``GET /v1/engines/{id}``) and then routes must
+    find the batch in the view."""
+    index = _Watching()
+    feeds = EngineFeeds(index, stale_s=300, replay_timeout_s=1.0, replay_buffer=100)
+    index.feeds = feeds
+    try:
+        engine = Engine(zctx)
+        follow(feeds, engine)
+        engine.send(1)
+        assert wait_until(lambda: last_seq(feeds, engine) == 1, 5)
+        assert index.seen[-1] == 0  # seq 1 was not counted while it was being applied
+    finally:
+        feeds.close()
