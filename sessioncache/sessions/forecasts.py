@@ -28,7 +28,6 @@ from sessioncache.hashing import BlockHash, divergence_block
 from sessioncache.sessions.hints import NEUTRAL, HintState
 from sessioncache.store.forecast import (
     BACK_SIGMA,
-    CLASS_SPAN,
     MIN_GAP_S,
     ORPHAN_BASE,
     POOLED,
@@ -274,12 +273,10 @@ def scale(forecast: Forecast, k: float, origin: float, priority: int) -> float:
             if priority <= NEUTRAL:
                 return k
             lead = forecast.ahead(forecast.priors[POOLED])
-        else:  # the class's median return
-            c = forecast.class_of(k)
-            event = k - (c + 1) * CLASS_SPAN
+        else:  # the class's median return, or the date a hint gave
+            c, event = forecast.event_of(k)
             if c < len(forecast.classes):
-                sub, cls = forecast.classes[c]
-                event += (forecast.subagent_priors if sub else forecast.priors)[cls].median()
+                event += forecast.class_gap(c).median()
             lead = max(0.0, event - origin)
         return forecast.dated_key(origin + lead * factor, origin)
     if forecast.mode == "next_use":

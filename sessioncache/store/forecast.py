@@ -270,6 +270,19 @@ class Forecast:
         """``chance``: the class number of a key (``classes``; ``len(classes)``: dated)."""
         return int(key // CLASS_SPAN) - 1
 
+    def event_of(self, key: float) -> tuple[int, float]:
+        """``chance``: a key's class number (``class_of``) and the date it holds."""
+        c = self.class_of(key)
+        return c, key - (c + 1) * CLASS_SPAN
+
+    def class_gap(self, c: int) -> Distribution:
+        """``chance``: the distribution of class ``c`` (``classes``; past them: the pooled
+        prior)."""
+        if c < len(self.classes):
+            sub, cls = self.classes[c]
+            return (self.subagent_priors if sub else self.priors)[cls]
+        return self.priors[POOLED]
+
     def chance(self, key: float, last: float, now: float) -> float:
         """``chance``: the block's hit density as of ``now``: the probability that it is read
         within the first tier's horizon over the time it is expected to stay until then
@@ -279,8 +292,7 @@ class Forecast:
         pooled = len(self.classes) + 1
         if key == NO_FORECAST:
             return self._density(pooled, now - last)
-        c = self.class_of(key)
-        origin = key - (c + 1) * CLASS_SPAN
+        c, origin = self.event_of(key)
         if c == len(self.classes):  # dated
             if origin < now:  # the date passed without the session: an average silence
                 return self._density(pooled, now - origin)
@@ -295,14 +307,9 @@ class Forecast:
         h = self.horizon.rounded
         cached = self._densities.get((c, bucket, h))
         if cached is None:
-            if c < len(self.classes):
-                sub, cls = self.classes[c]
-                gap = (self.subagent_priors if sub else self.priors)[cls]
-            else:
-                gap = self.priors[POOLED]
             if len(self._densities) >= 1 << 16:
                 self._densities.clear()
-            cached = self._densities[(c, bucket, h)] = density(gap, bucket, h)
+            cached = self._densities[(c, bucket, h)] = density(self.class_gap(c), bucket, h)
         return cached
 
     @property
