@@ -414,9 +414,8 @@ class StoreSim:
         times = self._arrivals.get(key[1])
         if not times:
             return None
-        now = self.clock.now() - CLOCK_START
-        at = bisect.bisect_right(times, now)
-        return CLOCK_START + times[at] if at < len(times) else None
+        at = bisect.bisect_right(times, self.clock.now())  # clock seconds, as the clock is set
+        return times[at] if at < len(times) else None
 
     def _tell(self, session: str) -> None:
         """The oracle's hint: when ``session`` is next back, or that it is done."""
@@ -564,9 +563,11 @@ class StoreSim:
 
 
 def _arrivals(trace: Trace) -> dict[str, list[float]]:
-    """Each session's arrival times (replay seconds), in order."""
+    """Each session's arrival times, in order, as the replay's clock reads them then
+    (``CLOCK_START`` plus the replay's seconds, the same sum: a difference taken the other
+    way round can fall a rounding short of an arrival and name it as the next)."""
     out: dict[str, list[float]] = {}
     for request in trace.requests:
         if request.session is not None:
-            out.setdefault(request.session, []).append(request.time)
+            out.setdefault(request.session, []).append(CLOCK_START + request.time)
     return out

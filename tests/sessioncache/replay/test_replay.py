@@ -11,6 +11,7 @@ import pytest
 
 from sessioncache.commands import replay as replay_command
 from sessioncache.errors import InvalidInput
+from sessioncache.node import OPEN_TENANT
 from sessioncache.replay.runner import (
     POLICIES,
     make_simulator,
@@ -19,7 +20,7 @@ from sessioncache.replay.runner import (
     run_replay,
     split_capacity,
 )
-from sessioncache.replay.simulators import LruSim, OracleSim, StoreSim
+from sessioncache.replay.simulators import CLOCK_START, LruSim, OracleSim, StoreSim
 from sessioncache.replay.trace import Request, Trace, load_trace
 from sessioncache.store.eviction import EvictionPolicy
 
@@ -467,3 +468,24 @@ def test_oracle_hints_give_the_node_each_sessions_true_return():
     assert matched["none"][3:] == [1, 3]  # the forecast kept the tool loop's chain instead
     with pytest.raises(ValueError, match="hints"):
         StoreSim("x", [("cpu", 64)], block_bytes=64, hints="psychic")
+
+
+@pytest.mark.parametrize("arrival", [1.1, 3.3, 100.3, 333.3])
+def test_the_oracle_names_the_next_arrival_never_the_one_being_served(arrival: float) -> None:
+    # The clock reads CLOCK_START + t; for these t, (CLOCK_START + t) - CLOCK_START falls a
+    # rounding short of t, where an oracle comparing in replay seconds took the request it
+    # serves for the session's next return (back in MIN_GAP_S instead of at 500 s).
+    requests = [
+        Request(0.0, "a", (1,), 64, "tool_use", 0.5),
+        Request(arrival, "a", (1, 2), 128, "tool_use", 0.5),
+        Request(500.0, "a", (1, 2, 3), 192),
+    ]
+    trace = Trace("t", "agent-sessions", 64, requests, 3, 1)
+    sim = StoreSim("o", [("cpu", 8 * 64)], block_bytes=64, trace=trace, hints="oracle")
+    sim.serve(requests[0])
+    sim.finish(requests[0])
+    sim.serve(requests[1])
+    assert sim.sessions is not None
+    state = sim.sessions.hints.snapshot((OPEN_TENANT, "a"))
+    assert state is not None and state.back_at == CLOCK_START + 500.0
+    sim.close()
