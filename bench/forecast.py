@@ -236,14 +236,20 @@ def grid() -> dict[str, dict[str, Any]]:
     out[CHANCE] = {"mode": "chance", "dead_branch_s": None, "hist": True}
     out[CHANCE + " pins=0"] = {**out[CHANCE], "pin_share": 0.0}
     out["default pins=0"] = {**setting("default"), "pin_share": 0.0}
+    out[STOPPING] = setting("default")
     return out
 
 
-DEFAULT: dict[str, Any] = {"mode": "chance", "dead_branch_s": None, "hist": True}
+DEFAULT: dict[str, Any] = {"mode": "chance", "dead_branch_s": None, "hist": True, "stopping": True}
 """The node's default (``forecast.node_forecast``), its priors fitted on the training folds."""
 CHANCE = "chance hist"
 """Hit density (``Forecast.mode`` ``chance``) over histograms of the gaps (``fit_hist``), a
-branch left behind dead."""
+branch left behind dead, over the tier's whole horizon (the default before ``stopping``)."""
+
+
+STOPPING = "chance stopping"
+"""The default by the name it was cross-validated under: hit density at its best stopping
+point (``Forecast.stopping``)."""
 
 
 ORACLE_HINTS = "default hints=oracle"

@@ -202,6 +202,10 @@ class Forecast:
     access."""
     horizon_s: float = 600.0
     """``value`` and ``beyond``: the horizon before the first tier has evicted anything."""
+    stopping: bool = False
+    """``chance``: a block's worth is the best hit density over every horizon up to the
+    tier's (the block may be let go at any silence, so a heavy tail costs only the wait that
+    pays: a Gittins index), not the density over the tier's horizon alone."""
     horizon: Horizon = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     """The live horizon of the first tier (the policy updates it: not a setting)."""
     _densities: dict[tuple[int, int, float], float] = field(
@@ -309,7 +313,9 @@ class Forecast:
         if cached is None:
             if len(self._densities) >= 1 << 16:
                 self._densities.clear()
-            cached = self._densities[(c, bucket, h)] = density(self.class_gap(c), bucket, h)
+            cached = self._densities[(c, bucket, h)] = density(
+                self.class_gap(c), bucket, h, self.stopping
+            )
         return cached
 
     @property
@@ -367,13 +373,14 @@ _CLASSES: tuple[tuple[bool, str], ...] = tuple((sub, c) for sub in (False, True)
 
 def node_forecast() -> Forecast:
     """The node's default forecast (``SESSIONCACHE_EVICTION_POLICY=forecast``), chosen by
-    cross-validation (docs/sessions.md): hit density (``chance``) over the histogram priors,
-    a branch a session left behind dead."""
+    cross-validation (docs/sessions.md): hit density (``chance``) at its best stopping point
+    (``stopping``) over the histogram priors, a branch a session left behind dead."""
     return Forecast(
         mode="chance",
         priors=dict(DEFAULT_HIST_PRIORS),
         subagent_priors=dict(DEFAULT_HIST_SUBAGENT_PRIORS),
         dead_branch_s=None,
+        stopping=True,
     )
 
 

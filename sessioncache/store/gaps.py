@@ -292,26 +292,38 @@ PER_E = 32
 """Silence buckets per factor e (about 3% apart): what hit densities are cached by."""
 
 
-def hit_density(gap: Distribution, silent: float, horizon: float) -> float:
+def hit_density(
+    gap: Distribution, silent: float, horizon: float, *, stopping: bool = False
+) -> float:
     """Hits per second held: ``P(read within horizon | silent)`` over the seconds a block is
     expected to stay until that read or the horizon, whichever comes first (``chance``; the
-    silence to ~3%, the horizon to 2 digits)."""
+    silence to ~3%, the horizon to 2 digits); with ``stopping``, the best of that over every
+    horizon up to ``horizon``."""
     bucket = int(math.log(max(MIN_GAP_S, silent)) * PER_E)
-    return density(gap, bucket, round2(horizon))
+    return density(gap, bucket, round2(horizon), stopping)
 
 
-def density(gap: Distribution, bucket: int, horizon: float) -> float:
+def density(gap: Distribution, bucket: int, horizon: float, stopping: bool = False) -> float:
+    """``hit_density`` at the silence of ``bucket``; with ``stopping``, the best of it over
+    every horizon up to ``horizon`` (``Forecast.stopping``)."""
     s = math.exp(bucket / PER_E)
     alive = gap.survival(s)
     if alive <= 0 or horizon <= 0:
         return 0.0
-    points = [0.0, *(horizon * math.exp((k - _STEPS) / 4) for k in range(_STEPS + 1))]
-    held, prev = 0.0, alive
+    if stopping:
+        n = max(1, math.ceil(4 * math.log(max(1.0, horizon / MIN_GAP_S))))
+        points = [0.0, *(MIN_GAP_S * math.exp(k / 4) for k in range(n)), horizon]
+        points = [p for p in points if p <= horizon]
+    else:
+        points = [0.0, *(horizon * math.exp((k - _STEPS) / 4) for k in range(_STEPS + 1))]
+    held, prev, best = 0.0, alive, 0.0
     for lo, hi in itertools.pairwise(points):  # the expected stay: survival, integrated
         cur = gap.survival(s + hi)
         held += 0.5 * (prev + cur) * (hi - lo)
         prev = cur
-    return (alive - prev) / held
+        if stopping and held > 0:
+            best = max(best, (alive - cur) / held)
+    return best if stopping else (alive - prev) / held
 
 
 def dated_chance(ahead: float, horizon: float) -> float:

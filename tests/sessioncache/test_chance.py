@@ -188,6 +188,48 @@ def test_a_hint_dates_the_chain_and_a_passed_date_recedes(clock: ManualClock):
     assert late < soon  # a day past the date it gave: an average silence of a day
 
 
+@pytest.mark.parametrize(("stopping", "kept"), [(True, "loop"), (False, "dated")])
+def test_a_tool_loop_is_worth_the_wait_that_pays_not_its_whole_tail(
+    clock: ManualClock, stopping: bool, kept: str
+):
+    """Nine tool calls in ten come back in seconds, the tenth after the tier's horizon.
+    Valued over the whole horizon, the tenth's wait makes the loop's chain worth less than
+    one whose client says it is back in a hundred seconds; valued at the best point to let
+    it go (``stopping``), the loop is worth its seconds' wait and keeps its chain."""
+    tailed = fit_hist([5.0] * 90 + [3000.0] * 10, 100)
+    forecast = Forecast(
+        mode="chance",
+        priors={**priors(), "tool": tailed},
+        dead_branch_s=None,
+        horizon_s=2700.0,
+        stopping=stopping,
+    )
+    store = TieredStore(
+        [CpuTier(12 * SIZE)], EvictionPolicy(1, forecast), clock=clock, default_ttl_s=1e6
+    )
+    sm = SessionManager(store, pin_share=0.0)
+    sm.open("dated", tenant="bob")
+    sm.open("loop", tenant="alice")
+    chains = {"dated": chain(2, 5), "loop": chain(1, 5)}
+    turn(sm, "dated", chains["dated"], "bob", "end_turn")
+    sm.hint("dated", Hint(back_in_s=100.0), tenant="bob")
+    turn(sm, "loop", chains["loop"], "alice", "tool_use")
+    clock.advance(1)
+    fill(store, 3, 4)
+    lost = "dated" if kept == "loop" else "loop"
+    assert held(store, chains[kept]) == 5
+    assert held(store, chains[lost]) < 5
+
+
+def test_stopping_is_the_best_density_up_to_the_horizon():
+    for gap in (TOOL, STOP, fit_hist([5.0] * 90 + [3000.0] * 10, 100)):
+        for silent in (1.0, 60.0, 3600.0):
+            plain = hit_density(gap, silent, 2700.0)
+            best = hit_density(gap, silent, 2700.0, stopping=True)
+            assert best >= plain * (1 - 1e-9)
+            assert best >= hit_density(gap, silent, 60.0) * (1 - 1e-2)
+
+
 def test_a_priority_scales_how_soon_a_chain_is_expected(clock: ManualClock):
     store, sm = make(40, clock)
     forecast = store.forecast
