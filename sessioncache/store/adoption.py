@@ -151,8 +151,10 @@ class IndexAdoption:
         """Which slots the policy may queue in ``tier`` (``eviction.candidacy``: a spare copy
         or an evictable tail there), for all slots at once."""
         col = self._index._table.column
-        ref, pins, held = col("ref"), col("pins"), col("held")
-        spare = is_spare(masks, ref, pins, tier)
+        ref, holds, held = col("ref"), col("pins"), col("held")
+        if tier != self._index._table.slots_tier:  # ``BlockMeta.standing``
+            holds = holds + col("leased")
+        spare = is_spare(masks, ref, holds, tier)
         last = tier == self._index._num_tiers - 1
         tail = is_tail(masks, ref, children_here, held, tier, last)
         live = (col("flags") & F_LIVE).astype(bool)

@@ -221,13 +221,15 @@ class BlockMeta:
 
     def standing(self, tier: int) -> tuple[int, int, int, int, int]:
         """What eviction's rules (``store.eviction``) read of the block in ``tier``, at once:
-        its tier mask, its references (``ref_cnt``), its session pins (``pins``), its children
-        held in ``tier`` and its children held in any tier."""
+        its tier mask, its references (``ref_cnt``), those of them that hold the block rather
+        than its copy in ``tier`` (its session pins, and its leases but in the tier whose
+        slots a lease hands out: ``BlockTable.slots_tier``), its children held in ``tier``
+        and its children held in any tier."""
         t, slot = self._table, self.slot
         return (
             t.mask[slot],
             t.ref[slot],
-            t.pins[slot],
+            t.pins[slot] + (t.leased[slot] if tier != t.slots_tier else 0),
             t.children_in[slot * t.num_tiers + tier],
             t.held[slot],
         )

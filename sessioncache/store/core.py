@@ -139,7 +139,6 @@ class StoreCore:
         self.promote = promote_on_get
         self.max_lease_s = max_lease_s
         self.lock = threading.RLock()
-        self.index = BlockIndex(len(self.tiers), self.policy)
         self.payload_sizes: dict[bytes, int] = {}
         # Blocks being copied up (promotion): a second reader waits for the first copy.
         self.promoting: dict[BlockHash, threading.Event] = {}
@@ -156,6 +155,10 @@ class StoreCore:
         # The tier other processes on this host map (the same-host path); the first one.
         self.shm: tuple[int, SharedMemoryTier] | None = next(
             ((i, t) for i, t in enumerate(self.tiers) if isinstance(t, SharedMemoryTier)), None
+        )
+        # A lease holds the copies there (the slots it hands out), elsewhere only the block.
+        self.index = BlockIndex(
+            len(self.tiers), self.policy, slots_tier=-1 if self.shm is None else self.shm[0]
         )
         self.write_through_tiers = sorted({self.tier_by_name(name) for name in write_through})
         self._rooms: list[Callable[[], int] | None] = [

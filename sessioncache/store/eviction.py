@@ -6,8 +6,9 @@ forecast behind the default order is ``sessioncache.store.forecast``'s (this mod
 What may not leave (``may_leave``, ``is_tail``, ``is_spare``; the index offers a block to the
 policy, ``track``, whenever one of them may have become true):
 1. A referenced block (``ref_cnt > 0``: a lease, a live session's pin, a write in flight, the
-   node's own copy to a lower or the durable tier) is never a victim. A session pin keeps the
-   block in the store, but not its spare copies (4. below).
+   node's own copy to a lower or the durable tier) is never a victim. A session pin or a
+   lease keeps the block in the store, but not its spare copies (4. below): a lease holds
+   each copy only in the tier whose slots it hands out (the shared-memory tier).
 2. The tail rule: a block whose child is held in the same tier is not a victim before that
    child: chains are evicted tail first, since a child is useless without its parent. In the
    last tier, where victims are dropped rather than demoted, the last copy of a parent is not
@@ -18,7 +19,9 @@ Victim order, per tier:
    expiry first.
 4. Then spare copies: below the first tier, a block also held in a faster tier, tail or
    not, least recently used first; dropping it loses nothing, so the tiers hold distinct
-   blocks whenever room is short. Session pins keep a block, not its spare copies.
+   blocks whenever room is short (as an exclusive LRU stack does: a chain promoted as an
+   engine loads it leaves room below for what it pushes down). Session pins and leases keep
+   a block, not its spare copies.
 5. Then, with a ``Forecast`` (the default), by the block's forecast
    (``sessioncache.store.forecast``: each block's key, from its session's return distribution,
    against its last access): in the ``next_use`` mode the tail whose predicted next use lies
@@ -37,9 +40,10 @@ expired, the tier is the last, or another tier holds it too; then it is dropped 
 Dropping a block may make its parent a tail.
 
 Admission (``admits``, the price of entering): a block entering a tier takes the place of that
-tier's next victim unless the victim is unexpired and either
-* hotter than the incoming block, which is new or promoted (held in no faster tier), while
-  the victim's copy there is not spare: the incoming block belongs lower down, so a chain
+tier's next victim unless the victim is unexpired, its copy there is not spare (a faster tier
+holds it too: dropping it loses nothing, whoever enters), and it is either
+* hotter than the incoming block, which is new or promoted (held in no faster tier): the
+  incoming block belongs lower down, so a chain
   longer than the fast tier keeps its head fast and its tail lower instead of shredding
   what is there. Hotter is LRU's order, under a forecast too (no bypass by forecast: in the
   last tier it would refuse stores; docs/sessions.md). A demoted block is not judged again:
@@ -49,7 +53,9 @@ tier's next victim unless the victim is unexpired and either
   would orphan it. Under a forecast, the incoming block's parent in any tier: it comes up as
   the victim only when its chain is expected back after every other tail there, and the
   child is read no sooner than the parent, so the child goes lower, or in the last tier
-  nowhere (Belady's bypass: a store cut short, answered dropped).
+  nowhere (Belady's bypass: a store cut short, answered dropped). A spare copy of the
+  parent says nothing of that: it comes up first whatever its chain's forecast, and the
+  parent stays held above.
 
 The first tier's turnover (``forecast.Horizon``, the horizon of ``value`` and ``beyond``) is
 counted from the victims that leave it (``demotes``, asked once per victim), against its
@@ -101,11 +107,13 @@ Column = npt.NDArray[np.integer[Any]]
 # to one block (ints) or to every block of the table at once (columns: ``IndexAdoption``).
 
 
-def may_leave(ref: int, pins: int) -> bool:
-    """Whether any copy of a block with ``ref`` references, ``pins`` of them session pins,
-    may leave its tier: none while anything but session pins references it (a lease, a write
-    or a move in flight). The index offers such a block to the policy only."""
-    return ref == pins
+def may_leave(ref: int, holds: int) -> bool:
+    """Whether some copy of a block with ``ref`` references, ``holds`` of them holding the
+    block rather than a copy of it (session pins, leases), may leave its tier (a spare one at
+    least: ``is_spare``; a tail only unreferenced, ``is_tail``): none while anything else
+    references it (a read, a write or a move in flight). The index offers such a block to the
+    policy only."""
+    return ref == holds
 
 
 @overload
@@ -126,13 +134,15 @@ def is_tail(mask: Any, ref: Any, here: Any, held: Any, tier: int, last: bool) ->
 
 
 @overload
-def is_spare(mask: int, ref: int, pins: int, tier: int) -> bool: ...
+def is_spare(mask: int, ref: int, holds: int, tier: int) -> bool: ...
 @overload
-def is_spare(mask: Column, ref: Column, pins: Column, tier: int) -> npt.NDArray[np.bool_]: ...
-def is_spare(mask: Any, ref: Any, pins: Any, tier: int) -> Any:
-    """A block's copy in ``tier`` is spare: a faster tier holds the block too, and nothing but
-    session pins references it (a lease or a move in flight may be reading that copy)."""
-    return (ref == pins) & ((mask >> tier & 1) != 0) & ((mask & ((1 << tier) - 1)) != 0)
+def is_spare(mask: Column, ref: Column, holds: Column, tier: int) -> npt.NDArray[np.bool_]: ...
+def is_spare(mask: Any, ref: Any, holds: Any, tier: int) -> Any:
+    """A block's copy in ``tier`` is spare: a faster tier holds the block too, and nothing
+    references it but what holds the block rather than that copy (``holds``: session pins,
+    leases outside the tier whose slots a lease hands out; a read or a move in flight may be
+    reading that copy)."""
+    return (ref == holds) & ((mask >> tier & 1) != 0) & ((mask & ((1 << tier) - 1)) != 0)
 
 
 def evictable(meta: BlockMeta, tier: int, *, last: bool = False) -> bool:
@@ -143,15 +153,15 @@ def evictable(meta: BlockMeta, tier: int, *, last: bool = False) -> bool:
 
 def spare_copy(meta: BlockMeta, tier: int) -> bool:
     """``is_spare`` of ``meta``'s copy in ``tier``."""
-    mask, ref, pins, _, _ = meta.standing(tier)
-    return is_spare(mask, ref, pins, tier)
+    mask, ref, holds, _, _ = meta.standing(tier)
+    return is_spare(mask, ref, holds, tier)
 
 
 def candidacy(meta: BlockMeta, tier: int, *, last: bool = False) -> tuple[bool, bool]:
     """Whether ``meta``'s copy in ``tier`` is spare, and whether it is an evictable tail
     there: what the policy files it by (``EvictionPolicy.track``)."""
-    mask, ref, pins, here, held = meta.standing(tier)
-    return is_spare(mask, ref, pins, tier), is_tail(mask, ref, here, held, tier, last)
+    mask, ref, holds, here, held = meta.standing(tier)
+    return is_spare(mask, ref, holds, tier), is_tail(mask, ref, here, held, tier, last)
 
 
 def lru_key(meta: BlockMeta) -> tuple[float, int, int]:
@@ -408,8 +418,8 @@ class EvictionPolicy:
     def admits(self, victim: BlockMeta, incoming: BlockMeta, tier: int, now: float) -> bool:
         """Whether ``incoming`` may enter ``tier`` at the cost of ``victim``, the block
         ``next_victim`` chose there (see the module docstring)."""
-        if victim.expired(now):
-            return True
+        if victim.expired(now) or spare_copy(victim, tier):
+            return True  # nothing is lost: it expired, or a faster tier holds it too
         if victim.block_hash == incoming.parent and (
             self.forecast is not None or (tier == self._last and len(victim.tiers) == 1)
         ):
@@ -417,7 +427,7 @@ class EvictionPolicy:
             # furthest forecast only when its chain is, and the child is read no sooner.
             return False
         entering = not incoming.mask & ((1 << tier) - 1)  # new or promoted
-        return not (entering and not spare_copy(victim, tier) and _colder(incoming, victim))
+        return not (entering and _colder(incoming, victim))
 
     def demotes(self, victim: BlockMeta, tier: int, now: float) -> bool:
         """Whether ``victim``, leaving ``tier``, is copied into the next tier first (else it

@@ -85,10 +85,12 @@ class Lease:
 class BlockIndex:
     """Block records, chain links, per-tier counts, pins and leases (see the module doc)."""
 
-    def __init__(self, num_tiers: int, policy: EvictionPolicy) -> None:
+    def __init__(self, num_tiers: int, policy: EvictionPolicy, *, slots_tier: int = -1) -> None:
+        """``slots_tier``: the tier whose slots a lease hands out (``BlockTable.slots_tier``)."""
         self._num_tiers = num_tiers
         self._policy = policy
         self._table = BlockTable(num_tiers)
+        self._table.slots_tier = slots_tier
         # The first child slot of ids that have no record (forgotten while their children
         # were held); the rest of each list through the table's kid links.
         self._orphans: dict[BlockHash, int] = {}
@@ -434,7 +436,8 @@ class BlockIndex:
         owner = table.slot_of.get(parent) if parent is not None else None
         if owner is not None and table.mask[owner] & bit:
             table.children_in[owner * self._num_tiers + tier] += 1
-        if may_leave(table.ref[slot], table.pins[slot]):  # else no copy of it is a candidate
+        if may_leave(table.ref[slot], table.pins[slot] + table.leased[slot]):
+            # else no copy of it is a candidate
             for held in tier_set(mask):
                 self._policy.track(meta, held)  # ``tier``, and the copies below it, now spare
         return True
@@ -522,9 +525,9 @@ class BlockIndex:
         if ref == 0:
             for tier in tiers:
                 self._policy.track(meta, tier)
-        elif may_leave(ref, table.pins[slot]) and len(tiers) > 1:
+        elif may_leave(ref, table.pins[slot] + table.leased[slot]) and len(tiers) > 1:
             for tier in tiers:
-                self._policy.track(meta, tier)  # only session pins left: copies are spare
+                self._policy.track(meta, tier)  # only pins and leases left: copies are spare
 
     def unref_all(self, hashes: Sequence[BlockHash]) -> None:
         for block_hash in hashes:

@@ -103,6 +103,10 @@ class BlockTable:
         in microseconds, where NumPy arrays take tens); it cannot grow nor give ``column``
         views."""
         self.num_tiers = num_tiers
+        self.slots_tier = -1
+        """The tier whose slots a lease hands out (the shared-memory tier: ``reads.locate``),
+        where a lease holds the block's copy itself; in the other tiers a lease holds the
+        block, not each of its copies (``BlockMeta.standing``). -1: none."""
         self.slot_of: dict[BlockHash, int] = {}
         """The slot of each id that has a record."""
         self.parents: list[BlockHash | None] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sessioncache.hashing import BlockHash
 from sessioncache.store.blocks import BlockMeta, tier_mask
 from sessioncache.store.eviction import EvictionPolicy
+from sessioncache.store.forecast import Forecast
 from sessioncache.store.table import BlockFields
 
 TIERS = 2
@@ -91,3 +92,15 @@ def test_a_victim_is_demoted_unless_expired_at_the_bottom_or_held_in_another_tie
     assert not policy.demotes(meta(2, tiers={0}, last_access=1.0, expires_at=5.0), 0, 20.0)
     assert not policy.demotes(meta(3, tiers={0, 1}, last_access=1.0), 0, now=20.0)  # spare
     assert not policy.demotes(meta(4, tiers={1}, last_access=1.0), 1, now=20.0)  # the last
+
+
+def test_a_spare_copy_of_the_incoming_blocks_parent_makes_room_for_it():
+    """A spare copy comes up first whatever its chain's forecast, and its block stays held in
+    the faster tier: refusing the child for it would drop the child (a demotion refused)."""
+    for policy in (EvictionPolicy(TIERS), EvictionPolicy(TIERS, Forecast())):
+        parent = meta(1, tiers={0, 1}, last_access=10.0)
+        child = meta(2, tiers={0}, last_access=15.0, parent=1)  # being demoted
+        assert policy.admits(parent, child, 1, now=20.0)
+        assert policy.admits(parent, meta(3, tiers=set(), last_access=5.0, parent=1), 1, 20.0)
+        only = meta(4, tiers={1}, last_access=10.0)
+        assert not policy.admits(only, meta(5, tiers={0}, last_access=15.0, parent=4), 1, 20.0)

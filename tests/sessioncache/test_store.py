@@ -225,6 +225,31 @@ def test_get_promotes_a_lower_tier_hit(clock: ManualClock):
     assert store.stats().counters.promotions == 1
 
 
+def test_a_load_under_a_lease_costs_the_tier_below_no_other_tenants_chain(clock: ManualClock):
+    """An engine loading a chain from the lower tier promotes it under its lease. The lease
+    holds the blocks, not each copy: once a faster tier holds them, their copies below are
+    spare and go first when room is needed there (as an exclusive LRU stack would have moved
+    them up), not another tenant's chain."""
+    store = TieredStore([CpuTier(3 * SIZE), CpuTier(6 * SIZE, name="disk")], clock=clock)
+    other = Namespace("test-model", 4, "float16", "test-layout", salt="tenant-b")
+    mine = chain(1, 3)
+    theirs = block_hashes(other, np.random.default_rng(2).integers(0, 50_000, 12))
+    put(store, mine)
+    clock.advance(1)
+    store.writes.put(theirs, [data(h) for h in theirs], namespace_root=other.root())
+    assert [store.reads.where(h) for h in mine + theirs] == [["disk"]] * 3 + [["cpu"]] * 3
+    match = store.reads.lookup(mine, lease_s=30)
+    for h in mine:
+        store.reads.get(h)  # the engine's load: promoted, theirs pushed down
+    assert [store.reads.where(h) for h in theirs] == [["disk"]] * 3
+    put(store, chain(3, 3))  # the fast tier is all leased: into the tier below
+    assert store.reads.lookup(theirs).num_blocks == 3
+    assert [store.reads.where(h) for h in mine] == [["cpu"]] * 3  # still held, leased
+    assert store.reads.lookup(chain(3, 3)).num_blocks == 3
+    assert match.lease is not None
+    store.reads.release(match.lease.id)
+
+
 def test_put_extends_ttl_of_held_blocks_and_reports_them(clock: ManualClock):
     store = one_tier(4, clock)
     hashes = chain(1, 2)

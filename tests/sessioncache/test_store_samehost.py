@@ -178,6 +178,36 @@ def test_the_answer_stops_where_shared_memory_has_no_room(clock: ManualClock, tm
     assert [s.block_hash for s in store.reads.locate(match.hashes)] == cold[:2]  # room for two
 
 
+def test_a_located_slot_stays_while_leased_though_a_faster_tier_holds_the_block(
+    clock: ManualClock,
+):
+    """A lease holds the block, not each copy, but in shared memory it holds the slots it
+    hands out: a peer may be reading them, whatever a faster tier holds."""
+    from sessioncache.tiers.gpu import GpuTier
+
+    store = TieredStore(
+        [GpuTier(4 * SIZE, device="cpu"), SharedCpuTier(4 * SIZE, chunk_bytes=4 * SIZE)],
+        clock=clock,
+    )
+    mine = chain(1, 2)
+    put(store, mine)
+    clock.advance(1)
+    put(store, chain(2, 4))  # pushes mine down into shared memory
+    assert all(store.reads.where(h) == ["cpu"] for h in mine)
+    match = store.reads.lookup(mine, lease_s=30)
+    located = store.reads.locate(match.hashes)
+    for h in mine:
+        store.reads.get(h)  # promoted: the faster tier holds them too
+    assert all(store.reads.where(h) == ["gpu", "cpu"] for h in mine)
+    clock.advance(1)
+    put(store, chain(3, 4))  # room needed in shared memory
+    peer = Peer(store)
+    assert all(store.reads.where(h)[-1] == "cpu" for h in mine)
+    assert all(peer.read(s.location) == data(s.block_hash) for s in located)
+    assert match.lease is not None
+    store.reads.release(match.lease.id)
+
+
 def test_concurrent_locates_copy_a_block_in_once(clock: ManualClock, tmp_path: Path):
     store = shm_store(clock, blocks=8, disk=tmp_path / "disk")
     hashes = chain(1, 6)
