@@ -133,7 +133,7 @@ class StoreCore:
         self.tiers = list(tiers)
         self.tier_index = {name: i for i, name in enumerate(names)}
         self.policy = policy or EvictionPolicy(len(self.tiers))
-        self.policy.capacity = self.tiers[0].capacity_bytes if self.tiers else 0
+        self.policy.capacities = [t.capacity_bytes for t in self.tiers]
         self.clock: Clock = clock or SystemClock()
         self.default_ttl = default_ttl_s
         self.promote = promote_on_get

@@ -57,9 +57,13 @@ holds it too: dropping it loses nothing, whoever enters), and it is either
   parent says nothing of that: it comes up first whatever its chain's forecast, and the
   parent stays held above.
 
-The first tier's turnover (``forecast.Horizon``, the horizon of ``value`` and ``beyond``) is
-counted from the victims that leave it (``demotes``, asked once per victim), against its
-capacity, which the store sets (``capacity``).
+Each tier's turnover (``forecast.Horizon``: how long the tier keeps a block) is counted from
+the victims that leave it (``left``, once per victim; a spare copy's says nothing of it),
+against its capacity, which the store sets (``capacities``). A block is valued over the
+horizon of the tier it is in (``chance``'s density, ``next_use``'s ``beyond``): a disk tier
+sixteen times the memory's keeps a block about sixteen times longer, so what it holds is
+worth what comes back within that time, not within the memory's. The first tier's horizon
+is the forecast's own, which dates ``value``'s keys.
 
 The victim orders are heaps with lazy re-keying, so that touching a block (every lookup touches a
 whole chain) costs no heap operation: a touch only moves a block's keys later. A forecast that
@@ -88,7 +92,13 @@ import numpy.typing as npt
 
 from sessioncache.hashing import BlockHash
 from sessioncache.store.blocks import BlockMeta
-from sessioncache.store.forecast import NO_FORECAST, ORPHAN_BASE, Forecast, node_forecast
+from sessioncache.store.forecast import (
+    NO_FORECAST,
+    ORPHAN_BASE,
+    Forecast,
+    Horizon,
+    node_forecast,
+)
 
 _Entry = tuple[float, int, int, BlockHash]  # (time, touched_by_op, -touch_order, id)
 POLICIES = ("forecast", "next_use", "lru")
@@ -177,8 +187,17 @@ class EvictionPolicy:
     def __init__(self, num_tiers: int, forecast: Forecast | None = None) -> None:
         self._last = num_tiers - 1
         self.forecast = forecast
-        self.capacity = 0
-        """The first tier's capacity in bytes (the store sets it): its horizon's measure."""
+        self.capacities = [0] * num_tiers
+        """Each tier's capacity in bytes (the store sets them): its horizon's measure."""
+        self.horizons: list[Horizon] = []
+        """Each tier's turnover (``left``), the horizon a block there is valued over; the
+        first tier's is the forecast's own (``Forecast.horizon``), which its keys use."""
+        if forecast is not None:
+            self.horizons = [forecast.horizon]
+            for _ in range(1, num_tiers):
+                below = Horizon(forecast.horizon_s)
+                below.adapt = False  # the level is the first tier's (``value`` keys)
+                self.horizons.append(below)
         self._expiry: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._lru: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         self._spare: list[list[_Entry]] = [[] for _ in range(num_tiers)]
@@ -316,8 +335,8 @@ class EvictionPolicy:
             return None
         if oldest is None or (
             coldest is not None
-            and forecast.value(coldest.next_use, coldest.last_access, now)
-            > forecast.value(oldest.next_use, oldest.last_access, now)
+            and forecast.value(coldest.next_use, coldest.last_access, now, self.horizons[tier])
+            > forecast.value(oldest.next_use, oldest.last_access, now, self.horizons[tier])
         ):
             assert coldest is not None
             heapq.heappop(ahead)
@@ -379,7 +398,7 @@ class EvictionPolicy:
         for heap, meta in tops:
             if meta is None:
                 continue
-            value = forecast.value(meta.next_use, meta.last_access, now)
+            value = forecast.value(meta.next_use, meta.last_access, now, self.horizons[tier])
             if best is None or value > top:
                 best, heap_of, top = meta, heap, value
         if heap_of is not None:
@@ -435,13 +454,17 @@ class EvictionPolicy:
         return tier < self._last and not victim.expired(now) and len(victim.tiers) == 1
 
     def left(self, victim: BlockMeta, tier: int, now: float) -> None:
-        """``victim`` left ``tier`` (dropped or demoted; not one kept back): the first tier's
-        turnover is counted here, once per victim."""
-        if tier == 0 and self.forecast is not None:
+        """``victim`` left ``tier`` (dropped or demoted; not one kept back): each tier's
+        turnover is counted here, once per victim, but for a spare copy's (held in a faster
+        tier too: it says nothing of how long the tier keeps a block)."""
+        if self.forecast is None or any(t < tier for t in victim.tiers):
+            return
+        early = None
+        if tier == 0:
             key = victim.next_use
             dead = key >= ORPHAN_BASE / 2  # says nothing of the level
             early = -key - now if key > NO_FORECAST and not dead else None
-            self.forecast.horizon.evicted(victim.nbytes, now, self.capacity, early)
+        self.horizons[tier].evicted(victim.nbytes, now, self.capacities[tier], early)
 
     def queued(self, tier: int) -> int:
         """Heap entries held for ``tier``, stale ones included."""

@@ -287,28 +287,29 @@ class Forecast:
             return (self.subagent_priors if sub else self.priors)[cls]
         return self.priors[POOLED]
 
-    def chance(self, key: float, last: float, now: float) -> float:
+    def chance(self, key: float, last: float, now: float, horizon: Horizon | None = None) -> float:
         """``chance``: the block's hit density as of ``now``: the probability that it is read
-        within the first tier's horizon over the time it is expected to stay until then
-        (per second held); -1 for a dead one."""
+        within ``horizon`` (the turnover of the tier it is in; None: the first tier's) over
+        the time it is expected to stay until then (per second held); -1 for a dead one."""
         if key >= ORPHAN_BASE / 2:
             return -1.0
+        horizon = horizon or self.horizon
         pooled = len(self.classes) + 1
         if key == NO_FORECAST:
-            return self._density(pooled, now - last)
+            return self._density(pooled, now - last, horizon.rounded)
         c, origin = self.event_of(key)
         if c == len(self.classes):  # dated
             if origin < now:  # the date passed without the session: an average silence
-                return self._density(pooled, now - origin)
-            ahead, h = origin - now, self.horizon.seconds
+                return self._density(pooled, now - origin, horizon.rounded)
+            ahead, h = origin - now, horizon.seconds
             return dated_chance(ahead, h) / max(MIN_GAP_S, min(ahead, h))
-        return self._density(c, now - origin)
+        return self._density(c, now - origin, horizon.rounded)
 
-    def _density(self, c: int, silent: float) -> float:
+    def _density(self, c: int, silent: float, h: float) -> float:
         """``hit_density`` of class ``c`` (``classes``; past them: the pooled prior) at
-        ``silent``, cached per class, silence bucket and rounded horizon."""
+        ``silent`` within the horizon ``h`` (rounded), cached per class, silence bucket and
+        horizon."""
         bucket = int(math.log(max(MIN_GAP_S, silent)) * PER_E)
-        h = self.horizon.rounded
         cached = self._densities.get((c, bucket, h))
         if cached is None:
             if len(self._densities) >= 1 << 16:
@@ -342,12 +343,15 @@ class Forecast:
             return now + self.dead_branch_s
         return -(now + self.dead_branch_s)
 
-    def value(self, key: float, last: float, now: float) -> float:
-        """A block's eviction value at ``now``: the larger, the sooner it goes."""
+    def value(self, key: float, last: float, now: float, horizon: Horizon | None = None) -> float:
+        """A block's eviction value at ``now`` in a tier of turnover ``horizon`` (None: the
+        first tier's): the larger, the sooner it goes. ``value`` mode: its key's cold date,
+        set at the first tier's horizon when the block's event was filed."""
+        horizon = horizon or self.horizon
         if self.mode == "chance":
-            return 1.0 - self.chance(key, last, now)
+            return 1.0 - self.chance(key, last, now, horizon)
         if self.mode == "next_use" and self.beyond < math.inf:
-            key = min(key, now + self.beyond * self.horizon.seconds)
+            key = min(key, now + self.beyond * horizon.seconds)
         return self.predicted(key, last, now)
 
     def predicted(self, key: float, last: float, now: float) -> float:

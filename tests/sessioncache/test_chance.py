@@ -253,3 +253,55 @@ def test_the_mode_runs_with_the_class_priors_alone():
     assert f.classes[f.class_of(key)] == (True, FLIGHT)
     assert 0 < f.chance(key, 5000.0, 5010.0) < math.inf
     assert f.priors[POOLED] is DEFAULT_PRIORS[POOLED]
+
+
+def test_a_lower_tier_values_its_blocks_over_its_own_turnover(clock: ManualClock):
+    """One tenant's chain comes back in a hundred seconds, surely; another's in ten seconds,
+    one time in twenty. The memory tier turns over in half a minute: there, only the quick
+    chance is worth anything. The disk tier below keeps a block for most of an hour, over
+    which the sure return is worth more per second held, so the disk keeps that chain."""
+    maybe = fit_hist([10.0] * 5, 100)
+    sure = fit_hist([100.0] * 99, 100)
+    forecast = Forecast(
+        mode="chance",
+        priors={**priors(), "tool": maybe, "stop": sure},
+        dead_branch_s=None,
+        stopping=True,
+        horizon_s=30.0,
+    )
+    policy = EvictionPolicy(2, forecast)
+    store = TieredStore(
+        [CpuTier(2 * SIZE), CpuTier(10 * SIZE, name="disk")], policy, clock=clock, default_ttl_s=1e6
+    )
+    below = policy.horizons[1]
+    assert policy.horizons[0] is forecast.horizon and below is not forecast.horizon
+    below.seconds = below.rounded = 3000.0  # as its own victims would have it (next test)
+    now = clock.now()
+    assert forecast.chance(forecast.event_key(False, "stop", sure, now), now, now + 1) == 0.0
+    sm = SessionManager(store, pin_share=0.0)
+    sm.open("sure", tenant="bob")
+    sm.open("maybe", tenant="alice")
+    chains = {"sure": chain(2, 5), "maybe": chain(1, 5)}
+    turn(sm, "sure", chains["sure"], "bob", "end_turn")
+    turn(sm, "maybe", chains["maybe"], "alice", "tool_use")
+    assert all(store.reads.where(h) == ["disk"] for h in chains["sure"])
+    clock.advance(1)
+    fill(store, 3, 4)  # two blocks must leave the disk tier
+    assert held(store, chains["sure"]) == 5
+    assert held(store, chains["maybe"]) == 3
+
+
+def test_each_tier_counts_its_own_turnover(clock: ManualClock):
+    """A block a second through a memory tier of 4 blocks over a disk tier of 32: the memory
+    keeps a block about 4 s, the disk about 32 s more (Little's law on each tier's victims;
+    a spare copy leaving the disk says nothing of it)."""
+    policy = EvictionPolicy(2, Forecast(mode="chance", priors=priors(), horizon_s=600.0))
+    store = TieredStore(
+        [CpuTier(4 * SIZE), CpuTier(32 * SIZE, name="disk")], policy, clock=clock, default_ttl_s=1e6
+    )
+    for seed in range(400):
+        fill(store, 100 + seed, 1)
+        clock.advance(1)
+    fast, slow = (h.seconds for h in policy.horizons)
+    assert fast == pytest.approx(4.0, rel=0.2)
+    assert slow == pytest.approx(32.0, rel=0.2)
