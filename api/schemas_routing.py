@@ -57,6 +57,10 @@ class EngineOut(BaseModel):
     )
     last_seq: int | None
     last_message_age_s: float | None
+    connects: int = Field(
+        description="Connects of the node to the engine's endpoint seen (0: never reached); "
+        "each asks the replay endpoint for what the node missed."
+    )
     gaps: int
     replays: int
     views_dropped: int = Field(description="Gaps the replay could not fill: view rebuilt.")

@@ -31,6 +31,7 @@ def engine_out(routing: Router, spec: EngineSpec) -> EngineOut:
         stale=status.stale,
         last_seq=status.last_seq,
         last_message_age_s=status.last_message_age_s,
+        connects=status.connects,
         gaps=status.gaps,
         replays=status.replays,
         views_dropped=status.views_dropped,

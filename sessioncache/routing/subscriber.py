@@ -127,12 +127,16 @@ class _Feed:
     """The last read of the engine's socket stopped at ``DRAIN`` with messages left."""
     echo: tuple[int, int] | None = None
     """The seqs the last (re)connect's replay applied: the SUB socket may deliver them too."""
+    connects: int = 0
+    """Connects of the SUB socket seen (each asks the replay for what was missed)."""
 
 
 @dataclass(frozen=True, slots=True)
 class FeedStatus:
     spec: EngineSpec
     last_seq: int | None
+    connects: int
+    """Connects of the node's socket to the engine seen so far (0: never reached it)."""
     gaps: int
     replays: int
     views_dropped: int
@@ -213,6 +217,7 @@ class EngineFeeds:
             return FeedStatus(
                 f.spec,
                 s.last_seq,
+                f.connects,
                 s.gaps,
                 s.replays,
                 s.views_dropped,
@@ -305,11 +310,10 @@ class EngineFeeds:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if (
-                event["event"] == zmq.EVENT_CONNECTED
-                and feed.spec.replay_endpoint is not None
-                and feed.replay is None
-            ):
+            if event["event"] != zmq.EVENT_CONNECTED:
+                continue
+            feed.connects += 1
+            if feed.spec.replay_endpoint is not None and feed.replay is None:
                 self._ask(ctx, feed, _Replay(feed.seq.expected, None))
 
     def _message(self, ctx: Context, feed: _Feed, frames: list[bytes]) -> None:

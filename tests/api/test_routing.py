@@ -64,7 +64,19 @@ class Fleet:
             r = self.client.post("/v1/engines", json=body)
             assert r.status_code == 201, r.text
             publisher.wait_subscriber()
+            self.connected(engine_id)
         return engine_id, engine
+
+    def connected(self, engine_id: str) -> dict[str, Any]:
+        """Wait until the node has seen its socket connect (and so asked for the connect's
+        replay, if any): what the engine publishes next comes after that replay's start."""
+        deadline = time.monotonic() + 20
+        while True:
+            out: dict[str, Any] = self.client.get(f"/v1/engines/{engine_id}").json()
+            if out["connects"] >= 1:
+                return out
+            assert time.monotonic() < deadline, out
+            time.sleep(0.02)
 
     def sync(self, engine_id: str, client: httpx.Client | None = None) -> dict[str, Any]:
         """Wait until the node has every batch the engine published."""
@@ -164,7 +176,7 @@ def test_a_gap_is_filled_from_the_replay_socket(client: httpx.Client, fleet: Fle
     ns = unique_ns()
     a, e = fleet.start(ns)
     e.cache(prompt(1, 64))
-    before = fleet.sync(a)["replays"]  # the connect's own replay, on a loaded host
+    before = fleet.sync(a)["replays"]  # the connect's own replay counts if it found seq 0
     e.cache(prompt(2, 64), send=False)  # lost on the way: the next one shows the gap
     e.remove(e.cache(prompt(3, 96), send=False)[2:3], send=False)
     e.cache(prompt(4, 32))
@@ -173,6 +185,22 @@ def test_a_gap_is_filled_from_the_replay_socket(client: httpx.Client, fleet: Fle
     for seed, n in ((1, 64), (2, 64), (3, 96), (4, 32)):
         check_route(client, fleet, ns, prompt(seed, n))
     assert route(client, ns, prompt(3, 96))["engines"][0]["matched_blocks"] == 2
+
+
+def test_the_status_says_whether_the_node_has_reached_the_engine(
+    client: httpx.Client, fleet: Fleet
+):
+    ns = unique_ns()
+    pub = endpoint()
+    engine_id = f"eng-{uuid.uuid4().hex[:8]}"
+    body = {"engine_id": engine_id, "namespace": ns, "endpoint": pub}
+    assert client.post("/v1/engines", json=body).status_code == 201
+    time.sleep(0.3)  # nothing listens there yet
+    assert client.get(f"/v1/engines/{engine_id}").json()["connects"] == 0
+    _, e = fleet.start(ns, register=False, engine_id=engine_id, pub=pub, replay=False)
+    assert fleet.connected(engine_id)["connects"] == 1
+    e.cache(prompt(1, 64))
+    check_route(client, fleet, ns, prompt(1, 64))
 
 
 def test_what_an_engine_cached_before_it_was_registered_comes_from_its_replay(
@@ -202,7 +230,7 @@ def test_a_gap_the_replay_cannot_fill_drops_the_view(
     ns = unique_ns()
     a, e = fleet.start(ns, replay=replay, buffer_steps=2)
     e.cache(prompt(1, 64))
-    # the connect's own replay counts once if it ran after the first batch (a loaded host)
+    # the connect's own replay counts once if it found the first batch
     before = fleet.sync(a)["replays"]
     for seed in (2, 3, 4):  # three lost batches, two left in the engine's buffer
         e.cache(prompt(seed, 64), send=False)
