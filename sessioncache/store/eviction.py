@@ -28,7 +28,8 @@ Victim order, per tier:
    furthest ahead (Belady's rule with predictions: the larger of the key, capped at
    ``beyond`` horizons ahead, and how overdue it is), in the ``value`` mode the tail that went
    cold first (the key where there is one, LRU's date otherwise), in the ``chance`` mode the
-   tail of least hit density now (the tops of one heap per finish class, oldest event first,
+   tail of least hit density now (the tops of two heaps per finish class, oldest event first
+   and newest event first,
    of the furthest key, and of the oldest block with no key, compared); without one (``lru``, the
    setting ``SESSIONCACHE_EVICTION_POLICY=lru``), least recently used first. Blocks no
    session forecasts keep LRU's order among themselves. Blocks touched at the same instant
@@ -203,9 +204,10 @@ class EvictionPolicy:
         self._spare: list[list[_Entry]] = [[] for _ in range(num_tiers)]
         # With a forecast: the tails by next use, furthest first (keys negated).
         self._ahead: list[list[_Entry]] = [[] for _ in range(num_tiers)]
-        # ``chance``: per class, the tails by their event's date, oldest first.
+        # ``chance``: per class, the tails by their event's date, oldest first and newest first.
         n = len(forecast.classes) + 1 if forecast is not None and forecast.mode == "chance" else 0
         self._cls: list[list[list[_Entry]]] = [[[] for _ in range(n)] for _ in range(num_tiers)]
+        self._new: list[list[list[_Entry]]] = [[[] for _ in range(n)] for _ in range(num_tiers)]
         self._lookup: Callable[[BlockHash], BlockMeta | None] | None = None
         self._limit = [_MIN_COMPACT] * num_tiers
 
@@ -242,6 +244,7 @@ class EvictionPolicy:
             if self._cls[tier] and NO_FORECAST < next_use < ORPHAN_BASE / 2:
                 c = self.forecast.class_of(next_use)
                 heapq.heappush(self._cls[tier][c], (next_use, op, neg_seq, meta.block_hash))
+                heapq.heappush(self._new[tier][c], (-next_use, op, neg_seq, meta.block_hash))
         if self._lookup is not None and self.queued(tier) > self._limit[tier]:
             self.compact(tier, self._lookup)
 
@@ -277,13 +280,16 @@ class EvictionPolicy:
         if self._cls[tier]:
             assert self.forecast is not None
             classes: list[list[_Entry]] = [[] for _ in self._cls[tier]]
+            newest: list[list[_Entry]] = [[] for _ in self._cls[tier]]
             for key, op, neg_seq, block_hash in self._ahead[tier]:
                 if -key < ORPHAN_BASE / 2:
                     c = self.forecast.class_of(-key)
                     classes[c].append((-key, op, neg_seq, block_hash))
-            for heap in classes:
+                    newest[c].append((key, op, neg_seq, block_hash))
+            for heap in (*classes, *newest):
                 heapq.heapify(heap)
             self._cls[tier] = classes
+            self._new[tier] = newest
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT
 
     def next_victim(
@@ -382,7 +388,10 @@ class EvictionPolicy:
         self, tier: int, now: float, lookup: Callable[[BlockHash], BlockMeta | None]
     ) -> BlockMeta | None:
         """``chance``: of the tops of the heaps (dead or dated furthest, each class's oldest
-        event, the oldest block with no key), the one least likely read within the horizon."""
+        and newest event, the oldest block with no key), the one least likely read within the
+        horizon. A class's density rises with silence while its return is still ahead (a
+        tool's result takes seconds to come) and falls after it (a heavy tail's hazard does),
+        so its least dense block is its oldest or its newest."""
         forecast = self.forecast
         assert forecast is not None
         ahead, lru = self._ahead[tier], self._lru[tier]
@@ -393,8 +402,9 @@ class EvictionPolicy:
             (ahead, self._top(ahead, tier, lookup, _by_next_use, forecast=True)),
             (lru, self._top(lru, tier, lookup, _by_last, forecast=False)),
         ]
-        for c, heap in enumerate(self._cls[tier]):
-            tops.append((heap, self._top_of_class(heap, c, tier, lookup)))
+        for c, (oldest, newest) in enumerate(zip(self._cls[tier], self._new[tier], strict=True)):
+            tops.append((oldest, self._top_of_class(oldest, c, tier, lookup)))
+            tops.append((newest, self._top_of_class(newest, c, tier, lookup, newest=True)))
         for heap, meta in tops:
             if meta is None:
                 continue
@@ -411,9 +421,12 @@ class EvictionPolicy:
         c: int,
         tier: int,
         lookup: Callable[[BlockHash], BlockMeta | None],
+        *,
+        newest: bool = False,
     ) -> BlockMeta | None:
-        """``chance``: the candidate of class ``c`` with the oldest event, left on ``heap``
-        (entries of blocks keyed otherwise since are dropped: ``track`` filed them there)."""
+        """``chance``: the candidate of class ``c`` with the oldest event (``newest``: the
+        newest), left on ``heap`` (entries of blocks keyed otherwise since are dropped:
+        ``track`` filed them there)."""
         forecast = self.forecast
         assert forecast is not None
         last = tier == self._last
@@ -428,7 +441,7 @@ class EvictionPolicy:
                 heapq.heappop(heap)
                 continue
             _, _, op, neg_seq, _ = meta.order_keys()
-            current = (key, op, neg_seq, meta.block_hash)
+            current = (-key if newest else key, op, neg_seq, meta.block_hash)
             if current == entry:
                 return meta
             heapq.heapreplace(heap, current)
@@ -474,6 +487,7 @@ class EvictionPolicy:
             + len(self._spare[tier])
             + len(self._ahead[tier])
             + sum(len(heap) for heap in self._cls[tier])
+            + sum(len(heap) for heap in self._new[tier])
         )
 
     def rebuild(self, tier: int, metas: Iterable[BlockMeta]) -> None:
@@ -483,6 +497,7 @@ class EvictionPolicy:
         self._spare[tier] = []
         self._ahead[tier] = []
         self._cls[tier] = [[] for _ in self._cls[tier]]
+        self._new[tier] = [[] for _ in self._new[tier]]
         for meta in metas:
             self.track(meta, tier)
         self._limit[tier] = 2 * self.queued(tier) + _MIN_COMPACT

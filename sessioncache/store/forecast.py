@@ -43,10 +43,12 @@ turning the distribution into a key, ``Forecast.mode``:
   its session's last event is ``q(s)`` over the seconds it is expected to stay until that
   read or ``H``, whichever comes first (``hit_density``: hits per second held, as in Least
   Hit Density caching). The key names the event's class and date (``event_key``: the class's
-  number times ``CLASS_SPAN`` plus the date), and the policy keeps a heap per class, oldest
-  event first: within one class the density falls with silence (a heavy tail's hazard does),
-  so the least dense block is the top of one of them, and the victim is the least dense of
-  those tops (one per class, a dozen), evaluated at ``now``. A hint's expected return is a
+  number times ``CLASS_SPAN`` plus the date), and the policy keeps two heaps per class,
+  oldest event first and newest event first: within one class the density rises with silence
+  while the return is still ahead (a tool's result takes seconds to come) and falls after it
+  (a heavy tail's hazard does), so the least dense block of a class is the top of one of
+  them, and the victim is the least dense of those tops (two per class), evaluated at
+  ``now``. A hint's expected return is a
   class of its own (``dated_key``: the date); a block no session names is valued by the
   pooled prior at its silence. The priors may be histograms (``Hist``: the tail as seen,
   which a log-normal thins: a tool call an hour late).

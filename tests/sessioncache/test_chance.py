@@ -155,6 +155,37 @@ def test_of_one_class_the_oldest_event_leaves_first(clock: ManualClock):
     assert [held(store, chains[sid]) for sid in "abc"] == [2, 4, 4]
 
 
+def test_of_one_class_a_return_still_ahead_keeps_the_chain_nearest_it(clock: ManualClock):
+    """Tool results come back ten seconds after the call: nine seconds on, a tool loop is
+    a second from its read, and one called a second ago is nine seconds from it. Of one
+    class, the density rises with silence until the return is due, so the newest event
+    leaves first there (and the oldest once the tail is heavy: the test above), whatever
+    other classes hold the tier too."""
+    soon = fit_hist([1.0] * 99, 100)
+    forecast = Forecast(
+        mode="chance",
+        # a finished turn and blocks no session names (the filler) are read again at once
+        priors={**priors(), "tool": fit_hist([10.0] * 99, 100), "stop": soon, POOLED: soon},
+        dead_branch_s=None,
+        stopping=True,
+    )
+    store = TieredStore(
+        [CpuTier(16 * SIZE)], EvictionPolicy(1, forecast), clock=clock, default_ttl_s=1e6
+    )
+    sm = SessionManager(store, pin_share=0.0)
+    chains = {"due": chain(1, 5), "called": chain(2, 5), "turn": chain(3, 2)}
+    for sid, tenant, finish, wait in (
+        ("due", "alice", "tool_use", 8.0),
+        ("called", "bob", "tool_use", 0.5),
+        ("turn", "carol", "end_turn", 0.5),
+    ):
+        sm.open(sid, tenant=tenant)
+        turn(sm, sid, chains[sid], tenant, finish)
+        clock.advance(wait)  # "due" called 9 s ago, "called" 1 s ago
+    fill(store, 4, 6)  # two blocks too many
+    assert [held(store, chains[sid]) for sid in ("due", "called", "turn")] == [5, 3, 2]
+
+
 def test_a_block_no_session_files_is_valued_by_the_pooled_gap(clock: ManualClock):
     store, sm = make(12, clock)
     sm.open("s", tenant="alice")
