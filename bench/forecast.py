@@ -258,6 +258,12 @@ it is next back (``StoreSim``'s ``hints="oracle"``): what exact return dates are
 reference a forecast is measured against beside Belady."""
 
 
+PREFETCH = "default prefetch"
+"""The default as a node runs it, its forecast prefetch on (``SESSIONCACHE_PREFETCH_FORECAST``,
+``StoreSim``'s ``prefetch="forecast"``): chains moved up into the first tier ahead of their
+sessions' forecast return. It changes which tier serves a hit more than whether one is."""
+
+
 PINS_FORECAST = "default pins=forecast"
 """The default with a session's pins released at a finish forecast back past the idle timeout
 (``SESSIONCACHE_PINS_FOLLOW_FORECAST=true``): a setting a node can run, chosen among the
@@ -272,12 +278,15 @@ def setting(name: str) -> dict[str, Any]:
         return dict(DEFAULT)
     if name == ORACLE_HINTS:
         return {**DEFAULT, "hints": "oracle"}
+    if name == PREFETCH:
+        return {**DEFAULT, "prefetch": "forecast"}
     if name == PINS_FORECAST:
         return {**DEFAULT, "pins_follow_forecast": True}
     options = grid()
     if name not in options:
         raise SystemExit(
-            f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {PINS_FORECAST!r}, "
+            f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {PREFETCH!r}, "
+            f"{PINS_FORECAST!r}, "
             f"{sorted(options)}"
         )
     return options[name]
@@ -285,7 +294,9 @@ def setting(name: str) -> dict[str, Any]:
 
 def make_forecast(options: Mapping[str, Any], priors: Priors | None) -> Forecast:
     options = {
-        k: v for k, v in options.items() if k not in ("hints", "hist") and k not in SESSION_OPTIONS
+        k: v
+        for k, v in options.items()
+        if k not in ("hints", "hist", "prefetch") and k not in SESSION_OPTIONS
     }
     if priors is None:
         return Forecast(**options)
@@ -358,6 +369,7 @@ def ours(
     load_cost: float,
     hints: str = "none",
     sessions: Mapping[str, Any] | None = None,
+    prefetch: str | None = None,
 ) -> PolicyResult:
     """The node's store and sessions (``sessions``: the manager's options) over ``trace``."""
     split = capacity_tiers(trace, frac, tiers)
@@ -371,6 +383,7 @@ def ours(
         trace=trace,
         hints=hints,
         session_options=sessions,
+        prefetch=prefetch,
     )
     return replay_one(trace, sim)
 
@@ -407,6 +420,7 @@ def run_job(job: Job) -> tuple[dict[str, Any], list[Cell]]:
             job.load_cost,
             options.get("hints", "none"),
             {k: v for k, v in options.items() if k in SESSION_OPTIONS},
+            options.get("prefetch"),
         )
         cells.append(
             Cell(

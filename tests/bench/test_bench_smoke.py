@@ -37,7 +37,7 @@ CASES: dict[str, tuple[list[str], str]] = {
             *("--trace", str(ROOT / "tests" / "fixtures" / "traces" / "agent-sessions")),
             *("--check-trace", str(ROOT / "tests" / "fixtures" / "traces" / "agent-sessions")),
             *("--cv", "--check", "--k", "3", "--fracs", "0.01,0.05", "--seeds", "0"),
-            *("--settings", "next_use q=0.7,value,default hints=oracle"),
+            *("--settings", "next_use q=0.7,value,default hints=oracle,default prefetch"),
         ],
         r"(?m)^ +\S+  default hints=oracle \(a reference: exact return dates\)\n"
         r"(?s:.*)^chosen: .*\n(?s:.*)^  worst fold beyond lru_tail_first: .*\n"
