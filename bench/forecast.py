@@ -286,8 +286,7 @@ def setting(name: str) -> dict[str, Any]:
     if name not in options:
         raise SystemExit(
             f"unknown setting {name!r}; settings are default, {ORACLE_HINTS!r}, {PREFETCH!r}, "
-            f"{PINS_FORECAST!r}, "
-            f"{sorted(options)}"
+            f"{PINS_FORECAST!r}, {sorted(options)}"
         )
     return options[name]
 

@@ -8,7 +8,7 @@ import base64
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -70,10 +70,19 @@ class Fleet:
     def connected(self, engine_id: str) -> dict[str, Any]:
         """Wait until the node has seen its socket connect (and so asked for the connect's
         replay, if any): what the engine publishes next comes after that replay's start."""
+        return self._status_once(engine_id, lambda out: out["connects"] >= 1)
+
+    def _status_once(
+        self,
+        engine_id: str,
+        done: Callable[[dict[str, Any]], bool],
+        client: httpx.Client | None = None,
+    ) -> dict[str, Any]:
+        """The engine's status once ``done`` says so (20 s at most)."""
         deadline = time.monotonic() + 20
         while True:
-            out: dict[str, Any] = self.client.get(f"/v1/engines/{engine_id}").json()
-            if out["connects"] >= 1:
+            out: dict[str, Any] = (client or self.client).get(f"/v1/engines/{engine_id}").json()
+            if done(out):
                 return out
             assert time.monotonic() < deadline, out
             time.sleep(0.02)
@@ -84,13 +93,9 @@ class Fleet:
         assert publisher is not None
         publisher.flush()
         want = publisher._seq - 1
-        deadline = time.monotonic() + 20
-        while True:
-            out: dict[str, Any] = (client or self.client).get(f"/v1/engines/{engine_id}").json()
-            if out["last_seq"] is not None and out["last_seq"] >= want:
-                return out
-            assert time.monotonic() < deadline, out
-            time.sleep(0.02)
+        return self._status_once(
+            engine_id, lambda out: out["last_seq"] is not None and out["last_seq"] >= want, client
+        )
 
     def close(self) -> None:
         for engine in self.engines.values():
