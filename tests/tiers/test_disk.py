@@ -500,7 +500,8 @@ def test_kill_9_keeps_every_acknowledged_put(root: Path) -> None:
                 pytest.fail(f"writer died: {proc.stderr.read() if proc.stderr else ''}")
             acked.append(line.strip())
         os.kill(proc.pid, signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=30)
+        rest = proc.stdout.read()  # with what its readline read ahead (``communicate`` skips it)
+        proc.wait(timeout=30)
         acked += [x.strip() for x in rest.splitlines() if x.strip()]
     finally:
         if proc.poll() is None:

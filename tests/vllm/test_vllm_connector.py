@@ -102,8 +102,13 @@ def engine_process(
 def results(
     process: subprocess.Popen[str], stdout: str, count: int, log: list[str] | None = None
 ) -> list[dict[str, Any]]:
-    """What the engine printed for each prompt (``log``: gets all it printed)."""
-    out, _ = process.communicate(timeout=400)
+    """What the engine printed for each prompt (``log``: gets all it printed). The rest of its
+    output is read through ``process.stdout``, where ``read_to_gate``'s lines came from: what
+    that file read ahead of its last line is in its buffer, which ``communicate`` with a
+    timeout would skip (it reads the pipe's descriptor). The test's timeout bounds the read."""
+    assert process.stdout is not None
+    out = process.stdout.read()
+    process.wait(timeout=60)
     text = stdout + out
     if log is not None:
         log.append(text)
