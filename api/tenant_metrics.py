@@ -126,7 +126,8 @@ class NamespaceCollector(Collector):
 
 
 class WriteBehindCollector(Collector):
-    """Per tenant: its blocks queued for the disk tier (with write-behind on)."""
+    """Per tenant: its blocks queued for the disk tier (with write-behind on), and the most
+    of other tenants' a durable store of its waited for (``WriteBehind.waited_behind``)."""
 
     def __init__(self, store: TieredStore) -> None:
         self._store = store
@@ -142,7 +143,15 @@ class WriteBehindCollector(Collector):
         )
         for tenant, n in sorted(behind.tenants.snapshot().items()):
             backlog.add_metric([tenant], n)
-        yield backlog
+        waited = GaugeMetricFamily(
+            "sessioncache_write_behind_durable_waited_bytes",
+            "The most bytes of other tenants' blocks one of a tenant's durable stores waited "
+            "for in the write-behind queue",
+            labels=["tenant"],
+        )
+        for tenant, n in sorted(behind.waited_behind().items()):
+            waited.add_metric([tenant], n)
+        yield from (backlog, waited)
 
 
 class EngineCollector(Collector):

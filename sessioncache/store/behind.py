@@ -18,7 +18,8 @@ about one batch slot (``batch_bytes / batch_blocks``) each: deficit round robin
 (``store.fair``). A batch holding a durable store's blocks ends after the last of them (an
 eighth of a batch at least), so a durable store waits for the batch being written, its own
 tenant's earlier blocks, and about one slot of each other busy tenant per block of its
-tenant's: never for another tenant's backlog.
+tenant's: never for another tenant's backlog. ``waited_behind`` says, per tenant, the most
+bytes of other tenants' blocks one of its durable stores waited for.
 
 What a crash loses: a block acknowledged as not durable is lost only if it was still queued
 (at most ``bound_bytes``); a durable one never (its answer waited for the sync).
@@ -124,6 +125,9 @@ class WriteBehind:
         self._above_since: float | None = None
         self.written = 0
         self.failed = 0
+        self._taken = 0  # bytes of the blocks taken out of the queue, written or not
+        self._taken_of: dict[str, int] = {}  # the same, per tenant
+        self._waited: dict[str, int] = {}  # (condition) ``waited_behind``
         self._unwritten: dict[BlockHash, BlockMeta] = {}
         """(condition) Blocks whose copies failed for want of room, held above only."""
         self._batch_bytes = batch_bytes
@@ -159,6 +163,7 @@ class WriteBehind:
             if self._closed:
                 ticket.done.set()
                 return ticket
+            ticket.others_before = self._taken - self._taken_of.get(tenant, 0)
             self._queue.push(tenant, _Queued(meta, ticket), meta.nbytes, urgent=durable)
             self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
             self._urgent += durable
@@ -195,6 +200,7 @@ class WriteBehind:
                 if self._closed:
                     ticket.done.set()
                     continue
+                ticket.others_before = self._taken - self._taken_of.get(tenant, 0)
                 self._queue.push(tenant, _Queued(meta, ticket), nbytes, urgent=durable)
                 self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
                 self._urgent += durable
@@ -216,6 +222,13 @@ class WriteBehind:
         """The most bytes ``tenant``'s blocks may hold in the queue: its share of the bound
         (at least one byte: a tenant's first block always enters an empty share)."""
         return max(1, int(self.bound_bytes * self._share(tenant)))
+
+    def waited_behind(self) -> dict[str, int]:
+        """Per tenant, the most bytes of other tenants' blocks the queue took out (wrote, or
+        found settled) between the submission of one of its durable stores' blocks and the
+        end of that block's batch: the batch under way, and the others' slots of its own."""
+        with self._cond:
+            return dict(self._waited)
 
     def queued(self, block_hash: BlockHash) -> bool:
         """Whether ``block_hash`` waits in the queue or in the batch being written."""
@@ -302,6 +315,13 @@ class WriteBehind:
                         self._urgent -= t.urgent
                         self._bytes -= t.nbytes
                         self.tenants.add(t.tenant, -t.nbytes)
+                        self._taken += t.nbytes
+                        self._taken_of[t.tenant] = self._taken_of.get(t.tenant, 0) + t.nbytes
+                    for queued in batch:
+                        t = queued.ticket
+                        if t.urgent:
+                            others = self._taken - self._taken_of[t.tenant] - t.others_before
+                            self._waited[t.tenant] = max(self._waited.get(t.tenant, 0), others)
                         t.done.set()
                     self._note_level()
                     self._cond.notify_all()

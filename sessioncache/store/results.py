@@ -36,6 +36,9 @@ class Ticket:
     """A durable store waits for it."""
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+    others_before: int = 0
+    """(urgent ones) The bytes of other tenants' blocks the queue had taken out when it was
+    queued (``WriteBehind.waited_behind``)."""
 
 
 class Match(NamedTuple):

@@ -211,6 +211,8 @@ def test_a_durable_store_waits_for_the_batch_being_written_not_another_tenants_b
     # blocks), not behind bob's other 127 blocks
     assert disk.written[:2] == [bob[:64], [alice[0], bob[64], alice[1], *bob[65:70]]]
     assert [h for group in disk.written[2:] for h in group] == bob[70:]
+    # what she waited for, counted: bob's batch under way and his 6 blocks in hers
+    assert wb.waited_behind() == {"alice": 70 * SIZE}
     store.close()
 
 
