@@ -141,9 +141,14 @@ def test_a_full_queue_stalls_the_tenant_flooding_it_not_the_other(tmp_path: Path
     wb = store.write_behind
     assert wb is not None and wb.tenants.get("alice") <= 4 * SIZE
     bob = chain(6, 3, Namespace("behind", 4, "u8", "other"))
-    started = time.monotonic()
-    store.writes.put(bob, [data(h) for h in bob], namespace_root=OTHER)  # within his share
-    assert time.monotonic() - started < 0.2
+    put = threading.Thread(
+        target=store.writes.put,
+        args=(bob, [data(h) for h in bob]),
+        kwargs={"namespace_root": OTHER},  # within his share
+    )
+    put.start()
+    put.join(10)
+    assert not put.is_alive()  # answered with the disk still stalled: never waited for it
     disk.gate.set()
     assert done.wait(10)
     assert wb.flush(10) and on_disk(store, alice) == [True] * 12
