@@ -163,7 +163,8 @@ class WriteBehind:
             if self._closed:
                 ticket.done.set()
                 return ticket
-            ticket.others_before = self._taken - self._taken_of.get(tenant, 0)
+            if durable:
+                ticket.others_before = self._taken - self._taken_of.get(tenant, 0)
             self._queue.push(tenant, _Queued(meta, ticket), meta.nbytes, urgent=durable)
             self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
             self._urgent += durable
@@ -200,7 +201,8 @@ class WriteBehind:
                 if self._closed:
                     ticket.done.set()
                     continue
-                ticket.others_before = self._taken - self._taken_of.get(tenant, 0)
+                if durable:
+                    ticket.others_before = self._taken - self._taken_of.get(tenant, 0)
                 self._queue.push(tenant, _Queued(meta, ticket), nbytes, urgent=durable)
                 self._queued[meta.block_hash] = self._queued.get(meta.block_hash, 0) + 1
                 self._urgent += durable
